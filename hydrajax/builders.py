@@ -1,0 +1,174 @@
+"""Builders of `SharingPlan`s: explicit prompt trees and token lists.
+
+Both lay the flat KV buffer out as: shared segments in depth-first order, then
+one private region of `private_capacity` tokens per row (page-aligned, one
+page per row).
+"""
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from hydrajax.layout import Segment, SharingPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptNode:
+  """A node of a Hydragen-style sharing tree with any fan-out per node.
+
+  Attributes:
+    length: tokens in this node's segment (0 is allowed: an empty segment).
+    children: child nodes; a node without children is a leaf.
+    num_samples: for a leaf, how many sequences (rows) continue from it.
+    label: a name for the rendering.
+  """
+
+  length: int
+  children: tuple['PromptNode', ...] = ()
+  num_samples: int = 1
+  label: str = ''
+
+  def __post_init__(self):
+    if self.length < 0:
+      raise ValueError(f'PromptNode.length must be >= 0, got {self.length}')
+    if self.num_samples < 1:
+      raise ValueError(f'PromptNode.num_samples must be >= 1, got {self.num_samples}')
+    if self.children and self.num_samples != 1:
+      raise ValueError('num_samples applies to leaves only; give inner nodes children instead')
+
+
+def _private_region(num_rows: int, first_token: int, capacity: int, lengths):
+  lengths = [lengths] * num_rows if np.isscalar(lengths) else list(lengths)
+  if len(lengths) != num_rows:
+    raise ValueError(f'private_lengths needs {num_rows} entries, got {len(lengths)}')
+  if any(not 0 <= n <= capacity for n in lengths):
+    raise ValueError(f'private_lengths must be in [0, private_capacity={capacity}], got {lengths}')
+  page = max(1, capacity)
+  first_page = -(-first_token // page)
+  pages = tuple((first_page + b,) for b in range(num_rows))
+  return page, pages, tuple(int(n) for n in lengths), (first_page + num_rows) * page
+
+
+def plan_tree(
+    roots: PromptNode | Sequence[PromptNode],
+    *,
+    private_capacity: int,
+    private_lengths: int | Sequence[int] = 0,
+) -> SharingPlan:
+  """Plans explicit levels, e.g. few-shot prompt -> problems -> samples.
+
+  Args:
+    roots: one tree, or a forest of independent trees (sharing groups).
+    private_capacity: tokens reserved per row for its own suffix (max new tokens).
+    private_lengths: valid private tokens per row now (an int for all rows).
+  """
+  roots = (roots,) if isinstance(roots, PromptNode) else tuple(roots)
+  if not roots:
+    raise ValueError('plan_tree needs at least one root')
+  segments: list[Segment] = []
+  next_token = 0
+  next_row = 0
+
+  def visit(node: PromptNode, parent: int, position: int) -> None:
+    nonlocal next_token, next_row
+    index = len(segments)
+    segments.append(None)  # placeholder: rows are known after the children
+    kv_start = next_token
+    next_token += node.length
+    row_begin = next_row
+    if node.children:
+      for child in node.children:
+        visit(child, index, position + node.length)
+    else:
+      next_row += node.num_samples
+    segments[index] = Segment(
+        kv_start, node.length, row_begin, next_row, parent, position, node.label or f'node{index}'
+    )
+
+  for root in roots:
+    visit(root, -1, 0)
+  page, pages, lengths, total = _private_region(next_row, next_token, private_capacity, private_lengths)
+  return SharingPlan(next_row, tuple(segments), page, pages, lengths, total)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenPlan:
+  """A plan found from token lists, with what a prefill needs.
+
+  Attributes:
+    plan: the sharing plan (rows in depth-first order).
+    order: order[row] is the index of the input sequence at that row.
+    segment_tokens: token ids of each shared segment.
+    private_tokens: per row, its unshared prompt tail (the start of its private KV).
+  """
+
+  plan: SharingPlan
+  order: tuple[int, ...]
+  segment_tokens: tuple[tuple[int, ...], ...]
+  private_tokens: tuple[tuple[int, ...], ...]
+
+
+def plan_from_tokens(sequences: Sequence[Sequence[int]], *, max_new_tokens: int = 0) -> TokenPlan:
+  """Finds shared prefixes by longest common prefix (a radix tree of the prompts).
+
+  A run of tokens common to two or more sequences becomes a shared segment; what
+  only one sequence holds is its private tail, followed by room for
+  `max_new_tokens` generated tokens.
+  """
+  seqs = [tuple(int(t) for t in s) for s in sequences]
+  if not seqs:
+    raise ValueError('plan_from_tokens needs at least one sequence')
+  if max_new_tokens < 0:
+    raise ValueError(f'max_new_tokens must be >= 0, got {max_new_tokens}')
+  segments: list[Segment] = []
+  segment_tokens: list[tuple[int, ...]] = []
+  order: list[int] = []
+  tails: list[tuple[int, ...]] = []
+  next_token = 0
+
+  def lcp(ids: list[int], depth: int) -> int:
+    first = seqs[ids[0]]
+    n = min(len(seqs[i]) for i in ids) - depth
+    for k in range(n):
+      if any(seqs[i][depth + k] != first[depth + k] for i in ids[1:]):
+        return k
+    return n
+
+  def visit(ids: list[int], depth: int, parent: int) -> None:
+    nonlocal next_token
+    if len(ids) == 1:
+      order.append(ids[0])
+      tails.append(seqs[ids[0]][depth:])
+      return
+    common = lcp(ids, depth)
+    index = parent
+    if common > 0:
+      index = len(segments)
+      segments.append(None)
+      segment_tokens.append(seqs[ids[0]][depth : depth + common])
+      kv_start, row_begin = next_token, len(order)
+      next_token += common
+    depth += common
+    done = [i for i in ids if len(seqs[i]) == depth]
+    by_next: dict[int, list[int]] = {}
+    for i in ids:
+      if len(seqs[i]) > depth:
+        by_next.setdefault(seqs[i][depth], []).append(i)
+    for i in done:  # identical sequences: all share the segment, nothing private
+      order.append(i)
+      tails.append(())
+    for token in sorted(by_next):
+      visit(by_next[token], depth, index)
+    if common > 0:
+      segments[index] = Segment(
+          kv_start, common, row_begin, len(order), parent, depth - common, f'lcp{index}'
+      )
+
+  visit(list(range(len(seqs))), 0, -1)
+  capacity = max(len(t) for t in tails) + max_new_tokens
+  page, pages, lengths, total = _private_region(
+      len(order), next_token, capacity, [len(t) for t in tails]
+  )
+  plan = SharingPlan(len(order), tuple(segments), page, pages, lengths, total)
+  return TokenPlan(plan, tuple(order), tuple(segment_tokens), tuple(tails))

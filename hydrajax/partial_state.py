@@ -1,0 +1,59 @@
+"""The partial attention state `(out, lse)` and its merge.
+
+A partial state is attention of some query rows over a subset of the keys:
+`out` is the softmax-weighted mean of the values over that subset, `lse` the
+natural-log sum of exp(scores) over it (float32). Attention over a union of
+disjoint key sets is the merge of their states:
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+An empty key set is `(0, -inf)`: merging it is a no-op, and merging two empty
+states gives `(0, -inf)`, never NaN. Golden case (worked by hand): one key with
+score 0 and value 1 gives (1, 0); a second with score log 3 and value 5 gives
+(5, log 3); the merge is lse = log 4, out = 1/4 * 1 + 3/4 * 5 = 4.
+"""
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class PartialState(NamedTuple):
+  out: jax.Array  # [..., H], any float dtype
+  lse: jax.Array  # [...], float32, natural log; -inf for an empty key set
+
+
+def empty_state(out_shape, dtype=jnp.float32) -> PartialState:
+  """The state of attention over no keys: (0, -inf)."""
+  return PartialState(
+      jnp.zeros(out_shape, dtype), jnp.full(out_shape[:-1], -jnp.inf, jnp.float32)
+  )
+
+
+def _weights(lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """exp(lse_i - max) per state (0 where empty) and the merged lse; axis 0 is the state axis."""
+  m = jnp.max(lses, axis=0)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty states
+  total = jnp.sum(w, axis=0)
+  lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  return w, total, lse
+
+
+def merge_many(states: Sequence[PartialState], out_dtype=None) -> PartialState:
+  """N-way merge of partial states over disjoint key sets (same shapes)."""
+  if not states:
+    raise ValueError('merge_many needs at least one state')
+  out_dtype = out_dtype or states[0].out.dtype
+  lses = jnp.stack([s.lse.astype(jnp.float32) for s in states])
+  outs = jnp.stack([s.out.astype(jnp.float32) for s in states])
+  w, total, lse = _weights(lses)
+  out = jnp.sum(w[..., None] * outs, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+  return PartialState(out.astype(out_dtype), lse)
+
+
+def merge(a: PartialState, b: PartialState, out_dtype=None) -> PartialState:
+  """2-way merge; see the module docstring."""
+  return merge_many([a, b], out_dtype)

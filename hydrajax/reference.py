@@ -1,0 +1,57 @@
+"""The naive oracle: softmax attention over each sequence's own concatenated KV.
+
+Ground truth for every other implementation. Row b attends its first
+`kv_lengths[b]` tokens; its T query tokens are the last T of them, so query
+token t sees tokens `< kv_lengths[b] - T + t + 1` (causal at the end).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from hydrajax.layout import SharingPlan
+from hydrajax.partial_state import PartialState
+
+
+def naive_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    kv_lengths: jax.Array,  # [B] int32
+    *,
+    scale: float | None = None,
+) -> PartialState:
+  """Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32); computes in float32."""
+  out_dtype = q.dtype
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  scale = h**-0.5 if scale is None else scale
+  qg = q.reshape(b, t, kh, n // kh, h)
+  s = jnp.einsum(
+      'btkgh,bskh->btkgs', qg, k, precision=jax.lax.Precision.HIGHEST
+  ) * scale
+  pos = jnp.arange(k.shape[1])
+  limit = kv_lengths[:, None] - t + jnp.arange(t)[None, :] + 1  # [B, T]
+  visible = pos[None, None, :] < jnp.minimum(limit, kv_lengths[:, None])[..., None]  # [B, T, S]
+  s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1)
+  o = jnp.einsum('btkgs,bskh->btkgh', p, v, precision=jax.lax.Precision.HIGHEST)
+  o = o / jnp.where(l > 0, l, 1.0)[..., None]
+  lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  return PartialState(o.reshape(b, t, n, h).astype(out_dtype), lse.reshape(b, t, n))
+
+
+def naive_tree_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    plan: SharingPlan,
+    *,
+    scale: float | None = None,
+) -> PartialState:
+  """The oracle over a sharing plan: materialises every row's own KV copy."""
+  indices, lengths = plan.row_token_indices()
+  return naive_attention(q, k_cache[indices], v_cache[indices], jnp.asarray(lengths), scale=scale)
