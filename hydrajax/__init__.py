@@ -3,6 +3,7 @@
 from hydrajax.builders import PromptNode, TokenPlan, plan_from_tokens, plan_tree
 from hydrajax.dispatch import AttentionImpl, resolve, tree_attention
 from hydrajax.layout import Segment, SegmentGroup, SharingPlan, TreeLayout, bucket_size
+from hydrajax.parallel import tree_attention_sharded
 from hydrajax.partial_state import PartialState, empty_state, merge, merge_many
 from hydrajax.reference import naive_attention, naive_tree_attention
 from hydrajax.render import render_plan
