@@ -1,0 +1,91 @@
+r"""Shared-prefix attention microbenchmark: hydrajax against its baselines, with the floor.
+
+The command for experiments/results/microbench/ (one H200, about 2-3 minutes; on
+the lent machine write to $OUT/microbench and copy the files back):
+
+  PYTHONPATH=. python3 -m experiments.microbench --grid=targets \
+      --workdir=experiments/results/microbench
+
+Defaults: the Hydragen figure-5 grid and the ChunkAttention table-3 grid
+(`--grid=hydragen,chunkattention`, long). `--grid=smoke` runs tiny float32
+shapes on CPU in seconds. `--impls` picks implementations (default: all; the
+ones that cannot run a point, e.g. PyTorch without CUDA, are recorded as
+unsupported with the reason). Writes, into --workdir: results.jsonl (one record
+per implementation and point, plus the measured ceilings), table.md, and plots.
+"""
+
+import os
+
+# PyTorch peers share the GPU with JAX: let JAX grow its pool instead of taking 75% at start.
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.7')
+
+from absl import app, flags, logging  # noqa: E402
+
+from experiments import baselines  # noqa: E402
+from hydrajax.benchmarking import report, roofline, sweep, workloads  # noqa: E402
+
+_GRID = flags.DEFINE_list('grid', ['hydragen', 'chunkattention'], f'grids: {sorted(workloads.GRIDS)}')
+_IMPLS = flags.DEFINE_list('impls', list(baselines.IMPLEMENTATIONS), 'implementations to run')
+_WORKDIR = flags.DEFINE_string('workdir', 'workdir/microbench', 'output folder')
+_MAX_COPY_GB = flags.DEFINE_float('max_copy_gb', 24.0, 'cap on per-sequence KV copies (K+V), GB')
+_PAGE_SIZE = flags.DEFINE_integer('page_size', 16, 'tokens per page of the paged baselines')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median reported)')
+_TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms')
+_ROWS_CHECKED = flags.DEFINE_integer('rows_checked', 8, 'rows compared with the oracle per point')
+_COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures bandwidth, GB')
+_MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the rate')
+_SEED = flags.DEFINE_integer('seed', 0, 'input seed')
+
+
+def main(argv):
+  del argv
+  unknown = [i for i in _IMPLS.value if i not in baselines.IMPLEMENTATIONS]
+  if unknown:
+    raise app.UsageError(f'unknown --impls {unknown}; expected from {list(baselines.IMPLEMENTATIONS)}')
+  shapes = workloads.grid(_GRID.value)
+  builders = {i: baselines.IMPLEMENTATIONS[i] for i in _IMPLS.value}
+  timing = dict(repeats=_REPEATS.value, target_s=_TARGET_MS.value * 1e-3)
+  options = baselines.Options(_MAX_COPY_GB.value * 1e9, _PAGE_SIZE.value, timing)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  path = os.path.join(_WORKDIR.value, 'results.jsonl')
+  if os.path.exists(path):
+    os.remove(path)
+  writer = report.JsonlWriter(path)
+
+  ceilings = roofline.measure_ceilings(int(_COPY_GB.value * 1e9), _MATMUL_SIZE.value, **timing)
+  if any(i.startswith('torch') for i in builders):
+    torch_bw = baselines.torch_copy_bandwidth()
+    if torch_bw is not None:
+      ceilings.details['torch_copy_bandwidth'] = torch_bw
+      ceilings = ceilings.with_copy_bandwidth(torch_bw, 'torch device-to-device copy')
+  writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
+                     matmul_rate=ceilings.matmul_rate, details=ceilings.details))
+  logging.info('ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
+               ceilings.matmul_rate / 1e12, ceilings.details)
+
+  records = []
+  bar = report.progress(range(len(shapes) * len(builders)), desc='microbench')
+  tick = lambda _: next(bar, None)
+  for shape in shapes:
+    logging.info('point %s (%s)', shape.name, shape.label)
+    point = sweep.run_point(shape, builders, options, ceilings, rows_checked=_ROWS_CHECKED.value,
+                            seed=_SEED.value, on_done=tick)
+    sweep.add_speedups(point, baselines.HYDRAJAX)
+    for r in point:
+      records.append(writer.append(r))
+      logging.info('  %-22s %-11s %s', r['impl'], r['status'],
+                   f'{r["time_us"]:.1f} us, {r["time_over_floor"]:.2f}x floor' if r['status'] == 'ok'
+                   else r.get('reason', r.get('rel_error', '')))
+    # Rewritten after every point, so a run cut short still leaves a table.
+    paths = sweep.summarize(records, _WORKDIR.value, impls=list(builders), ours=baselines.HYDRAJAX,
+                            ceilings=ceilings, title='Shared-prefix attention microbenchmark')
+  for _ in bar:
+    pass
+  with open(paths['table']) as f:
+    print(f.read())
+  logging.info('wrote %s and %s', path, ', '.join(paths.values()))
+
+
+if __name__ == '__main__':
+  app.run(main)

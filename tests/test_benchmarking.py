@@ -1,0 +1,219 @@
+"""Tests of hydrajax.benchmarking and the microbenchmark entry point (CPU, fast)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hydrajax
+from hydrajax.benchmarking import report, roofline, sweep, timing, workloads
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+def test_device_time_is_positive_and_grows_with_work():
+  a = jax.random.normal(jax.random.key(1), (128, 128), jnp.float32)
+  b = jax.random.normal(jax.random.key(2), (512, 512), jnp.float32)
+  small = timing.device_time(jnp.matmul, a, a, repeats=3, target_s=0.01)
+  big = timing.device_time(jnp.matmul, b, b, repeats=3, target_s=0.01)  # 64x the FLOPs
+  assert small.median_s > 0 and all(t > 0 for t in big.samples_s)
+  assert len(small.samples_s) == 3 and small.iterations >= 3
+  assert big.median_s > 4 * small.median_s
+
+
+def test_device_time_rejects_bad_arguments():
+  with pytest.raises(ValueError, match='repeats'):
+    timing.device_time(jnp.sin, jnp.ones(4), repeats=0)
+  with pytest.raises(ValueError, match='min_iters'):
+    timing.device_time(jnp.sin, jnp.ones(4), min_iters=5, max_iters=2)
+
+
+def test_host_time_is_positive():
+  x = jnp.ones((256, 256))
+  t = timing.host_time(lambda: x @ x, sync=jax.block_until_ready, repeats=5, warmup=1)
+  assert t.median_s > 0 and len(t.samples_s) == 5
+
+
+def test_floor_hand_worked():
+  # B=2 rows, P=4 shared, S=1 private, N=2 q heads, K=1 kv head, H=2, 2-byte dtype.
+  # One token's K and V: 2 * K * H * 2 = 8 bytes. Prefix once: 4 * 8 = 32; suffixes:
+  # 2 * 1 * 8 = 16; q and out: 2 * B * T * N * H * 2 = 32. Bytes = 80.
+  # FLOPs: 4 * B * N * H * (P + S) = 4 * 2 * 2 * 2 * 5 = 160.
+  cost = roofline.shared_prefix_cost(2, 4, 1, 2, 1, 2)
+  assert (cost.bytes, cost.flops) == (80.0, 160.0)
+  assert roofline.floor(80, 160, bandwidth=10, rate=40) == 8.0  # memory-bound: 80/10 > 160/40
+  assert roofline.floor(80, 160, bandwidth=100, rate=40) == 4.0  # compute-bound
+  # Per-sequence copies: each row reads its own 5 tokens: 2 * 5 * 8 + 32 = 112 bytes.
+  assert roofline.per_sequence_cost(2, 4, 1, 2, 1, 2).bytes == 112.0
+  # Causal suffix with T=2 query tokens, S=3: the tokens see 6 and 7 keys: 13 in all.
+  assert roofline.shared_prefix_cost(1, 4, 3, 1, 1, 1, query_len=2).flops == 4 * 13
+  ceilings = roofline.Ceilings(copy_bandwidth=10.0, matmul_rate=40.0)
+  assert cost.floor_s(ceilings) == 8.0
+  assert ceilings.with_copy_bandwidth(20.0, 'torch').copy_bandwidth == 20.0
+  assert ceilings.with_copy_bandwidth(5.0, 'torch').copy_bandwidth == 10.0
+
+
+@pytest.mark.parametrize('args, match', [
+    ((80, 160, 0, 40), 'bandwidth'),
+    ((-1, 160, 10, 40), 'bytes'),
+])
+def test_floor_rejects_bad_input(args, match):
+  with pytest.raises(ValueError, match=match):
+    roofline.floor(*args)
+
+
+def test_cost_rejects_bad_heads_and_query_len():
+  with pytest.raises(ValueError, match='num_q_heads'):
+    roofline.shared_prefix_cost(1, 4, 1, 3, 2, 8)
+  with pytest.raises(ValueError, match='query_len'):
+    roofline.shared_prefix_cost(1, 4, 1, 2, 1, 8, query_len=2)
+
+
+def test_measure_ceilings_small():
+  c = roofline.measure_ceilings(copy_bytes=2**24, matmul_size=256, repeats=3, target_s=0.01)
+  assert c.copy_bandwidth > 0 and c.matmul_rate > 0
+  assert set(c.details['copy_bandwidth_by_variant']) == {'uint32 x+1', 'bf16 x*2'}
+
+
+@pytest.mark.parametrize('shape', [
+    workloads.Shape(3, 40, 1, 4, 2, head_dim=16, dtype='float32'),
+    workloads.Shape(2, 0, 5, 4, 1, head_dim=8, query_len=3, dtype='float32'),  # nothing shared
+], ids=['gqa_prefix=40', 'mqa_prefix=0_query_len=3'])
+def test_problem_oracle_matches_tree_attention(shape):
+  problem = workloads.make_problem(shape, seed=3)
+  rows = workloads.check_rows(shape.batch, 2)
+  expected = problem.oracle(rows)
+  got = hydrajax.tree_attention_xla(problem.q, problem.k_cache, problem.v_cache, problem.layout)
+  np.testing.assert_allclose(got.out[np.asarray(rows)], expected.out, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got.lse[np.asarray(rows)], expected.lse, rtol=1e-5, atol=1e-5)
+
+
+def test_per_sequence_kv_padding_and_halves():
+  shape = workloads.Shape(3, 8, 2, 2, 1, head_dim=4, dtype='float32')
+  problem = workloads.make_problem(shape, seed=4)
+  k, v = problem.per_sequence_kv(pad_to=4)
+  assert k.shape == (3, 12, 1, 4)
+  pk, _ = problem.prefix_kv()
+  sk, sv = problem.suffix_kv()
+  np.testing.assert_array_equal(k[1, :8], pk)
+  np.testing.assert_array_equal(k[1, 8:10], sk[1])
+  np.testing.assert_array_equal(v[2, 8:10], sv[2])
+  np.testing.assert_array_equal(k[0, 10:], np.broadcast_to(problem.k_cache[0], (2, 1, 4)))
+
+
+def test_grids():
+  assert [s.batch for s in workloads.grid(['smoke'])] == [4, 8, 8, 8]
+  targets = workloads.grid(['targets'])
+  assert any((s.batch, s.prefix, s.heads) == (1024, 32 * 1024, '8/1') for s in targets)
+  chunk = workloads.grid(['chunkattention'])
+  assert {(s.prefix, s.suffix) for s in chunk if s.label == 'chunkattention 75%'} == {
+      (768, 257), (1536, 513), (3072, 1025)}
+  both = workloads.grid(['targets', 'targets'])
+  assert len(both) == len(targets)  # duplicates dropped
+  with pytest.raises(ValueError, match='unknown grid'):
+    workloads.grid(['nope'])
+
+
+def test_jsonl_markdown_and_plots(tmp_path):
+  path = str(tmp_path / 'out' / 'r.jsonl')
+  writer = report.JsonlWriter(path)
+  recs = [dict(impl=i, batch=b, prefix=64, time_us=float(b * (i + 1)), extra=float('inf'))
+          for i in range(2) for b in (1, 2, 4)]
+  for r in recs:
+    writer.append(r)
+  with open(path) as f:
+    lines = [json.loads(line) for line in f]  # every line is valid JSON
+  assert len(lines) == 6 and lines[0]['extra'] == 'inf'
+  assert lines[0]['meta']['backend'] == jax.default_backend()
+  assert lines[0]['meta']['jax_version'] == jax.__version__
+  assert 'timestamp' in lines[0] and lines[0]['meta']['command']
+  assert report.read_jsonl(path)[3]['time_us'] == 2.0
+
+  table = report.markdown_table(lines[:2], [('impl', 'impl'), ('µs', 'time_us'), ('x2', lambda r: 2 * r['batch'])])
+  assert table.splitlines() == ['| impl | µs | x2 |', '|---|---|---|', '| 0 | 1 | 2 |', '| 0 | 2 | 4 |']
+
+  png = str(tmp_path / 'sweep.png')
+  assert report.plot_sweeps(lines, x='batch', y='time_us', series='impl', fixed=('prefix',), path=png)
+  with open(png, 'rb') as f:
+    assert f.read(8) == PNG_MAGIC
+  assert not report.plot_sweeps(lines[:1], x='batch', y='time_us', series='impl', fixed=(),
+                                path=str(tmp_path / 'none.png'))
+  assert not os.path.exists(tmp_path / 'none.png')
+  bars = str(tmp_path / 'bars.png')
+  report.plot_bars(['a', 'b'], {'x': [1.0, None], 'y': [2.0, 3.0]}, path=bars, ylabel='t', hline=1.0)
+  with open(bars, 'rb') as f:
+    assert f.read(8) == PNG_MAGIC
+
+
+def test_run_point_reports_wrong_without_timing():
+  shape = workloads.Shape(4, 16, 1, 2, 1, head_dim=8, dtype='float32')
+
+  def never_timed():
+    raise AssertionError('a wrong implementation must not be timed')
+
+  def wrong(problem, options):
+    out = np.zeros(problem.q.shape, np.float32)
+    return sweep.Candidate(run=lambda: out, time=never_timed)
+
+  def right(problem, options):
+    fn = lambda: np.asarray(hydrajax.tree_attention_xla(
+        problem.q, problem.k_cache, problem.v_cache, problem.layout).out, np.float32)
+    t = timing.Timing(1e-5, (1e-5,), 1, 'fake', 0)
+    return sweep.Candidate(run=fn, time=lambda: t)
+
+  def missing(problem, options):
+    raise sweep.Unsupported('not here')
+
+  def broken(problem, options):
+    raise RuntimeError('boom')
+
+  ceilings = roofline.Ceilings(1e9, 1e9)
+  records = sweep.run_point(shape, dict(wrong=wrong, right=right, missing=missing, broken=broken),
+                            None, ceilings)
+  by = {r['impl']: r for r in records}
+  assert by['wrong']['status'] == 'wrong' and by['wrong']['rel_error'] > 0.5 and 'time_us' not in by['wrong']
+  assert by['right']['status'] == 'ok' and by['right']['rel_error'] < 1e-5
+  assert by['right']['time_us'] == pytest.approx(10.0)
+  floor_us = max(shape.shared_cost().bytes, shape.shared_cost().flops) / 1e9 * 1e6
+  assert by['right']['floor_us'] == pytest.approx(floor_us)
+  assert by['right']['time_over_floor'] == pytest.approx(10.0 / floor_us)
+  assert (by['missing']['status'], by['missing']['reason']) == ('unsupported', 'not here')
+  assert by['broken']['status'] == 'failed' and 'boom' in by['broken']['reason']
+  records.append(dict(records[1], impl='slow', time_us=40.0))
+  sweep.add_speedups(records, ours=('right',))
+  assert by['right']['speedup_vs_slow'] == pytest.approx(4.0)
+
+
+def test_relative_error_flags_nan():
+  assert sweep.relative_error(np.array([np.nan, 1.0]), np.ones(2)) == float('inf')
+  assert sweep.relative_error(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0
+
+
+def test_microbench_smoke_end_to_end(tmp_path):
+  workdir = tmp_path / 'mb'
+  cmd = [sys.executable, '-m', 'experiments.microbench', '--grid=smoke', f'--workdir={workdir}',
+         '--impls=xla_tree,paged_jnp,mosaic_gpu', '--repeats=1', '--target_ms=1',
+         '--copy_gb=0.016', '--matmul_size=256']
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  records = report.read_jsonl(str(workdir / 'results.jsonl'))
+  assert records[0]['kind'] == 'ceilings' and records[0]['copy_bandwidth'] > 0
+  points = [r for r in records if r['kind'] == 'point']
+  assert len(points) == 4 * 3
+  ok = [r for r in points if r['status'] == 'ok']
+  assert {r['impl'] for r in ok} == {'xla_tree', 'paged_jnp'}
+  # Checked against the oracle; times on a loaded CPU can be noise, so only their presence counts.
+  assert all(r['rel_error'] < 2e-3 and np.isfinite(r['time_us']) and r['floor_us'] > 0 for r in ok)
+  assert {r['status'] for r in points if r['impl'] == 'mosaic_gpu'} == {'unsupported'}  # no GPU here
+  assert any('speedup_vs_paged_jnp' in r for r in ok if r['impl'] == 'xla_tree')
+  table = (workdir / 'table.md').read_text()
+  assert '| B=8 P=64 S=5 heads=4/4 |' in table and 'experiments.microbench' in table
+  for png in ('time_vs_batch.png', 'time_over_floor.png', 'speedup.png'):
+    assert (workdir / png).read_bytes()[:8] == PNG_MAGIC
