@@ -1,0 +1,344 @@
+r"""Serving benchmark: the continuous-batching engine with and without prefix sharing.
+
+Requests arrive as a Poisson process at a sweep of rates. Each prompt is
+`prompt_len` tokens whose first `shared_frac` are one of several system
+prompts (the rest unique); each asks for `--new_tokens` tokens. Per point:
+normalized latency (end-to-end latency / output tokens, queueing included),
+throughput, peak KV memory, host overhead per decode step. The same engine
+with `share_prefixes=False` is the baseline.
+
+The H200 run of experiments/results/serving/ (Llama-2-7B shape, random bf16
+weights, a reduced sweep; about 2 minutes; on the lent machine $OUT/serving):
+
+  PYTHONPATH=. python3 -m experiments.serving --model=llama2_7b --prompt_lens=2048 \
+      --shared_fracs=1.0 --rates=16,64,4 --num_requests=32 --new_tokens=128 --kv_gib=32 \
+      --impl=xla --attention_bench --bench_impls=xla,auto --deadline_s=90 \
+      --workdir=experiments/results/serving
+
+The full sweep of the issue: `--prompt_lens=1024,2048,4096 --shared_fracs=0,0.5,1
+--new_tokens=512` (long). `--smoke` runs a tiny model on CPU in under a minute.
+Writes results.jsonl, table.md and plots into --workdir.
+"""
+
+import dataclasses
+import gc
+import os
+import time
+
+from absl import app, flags, logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import hydrajax as hj
+from hydrajax.benchmarking import report, timing
+from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
+from hydrajax.layout import TreeLayout
+from models.config import get_config
+from models.engine import Engine, EngineConfig, SamplingParams
+from models.llama import Llama
+
+_MODEL = flags.DEFINE_string('model', 'llama2_7b', 'model preset (random weights)')
+_PROMPT_LENS = flags.DEFINE_list('prompt_lens', ['1024', '2048', '4096'], 'prompt lengths')
+_SHARED = flags.DEFINE_list('shared_fracs', ['0', '0.5', '1'], 'shared fraction of each prompt')
+_RATES = flags.DEFINE_list('rates', ['2', '4', '8', '16', '32'], 'request rates, requests/s')
+_SHARING = flags.DEFINE_list('sharing', ['on', 'off'], 'engines: prefix sharing on / off')
+_NUM_REQUESTS = flags.DEFINE_integer('num_requests', 64, 'requests per point')
+_NEW_TOKENS = flags.DEFINE_integer('new_tokens', 512, 'tokens generated per request')
+_SYSTEM_PROMPTS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
+_KV_GIB = flags.DEFINE_float('kv_gib', 32.0, 'KV pool size of each engine, GiB')
+_CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
+_MAX_BATCH = flags.DEFINE_integer('max_batch', 64, 'most live sequences (the decode batch)')
+_KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
+_MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of a layout')
+_MIN_PAGES = flags.DEFINE_integer('min_private_pages', 4, 'smallest private page-table width')
+_IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
+_LATENCY_BOUND = flags.DEFINE_float('latency_bound_ms', 100.0, 'normalized latency bound, ms/token')
+_DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'stop starting points after this many seconds')
+_BENCH_IMPLS = flags.DEFINE_list('bench_impls', ['xla', 'auto'],
+                                 'implementations of --attention_bench')
+_ATTENTION_BENCH = flags.DEFINE_boolean('attention_bench', False,
+                                        'also time attention over the pool at batch 32, 4K shared')
+_SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
+_WORKDIR = flags.DEFINE_string('workdir', 'workdir/serving', 'output folder')
+_SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """Prompts and Poisson arrival times (seconds from the start)."""
+
+  prompts: tuple[tuple[int, ...], ...]
+  arrivals: tuple[float, ...]
+
+
+def make_workload(*, num_requests: int, prompt_len: int, shared_frac: float, rate: float,
+                  system_prompts: int, vocab: int, seed: int) -> Workload:
+  rng = np.random.default_rng(seed)
+  shared = int(round(prompt_len * shared_frac))
+  systems = rng.integers(0, vocab, (system_prompts, max(shared, 1)))
+  prompts = []
+  for i in range(num_requests):
+    head = systems[i % system_prompts, :shared].tolist()
+    prompts.append(tuple(head + rng.integers(0, vocab, prompt_len - shared).tolist()))
+  arrivals = np.cumsum(rng.exponential(1.0 / rate, num_requests))
+  return Workload(tuple(prompts), tuple(float(a) for a in arrivals))
+
+
+def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadline_s: float) -> dict:
+  """Replays the arrivals in real time; returns the point's metrics."""
+  start = engine.clock()
+  ids, i, n = [], 0, len(workload.prompts)
+  timed_out = False
+  while i < n or engine.has_work:
+    now = engine.clock() - start
+    if now > deadline_s:
+      timed_out = True
+      break
+    while i < n and workload.arrivals[i] <= now:
+      ids.append(engine.submit(workload.prompts[i], params, arrival=start + workload.arrivals[i]))
+      i += 1
+    if engine.has_work:
+      engine.step()
+    elif i < n:
+      time.sleep(max(0.0, workload.arrivals[i] - (engine.clock() - start)))
+  reqs = [engine.requests[r] for r in ids if engine.requests[r].state == 'done']
+  norm = np.array([(r.finished - r.arrival) / len(r.output) for r in reqs]) * 1e3
+  ttft = np.array([r.first_token - r.arrival for r in reqs])
+  end = max((r.finished for r in reqs), default=start)
+  tokens = sum(len(r.output) for r in reqs)
+  stats = engine.stats.summary()
+  return dict(
+      completed=len(reqs), timed_out=timed_out,
+      mean_norm_latency_ms=float(norm.mean()) if reqs else None,
+      p50_norm_latency_ms=float(np.median(norm)) if reqs else None,
+      p90_norm_latency_ms=float(np.percentile(norm, 90)) if reqs else None,
+      mean_ttft_s=float(ttft.mean()) if reqs else None,
+      makespan_s=end - start,
+      throughput_tok_s=tokens / max(end - start, 1e-9),
+      request_throughput=len(reqs) / max(end - start, 1e-9),
+      peak_kv_gb=stats['peak_chunks'] * engine.config.chunk_size * engine.kv_bytes_per_token / 1e9,
+      mean_batch=stats['decode_rows'] / max(stats['decode_steps'], 1),
+      mean_shared_tokens=float(np.mean([r.shared_tokens for r in reqs])) if reqs else None,
+      **{k: stats[k] for k in ('host_overhead_fraction', 'mean_decode_step_ms',
+                               'mean_decode_host_ms', 'decode_steps', 'prefill_tokens',
+                               'prefill_calls', 'peak_rows', 'distinct_step_shapes')},
+  )
+
+
+def warm_up(engine: Engine, prompt_len: int, shared_frac: float, vocab: int) -> None:
+  """Compiles the point's shapes (a first and a sharing request, decode), then resets stats."""
+  shared = int(round(prompt_len * shared_frac))
+  rng = np.random.default_rng(12345)
+  system = rng.integers(0, vocab, shared).tolist()
+  for _ in range(2):
+    engine.submit(system + rng.integers(0, vocab, prompt_len - shared).tolist(),
+                  SamplingParams(max_new_tokens=4))  # the first is live when the second shares
+  engine.run()
+  engine.stats = type(engine.stats)()
+  engine.requests.clear()
+
+
+def resolved_impl(engine: Engine, impl: str) -> str:
+  """Which attention implementation the engine's decode steps run (AUTO resolved)."""
+  cfg = engine.model.config
+  b = engine.config.decode_rows(max(engine.cache.num_rows, 1))
+  q = jax.ShapeDtypeStruct((b, 1, cfg.num_heads, cfg.head_dim), engine.kv.k.dtype)
+  kv = jax.ShapeDtypeStruct(engine.kv.k.shape[1:], engine.kv.k.dtype)
+  chosen, _ = hj.resolve(impl, q, kv, kv, engine.cache.device_layout(num_rows=b))
+  return chosen.value
+
+
+def attention_bench(config, impls: list[str], writer) -> list[dict]:
+  """Attention over the chunk pool, batch 32, a 4K prompt shared by all vs not shared."""
+  b, prompt, chunk = 32, 4096, 64
+  generated = 33  # private tokens after the prompt (non-multiple of the chunk)
+  kh, n, h = config.num_kv_heads, config.num_heads, config.head_dim
+  records = []
+  key = jax.random.key(7)
+  for share in (True, False):
+    cache = ChunkCache(ChunkCacheConfig(
+        num_chunks=b * (prompt // chunk + 2) + 8, chunk_size=chunk,
+        max_sequence_length=prompt + 128, max_sequences=b, share_prefixes=share,
+        layout=LayoutPolicy(kv_piece=_KV_PIECE.value)))
+    tokens = list(range(prompt))
+    for _ in range(b):
+      cache.commit(cache.insert(tokens, reserve_tokens=64).seq_id)
+    for _ in range(generated):
+      cache.append(np.arange(b))
+    layouts = {'two_phase' if share else 'no_sharing': cache.device_layout()}
+    if share:  # PagedAttention with physically shared pages: every row pages over all its chunks
+      pages = np.zeros((b, cache.config.max_pages), np.int32)
+      for r, sid in enumerate(cache.rows):
+        ch = cache.chunks(sid)
+        pages[r, : len(ch)] = ch
+      layouts['paged_shared_pages'] = TreeLayout((), jnp.asarray(pages),
+                                                 jnp.asarray(cache.lengths().astype(np.int32)),
+                                                 chunk, b)
+    kk, kv, kq, key = jax.random.split(key, 4)
+    length = cache.config.kv_tokens
+    k = jax.random.normal(kk, (length, kh, h), jnp.bfloat16)
+    v = jax.random.normal(kv, (length, kh, h), jnp.bfloat16)
+    q = jax.random.normal(kq, (b, 1, n, h), jnp.bfloat16)
+    expected = np.asarray(hj.naive_tree_attention(q, k, v, cache.plan()).out, np.float32)
+    for name, layout in layouts.items():
+      timed = set()
+      for want in impls:
+        try:
+          chosen, _ = hj.resolve(want, q, k, v, layout)
+          if chosen in timed:
+            continue
+          timed.add(chosen)
+          fn = jax.jit(lambda q, k, v, lay, w=want: hj.tree_attention(q, k, v, lay, impl=w).out)
+          out = np.asarray(fn(q, k, v, layout), np.float32)
+          err = float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
+          t = timing.device_time(fn, q, k, v, layout, repeats=3, target_s=0.01)
+          rec = dict(kind='attention', variant=name, impl=want, resolved=chosen.value, batch=b,
+                     prompt=prompt, private=generated, time_us=t.median_us, spread=t.spread,
+                     rel_err_vs_oracle=err)
+        except Exception as e:  # recorded, not fatal: the sweep still runs
+          rec = dict(kind='attention', variant=name, impl=want, error=f'{type(e).__name__}: {e}')
+        logging.info('%s', rec)
+        writer.append(rec)
+        records.append(rec)
+  return records
+
+
+def main(argv):
+  del argv
+  if _SMOKE.value:
+    model_name, lens, fracs, rates = 'tiny_gqa', [64], [1.0], [50.0, 400.0]
+    num_requests, new_tokens, chunk, max_batch, kv_piece = 8, 8, 16, 8, 32
+    num_chunks = 96
+  else:
+    model_name = _MODEL.value
+    lens = [int(x) for x in _PROMPT_LENS.value]
+    fracs = [float(x) for x in _SHARED.value]
+    rates = [float(x) for x in _RATES.value]
+    num_requests, new_tokens, chunk = _NUM_REQUESTS.value, _NEW_TOKENS.value, _CHUNK.value
+    max_batch, kv_piece, num_chunks = _MAX_BATCH.value, _KV_PIECE.value, None
+  config = get_config(model_name)
+  dtype = jnp.float32 if _SMOKE.value else jnp.bfloat16
+  t0 = time.perf_counter()
+  model = Llama(config, rngs=nnx.Rngs(0), dtype=dtype)
+  jax.block_until_ready(nnx.state(model))
+  logging.info('model %s ready in %.1fs', model_name, time.perf_counter() - t0)
+  if num_chunks is None:
+    num_chunks = int(_KV_GIB.value * 2**30 // (chunk * config.kv_bytes_per_token(2)))
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  path = os.path.join(_WORKDIR.value, 'results.jsonl')
+  if os.path.exists(path):
+    os.remove(path)
+  writer = report.JsonlWriter(path)
+  start = time.perf_counter()
+  records = []
+  params = SamplingParams(max_new_tokens=new_tokens)
+  for prompt_len in lens:
+    for frac in fracs:
+      if time.perf_counter() - start > _DEADLINE.value:
+        break
+      engines = {}
+      for sharing in _SHARING.value:  # both engines live at once: every rate gets both
+        # Without sharing, memory bounds the batch: pad decode steps to that, not to max_batch.
+        per_request = -(-(prompt_len + new_tokens) // chunk)
+        batch = max_batch if sharing == 'on' else max(1, min(max_batch, num_chunks // per_request))
+        engine = Engine(model, EngineConfig(
+            num_chunks=num_chunks, chunk_size=chunk, max_batch=batch,
+            max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing == 'on',
+            max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
+            decode_buckets=(batch,), impl=_IMPL.value, prefill_impl=_IMPL.value,
+            layout=LayoutPolicy(kv_piece=kv_piece, min_segments=_MIN_SEGMENTS.value,
+                                fixed_shapes=True, min_private_pages=_MIN_PAGES.value),
+        ))
+        tw = time.perf_counter()
+        warm_up(engine, prompt_len, frac, config.vocab_size)
+        engines[sharing] = (engine, time.perf_counter() - tw, resolved_impl(engine, _IMPL.value))
+        logging.info('engine sharing=%s ready (warm-up %.1fs)', sharing, engines[sharing][1])
+      for rate in rates:
+        for sharing, (engine, warm_s, impl_used) in engines.items():
+          left = _DEADLINE.value - (time.perf_counter() - start)
+          if left <= 0:
+            break
+          workload = make_workload(
+              num_requests=num_requests, prompt_len=prompt_len, shared_frac=frac, rate=rate,
+              system_prompts=_SYSTEM_PROMPTS.value, vocab=config.vocab_size, seed=_SEED.value)
+          engine.stats = type(engine.stats)()
+          engine.requests.clear()
+          metrics = serve(engine, workload, params, deadline_s=left)
+          rec = dict(kind='serving', model=model_name, sharing=sharing, prompt_len=prompt_len,
+                     shared_frac=frac, rate=rate, num_requests=num_requests,
+                     new_tokens=new_tokens, chunk_size=chunk, max_batch=engine.config.max_batch,
+                     kv_pool_gb=num_chunks * chunk * config.kv_bytes_per_token(2) / 1e9,
+                     system_prompts=_SYSTEM_PROMPTS.value, impl=_IMPL.value,
+                     resolved_impl=impl_used, warmup_s=warm_s, **metrics)
+          writer.append(rec)
+          records.append(rec)
+          logging.info(
+              'sharing=%s P=%d f=%.2f rate=%g: %.1f ms/token, %.0f tok/s, peak KV %.2f GB, '
+              'batch %.1f, step %.1f ms, host %.1f%%', sharing, prompt_len, frac, rate,
+              rec['mean_norm_latency_ms'] or -1, rec['throughput_tok_s'], rec['peak_kv_gb'],
+              rec['mean_batch'], rec['mean_decode_step_ms'], 100 * rec['host_overhead_fraction'])
+      engines.clear()
+      gc.collect()
+  summarize(records, _LATENCY_BOUND.value, _WORKDIR.value)
+  if _ATTENTION_BENCH.value:  # last: a kernel failure cannot cost the sweep's results
+    del model
+    gc.collect()
+    bench = attention_bench(config, _BENCH_IMPLS.value, writer)
+    text = ('\n## Attention over the chunk pool: batch 32, 4K prompt shared by all, '
+            '33 private tokens\n\n'
+            + report.markdown_table(bench, [
+                ('variant', 'variant'), ('impl', 'impl'), ('ran', 'resolved'),
+                ('time us', 'time_us'), ('spread', 'spread'), ('rel err', 'rel_err_vs_oracle'),
+                ('error', lambda r: (r.get('error') or '')[:120])]))
+    with open(os.path.join(_WORKDIR.value, 'table.md'), 'a') as f:
+      f.write(text)
+    print(text)
+
+
+def summarize(records: list[dict], bound_ms: float, workdir: str) -> None:
+  """table.md (every point + throughput at the latency bound) and the plots."""
+  columns = [('sharing', 'sharing'), ('P', 'prompt_len'), ('shared', 'shared_frac'),
+             ('rate req/s', 'rate'), ('done', 'completed'),
+             ('ms/token mean', 'mean_norm_latency_ms'), ('p90', 'p90_norm_latency_ms'),
+             ('TTFT s', 'mean_ttft_s'), ('tok/s', 'throughput_tok_s'), ('batch', 'mean_batch'),
+             ('peak KV GB', 'peak_kv_gb'), ('step ms', 'mean_decode_step_ms'),
+             ('host ms', 'mean_decode_host_ms'),
+             ('host %', lambda r: 100 * r['host_overhead_fraction']),
+             ('attention', 'resolved_impl')]
+  text = '# Serving sweep\n\n' + report.markdown_table(records, columns)
+  best = []
+  for key in sorted({(r['prompt_len'], r['shared_frac']) for r in records}):
+    row = dict(prompt_len=key[0], shared_frac=key[1])
+    for sharing in ('on', 'off'):
+      ok = [r for r in records if (r['prompt_len'], r['shared_frac']) == key
+            and r['sharing'] == sharing and r['mean_norm_latency_ms'] is not None
+            and r['mean_norm_latency_ms'] <= bound_ms and not r['timed_out']]
+      top = max(ok, key=lambda r: r['rate'], default=None)
+      row[f'rate_{sharing}'] = top['rate'] if top else None
+      row[f'tok_s_{sharing}'] = top['throughput_tok_s'] if top else None
+      peaks = [r['peak_kv_gb'] for r in records if (r['prompt_len'], r['shared_frac']) == key
+               and r['sharing'] == sharing]
+      row[f'peak_kv_{sharing}'] = max(peaks) if peaks else None
+    best.append(row)
+  text += (f'\n## Highest swept rate with mean normalized latency <= {bound_ms:g} ms/token\n\n'
+           + report.markdown_table(best, [
+               ('P', 'prompt_len'), ('shared', 'shared_frac'), ('rate on', 'rate_on'),
+               ('rate off', 'rate_off'), ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
+               ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off')]))
+  with open(os.path.join(workdir, 'table.md'), 'w') as f:
+    f.write(text)
+  print(text)
+  report.plot_sweeps(records, x='rate', y='mean_norm_latency_ms', series='sharing',
+                     fixed=['prompt_len', 'shared_frac'], ylabel='ms per output token',
+                     path=os.path.join(workdir, 'latency.png'),
+                     title='Normalized latency vs request rate')
+  report.plot_sweeps(records, x='rate', y='peak_kv_gb', series='sharing',
+                     fixed=['prompt_len', 'shared_frac'], ylabel='peak KV GB',
+                     path=os.path.join(workdir, 'kv_memory.png'), title='Peak KV memory')
+
+
+if __name__ == '__main__':
+  app.run(main)

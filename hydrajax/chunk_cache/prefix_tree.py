@@ -1,0 +1,796 @@
+"""The prefix-aware chunked KV cache (ChunkAttention's PAKV) on hydrajax layouts.
+
+Storage: a pool of `num_chunks` chunks of C tokens, allocated once on the
+device as the flat KV buffer `[L = num_chunks * C, K, H]` of every layer
+(chunk i = tokens `[i * C, (i + 1) * C)`). This module is the host side: a
+prefix tree over token ids whose nodes are chunks, and the live sequences.
+
+Tree. Node = one chunk at a chunk-aligned depth d: it holds the sequence's
+tokens `[d * C, d * C + fill)`. A sequence is a root-to-node path. Sharing is
+by whole chunks:
+
+* A *full* chunk (C tokens) is shared by every sequence whose tokens at those
+  positions are identical (reference count = its holders).
+* A *partial* chunk (fewer than C tokens, a sequence's growing tail) is never
+  shared: only its one holder appends to it.
+* Copy on write, for what cannot be shared: when a new prompt matches only the
+  first m < C tokens of a chunk (it diverges inside a full chunk, or it matches
+  another sequence's partial tail), and when `fork` gives each sample its own
+  copy of a partial tail, the m tokens' KV are *copied* into a fresh chunk of
+  the new sequence (`copy_src` -> `copy_dst` slots; the caller runs
+  `pool.copy_slots` before the next model step) and are not recomputed.
+* At least the last prompt token is always prefilled (its logits give the
+  first new token): a prompt that matches full chunks to its very end shares
+  all but the last chunk and copies C - 1 tokens of that one.
+
+Rows. Live sequences are kept in depth-first order of the tree (children in
+list order, then the sequences whose tail is the node), so every chunk's
+holders are a contiguous row range. A new chunk made by `append` is added as
+the last child of the old tail, which keeps every row where it was: appends
+never reorder rows. `insert`, `fork` and `remove` change the structure (a new
+`structure_version`); appends change only lengths and, when a chunk fills up,
+one row's page table (`pages_version`).
+
+Plan. Along a row's path, chunks with two or more holders come first (holder
+sets only shrink towards the leaves) and form its shared segments: maximal
+runs of chunks with identical holders that are physically contiguous in the
+pool (a run is split where the next chunk is not the next pool chunk, so
+allocation prefers contiguous runs). The rest of the path (one holder) is the
+row's private KV: its page table with page_size = C. The query tokens of a
+decode or prefill step are always the newest tokens, so they are private.
+
+Capacity. `insert` and `fork` reserve the chunks that the sequence's future
+appends will take (`reserve_tokens`), and refuse with `CapacityError` (nothing
+changed) when the pool cannot hold the new sequence and every reservation;
+so appends within the reservations never fail and never touch a live
+sequence's chunks.
+"""
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from hydrajax.chunk_cache.allocator import CapacityError, ChunkAllocator
+from hydrajax.chunk_cache.device_layout import LayoutPolicy, device_groups, make_layout, page_table
+from hydrajax.layout import Segment, SharingPlan, TreeLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkCacheConfig:
+  """Sizes of a chunk cache.
+
+  Attributes:
+    num_chunks: chunks in the pool (L = num_chunks * chunk_size tokens per layer).
+    chunk_size: C, tokens per chunk.
+    max_sequence_length: longest sequence (prompt + generated); fixes the page-table width.
+    max_sequences: most live sequences (rows).
+    share_prefixes: False stores every sequence on its own (the no-sharing baseline).
+    layout: static-shape policy of device layouts.
+  """
+
+  num_chunks: int
+  chunk_size: int = 64
+  max_sequence_length: int = 4096
+  max_sequences: int = 256
+  share_prefixes: bool = True
+  layout: LayoutPolicy = LayoutPolicy()
+
+  def __post_init__(self):
+    for name in ('num_chunks', 'chunk_size', 'max_sequence_length', 'max_sequences'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'ChunkCacheConfig.{name} must be >= 1, got {getattr(self, name)}')
+
+  @property
+  def kv_tokens(self) -> int:
+    """L, tokens of the flat KV buffer."""
+    return self.num_chunks * self.chunk_size
+
+  @property
+  def max_pages(self) -> int:
+    """Width of the private page table."""
+    return -(-self.max_sequence_length // self.chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """What `insert` did, and what the caller must compute.
+
+  Attributes:
+    seq_id: the new sequence.
+    num_tokens: n, prompt tokens.
+    shared_tokens: leading tokens whose KV is shared with other sequences.
+    copy_src, copy_dst: [M] int32 flat slots: copy these tokens' KV (copy on write).
+    prefill_start: first position to prefill (= shared_tokens + M).
+    prefill_slots: [n - prefill_start] int32 flat slots where the prefill writes its KV.
+  """
+
+  seq_id: int
+  num_tokens: int
+  shared_tokens: int
+  copy_src: np.ndarray
+  copy_dst: np.ndarray
+  prefill_start: int
+  prefill_slots: np.ndarray
+
+  @property
+  def copied_tokens(self) -> int:
+    return int(self.copy_src.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+  """What `insert` would reuse, if every pending (not yet prefilled) chunk were ready.
+
+  Attributes:
+    shared_tokens: tokens in matching full chunks.
+    copied_tokens: tokens a copy on write would reuse.
+    pending: part of that match is not computed yet (its prefill has not run).
+    chunks_needed: chunks the insert would take now, reservations included.
+  """
+
+  shared_tokens: int
+  copied_tokens: int
+  pending: bool
+  chunks_needed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+  """Result of `fork`: the samples (the original first) and the KV copies to run."""
+
+  seq_ids: tuple[int, ...]
+  copy_src: np.ndarray
+  copy_dst: np.ndarray
+
+
+class _Node:
+  """One chunk of the prefix tree."""
+
+  __slots__ = ('chunk', 'parent', 'depth', 'first', 'children', 'by_first', 'holders', 'tails',
+               'ready', 'row_begin', 'row_end')
+
+  def __init__(self, chunk: int, parent: '_Node | None', depth: int, first: int = -1):
+    self.chunk = chunk
+    self.parent = parent
+    self.depth = depth  # chunk level: tokens [depth * C, depth * C + fill)
+    self.first = first  # first token id (index key in the parent)
+    self.children: list[_Node] = []
+    self.by_first: dict[int, list[_Node]] = {}
+    self.holders: set[int] = set()  # live sequences whose path contains this chunk
+    self.tails: list[int] = []  # sequences whose path ends here, in row order
+    self.ready = True  # KV computed
+    self.row_begin = self.row_end = 0  # holders' rows (set for shared nodes)
+
+  def add_child(self, child: '_Node', index: int | None = None) -> None:
+    if index is None:
+      self.children.append(child)
+    else:
+      self.children.insert(index, child)
+    self.by_first.setdefault(child.first, []).append(child)
+
+  def remove_child(self, child: '_Node') -> None:
+    self.children.remove(child)
+    same = self.by_first[child.first]
+    same.remove(child)
+    if not same:
+      del self.by_first[child.first]
+
+
+class _Seq:
+  __slots__ = ('id', 'path', 'reserved', 'row', 'length')
+
+  def __init__(self, seq_id: int, path: list[_Node], length: int, reserved: int):
+    self.id = seq_id
+    self.path = path
+    self.length = length  # valid until the sequence has a row; the row arrays hold it after
+    self.reserved = reserved  # chunks set aside for its future appends
+    self.row = -1
+
+
+class ChunkCache:
+  """Host side of the prefix-aware chunked KV cache; see the module docstring."""
+
+  def __init__(self, config: ChunkCacheConfig):
+    self.config = config
+    c = config.chunk_size
+    self._c = c
+    self._alloc = ChunkAllocator(config.num_chunks)
+    self._tokens = np.zeros((config.num_chunks, c), np.int32)  # token ids held by each chunk
+    self._fill = np.zeros(config.num_chunks, np.int32)
+    self._root = _Node(-1, None, -1)
+    self._seqs: dict[int, _Seq] = {}
+    self._next_id = 0
+    self._rows: list[int] = []  # sequence ids in row (depth-first) order
+    self._shared_nodes: list[_Node] = []  # nodes with >= 2 holders, depth-first pre-order
+    s, w = config.max_sequences, config.max_pages
+    self._len = np.zeros(s, np.int64)  # per row: tokens
+    self._tail = np.zeros(s, np.int64)  # per row: chunk of its last node
+    self._shared = np.zeros(s, np.int64)  # per row: shared tokens (leading chunks, >= 2 holders)
+    self._pages = np.zeros((s, w), np.int32)  # per row: private chunks
+    self._npages = np.zeros(s, np.int64)
+    self.structure_version = 0
+    self.pages_version = 0
+    self._device_cache: dict[str, tuple] = {}
+
+  # ---- queries ----------------------------------------------------------------------------
+
+  @property
+  def chunk_size(self) -> int:
+    return self._c
+
+  @property
+  def num_rows(self) -> int:
+    """Live sequences."""
+    return len(self._rows)
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    """Live sequence ids in row order."""
+    return tuple(self._rows)
+
+  @property
+  def num_free_chunks(self) -> int:
+    return self._alloc.num_free
+
+  @property
+  def num_used_chunks(self) -> int:
+    return self._alloc.num_used
+
+  @property
+  def available_chunks(self) -> int:
+    """Free chunks that no reservation holds."""
+    return self._alloc.available
+
+  @property
+  def reserved_chunks(self) -> int:
+    return self._alloc.reserved
+
+  def used_chunks(self) -> np.ndarray:
+    """Ids of the chunks in use."""
+    return self._alloc.used()
+
+  def row(self, seq_id: int) -> int:
+    return self._seq(seq_id).row
+
+  def length(self, seq_id: int) -> int:
+    return int(self._len[self._seq(seq_id).row])
+
+  def lengths(self) -> np.ndarray:
+    """Tokens per row [num_rows] int64 (a copy)."""
+    return self._len[: self.num_rows].copy()
+
+  def chunks(self, seq_id: int) -> np.ndarray:
+    """The sequence's chunk ids, root first."""
+    return np.array([n.chunk for n in self._seq(seq_id).path], np.int64)
+
+  def slots(self, seq_id: int) -> np.ndarray:
+    """Flat KV slot of each of the sequence's tokens [n] int64."""
+    n = self.length(seq_id)
+    pos = np.arange(n)
+    return self.chunks(seq_id)[pos // self._c] * self._c + pos % self._c
+
+  def tokens(self, seq_id: int) -> np.ndarray:
+    """The sequence's token ids, read back from the chunks [n] int32."""
+    n = self.length(seq_id)
+    return self._tokens[self.chunks(seq_id)].reshape(-1)[:n].copy()
+
+  def shared_tokens(self, seq_id: int) -> int:
+    return int(self._shared[self._seq(seq_id).row])
+
+  def match(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> PrefixMatch:
+    """What `insert(tokens)` would reuse if pending chunks were ready (changes nothing)."""
+    tokens = self._check_tokens(tokens, reserve_tokens)
+    matched, src, copy_len = self._walk(tokens, allow_pending=True)
+    pending = any(not n.ready for n in matched) or (src is not None and not src.ready)
+    fresh, _, _ = self._walk(tokens, allow_pending=False) if pending else (matched, None, 0)
+    n = len(tokens)
+    needed = self._new_chunks(n, len(fresh)) + self._chunks_for(n, reserve_tokens)
+    return PrefixMatch(len(matched) * self._c, copy_len, pending, needed)
+
+  def chunks_needed(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> int:
+    """Chunks `insert` would take now (new chunks plus the reservation)."""
+    tokens = self._check_tokens(tokens, reserve_tokens)
+    matched, _, _ = self._walk(tokens, allow_pending=False)
+    n = len(tokens)
+    return self._new_chunks(n, len(matched)) + self._chunks_for(n, reserve_tokens)
+
+  # ---- operations -------------------------------------------------------------------------
+
+  def insert(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> Admission:
+    """Adds a sequence: shares its longest ready prefix of full chunks, copies a partial match.
+
+    Args:
+      tokens: the prompt, n >= 1 token ids.
+      reserve_tokens: tokens the sequence may append later (chunks are reserved for them).
+
+    Returns what was shared, the KV copies to run and where the prefill writes.
+    Raises CapacityError (changing nothing) if the pool cannot hold it.
+    """
+    tokens = self._check_tokens(tokens, reserve_tokens)
+    n, c = len(tokens), self._c
+    matched, src, copy_len = self._walk(tokens, allow_pending=False)
+    depth = len(matched)
+    new_count = self._new_chunks(n, depth)
+    reserve = self._chunks_for(n, reserve_tokens)
+    self._check_room(1, new_count + reserve, 'insert')
+    chunks = self._alloc.allocate(new_count, after=matched[-1].chunk if matched else -1)
+    self._alloc.reserve(reserve)
+    sid = self._new_id()
+    dirty = {sid}
+    for node in matched:
+      if len(node.holders) == 1:
+        dirty |= node.holders  # its only holder's chunk becomes shared
+      node.holders.add(sid)
+    parent = matched[-1] if matched else self._root
+    path = list(matched)
+    for i, chunk in enumerate(chunks.tolist()):
+      lo = (depth + i) * c
+      hi = min(n, lo + c)
+      self._tokens[chunk, : hi - lo] = tokens[lo:hi]
+      self._fill[chunk] = hi - lo
+      node = _Node(chunk, parent, depth + i, int(tokens[lo]))
+      node.holders.add(sid)
+      node.ready = False
+      parent.add_child(node)
+      path.append(node)
+      parent = node
+    path[-1].tails.append(sid)
+    self._seqs[sid] = _Seq(sid, path, n, reserve)
+    copy_src = np.zeros(0, np.int32)
+    copy_dst = np.zeros(0, np.int32)
+    if copy_len:
+      copy_src = (src.chunk * c + np.arange(copy_len)).astype(np.int32)
+      copy_dst = (int(chunks[0]) * c + np.arange(copy_len)).astype(np.int32)
+    start = depth * c + copy_len
+    pos = np.arange(start, n)
+    slots = np.array([nd.chunk for nd in path], np.int64)[pos // c] * c + pos % c
+    self._restructure(dirty)
+    return Admission(sid, n, depth * c, copy_src, copy_dst, start, slots.astype(np.int32))
+
+  def commit(self, seq_id: int) -> None:
+    """Marks a sequence's chunks computed (after its prefill ran): others may now share them."""
+    for node in self._seq(seq_id).path:
+      node.ready = True
+
+  def append(self, tokens: Sequence[int]) -> np.ndarray:
+    """Appends one token to every live sequence; tokens [num_rows] in row order.
+
+    Returns the flat slot [num_rows] int32 where each token's KV goes. The
+    tokens count as computed once this returns: run the step that writes them
+    before the next `insert`.
+    """
+    b = self.num_rows
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    if tokens.shape != (b,):
+      raise ValueError(f'tokens must be [num_rows={b}] (one per live sequence), got {tokens.shape}')
+    if b == 0:
+      return np.zeros(0, np.int32)
+    c = self._c
+    lengths = self._len[:b]
+    if lengths.max() >= self.config.max_sequence_length:
+      raise ValueError(
+          f'a sequence would exceed max_sequence_length={self.config.max_sequence_length}'
+      )
+    offset = lengths % c
+    cross = np.flatnonzero(offset == 0)  # rows whose next token starts a new chunk
+    if cross.size:
+      seqs = [self._seqs[self._rows[r]] for r in cross.tolist()]
+      unreserved = sum(1 for s in seqs if s.reserved == 0)
+      if unreserved > self._alloc.available:
+        raise CapacityError(
+            f'append needs {unreserved} unreserved chunks, {self._alloc.available} available'
+        )
+      for r, s in zip(cross.tolist(), seqs):
+        take = 1 if s.reserved > 0 else 0
+        tail = s.path[-1]
+        chunk = int(self._alloc.allocate(1, reserved=take, after=tail.chunk)[0])
+        s.reserved -= take
+        node = _Node(chunk, tail, tail.depth + 1, int(tokens[r]))
+        node.holders.add(s.id)
+        tail.tails.remove(s.id)
+        tail.add_child(node)  # last child: the row keeps its place (see the module docstring)
+        node.tails.append(s.id)
+        s.path.append(node)
+        self._tail[r] = chunk
+        self._pages[r, self._npages[r]] = chunk
+        self._npages[r] += 1
+      self.pages_version += 1
+    tail = self._tail[:b]
+    self._tokens[tail, offset] = tokens
+    self._fill[tail] = offset + 1
+    self._len[:b] += 1
+    return (tail * c + offset).astype(np.int32)
+
+  def fork(self, seq_id: int, num_samples: int, *, reserve_tokens: int = 0) -> Fork:
+    """Splits a sequence into `num_samples` sequences (itself first) with the same tokens.
+
+    Full chunks are shared; a partial tail is copied for each new sample (with
+    `share_prefixes` off, every chunk is). Run the returned copies before the
+    next model step.
+    """
+    s = self._seq(seq_id)
+    if num_samples < 1:
+      raise ValueError(f'num_samples must be >= 1, got {num_samples}')
+    if any(not n.ready for n in s.path):
+      raise ValueError(f'sequence {seq_id} is not prefilled yet (commit it first)')
+    if reserve_tokens < 0:
+      raise ValueError(f'reserve_tokens must be >= 0, got {reserve_tokens}')
+    extra = num_samples - 1
+    if extra == 0:
+      return Fork((seq_id,), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    c = self._c
+    n = self.length(seq_id)
+    if n + reserve_tokens > self.config.max_sequence_length:
+      raise ValueError(
+          f'length {n} + reserve_tokens {reserve_tokens} exceeds max_sequence_length='
+          f'{self.config.max_sequence_length}'
+      )
+    # Chunks each sample copies: the partial tail, or (sharing off) the whole path.
+    copied = len(s.path) if not self.config.share_prefixes else int(n % c != 0)
+    reserve = self._chunks_for(n, reserve_tokens)
+    self._check_room(extra, extra * (copied + reserve), 'fork')
+    ids = [self._new_id() for _ in range(extra)]
+    dirty = {seq_id, *ids}
+    shared_path = s.path[: len(s.path) - copied]
+    for node in shared_path:
+      node.holders.update(ids)
+    srcs, dsts = [], []
+    if copied:
+      originals = s.path[len(shared_path) :]
+      first = originals[0]
+      chunks = self._alloc.allocate(extra * copied, after=s.path[-1].chunk).reshape(extra, copied)
+      at = first.parent.children.index(first) + 1
+      for i, sid in enumerate(ids):
+        parent, path = first.parent, list(shared_path)
+        for original, chunk in zip(originals, chunks[i].tolist()):
+          self._tokens[chunk] = self._tokens[original.chunk]
+          self._fill[chunk] = self._fill[original.chunk]
+          node = _Node(chunk, parent, original.depth, original.first)
+          node.holders.add(sid)
+          # The first copy goes right after the original: the new rows follow the forked one.
+          parent.add_child(node, at + i if parent is first.parent else None)
+          srcs.append(original.chunk * c + np.arange(self._fill[chunk]))
+          dsts.append(chunk * c + np.arange(self._fill[chunk]))
+          path.append(node)
+          parent = node
+        path[-1].tails.append(sid)
+        self._seqs[sid] = _Seq(sid, path, n, 0)
+    else:
+      tail = s.path[-1]
+      at = tail.tails.index(seq_id) + 1
+      tail.tails[at:at] = ids
+      for sid in ids:
+        self._seqs[sid] = _Seq(sid, list(shared_path), n, 0)
+    self._alloc.reserve(extra * reserve)
+    for sid in ids:
+      self._seqs[sid].reserved = reserve
+    self._restructure(dirty)
+    cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)
+    return Fork((seq_id, *ids), cat(srcs), cat(dsts))
+
+  def remove(self, seq_id: int) -> None:
+    """Retires a sequence: drops its references, frees chunks nobody else holds."""
+    s = self._seq(seq_id)
+    del self._seqs[seq_id]
+    s.path[-1].tails.remove(seq_id)
+    dirty, freed = set(), []
+    for node in reversed(s.path):
+      node.holders.discard(seq_id)
+      if not node.holders:
+        node.parent.remove_child(node)
+        freed.append(node.chunk)
+      elif len(node.holders) == 1:
+        dirty |= node.holders  # a shared chunk becomes its last holder's private chunk
+    self._fill[freed] = 0
+    self._alloc.release(freed)
+    self._alloc.unreserve(s.reserved)
+    self._restructure(dirty)
+
+  # ---- plans and device layouts -----------------------------------------------------------
+
+  def plan(
+      self, seq_ids: Sequence[int] | None = None, *, num_rows: int | None = None
+  ) -> SharingPlan:
+    """The sharing plan of all live rows, or of a subset of them (e.g. a prefill batch).
+
+    Rows keep the cache's row order (a subset keeps its relative order).
+    Chunks with >= 2 holders are shared segments (over the selected rows: a
+    subset plan can have one-row segments); the rest is private. `num_rows`
+    pads with empty rows (no pages, length 0).
+    """
+    rows = self._select(seq_ids)
+    b = len(rows)
+    num_rows = max(b, 1) if num_rows is None else num_rows
+    if num_rows < max(b, 1):
+      raise ValueError(f'num_rows must be >= the {b} selected rows (and >= 1), got {num_rows}')
+    if seq_ids is None:
+      index = np.arange(b + 1)  # global row -> plan row
+    else:
+      chosen = np.zeros(self.num_rows + 1, np.int64)
+      chosen[rows] = 1
+      index = np.concatenate([[0], np.cumsum(chosen)])
+    c = self._c
+    # Per segment: [kv_start, length, row_begin, row_end, parent, position, last chunk].
+    segs: list[list[int]] = []
+    seg_of: dict[int, int] = {}
+    for node in self._shared_nodes:
+      begin, end = int(index[node.row_begin]), int(index[node.row_end])
+      if begin == end:
+        continue
+      parent = seg_of.get(id(node.parent), -1)
+      p = segs[parent] if parent >= 0 else None
+      if p is not None and (p[2], p[3]) == (begin, end) and p[6] + 1 == node.chunk:
+        p[1] += c
+        p[6] = node.chunk
+        seg_of[id(node)] = parent
+        continue
+      seg_of[id(node)] = len(segs)
+      segs.append([node.chunk * c, c, begin, end, parent, node.depth * c, node.chunk])
+    segments = tuple(
+        Segment(s[0], s[1], s[2], s[3], s[4], s[5], f'chunks {s[0] // c}..{s[6]}') for s in segs
+    )
+    pages = [tuple(self._pages[r, : self._npages[r]].tolist()) for r in rows]
+    lengths = [int(self._len[r] - self._shared[r]) for r in rows]
+    pad = num_rows - b
+    return SharingPlan(
+        num_rows, segments, c, tuple(pages) + ((),) * pad, tuple(lengths) + (0,) * pad,
+        self.config.kv_tokens,
+    )
+
+  def device_layout(
+      self, seq_ids: Sequence[int] | None = None, *, num_rows: int | None = None,
+      policy: LayoutPolicy | None = None,
+  ) -> TreeLayout:
+    """`plan(...)` on the device, shaped by `config.layout`.
+
+    For all rows (a decode step) the segment groups are cached until the
+    structure changes and the page table until a page is added; only the
+    private lengths ([num_rows] int32) are uploaded on every call. The page
+    table's width is `config.layout.page_width` of the widest row. A subset
+    (a prefill batch) is built afresh, with `policy` if given.
+    """
+    import jax.numpy as jnp  # deferred: the host tree itself needs no JAX
+
+    width = self.config.max_pages
+    if seq_ids is not None:
+      policy = policy or self.config.layout
+      plan = self.plan(seq_ids, num_rows=num_rows)
+      width = policy.page_width(max(len(p) for p in plan.private_pages), width)
+      return make_layout(
+          *device_groups(plan, policy), jnp.asarray(page_table(plan, width)),
+          jnp.asarray(np.array(plan.private_lengths, np.int32)), self._c,
+      )
+    if policy is not None and policy != self.config.layout:
+      raise ValueError('a layout of all rows (decode) uses config.layout: it is cached')
+    policy = self.config.layout
+    b = self.num_rows
+    num_rows = max(b, 1) if num_rows is None else num_rows
+    if num_rows < max(b, 1):
+      raise ValueError(f'num_rows must be >= num_rows of the cache ({b}) and >= 1, got {num_rows}')
+    key = (self.structure_version, num_rows)
+    cached = self._device_cache.get('groups')
+    if cached is None or cached[0] != key:
+      cached = (key, device_groups(self.plan(num_rows=num_rows), policy))
+      self._device_cache['groups'] = cached
+    pkey = (self.structure_version, self.pages_version, num_rows)
+    pages = self._device_cache.get('pages')
+    if pages is None or pages[0] != pkey:
+      width = policy.page_width(int(self._npages[:b].max(initial=0)), width)
+      table = np.zeros((num_rows, width), np.int32)
+      table[:b] = self._pages[:b, :width]
+      pages = (pkey, jnp.asarray(table))
+      self._device_cache['pages'] = pages
+    lengths = np.zeros(num_rows, np.int32)
+    lengths[:b] = self._len[:b] - self._shared[:b]
+    return make_layout(*cached[1], pages[1], jnp.asarray(lengths), self._c)
+
+  # ---- checks -----------------------------------------------------------------------------
+
+  def check(self) -> None:
+    """Verifies every internal invariant (for tests and debugging); raises AssertionError."""
+    c = self._c
+    seen: dict[int, _Node] = {}
+    stack = [self._root]
+    while stack:
+      node = stack.pop()
+      for child in node.children:
+        assert child.parent is node and child.depth == node.depth + 1
+        assert child.chunk not in seen, f'chunk {child.chunk} in two nodes'
+        seen[child.chunk] = child
+        assert child.holders, f'chunk {child.chunk} has no holder'
+        assert child.holders <= node.holders or node is self._root
+        assert self._fill[child.chunk] >= 1 and self._tokens[child.chunk, 0] == child.first
+        if self._fill[child.chunk] < c:
+          assert len(child.holders) == 1, f'partial chunk {child.chunk} is shared'
+        stack.append(child)
+    used = set(self.used_chunks().tolist())
+    assert used == set(seen), f'leaked {sorted(used - set(seen))}, lost {sorted(set(seen) - used)}'
+    assert self._rows == self._dfs_order(), 'row order is not depth-first'
+    assert set(self._rows) == set(self._seqs)
+    reserved = 0
+    for r, sid in enumerate(self._rows):
+      s = self._seqs[sid]
+      assert s.row == r
+      n = int(self._len[r])
+      assert len(s.path) == -(-n // c) and sid in s.path[-1].tails
+      for node in s.path:
+        assert sid in node.holders
+      shared = sum(1 for node in s.path if len(node.holders) >= 2)
+      assert all(len(node.holders) >= 2 for node in s.path[:shared])
+      assert self._shared[r] == shared * c and self._tail[r] == s.path[-1].chunk
+      assert self._pages[r, : self._npages[r]].tolist() == [nd.chunk for nd in s.path[shared:]]
+      assert self._fill[s.path[-1].chunk] == n - (len(s.path) - 1) * c
+      reserved += s.reserved
+    assert reserved == self._alloc.reserved
+
+  # ---- internals --------------------------------------------------------------------------
+
+  def _seq(self, seq_id: int) -> _Seq:
+    try:
+      return self._seqs[seq_id]
+    except KeyError:
+      raise ValueError(f'no live sequence with id {seq_id}') from None
+
+  def _new_id(self) -> int:
+    self._next_id += 1
+    return self._next_id - 1
+
+  def _select(self, seq_ids) -> list[int]:
+    if seq_ids is None:
+      return list(range(self.num_rows))
+    rows = sorted({self._seq(int(s)).row for s in seq_ids})
+    return rows
+
+  def _check_tokens(self, tokens, reserve_tokens: int) -> np.ndarray:
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    if tokens.size < 1:
+      raise ValueError('tokens must hold at least one token id')
+    if reserve_tokens < 0:
+      raise ValueError(f'reserve_tokens must be >= 0, got {reserve_tokens}')
+    if tokens.size + reserve_tokens > self.config.max_sequence_length:
+      raise ValueError(
+          f'{tokens.size} tokens + reserve_tokens {reserve_tokens} exceed max_sequence_length='
+          f'{self.config.max_sequence_length}'
+      )
+    return tokens
+
+  def _chunks_for(self, n: int, extra_tokens: int) -> int:
+    """Chunks that appending `extra_tokens` to a length-n sequence allocates."""
+    c = self._c
+    return -(-(n + extra_tokens) // c) - -(-n // c)
+
+  def _new_chunks(self, n: int, matched: int) -> int:
+    return -(-n // self._c) - matched
+
+  def _check_room(self, sequences: int, chunks: int, what: str) -> None:
+    if self.num_rows + sequences > self.config.max_sequences:
+      raise CapacityError(
+          f'{what}: {self.num_rows} live sequences + {sequences} exceed max_sequences='
+          f'{self.config.max_sequences}'
+      )
+    if chunks > self._alloc.available:
+      raise CapacityError(
+          f'{what} needs {chunks} chunks (new + reserved), {self._alloc.available} available '
+          f'({self._alloc.num_free} free of {self.config.num_chunks}, '
+          f'{self._alloc.reserved} reserved)'
+      )
+
+  def _full_matches(self, node: _Node, chunk_tokens: np.ndarray, allow_pending: bool):
+    for child in node.by_first.get(int(chunk_tokens[0]), ()):
+      if (child.ready or allow_pending) and self._fill[child.chunk] == self._c and np.array_equal(
+          self._tokens[child.chunk], chunk_tokens
+      ):
+        yield child
+
+  def _best_copy(self, node: _Node, tokens: np.ndarray, allow_pending: bool):
+    """The child of `node` sharing the most leading tokens with the next chunk of `tokens`."""
+    c, n = self._c, len(tokens)
+    lo = (node.depth + 1) * c
+    rest = tokens[lo : lo + c]
+    src, best = None, 0
+    for child in node.by_first.get(int(rest[0]), ()):
+      if not (child.ready or allow_pending):
+        continue
+      m = min(int(self._fill[child.chunk]), len(rest))
+      diff = np.flatnonzero(self._tokens[child.chunk, :m] != rest[:m])
+      common = int(diff[0]) if diff.size else m
+      if common > best:
+        src, best = child, common
+    best = min(best, n - lo - 1)  # the last prompt token is always prefilled
+    return (src, best) if best > 0 else (None, 0)
+
+  def _walk(self, tokens: np.ndarray, allow_pending: bool):
+    """Longest shareable prefix: (matched full-chunk nodes, copy source node, tokens to copy).
+
+    Full chunks are shared up to the chunk before the one holding the last
+    prompt token. Identical full chunks can exist twice (a prompt that ends on
+    a chunk boundary copies and completes its last chunk), so every matching
+    path is searched; the deepest wins, then the longest copy.
+    """
+    if not self.config.share_prefixes:
+      return [], None, 0
+    c, n = self._c, len(tokens)
+    limit = (n - 1) // c  # full chunks that may be shared
+    best = (-1, -1, self._root, None)
+    stack = [self._root]
+    while stack:
+      node = stack.pop()
+      depth = node.depth + 1
+      src, common = self._best_copy(node, tokens, allow_pending)
+      if (depth, common) > best[:2]:
+        best = (depth, common, node, src)
+      if depth < limit:
+        stack.extend(self._full_matches(node, tokens[depth * c : (depth + 1) * c], allow_pending))
+    _, common, node, src = best
+    matched = []
+    while node is not self._root:
+      matched.append(node)
+      node = node.parent
+    return matched[::-1], src, common
+
+  def _dfs_order(self) -> list[int]:
+    """Sequence ids depth-first: per node its children in order, then its tails."""
+    order: list[int] = []
+    stack = [(self._root, iter(self._root.children))]
+    while stack:
+      node, children = stack[-1]
+      child = next(children, None)
+      if child is None:
+        order.extend(node.tails)
+        stack.pop()
+      elif len(child.holders) == 1:  # a private subtree: a chain ending at its one holder
+        order.extend(child.holders)
+      else:
+        stack.append((child, iter(child.children)))
+    return order
+
+  def _restructure(self, dirty: set[int]) -> None:
+    """After insert/fork/remove: new row order, rows' arrays permuted, dirty rows recomputed."""
+    c = self._c
+    rows: list[int] = []
+    shared_nodes: list[_Node] = []
+    stack = [(self._root, iter(self._root.children))]
+    while stack:  # the depth-first order of `_dfs_order`, recording shared nodes' row ranges
+      node, children = stack[-1]
+      child = next(children, None)
+      if child is None:
+        rows.extend(node.tails)
+        node.row_end = len(rows)
+        stack.pop()
+      elif len(child.holders) == 1:
+        rows.extend(child.holders)
+      else:
+        child.row_begin = len(rows)
+        shared_nodes.append(child)
+        stack.append((child, iter(child.children)))
+    old = np.array([self._seqs[sid].row for sid in rows], np.int64)
+    b = len(rows)
+    if b:
+      src = np.maximum(old, 0)
+      for arr in (self._len, self._tail, self._shared, self._pages, self._npages):
+        arr[:b] = arr[src]
+    for r, sid in enumerate(rows):
+      s = self._seqs[sid]
+      if s.row < 0:
+        self._len[r] = s.length
+        dirty.add(sid)
+      s.row = r
+    for sid in dirty:
+      s = self._seqs.get(sid)
+      if s is None:
+        continue
+      r = s.row
+      shared = 0
+      while shared < len(s.path) and len(s.path[shared].holders) >= 2:
+        shared += 1
+      private = [node.chunk for node in s.path[shared:]]
+      self._tail[r] = s.path[-1].chunk
+      self._shared[r] = shared * c
+      self._pages[r, : len(private)] = private
+      self._pages[r, len(private) :] = 0
+      self._npages[r] = len(private)
+    self._rows = rows
+    self._shared_nodes = shared_nodes
+    self.structure_version += 1
+    self.pages_version += 1

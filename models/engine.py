@@ -1,0 +1,478 @@
+"""A continuous-batching serving engine over the Llama and the prefix-aware chunk cache.
+
+Each `step()` is one iteration:
+
+1. Admission: queued requests, first come first served, while the batch has
+   room (`max_batch`), the iteration's prefill budget allows, and the chunk
+   pool can hold the prompt plus a reservation for every token it may still
+   generate (`ChunkCache.insert`). A request whose prefix is being prefilled in
+   this very iteration waits one iteration, so that it shares it instead of
+   computing it again. A request that can never fit is refused at `submit`.
+2. Prefill of the admitted requests: only their unshared tokens (the cache
+   shares full chunks and copies partial ones), in calls of rows with the same
+   padded length; each row's first token is sampled from its last position.
+3. Decode: one token for every live sequence in one jitted call, batch padded
+   to a bucket (few compiles); attention over the pool through the cache's
+   `TreeLayout` (segment metadata rebuilt only when the tree changes).
+4. Retirement: finished (stop token, `max_new_tokens`) or cancelled requests
+   release their chunks.
+
+Streaming: `step()` returns the `TokenEvent`s of the iteration, a request's
+`on_token` callback gets its own, and `stream()` yields them until all work
+is done. `cancel(request_id)` takes effect at the next iteration boundary.
+
+Sampling is per request (greedy or temperature) with a key that depends only
+on (seed, request id, token index): a request's tokens do not depend on which
+other requests share its batch.
+"""
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hydrajax import AttentionImpl
+from hydrajax.chunk_cache import (
+    CapacityError, ChunkCache, ChunkCacheConfig, LayoutPolicy, copy_slots, next_power_of_two,
+)
+from models.kv_cache import KVCache
+from models.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Sizes and policies of an engine.
+
+  Attributes:
+    num_chunks: chunks in the KV pool (memory: num_chunks * chunk_size tokens).
+    chunk_size: C, tokens per chunk.
+    max_batch: most live sequences.
+    max_sequence_length: longest prompt + generation.
+    share_prefixes: False is the no-sharing baseline (same engine, every sequence on its own).
+    max_prefill_tokens: padded prefill tokens per iteration (one request may exceed it alone).
+    max_prefill_rows: most requests in one prefill call.
+    decode_buckets: padded decode batch sizes (ascending; the last must be >= max_batch);
+      empty: powers of two up to max_batch.
+    min_prefill_len: smallest padded prefill length (lengths are padded to powers of two).
+    layout: static-shape policy of decode layouts (all rows).
+    prefill_layout: policy of prefill layouts (default: adaptive shapes with layout's
+      kv_piece and min_private_pages: padded segment slots cost T times more there).
+    impl: attention implementation of decode steps.
+    prefill_impl: attention implementation of prefill calls.
+    cache_dtype: KV dtype (default: the model's).
+    seed: sampling seed.
+  """
+
+  num_chunks: int
+  chunk_size: int = 64
+  max_batch: int = 64
+  max_sequence_length: int = 4096
+  share_prefixes: bool = True
+  max_prefill_tokens: int = 8192
+  max_prefill_rows: int = 8
+  decode_buckets: tuple[int, ...] = ()
+  min_prefill_len: int = 16
+  layout: LayoutPolicy = LayoutPolicy()
+  prefill_layout: LayoutPolicy | None = None
+  impl: AttentionImpl | str = AttentionImpl.AUTO
+  prefill_impl: AttentionImpl | str = AttentionImpl.AUTO
+  cache_dtype: str | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ('num_chunks', 'chunk_size', 'max_batch', 'max_sequence_length',
+                 'max_prefill_tokens', 'max_prefill_rows', 'min_prefill_len'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'EngineConfig.{name} must be >= 1, got {getattr(self, name)}')
+    buckets = tuple(self.decode_buckets)
+    if buckets and (list(buckets) != sorted(buckets) or buckets[-1] < self.max_batch):
+      raise ValueError(
+          f'decode_buckets must ascend and end >= max_batch={self.max_batch}, got {buckets}'
+      )
+
+  def decode_rows(self, b: int) -> int:
+    """The padded batch of a decode step with b live sequences."""
+    for bucket in self.decode_buckets:
+      if bucket >= b:
+        return bucket
+    return next_power_of_two(max(b, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How a request is continued.
+
+  Attributes:
+    max_new_tokens: tokens to generate (fewer after a stop token).
+    temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
+    stop_tokens: ids that end the request (the stop token is returned).
+  """
+
+  max_new_tokens: int = 16
+  temperature: float = 0.0
+  stop_tokens: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f'max_new_tokens must be >= 1, got {self.max_new_tokens}')
+    if self.temperature < 0:
+      raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+  """One streamed token (or a cancellation, token -1)."""
+
+  request_id: int
+  token: int
+  index: int  # 0-based index of the token among the request's outputs
+  finished: bool
+  reason: str | None = None  # 'stop', 'length' or 'cancelled' when finished
+
+
+@dataclasses.dataclass
+class Request:
+  """A request's state and timings (seconds of the engine's clock)."""
+
+  id: int
+  prompt: np.ndarray
+  params: SamplingParams
+  on_token: Callable[[TokenEvent], None] | None = None
+  arrival: float = 0.0
+  admitted: float | None = None
+  first_token: float | None = None
+  finished: float | None = None
+  state: str = 'queued'  # queued, running, done, cancelled
+  reason: str | None = None
+  output: list[int] = dataclasses.field(default_factory=list)
+  seq_id: int = -1
+  shared_tokens: int = 0
+  prefilled_tokens: int = 0
+  cancel_requested: bool = False
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of an engine's life (seconds of the engine's clock).
+
+  Host overhead is the time spent in the tree and its metadata (cache
+  operations, layouts, batch arrays) in decode steps, next to the whole decode
+  step time.
+  """
+
+  iterations: int = 0
+  decode_steps: int = 0
+  decode_rows: int = 0
+  decode_s: float = 0.0
+  decode_host_s: float = 0.0
+  prefill_calls: int = 0
+  prefill_tokens: int = 0
+  prefill_padded_tokens: int = 0
+  prefill_s: float = 0.0
+  shared_tokens: int = 0
+  copied_tokens: int = 0
+  generated_tokens: int = 0
+  peak_chunks: int = 0
+  peak_rows: int = 0
+  shapes: set = dataclasses.field(default_factory=set)
+
+  def summary(self) -> dict:
+    out = {k: v for k, v in dataclasses.asdict(self).items() if k != 'shapes'}
+    out['distinct_step_shapes'] = len(self.shapes)
+    out['host_overhead_fraction'] = self.decode_host_s / self.decode_s if self.decode_s else 0.0
+    out['mean_decode_step_ms'] = 1e3 * self.decode_s / max(self.decode_steps, 1)
+    out['mean_decode_host_ms'] = 1e3 * self.decode_host_s / max(self.decode_steps, 1)
+    return out
+
+
+def _row_keys(key, request_ids, indices):
+  return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(
+      request_ids, indices)
+
+
+def _sample(logits, key, request_ids, indices, temperature):
+  """logits [B, V] f32 -> tokens [B] int32: greedy where temperature == 0."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  keys = _row_keys(key, request_ids, indices)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+  return jnp.where(temperature > 0, drawn, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
+def _model_step(graphdef, params, cache, tokens, positions, slots, layout, key, request_ids,
+                indices, temperature, *, impl):
+  """One model call: writes the new tokens' KV, samples each row's next token (last position)."""
+  model = nnx.merge(graphdef, params)
+  h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
+  logits = model.logits(h[:, -1])  # [B, V]
+  return _sample(logits, key, request_ids, indices, temperature), cache
+
+
+class Engine:
+  """Continuous batching over a `Llama` with a prefix-aware chunk cache (see the module doc)."""
+
+  def __init__(self, model: Llama, config: EngineConfig, *,
+               clock: Callable[[], float] = time.perf_counter):
+    self.model = model
+    self.config = config
+    self.clock = clock
+    self.cache = ChunkCache(ChunkCacheConfig(
+        num_chunks=config.num_chunks, chunk_size=config.chunk_size,
+        max_sequence_length=config.max_sequence_length, max_sequences=config.max_batch,
+        share_prefixes=config.share_prefixes, layout=config.layout,
+    ))
+    dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
+    self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype)
+    self.kv_bytes_per_token = model.config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+    self._prefill_policy = config.prefill_layout or LayoutPolicy(
+        kv_piece=config.layout.kv_piece, min_private_pages=config.layout.min_private_pages)
+    self._graphdef, self._params = nnx.split(model)
+    self._key = jax.random.key(config.seed)
+    self._queue: collections.deque[Request] = collections.deque()
+    self._by_seq: dict[int, Request] = {}
+    self.requests: dict[int, Request] = {}
+    self._next_id = 0
+    self.stats = EngineStats()
+
+  # ---- the API ----------------------------------------------------------------------------
+
+  def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
+             on_token: Callable[[TokenEvent], None] | None = None,
+             arrival: float | None = None) -> int:
+    """Queues a request; returns its id. Raises ValueError if it can never fit."""
+    prompt = np.asarray(prompt, np.int64).reshape(-1)
+    c = self.config
+    if prompt.size < 1:
+      raise ValueError('prompt must hold at least one token id')
+    if prompt.min() < 0 or prompt.max() >= self.model.config.vocab_size:
+      raise ValueError(f'prompt token ids must be in [0, {self.model.config.vocab_size})')
+    if prompt.size + params.max_new_tokens > c.max_sequence_length:
+      raise ValueError(
+          f'prompt ({prompt.size}) + max_new_tokens ({params.max_new_tokens}) exceed '
+          f'max_sequence_length={c.max_sequence_length}'
+      )
+    worst = -(-(prompt.size + params.max_new_tokens) // c.chunk_size)
+    if worst > c.num_chunks:
+      raise ValueError(
+          f'the request needs up to {worst} chunks; the pool has {c.num_chunks}: it can never fit'
+      )
+    rid = self._next_id
+    self._next_id += 1
+    req = Request(rid, prompt, params, on_token, self.clock() if arrival is None else arrival)
+    self.requests[rid] = req
+    self._queue.append(req)
+    return rid
+
+  def cancel(self, request_id: int) -> bool:
+    """Cancels a queued or running request (at the next iteration boundary); False if finished."""
+    req = self.requests.get(request_id)
+    if req is None or req.state in ('done', 'cancelled'):
+      return False
+    req.cancel_requested = True
+    return True
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self._queue or self._by_seq)
+
+  @property
+  def num_running(self) -> int:
+    return len(self._by_seq)
+
+  @property
+  def num_queued(self) -> int:
+    return len(self._queue)
+
+  def step(self) -> list[TokenEvent]:
+    """One iteration (admit + prefill, one decode step, retire); returns its events."""
+    events: list[TokenEvent] = []
+    self.stats.iterations += 1
+    self._apply_cancellations(events)
+    admitted = self._admit()
+    if admitted:
+      self._prefill(admitted, events)
+    if self._by_seq:
+      self._decode(events)
+    for event in events:
+      cb = self.requests[event.request_id].on_token
+      if cb is not None:
+        cb(event)
+    return events
+
+  def stream(self) -> Iterator[TokenEvent]:
+    """Yields events until every submitted request is finished."""
+    while self.has_work:
+      yield from self.step()
+
+  def run(self) -> dict[int, list[int]]:
+    """Runs until idle; returns every request's output tokens."""
+    for _ in self.stream():
+      pass
+    return {rid: list(r.output) for rid, r in self.requests.items()}
+
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
+               ) -> list[list[int]]:
+    """Submits the prompts, runs to completion, returns their outputs in order."""
+    ids = [self.submit(p, params) for p in prompts]
+    self.run()
+    return [list(self.requests[i].output) for i in ids]
+
+  def kv_bytes_in_use(self) -> int:
+    return self.cache.num_used_chunks * self.config.chunk_size * self.kv_bytes_per_token
+
+  # ---- the iteration ----------------------------------------------------------------------
+
+  def _apply_cancellations(self, events):
+    for req in [r for r in self._queue if r.cancel_requested]:
+      self._queue.remove(req)
+      self._finish(req, 'cancelled', events, cancelled=True)
+    for req in [r for r in self._by_seq.values() if r.cancel_requested]:
+      self._finish(req, 'cancelled', events, cancelled=True)
+
+  def _admit(self) -> list[tuple[Request, object]]:
+    c, cache = self.config, self.cache
+    admitted, budget = [], c.max_prefill_tokens
+    while self._queue and len(self._by_seq) + len(admitted) < c.max_batch:
+      req = self._queue[0]
+      reserve = req.params.max_new_tokens - 1
+      match = cache.match(req.prompt, reserve_tokens=reserve)
+      if match.pending:
+        break  # its prefix is being prefilled now: next iteration it is shared instead
+      padded = self._prefill_len(req.prompt.size - match.shared_tokens - match.copied_tokens)
+      if admitted and padded > budget:
+        break
+      try:
+        adm = cache.insert(req.prompt, reserve_tokens=reserve)
+      except CapacityError:
+        break  # waits for memory; submit() guaranteed it fits an empty pool
+      self._queue.popleft()
+      budget -= padded
+      req.state, req.seq_id, req.admitted = 'running', adm.seq_id, self.clock()
+      req.shared_tokens = adm.shared_tokens
+      req.prefilled_tokens = adm.num_tokens - adm.prefill_start
+      self._by_seq[adm.seq_id] = req
+      admitted.append((req, adm))
+      self.stats.shared_tokens += adm.shared_tokens
+      self.stats.copied_tokens += adm.copied_tokens
+    self._track_peak()
+    return admitted
+
+  def _prefill_len(self, n: int) -> int:
+    return max(next_power_of_two(n), self.config.min_prefill_len)
+
+  def _prefill(self, admitted, events):
+    c, cache = self.config, self.cache
+    t0 = self.clock()
+    src = np.concatenate([a.copy_src for _, a in admitted])
+    if src.size:
+      dst = np.concatenate([a.copy_dst for _, a in admitted])
+      size = next_power_of_two(max(src.size, 64))
+      pad = lambda x, fill: np.concatenate([x, np.full(size - x.size, fill, np.int32)])
+      k, v = copy_slots(self.kv.k, self.kv.v, jnp.asarray(pad(src, 0)),
+                        jnp.asarray(pad(dst, cache.config.kv_tokens)))
+      self.kv = KVCache(k, v)
+    by_len: dict[int, list] = {}
+    for req, adm in sorted(admitted, key=lambda x: cache.row(x[1].seq_id)):
+      t = self._prefill_len(adm.num_tokens - adm.prefill_start)
+      by_len.setdefault(t, []).append((req, adm))
+    for t, group in sorted(by_len.items()):
+      per_call = max(1, min(c.max_prefill_rows, c.max_prefill_tokens // t))
+      for i in range(0, len(group), per_call):
+        self._prefill_call(group[i : i + per_call], t, events)
+    self.stats.prefill_s += self.clock() - t0
+
+  def _prefill_call(self, group, t, events):
+    cache, length = self.cache, self.cache.config.kv_tokens
+    b = next_power_of_two(len(group))
+    tokens = np.zeros((b, t), np.int32)
+    positions = np.zeros((b, t), np.int32)
+    slots = np.full((b, t), length, np.int32)
+    for r, (req, adm) in enumerate(group):  # left-padded: a row's new tokens are its last T
+      n = adm.num_tokens - adm.prefill_start
+      tokens[r, t - n :] = req.prompt[adm.prefill_start :]
+      positions[r, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
+      slots[r, t - n :] = adm.prefill_slots
+    layout = cache.device_layout([adm.seq_id for _, adm in group], num_rows=b,
+                                 policy=self._prefill_policy)
+    reqs = [req for req, _ in group]
+    new = self._run_model(tokens, positions, slots, layout, reqs, b, self.config.prefill_impl)
+    self.stats.prefill_calls += 1
+    self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start for _, adm in group)
+    self.stats.prefill_padded_tokens += b * t
+    now = self.clock()
+    for _, adm in group:
+      cache.commit(adm.seq_id)  # its KV is written: others may share it now
+    for req, token in zip(reqs, new.tolist()):
+      req.first_token = now
+      self._emit(req, token, events)
+
+  def _decode(self, events):
+    c, cache = self.config, self.cache
+    t0 = self.clock()
+    rows = cache.rows
+    reqs = [self._by_seq[sid] for sid in rows]
+    b = self.config.decode_rows(len(rows))
+    slots = np.full((b, 1), cache.config.kv_tokens, np.int32)
+    slots[: len(rows), 0] = cache.append([r.output[-1] for r in reqs])
+    tokens = np.zeros((b, 1), np.int32)
+    tokens[: len(rows), 0] = [r.output[-1] for r in reqs]
+    positions = np.zeros((b, 1), np.int32)
+    positions[: len(rows), 0] = cache.lengths() - 1
+    layout = cache.device_layout(num_rows=b)
+    self._track_peak()
+    host = self.clock() - t0
+    new = self._run_model(tokens, positions, slots, layout, reqs, b, c.impl)
+    t1 = self.clock()
+    for req, token in zip(reqs, new.tolist()):
+      self._emit(req, token, events)
+    self.stats.decode_host_s += host + (self.clock() - t1)
+    self.stats.decode_s += self.clock() - t0
+    self.stats.decode_steps += 1
+    self.stats.decode_rows += len(rows)
+
+  def _run_model(self, tokens, positions, slots, layout, reqs, b, impl) -> np.ndarray:
+    ids = np.zeros(b, np.int32)
+    index = np.zeros(b, np.int32)
+    temp = np.zeros(b, np.float32)
+    for r, req in enumerate(reqs):
+      ids[r], index[r], temp[r] = req.id, len(req.output), req.params.temperature
+    self.stats.shapes.add((tokens.shape, jax.tree_util.tree_structure(layout),
+                           tuple(x.shape for x in jax.tree_util.tree_leaves(layout))))
+    new, self.kv = _model_step(
+        self._graphdef, self._params, self.kv, jnp.asarray(tokens), jnp.asarray(positions),
+        jnp.asarray(slots), layout, self._key, jnp.asarray(ids), jnp.asarray(index),
+        jnp.asarray(temp), impl=impl,
+    )
+    return np.asarray(new)[: len(reqs)]
+
+  def _emit(self, req: Request, token: int, events) -> None:
+    req.output.append(int(token))
+    self.stats.generated_tokens += 1
+    if token in req.params.stop_tokens:
+      self._finish(req, 'stop', events)
+    elif len(req.output) >= req.params.max_new_tokens:
+      self._finish(req, 'length', events)
+    else:
+      events.append(TokenEvent(req.id, int(token), len(req.output) - 1, False))
+
+  def _finish(self, req: Request, reason: str, events, cancelled: bool = False) -> None:
+    if req.seq_id in self._by_seq:
+      del self._by_seq[req.seq_id]
+      self.cache.remove(req.seq_id)
+    req.state = 'cancelled' if cancelled else 'done'
+    req.reason, req.finished = reason, self.clock()
+    if cancelled:
+      events.append(TokenEvent(req.id, -1, len(req.output), True, reason))
+    else:
+      events.append(TokenEvent(req.id, req.output[-1], len(req.output) - 1, True, reason))
+
+  def _track_peak(self) -> None:
+    self.stats.peak_chunks = max(self.stats.peak_chunks, self.cache.num_used_chunks)
+    self.stats.peak_rows = max(self.stats.peak_rows, self.cache.num_rows)
