@@ -22,16 +22,22 @@ class PromptNode:
     children: child nodes; a node without children is a leaf.
     num_samples: for a leaf, how many sequences (rows) continue from it.
     label: a name for the rendering.
+    tokens: optional token ids of the segment (len(tokens) == length), for generation.
   """
 
   length: int
   children: tuple['PromptNode', ...] = ()
   num_samples: int = 1
   label: str = ''
+  tokens: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.length < 0:
       raise ValueError(f'PromptNode.length must be >= 0, got {self.length}')
+    if self.tokens is not None:
+      object.__setattr__(self, 'tokens', tuple(int(t) for t in self.tokens))
+      if len(self.tokens) != self.length:
+        raise ValueError(f'PromptNode.tokens has {len(self.tokens)} ids but length is {self.length}')
     if self.num_samples < 1:
       raise ValueError(f'PromptNode.num_samples must be >= 1, got {self.num_samples}')
     if self.children and self.num_samples != 1:

@@ -1,0 +1,194 @@
+r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4), issue 5.
+
+Random bf16 weights of a Llama shape; B sequences share one P-token prompt and
+generate M tokens each. Modes: no_sharing, paged (vLLM-like), tree (Hydragen;
+xla and mosaic_gpu), no_attention (ceiling); see `models.decode_benchmark`.
+Writes raw.jsonl (as it goes), throughput.jsonl (with floors, attention
+shares, speedups), table.md, max_batch.md and plots to --workdir.
+
+The H200 run in experiments/results/throughput/ (a reduced grid, 127 s; see its README):
+
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m experiments.throughput --preset=codellama_7b \
+      --batches=1024,32,256 --prefixes=16384,1024 --new_tokens=128 --max_decode_s=1.0 \
+      --deadline_s=120 --workdir=$OUT/throughput
+
+A CPU smoke run:
+
+  python -m experiments.throughput --preset=tiny_gqa --batches=4,2 --prefixes=128,64 \
+      --new_tokens=8 --page_size=16 --workdir=/tmp/throughput
+
+Rebuild the tables and plots from a run's raw records:
+
+  python -m experiments.throughput --rebuild=experiments/results/throughput/raw.jsonl \
+      --workdir=/tmp/throughput
+"""
+
+import os
+import time
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hydrajax.benchmarking import (
+    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl,
+)
+from models import decode_benchmark as db
+from models.config import get_config
+from models.llama import Llama
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
+flags.DEFINE_integer('num_layers', 0, 'override the preset layer count (0: keep)')
+flags.DEFINE_list('batches', ['1024', '32', '256'], 'batch sizes B (run in this order)')
+flags.DEFINE_list('prefixes', ['16384', '1024'], 'shared prefix lengths P (run in this order)')
+flags.DEFINE_integer('new_tokens', 128, 'tokens generated per sequence M')
+flags.DEFINE_list('modes', ['no_attention', 'tree', 'paged', 'no_sharing'], 'modes, in run order')
+flags.DEFINE_list('impls', ['xla', 'mosaic_gpu'], 'implementations of the attention modes')
+flags.DEFINE_integer('page_size', 64, 'page size of the paged and no_sharing caches')
+flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per model call')
+flags.DEFINE_float('max_decode_s', 1.5, 'time at most about this long per point (fewer steps)')
+flags.DEFINE_float('deadline_s', 0.0, 'start no new point after this many seconds (0: none)')
+flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8 on CPU)')
+flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
+flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
+
+
+def _memory_limit() -> int:
+  if FLAGS.memory_limit_gb:
+    return int(FLAGS.memory_limit_gb * 2**30)
+  stats = jax.devices()[0].memory_stats() or {}
+  return int(stats.get('bytes_limit', 8 * 2**30))
+
+
+def _cases():
+  """Every point, in run order: batch, prefix, mode, implementation (as the flags list them)."""
+  for batch in (int(b) for b in FLAGS.batches):
+    for prefix in (int(p) for p in FLAGS.prefixes):
+      for mode in FLAGS.modes:
+        for impl in [''] if mode == 'no_attention' else FLAGS.impls:
+          yield db.Case(mode, impl, batch, prefix, FLAGS.new_tokens)
+
+
+def main(argv):
+  del argv
+  started = time.perf_counter()
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  overrides = {'num_layers': FLAGS.num_layers} if FLAGS.num_layers else {}
+  config = get_config(FLAGS.preset, **overrides)
+  if FLAGS.rebuild:
+    records = read_jsonl(FLAGS.rebuild)
+    meta, ceil = records[0]['meta'], records[0]['ceilings']
+    ceilings = Ceilings(ceil['copy_bandwidth'], ceil['matmul_rate'])
+    prefill = {r['prefix']: r['prefill_s'] for r in records if 'prefill_s' in r}
+    return _finish(records, config, ceilings, prefill, meta, records[0].get('run_s', 0.0))
+  if jax.default_backend() == 'gpu':
+    ceilings = measure_ceilings(repeats=3)
+  else:
+    ceilings = measure_ceilings(copy_bytes=2**22, matmul_size=256, repeats=1)
+  logging.info('ceilings: %.0f GB/s copy, %.1f TFLOP/s bf16 matmul',
+               ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
+  model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'raw.jsonl'))
+  memory_limit = _memory_limit()
+  prefixes, prefill = {}, {}
+  for prefix in (int(p) for p in FLAGS.prefixes):
+    k, v, first, seconds = db.prefill_prefix(model, prefix, chunk=FLAGS.prefill_chunk)
+    prefixes[prefix], prefill[prefix] = (k, v, first), seconds
+    logging.info('prefill P=%d: %.3f s (%.0f tokens/s)', prefix, seconds, prefix / seconds)
+  records = []
+  ceil = dict(copy_bandwidth=ceilings.copy_bandwidth, matmul_rate=ceilings.matmul_rate)
+  for case in _cases():
+    base = dict(name=case.name, mode=case.mode, impl=case.impl or 'none', batch=case.batch,
+                prefix=case.prefix, new_tokens=case.new_tokens)
+    if FLAGS.deadline_s and time.perf_counter() - started > FLAGS.deadline_s:
+      r = dict(base, status='skipped_deadline', reason=f'past --deadline_s={FLAGS.deadline_s}')
+    else:
+      k, v, first = prefixes[case.prefix]
+      try:
+        r = db.run_case(model, case, (k, v), first, page_size=FLAGS.page_size,
+                        memory_limit=memory_limit, max_decode_s=FLAGS.max_decode_s)
+      except Exception as e:  # a failing point is recorded; the sweep goes on
+        logging.exception('%s failed', case)
+        r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])
+    seconds = prefill[case.prefix]
+    r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
+             ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started)
+    records.append(r)
+    writer.append(r)
+    logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),
+                 f"{r['tokens_per_s']:.0f} tok/s" if 'tokens_per_s' in r else r.get('reason', ''))
+  _finish(records, config, ceilings, prefill, writer.meta, time.perf_counter() - started)
+
+
+def _finish(records, config, ceilings, prefill, meta, total_s):
+  db.add_derived(records, config, ceilings)
+  final = JsonlWriter(os.path.join(FLAGS.workdir, 'throughput.jsonl'), meta=meta)
+  with open(final.path, 'w'):
+    pass
+  for r in records:
+    final.append({k: v for k, v in r.items() if k not in ('meta', 'timestamp')})
+  _write_tables(records, config, ceilings, prefill, meta, total_s)
+  ok = [r for r in records if r.get('status') == 'ok']
+  for x, fixed, name in (('batch', ('prefix',), 'throughput_vs_batch.png'),
+                         ('prefix', ('batch',), 'throughput_vs_prefix.png')):
+    plot_sweeps(ok, x=x, y='tokens_per_s', series='name', fixed=fixed,
+                path=os.path.join(FLAGS.workdir, name),
+                title=f'{config.name} decode throughput', ylabel='decode tokens/s')
+
+
+def _ms(key):
+  return lambda r: None if r.get(key) is None else 1e3 * r[key]
+
+
+def _gb(key):
+  return lambda r: None if r.get(key) is None else r[key] / 2**30
+
+
+def _write_tables(records, config, ceilings, prefill, meta, total_s):
+  columns = [
+      ('mode', 'name'), ('B', 'batch'), ('P', 'prefix'), ('status', 'status'),
+      ('decode tok/s', 'tokens_per_s'), ('step ms', _ms('step_s')),
+      ('of no-attn', 'fraction_of_ceiling'), ('attn ms', _ms('attention_s')),
+      ('attn floor ms', _ms('attention_floor_s')), ('attn/floor', 'attention_over_floor'),
+      ('x paged xla', 'speedup_vs_paged_xla'), ('x paged mosaic', 'speedup_vs_paged_mosaic_gpu'),
+      ('x no-sharing xla', 'speedup_vs_no_sharing_xla'),
+      ('predicted tok/s', 'predicted_tokens_per_s'), ('matmul eff', 'matmul_efficiency'),
+      ('program GiB', _gb('program_bytes')), ('cache GiB', _gb('cache_bytes')),
+      ('steps timed', 'steps_timed'), ('compile s', 'compile_s'), ('ran as', 'resolved_impl'),
+  ]
+  rows = sorted(records, key=lambda r: (r['prefix'], r['batch'], r['name']))
+  head = [
+      f'# Decode throughput: {config.name}, random bf16 weights\n',
+      f'device: {meta.get("device")}, jax {meta.get("jax_version")}, '
+      f'command: `{meta.get("command")}`\n',
+      f'ceilings measured in this run: copy {ceilings.copy_bandwidth / 1e9:.0f} GB/s, '
+      f'bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s; total run {total_s:.0f} s\n',
+      'prefill (shared prefix once, separate from decode): '
+      + ', '.join(f'P={p}: {s:.3f} s ({p / s:.0f} tok/s)' for p, s in prefill.items()) + '\n',
+      'attn = step time minus the no-attention step time (same B, P); attn floor = '
+      'layers x max(bytes / copy rate, FLOPs / matmul rate) of this mode\'s attention '
+      '(tree: prefix read once); predicted tok/s = B / (no-attention step + tree attention '
+      'floor).\n',
+  ]
+  reasons = [f'- {r["name"]} B={r["batch"]} P={r["prefix"]}: {r["status"]}: {r.get("reason", "")}'
+             for r in rows if r.get('status') not in ('ok',)]
+  text = '\n'.join(head) + '\n' + markdown_table(rows, columns)
+  if reasons:
+    text += '\nNot measured:\n\n' + '\n'.join(reasons) + '\n'
+  with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
+    f.write(text)
+  estimates = db.max_batch_estimates(records, config)
+  with open(os.path.join(FLAGS.workdir, 'max_batch.md'), 'w') as f:
+    f.write('# Largest batch that fits (estimated from the compiled decode programs)\n\n')
+    f.write(markdown_table(estimates, [('mode', 'name'), ('P', 'prefix'),
+                                       ('measured at B', 'from_batch'),
+                                       ('MiB per row', lambda r: r['bytes_per_row'] / 2**20),
+                                       ('max batch', 'max_batch')]))
+  print(text)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,295 @@
+"""End-to-end decode throughput of the Llama with a shared prefix (Hydragen figures 3/4).
+
+B sequences share one P-token prompt and each generates M tokens. The prefix
+is prefilled once; then each mode lays out the KV cache its own way and runs
+the same jitted decode loop (`models.generate.decode`):
+
+  no_sharing    every row stores and reads its own prefix copy (FlashAttention-style baseline)
+  paged         the prefix pages are stored once but every row's page table lists them, so
+                each row reads them itself (the vLLM baseline)
+  tree          Hydragen: the prefix is one shared segment (matrix-matrix attention),
+                the generated tokens private pages
+  no_attention  the tree cache and every projection, without the attention product (ceiling)
+
+The first three run with an attention implementation (`xla`, or `mosaic_gpu`
+when it supports the inputs). Decode time is wall time around the whole
+jitted loop (one program, so no per-token host time), after a warm-up step;
+slow points time fewer steps (`steps_timed` says how many). Memory comes from
+XLA's analysis of the compiled decode program; points whose cache or program
+does not fit are recorded as such, not run.
+"""
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import hydrajax
+from hydrajax import AttentionImpl, PromptNode, SharingPlan
+from models.config import LlamaConfig
+from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
+from models.kv_cache import KVCache
+from models.llama import NO_ATTENTION, Llama
+from models.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+MODES = ('no_sharing', 'paged', 'tree', 'no_attention')
+GREEDY = SamplingConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One point of the grid."""
+
+  mode: str
+  impl: str  # 'xla' or 'mosaic_gpu'; '' for no_attention
+  batch: int
+  prefix: int
+  new_tokens: int
+
+  @property
+  def name(self) -> str:
+    return self.mode if self.mode == 'no_attention' else f'{self.mode}_{self.impl}'
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSetup:
+  """What a mode decodes with: the layout, the per-row spec and the cache size L."""
+
+  plan: SharingPlan
+  rows: RowSpec
+  kv_tokens: int
+  prefix_dest: np.ndarray  # [copies] flat token index where each copy of the prefix starts
+
+
+def decode_setup(case: Case, page_size: int) -> DecodeSetup:
+  """The cache layout of a mode (host side)."""
+  b, p, m = case.batch, case.prefix, case.new_tokens
+  if case.mode in ('tree', 'no_attention'):
+    capacity = -(-m // page_size) * page_size  # aligned pages suit the kernels
+    plan = hydrajax.plan_tree(PromptNode(p, num_samples=b), private_capacity=capacity)
+    base = np.array([pages[0] * plan.page_size for pages in plan.private_pages], np.int32)
+    return DecodeSetup(plan, _rows(p, base, 0), plan.kv_tokens, np.zeros(1, np.int32))
+  if p % page_size:
+    raise ValueError(f'prefix {p} must be a multiple of page_size {page_size} for {case.mode}')
+  own = -(-m // page_size)  # pages of generated tokens per row
+  if case.mode == 'paged':
+    shared = p // page_size
+    pages = tuple(tuple(range(shared)) + tuple(shared + r * own + i for i in range(own))
+                  for r in range(b))
+    length = p + b * own * page_size
+    base = p + np.arange(b, dtype=np.int32) * own * page_size
+    dest = np.zeros(1, np.int32)
+  elif case.mode == 'no_sharing':
+    per_row = p // page_size + own
+    pages = tuple(tuple(r * per_row + i for i in range(per_row)) for r in range(b))
+    length = b * per_row * page_size
+    base = np.arange(b, dtype=np.int32) * per_row * page_size + p
+    dest = np.arange(b, dtype=np.int32) * per_row * page_size
+  else:
+    raise ValueError(f'mode must be one of {MODES}, got {case.mode!r}')
+  plan = SharingPlan(b, (), page_size, pages, (p,) * b, length)
+  return DecodeSetup(plan, _rows(p, base, p), length, dest)
+
+
+def _rows(prefix: int, write_base: np.ndarray, private_base: int) -> RowSpec:
+  b = write_base.shape[0]
+  return RowSpec(
+      positions=jnp.full((b,), prefix, jnp.int32),
+      write_base=jnp.asarray(write_base, jnp.int32),
+      private_base=jnp.full((b,), private_base, jnp.int32),
+      sequence_ids=jnp.arange(b, dtype=jnp.int32),
+  )
+
+
+def cache_bytes(config: LlamaConfig, kv_tokens: int, itemsize: int) -> int:
+  return config.kv_bytes_per_token(itemsize) * kv_tokens
+
+
+def params_bytes(model: Llama) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def decode_matmul_flops(config: LlamaConfig, batch: int) -> float:
+  """Matmul FLOPs of one decode step outside attention (projections, MLP, LM head)."""
+  c = config
+  per_layer = c.dim * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.dim * c.mlp_dim
+  return 2.0 * batch * (c.num_layers * per_layer + c.dim * c.vocab_size)
+
+
+def prefill_prefix(model: Llama, prefix: int, *, chunk: int, seed: int = 0, impl=AttentionImpl.XLA):
+  """Prefills one random P-token prompt; returns (k, v [layers, P, K, H], last logits [V], seconds).
+
+  Runs twice (compile, then timed): the time is the second run's.
+  """
+  tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, prefix)
+  tp = plan_prompts([prompt_node(tokens)], max_new_tokens=1)
+  timing = None
+  for _ in range(2):
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype)
+    start = time.perf_counter()
+    first, cache = prefill(model, tp, cache, impl=impl, chunk=chunk)
+    jax.block_until_ready((first, cache))
+    timing = time.perf_counter() - start
+  k, v = cache.k[:, :prefix], cache.v[:, :prefix]
+  return k, v, first[0], timing
+
+
+def _build_cache(k, v, kv_tokens: int, dest: np.ndarray) -> KVCache:
+  """A cache of L tokens with the prefix k, v [layers, P, K, H] copied at every `dest`."""
+
+  @jax.jit
+  def build(k, v, dest):
+    nl, p, kh, h = k.shape
+    out = []
+    for x in (k, v):
+      buf = jnp.zeros((nl, kv_tokens, kh, h), x.dtype)
+      idx = (dest[:, None] + jnp.arange(p)[None]).reshape(-1)
+      out.append(buf.at[:, idx].set(jnp.tile(x, (1, dest.shape[0], 1, 1))))
+    return KVCache(*out)
+
+  return build(k, v, jnp.asarray(dest))
+
+
+def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: int,
+             memory_limit: int, max_decode_s: float) -> dict[str, Any]:
+  """Measures one point; returns its record (status 'ok', 'does_not_fit' or 'unsupported')."""
+  c = model.config
+  itemsize = jnp.dtype(model.dtype).itemsize
+  weights = params_bytes(model)
+  record: dict[str, Any] = dict(
+      mode=case.mode, impl=case.impl or 'none', name=case.name, batch=case.batch,
+      prefix=case.prefix, new_tokens=case.new_tokens, page_size=page_size,
+      weights_bytes=weights, memory_limit_bytes=memory_limit,
+  )
+  setup = decode_setup(case, page_size)
+  cbytes = cache_bytes(c, setup.kv_tokens, itemsize)
+  record.update(kv_tokens=setup.kv_tokens, cache_bytes=cbytes)
+  if weights + cbytes > memory_limit:
+    record.update(status='does_not_fit', reason='weights + KV cache exceed device memory')
+    return record
+  if case.impl == 'xla' and case.mode in ('paged', 'no_sharing'):
+    # The XLA path gathers every row's pages: K and V [B, S, K, H] of one layer at a time.
+    gather = 2 * case.batch * setup.plan.to_device().max_private_tokens * (
+        c.num_kv_heads * c.head_dim * itemsize)
+    record['gather_bytes_estimate'] = gather
+    if weights + cbytes + gather > memory_limit:
+      record.update(status='does_not_fit', reason='estimated: weights + cache + the XLA path\'s '
+                    'per-row gather of K and V [B, S, K, H] exceed device memory')
+      return record
+  impl = NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
+  layout = setup.plan.to_device()
+  if impl is not NO_ATTENTION:
+    q = jax.ShapeDtypeStruct((case.batch, 1, c.num_heads, c.head_dim), model.dtype)
+    kv = jax.ShapeDtypeStruct((c.num_layers * setup.kv_tokens, c.num_kv_heads, c.head_dim),
+                              model.dtype)
+    try:
+      resolved, _ = hydrajax.resolve(impl, q, kv, kv, layout)
+    except ValueError as e:
+      record.update(status='unsupported', reason=str(e))
+      return record
+    record['resolved_impl'] = resolved.value
+  cache = _build_cache(*prefix_kv, setup.kv_tokens, setup.prefix_dest)
+  key = jax.random.key(0)
+  stops = jnp.zeros((0,), jnp.int32)
+  first = jnp.broadcast_to(first_logits, (case.batch, first_logits.shape[-1]))
+  state = start_decode(cache, first, setup.rows, key, stops, max_new_tokens=case.new_tokens,
+                       sampling=GREEDY)
+  graphdef, params = nnx.split(model)
+  start = time.perf_counter()
+  compiled = decode.lower(graphdef, params, state, layout, setup.rows, key, stops, jnp.int32(1),
+                          sampling=GREEDY, impl=impl).compile()
+  record['compile_s'] = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    program = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes)
+    record.update(program_bytes=program, temp_bytes=mem.temp_size_in_bytes)
+    if program > memory_limit:
+      record.update(status='does_not_fit', reason='decode program (weights, cache, temporaries) '
+                    'exceeds device memory')
+      return record
+  run = lambda state, n: compiled(params, state, layout, setup.rows, key, stops, jnp.int32(n))
+  start = time.perf_counter()
+  state = jax.block_until_ready(run(state, 1))  # warm-up step
+  warm = time.perf_counter() - start
+  left = case.new_tokens - int(state.step)
+  steps = max(1, min(left, int(max_decode_s / max(warm, 1e-6))))
+  first_step = int(state.step)
+  start = time.perf_counter()
+  state = jax.block_until_ready(run(state, steps))
+  elapsed = time.perf_counter() - start
+  steps = int(state.step) - first_step
+  step_s = elapsed / steps
+  stats = jax.devices()[0].memory_stats() or {}
+  record.update(
+      status='ok', steps_timed=steps, first_step=first_step, decode_s=elapsed, step_s=step_s,
+      warmup_step_s=warm, tokens_per_s=case.batch / step_s,
+      suffix_mid=first_step + steps / 2,
+      peak_bytes_in_use=stats.get('peak_bytes_in_use'),
+  )
+  del state
+  return record
+
+
+def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) -> None:
+  """Floors, attention shares, speedups and targets, from the measured points (in place)."""
+  from hydrajax.benchmarking import per_sequence_cost, shared_prefix_cost
+
+  c = config
+  ok = {(r['name'], r['batch'], r['prefix']): r for r in records if r.get('status') == 'ok'}
+  for r in records:
+    if r.get('status') != 'ok':
+      continue
+    b, p = r['batch'], r['prefix']
+    suffix = max(1, int(round(r['suffix_mid'])))
+    cost_fn = shared_prefix_cost if r['mode'] in ('tree', 'no_attention') else per_sequence_cost
+    cost = cost_fn(b, p, suffix, c.num_heads, c.num_kv_heads, c.head_dim)
+    r['attention_floor_s'] = c.num_layers * cost.floor_s(ceilings)
+    tree_cost = shared_prefix_cost(b, p, suffix, c.num_heads, c.num_kv_heads, c.head_dim)
+    r['tree_attention_floor_s'] = c.num_layers * tree_cost.floor_s(ceilings)
+    flops = decode_matmul_flops(c, b)
+    r['matmul_flops_per_step'] = flops
+    ceiling = ok.get(('no_attention', b, p))
+    if r['mode'] == 'no_attention':
+      r['matmul_efficiency'] = flops / r['step_s'] / ceilings.matmul_rate
+    if ceiling is not None:
+      r['attention_s'] = r['step_s'] - ceiling['step_s']
+      r['attention_over_floor'] = r['attention_s'] / r['attention_floor_s']
+      r['fraction_of_ceiling'] = r['tokens_per_s'] / ceiling['tokens_per_s']
+      r['predicted_tokens_per_s'] = b / (ceiling['step_s'] + r['tree_attention_floor_s'])
+    for base in ('paged', 'no_sharing'):
+      for impl in ('xla', 'mosaic_gpu'):
+        other = ok.get((f'{base}_{impl}', b, p))
+        if other is not None and r['mode'] in ('tree',):
+          r[f'speedup_vs_{base}_{impl}'] = r['tokens_per_s'] / other['tokens_per_s']
+
+
+def max_batch_estimates(records: list[dict[str, Any]], config: LlamaConfig) -> list[dict]:
+  """Largest batch that fits, per (name, prefix): weights + per-row bytes (cache + temporaries).
+
+  Per-row bytes come from the largest measured (compiled) batch of that mode:
+  (program bytes - weights - the prefix stored once) / batch.
+  """
+  out = []
+  best: dict[tuple, dict] = {}
+  for r in records:
+    if r.get('program_bytes') is None:
+      continue
+    key = (r['name'], r['prefix'])
+    if key not in best or r['batch'] > best[key]['batch']:
+      best[key] = r
+  itemsize = 2
+  for (name, prefix), r in sorted(best.items()):
+    shared = 0 if r['mode'] == 'no_sharing' else config.kv_bytes_per_token(itemsize) * prefix
+    fixed = r['weights_bytes'] + shared
+    per_row = max(1.0, (r['program_bytes'] - fixed) / r['batch'])
+    out.append(dict(name=name, prefix=prefix, from_batch=r['batch'], bytes_per_row=per_row,
+                    max_batch=int(max(0, (r['memory_limit_bytes'] - fixed) // per_row))))
+  return out

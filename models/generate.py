@@ -1,0 +1,540 @@
+"""Generation from a sharing tree of prompts: shared prefill once, one jitted decode loop.
+
+Prompts are a forest of `hydrajax.PromptNode`s carrying token ids (see
+`prompt_node`), or plain token lists whose shared prefixes
+`hydrajax.plan_from_tokens` finds. Every leaf continues into `num_samples`
+sequences (rows, depth-first). The KV buffer is the one `plan_tree` lays out:
+each tree node's tokens once, then a private region of `max_new_tokens` (rounded
+up to PRIVATE_ALIGN) per row.
+
+Prefill: every tree node is one row of a model call, in rounds of at most
+`prefill_chunk` tokens per node (see `prefill_calls`). What a prefill row
+attends is a `SharingPlan`: its ancestors as shared segments, its own tokens
+as private pages of size 1. So a segment shared by 128 samples is prefilled
+once, not 128 times.
+
+Decode: one jitted `lax.while_loop` (no host round trip per token) with the
+cache donated. Each step feeds every row's last token at its next private
+slot and samples the next one. Rows that hit a stop token keep running
+(static batch) but their outputs are -1 from then on; the loop ends early when
+every row is done.
+
+`impl=NAIVE` runs the ground truth instead: every sequence's full prompt in
+its own dense cache and `hydrajax.naive_attention`.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import hydrajax
+from hydrajax import AttentionImpl, PromptNode, Segment, SharingPlan, TreeLayout
+from models.kv_cache import DenseKVCache, KVCache
+from models.llama import Llama
+from models.sampling import SamplingConfig, row_keys, sample, token_logprobs
+
+NAIVE = 'naive'  # an `impl` value of `generate`: dense per-sequence caches (ground truth)
+# Private regions are rounded up to this many tokens: the KV buffer length and the
+# page size are then multiples of it, as the Pallas kernels' TMA tiling wants.
+PRIVATE_ALIGN = 64
+
+
+def prompt_node(tokens: Sequence[int], children: Sequence[PromptNode] = (), *,
+                num_samples: int = 1, label: str = '') -> PromptNode:
+  """A `PromptNode` holding its token ids."""
+  tokens = tuple(int(t) for t in tokens)
+  return PromptNode(len(tokens), tuple(children), num_samples, label, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """Generated tokens, one row per sample, ordered by (prompt, sample).
+
+  Attributes:
+    tokens: [R, max_new_tokens] int32; -1 after a row's stop token.
+    lengths: [R] tokens generated per row, the stop token included.
+    logprobs: [R, max_new_tokens] float32 model log-probs of the tokens (0 after the end), or None.
+    prompt_ids: [R] the prompt (input list index, or depth-first leaf index of a tree).
+    sample_ids: [R] which sample of its prompt.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  logprobs: np.ndarray | None
+  prompt_ids: np.ndarray
+  sample_ids: np.ndarray
+
+
+# ---------------------------------------------------------------------------
+# Prompt forests
+
+
+@dataclasses.dataclass
+class _Node:
+  tokens: tuple[int, ...]
+  children: list['_Node']
+  num_samples: int = 1
+  prompt_id: int = -1  # leaves: output group
+
+
+def _from_prompt_nodes(roots: Sequence[PromptNode]) -> list[_Node]:
+  leaf_count = 0
+
+  def convert(node: PromptNode) -> _Node:
+    nonlocal leaf_count
+    if node.tokens is None and node.length:
+      raise ValueError('generate needs token ids on every PromptNode (use prompt_node(tokens))')
+    out = _Node(node.tokens or (), [], node.num_samples)
+    if node.children:
+      out.children = [convert(c) for c in node.children]
+    else:
+      out.prompt_id, leaf_count = leaf_count, leaf_count + 1
+    return out
+
+  return [convert(r) for r in roots]
+
+
+def _from_token_lists(sequences: Sequence[Sequence[int]], num_samples: int) -> list[_Node]:
+  """A forest from the radix tree `plan_from_tokens` finds (children ordered by first row)."""
+  tp = hydrajax.plan_from_tokens(sequences)
+  plan = tp.plan
+  nodes = [_Node(tuple(t), []) for t in tp.segment_tokens]
+  keyed: dict[int, list[tuple[int, _Node]]] = {}  # parent segment (-1: root) -> (first row, node)
+  for j, seg in enumerate(plan.segments):
+    keyed.setdefault(seg.parent, []).append((seg.row_begin, nodes[j]))
+  for row in range(plan.num_rows):
+    path = plan.path(row)
+    leaf = _Node(tuple(tp.private_tokens[row]), [], num_samples, tp.order[row])
+    keyed.setdefault(path[-1] if path else -1, []).append((row, leaf))
+  for j, node in enumerate(nodes):
+    node.children = [n for _, n in sorted(keyed.get(j, []), key=lambda x: x[0])]
+  return [n for _, n in sorted(keyed.get(-1, []), key=lambda x: x[0])]
+
+
+def _to_prompt_nodes(forest: list[_Node]) -> list[PromptNode]:
+  def convert(n: _Node) -> PromptNode:
+    return prompt_node(n.tokens, [convert(c) for c in n.children],
+                       num_samples=1 if n.children else n.num_samples)
+  return [convert(n) for n in forest]
+
+
+def _preorder(forest: list[_Node]) -> list[tuple[_Node, int, tuple[int, ...]]]:
+  """(node, depth, ancestor preorder indices) in preorder: the segment order of `plan_tree`."""
+  out = []
+
+  def visit(n: _Node, depth: int, ancestors: tuple[int, ...]) -> None:
+    index = len(out)
+    out.append((n, depth, ancestors))
+    for c in n.children:
+      visit(c, depth + 1, ancestors + (index,))
+
+  for r in forest:
+    visit(r, 0, ())
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePrompts:
+  """A prompt forest planned for decoding (host side).
+
+  Attributes:
+    plan: the decode plan (every node a segment; a private page of `max_new_tokens` rounded
+      up to PRIVATE_ALIGN per row).
+    nodes: (tokens, depth, ancestor segment indices) per segment, in segment order.
+    row_node: per row, the deepest non-empty segment on its path (its last prompt token).
+    prompt_lengths: [B] prompt tokens per row.
+    prompt_ids, sample_ids: [B] output grouping of the rows.
+  """
+
+  plan: SharingPlan
+  nodes: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]
+  row_node: np.ndarray
+  prompt_lengths: np.ndarray
+  prompt_ids: np.ndarray
+  sample_ids: np.ndarray
+
+  @property
+  def num_rows(self) -> int:
+    return self.plan.num_rows
+
+
+def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreePrompts:
+  """Plans a forest of `PromptNode`s with tokens, or token lists, for `max_new_tokens`."""
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  if num_samples < 1:
+    raise ValueError(f'num_samples must be >= 1, got {num_samples}')
+  if isinstance(prompts, PromptNode):
+    prompts = [prompts]
+  prompts = list(prompts)
+  if not prompts:
+    raise ValueError('prompts must not be empty')
+  if all(isinstance(p, PromptNode) for p in prompts):
+    if num_samples != 1:
+      raise ValueError('with PromptNode trees, give num_samples on the leaves (num_samples=1 here)')
+    forest = _from_prompt_nodes(prompts)
+  elif any(isinstance(p, PromptNode) for p in prompts):
+    raise ValueError('prompts must be all PromptNodes or all token lists')
+  else:
+    forest = _from_token_lists(prompts, num_samples)
+  order = _preorder(forest)
+  capacity = -(-max_new_tokens // PRIVATE_ALIGN) * PRIVATE_ALIGN
+  plan = hydrajax.plan_tree(_to_prompt_nodes(forest), private_capacity=capacity)
+  row_node, prompt_ids, sample_ids = [], [], []
+  for j, (node, _, ancestors) in enumerate(order):
+    if node.children:
+      continue
+    path = [a for a in ancestors + (j,) if order[a][0].tokens]
+    if not path:
+      raise ValueError(f'prompt {node.prompt_id} is empty: every sequence needs >= 1 prompt token')
+    row_node += [path[-1]] * node.num_samples
+    prompt_ids += [node.prompt_id] * node.num_samples
+    sample_ids += list(range(node.num_samples))
+  lengths = [plan.private_position(r) for r in range(plan.num_rows)]
+  return TreePrompts(
+      plan=plan,
+      nodes=tuple((n.tokens, d, a) for n, d, a in order),
+      row_node=np.array(row_node, np.int32),
+      prompt_lengths=np.array(lengths, np.int32),
+      prompt_ids=np.array(prompt_ids, np.int32),
+      sample_ids=np.array(sample_ids, np.int32),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+  """The inputs of one prefill model call (host arrays) and where its last-token logits go."""
+
+  tokens: np.ndarray  # [B, T] int32
+  positions: np.ndarray  # [B, T] int32
+  write_slots: np.ndarray  # [B, T] int32, >= L for padding
+  plan: SharingPlan
+  max_private_pages: int
+  last_index: np.ndarray  # [B] int32: index in T of the row's last token, or -1
+  segment_ids: np.ndarray  # [B] the segment (node) each row prefills, -1 for a dummy row
+
+
+def prefill_calls(tp: TreePrompts, chunk: int) -> list[PrefillCall]:
+  """The prefill schedule: rounds of up to T = `chunk` tokens of every node that is ready.
+
+  A node is ready in a round when each of its ancestors is complete by the end
+  of that round: the model writes every row's K/V of a layer before that
+  layer's attention, so a child may run in the round that finishes its parent.
+  A tree whose nodes all fit in one chunk is prefilled in one call. Rows are
+  padded to the largest round (dummy rows write nothing), so that rounds of
+  one tree share a compile.
+  """
+  if chunk < 1:
+    raise ValueError(f'prefill_chunk must be >= 1, got {chunk}')
+  plan, length = tp.plan, tp.plan.kv_tokens
+  sizes = {j: len(toks) for j, (toks, _, _) in enumerate(tp.nodes) if toks}
+  t = min(chunk, -(-max(sizes.values()) // 8) * 8)
+  width = -(-max(sizes.values()) // t) * t
+  done = dict.fromkeys(sizes, 0)
+  rounds = []
+  while any(done[j] < n for j, n in sizes.items()):
+    ready = [
+        j for j, n in sizes.items()
+        if done[j] < n and all(sizes[a] - done[a] <= t for a in tp.nodes[j][2] if a in sizes)
+    ]
+    rounds.append([(j, done[j]) for j in ready])
+    for j in ready:
+      done[j] = min(done[j] + t, sizes[j])
+  num_rows = max(len(r) for r in rounds)
+  calls = []
+  for work in rounds:
+    tokens = np.zeros((num_rows, t), np.int32)
+    positions = np.zeros((num_rows, t), np.int32)
+    slots = np.full((num_rows, t), length, np.int32)
+    last = np.full((num_rows,), -1, np.int32)
+    ids = np.full((num_rows,), -1, np.int32)
+    pages = [(0,) * width] * num_rows
+    lengths = [t] * num_rows
+    for r, (j, start) in enumerate(work):
+      toks, seg = tp.nodes[j][0], plan.segments[j]
+      offsets = start + np.arange(t)
+      valid = offsets < len(toks)
+      tokens[r, valid] = np.asarray(toks, np.int32)[offsets[valid]]
+      positions[r] = seg.position + offsets
+      slots[r, valid] = seg.kv_start + offsets[valid]
+      if start <= len(toks) - 1 < start + t:
+        last[r] = len(toks) - 1 - start
+      ids[r] = j
+      own = np.arange(width)
+      pages[r] = tuple(int(p) for p in np.where(own < len(toks), seg.kv_start + own, 0))
+      lengths[r] = start + t
+    segments = []  # the ancestors of this round's rows, restricted to them
+    for a in sorted({a for j, _ in work for a in tp.nodes[j][2] if a in sizes}):
+      rows = [r for r, (j, _) in enumerate(work) if a in tp.nodes[j][2]]
+      s = plan.segments[a]
+      segments.append(Segment(s.kv_start, s.kv_length, rows[0], rows[-1] + 1, -1, s.position))
+    segments = [dataclasses.replace(s, parent=_parent(segments, i)) for i, s in enumerate(segments)]
+    step_plan = SharingPlan(num_rows, tuple(segments), 1, tuple(pages), tuple(lengths), length)
+    calls.append(PrefillCall(tokens, positions, slots, step_plan, width, last, ids))
+  return calls
+
+
+def _parent(segments: list[Segment], i: int) -> int:
+  """The nearest earlier segment whose rows contain segment i's rows (ancestors come first)."""
+  s = segments[i]
+  for k in range(i - 1, -1, -1):
+    p = segments[k]
+    if p.row_begin <= s.row_begin and s.row_end <= p.row_end:
+      return k
+  return -1
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
+def _prefill_step(graphdef, params, tokens, positions, cache, slots, layout, last_index, *, impl):
+  model = nnx.merge(graphdef, params)
+  h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
+  last = jnp.take_along_axis(h, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
+  return model.logits(last), cache  # [B, V] float32
+
+
+def prefill(model: Llama, tp: TreePrompts, cache: KVCache, *, impl=AttentionImpl.AUTO,
+            chunk: int = 512) -> tuple[jax.Array, KVCache]:
+  """Writes every node's KV once; returns (first-token logits [rows, V], cache)."""
+  graphdef, params = nnx.split(model)
+  node_logits: dict[int, jax.Array] = {}
+  for call in prefill_calls(tp, chunk):
+    layout = call.plan.to_device(max_private_pages=call.max_private_pages)
+    logits, cache = _prefill_step(
+        graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
+        jnp.asarray(call.write_slots), layout, jnp.asarray(call.last_index), impl=impl)
+    for r in np.flatnonzero(call.last_index >= 0):
+      node_logits[int(call.segment_ids[r])] = logits[r]
+  first = jnp.stack([node_logits[int(j)] for j in tp.row_node])
+  return first, cache
+
+
+# ---------------------------------------------------------------------------
+# Decode
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+  """Per-row constants of decoding: where generated token j of row b goes.
+
+  Token j is at sequence position `positions[b] + j`, flat slot
+  `write_base[b] + j` (tree) and makes the row's private length
+  `private_base[b] + j + 1`. `sequence_ids` seed the row's random draws.
+  """
+
+  positions: jax.Array  # [B] int32
+  write_base: jax.Array  # [B] int32
+  private_base: jax.Array  # [B] int32
+  sequence_ids: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """The decode loop's carry; `step` tokens of every row are generated."""
+
+  step: jax.Array  # [] int32
+  cache: Any  # KVCache or DenseKVCache
+  tokens: jax.Array  # [B, M] int32, -1 where none
+  logprobs: jax.Array  # [B, M] float32
+  done: jax.Array  # [B] bool
+  lengths: jax.Array  # [B] int32
+
+
+def _sequence_ids(tp: TreePrompts) -> np.ndarray:
+  """A row's identity for its random draws: (prompt, sample), independent of the row order."""
+  return (tp.prompt_ids * (int(tp.sample_ids.max()) + 1) + tp.sample_ids).astype(np.int32)
+
+
+def tree_rows(tp: TreePrompts) -> RowSpec:
+  plan = tp.plan
+  base = [plan.private_pages[r][0] * plan.page_size for r in range(plan.num_rows)]
+  return RowSpec(
+      positions=jnp.asarray(tp.prompt_lengths),
+      write_base=jnp.asarray(np.array(base, np.int32)),
+      private_base=jnp.zeros((plan.num_rows,), jnp.int32),
+      sequence_ids=jnp.asarray(_sequence_ids(tp)),
+  )
+
+
+def _record(state: DecodeState, logits, key, rows: RowSpec, stop_tokens, sampling) -> DecodeState:
+  """Samples token `state.step` of every row from logits [B, V]."""
+  new = sample(logits, row_keys(key, rows.sequence_ids, state.step), sampling)
+  live = ~state.done
+  tokens = state.tokens.at[:, state.step].set(jnp.where(live, new, -1))
+  logprobs = state.logprobs.at[:, state.step].set(jnp.where(live, token_logprobs(logits, new), 0))
+  done = state.done | jnp.isin(new, stop_tokens)
+  return DecodeState(state.step + 1, state.cache, tokens, logprobs, done,
+                     state.lengths + live.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=('max_new_tokens', 'sampling'),
+                   donate_argnames=('cache',))
+def start_decode(cache, first_logits, rows: RowSpec, key, stop_tokens, *, max_new_tokens: int,
+                 sampling: SamplingConfig) -> DecodeState:
+  """The decode state after sampling the first token from the prefill logits."""
+  b = first_logits.shape[0]
+  state = DecodeState(
+      jnp.zeros((), jnp.int32), cache, jnp.full((b, max_new_tokens), -1, jnp.int32),
+      jnp.zeros((b, max_new_tokens), jnp.float32), jnp.zeros((b,), bool),
+      jnp.zeros((b,), jnp.int32),
+  )
+  return _record(state, first_logits, key, rows, stop_tokens, sampling)
+
+
+def _loop(forward, state: DecodeState, rows, key, stop_tokens, num_steps, sampling):
+  end = jnp.minimum(state.step + num_steps, state.tokens.shape[1])
+
+  def cond(s):
+    return (s.step < end) & ~jnp.all(s.done)
+
+  def body(s):
+    j = s.step - 1  # index of the token fed now
+    last = jnp.maximum(jax.lax.dynamic_index_in_dim(s.tokens, j, axis=1, keepdims=False), 0)
+    logits, cache = forward(s.cache, last, j)
+    s = dataclasses.replace(s, cache=cache)
+    return _record(s, logits, key, rows, stop_tokens, sampling)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'sampling', 'impl'),
+                   donate_argnames=('state',))
+def decode(graphdef, params, state: DecodeState, layout: TreeLayout, rows: RowSpec, key,
+           stop_tokens, num_steps, *, sampling: SamplingConfig, impl) -> DecodeState:
+  """Up to `num_steps` more tokens per row (the whole loop is this one program)."""
+  model = nnx.merge(graphdef, params)
+
+  def forward(cache, last, j):
+    lay = dataclasses.replace(layout, private_lengths=rows.private_base + j + 1)
+    logits, cache = model(last[:, None], (rows.positions + j)[:, None], cache,
+                          (rows.write_base + j)[:, None], lay, impl=impl)
+    return logits[:, 0], cache
+
+  return _loop(forward, state, rows, key, stop_tokens, num_steps, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'sampling'), donate_argnames=('state',))
+def _decode_naive(graphdef, params, state: DecodeState, rows: RowSpec, key, stop_tokens,
+                  num_steps, *, sampling):
+  model = nnx.merge(graphdef, params)
+
+  def forward(cache, last, j):
+    logits, cache = model.forward_naive(last[:, None], (rows.positions + j)[:, None], cache)
+    return logits[:, 0], cache
+
+  return _loop(forward, state, rows, key, stop_tokens, num_steps, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+def _prefill_naive(graphdef, params, tokens, cache, last_index):
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  logits, cache = model.forward_naive(tokens, positions, cache)
+  return jnp.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0], cache
+
+
+def _row_prompts(tp: TreePrompts) -> list[list[int]]:
+  """Every row's full prompt (root to leaf)."""
+  out = []
+  for r in range(tp.num_rows):
+    out.append([t for j in tp.plan.path(r) for t in tp.nodes[j][0]])
+  return out
+
+
+# ---------------------------------------------------------------------------
+# The API
+
+
+def generate(
+    model: Llama,
+    prompts,
+    *,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    return_logprobs: bool = False,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    prefill_impl: AttentionImpl | str | None = None,
+    prefill_chunk: int = 512,
+    cache_dtype=None,
+) -> GenerateOutput:
+  """Samples `max_new_tokens` tokens per sequence from a prompt forest.
+
+  Args:
+    model: the Llama.
+    prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
+      `num_samples`), or a list of token-id lists (shared prefixes found
+      automatically, `num_samples` each).
+    max_new_tokens: tokens generated per sequence (fewer after a stop token).
+    num_samples: samples per token list.
+    sampling: greedy (default), temperature, top-k, top-p.
+    seed: the random seed of sampling.
+    stop_tokens: ids that end a sequence (the stop token is returned).
+    return_logprobs: also return the model log-probs of the generated tokens.
+    impl: attention for decode: an `AttentionImpl`, `models.llama.NO_ATTENTION`, or `NAIVE`
+      (dense per-sequence caches: the ground truth).
+    prefill_impl: attention for prefill (default: XLA when impl is XLA, else AUTO).
+    prefill_chunk: prefill tokens per node per model call.
+    cache_dtype: KV cache dtype (default: the model's).
+  """
+  tp = plan_prompts(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples)
+  dtype = cache_dtype or model.dtype
+  key = jax.random.key(seed)
+  stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
+  graphdef, params = nnx.split(model)
+  if impl == NAIVE:
+    state, rows = _naive_run(model, graphdef, params, tp, dtype, key, stops, max_new_tokens,
+                             sampling)
+  else:
+    if prefill_impl is None:
+      prefill_impl = AttentionImpl.XLA if impl in (AttentionImpl.XLA, 'xla') else AttentionImpl.AUTO
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
+    first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
+    rows = tree_rows(tp)
+    state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
+                         sampling=sampling)
+    state = decode(graphdef, params, state, tp.plan.to_device(), rows, key, stops,
+                   jnp.int32(max_new_tokens), sampling=sampling, impl=impl)
+  order = np.lexsort((tp.sample_ids, tp.prompt_ids))
+  tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
+  return GenerateOutput(
+      tokens=tokens[order],
+      lengths=lengths[order],
+      logprobs=np.asarray(state.logprobs)[order] if return_logprobs else None,
+      prompt_ids=tp.prompt_ids[order],
+      sample_ids=tp.sample_ids[order],
+  )
+
+
+def _naive_run(model, graphdef, params, tp, dtype, key, stops, max_new_tokens, sampling):
+  prompts = _row_prompts(tp)
+  longest = max(len(p) for p in prompts)
+  tokens = np.zeros((len(prompts), longest), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, : len(p)] = p
+  cache = DenseKVCache.zeros(model.config, len(prompts), longest + max_new_tokens, dtype)
+  last = jnp.asarray(tp.prompt_lengths - 1)
+  first, cache = _prefill_naive(graphdef, params, jnp.asarray(tokens), cache, last)
+  rows = RowSpec(
+      positions=jnp.asarray(tp.prompt_lengths),
+      write_base=jnp.zeros_like(last),
+      private_base=jnp.zeros_like(last),
+      sequence_ids=jnp.asarray(_sequence_ids(tp)),
+  )
+  state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
+                       sampling=sampling)
+  state = _decode_naive(graphdef, params, state, rows, key, stops, jnp.int32(max_new_tokens),
+                        sampling=sampling)
+  return state, rows

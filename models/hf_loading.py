@@ -1,0 +1,217 @@
+"""Hugging Face Llama checkpoints -> `Llama`, and orbax save/restore of converted params.
+
+A HF folder holds `config.json` and either `model.safetensors` or shards
+listed by `model.safetensors.index.json`. Tensors are read one at a time
+(numpy, bf16 through ml_dtypes), transposed to our layouts, cast and stacked
+over layers:
+
+  model.embed_tokens.weight             [V, D]    -> embed [V, D]
+  layers.i.self_attn.q_proj.weight      [N*H, D]  -> layers.wq [layers, D, N, H]
+  layers.i.self_attn.{k,v}_proj.weight  [K*H, D]  -> layers.wk, wv [layers, D, K, H]
+  layers.i.self_attn.o_proj.weight      [D, N*H]  -> layers.wo [layers, N, H, D]
+  layers.i.mlp.{gate,up}_proj.weight    [F, D]    -> layers.w_gate, w_up [layers, D, F]
+  layers.i.mlp.down_proj.weight         [D, F]    -> layers.w_down [layers, F, D]
+  layers.i.{input,post_attention}_layernorm.weight -> layers.attn_norm, mlp_norm [layers, D]
+  model.norm.weight                     [D]       -> final_norm
+  lm_head.weight                        [V, D]    -> lm_head [D, V] (absent when tied)
+
+HF's q/k projections are already in the rotate-half RoPE layout we use.
+Missing, unexpected or mis-shaped tensors raise ValueError naming them.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from models.config import LlamaConfig, from_hf_dict, load_hf_config
+from models.llama import Llama
+
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+_IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints saved
+
+# Per-layer HF tensor -> (our stacked parameter, converter from HF's array given the config).
+_LAYER_TENSORS: dict[str, tuple[str, Callable[[np.ndarray, LlamaConfig], np.ndarray]]] = {
+    'input_layernorm.weight': ('attn_norm', lambda w, c: w),
+    'self_attn.q_proj.weight': ('wq', lambda w, c: w.T.reshape(c.dim, c.num_heads, c.head_dim)),
+    'self_attn.k_proj.weight': ('wk', lambda w, c: w.T.reshape(c.dim, c.num_kv_heads, c.head_dim)),
+    'self_attn.v_proj.weight': ('wv', lambda w, c: w.T.reshape(c.dim, c.num_kv_heads, c.head_dim)),
+    'self_attn.o_proj.weight': ('wo', lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.dim)),
+    'post_attention_layernorm.weight': ('mlp_norm', lambda w, c: w),
+    'mlp.gate_proj.weight': ('w_gate', lambda w, c: w.T),
+    'mlp.up_proj.weight': ('w_up', lambda w, c: w.T),
+    'mlp.down_proj.weight': ('w_down', lambda w, c: w.T),
+}
+
+
+def expected_hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """Every tensor a HF LlamaForCausalLM checkpoint of this config holds, with its shape."""
+  c = config
+  per_layer = {
+      'input_layernorm.weight': (c.dim,),
+      'self_attn.q_proj.weight': (c.num_heads * c.head_dim, c.dim),
+      'self_attn.k_proj.weight': (c.num_kv_heads * c.head_dim, c.dim),
+      'self_attn.v_proj.weight': (c.num_kv_heads * c.head_dim, c.dim),
+      'self_attn.o_proj.weight': (c.dim, c.num_heads * c.head_dim),
+      'post_attention_layernorm.weight': (c.dim,),
+      'mlp.gate_proj.weight': (c.mlp_dim, c.dim),
+      'mlp.up_proj.weight': (c.mlp_dim, c.dim),
+      'mlp.down_proj.weight': (c.dim, c.mlp_dim),
+  }
+  shapes = {'model.embed_tokens.weight': (c.vocab_size, c.dim), 'model.norm.weight': (c.dim,)}
+  for i in range(c.num_layers):
+    shapes.update({f'model.layers.{i}.{k}': v for k, v in per_layer.items()})
+  if not c.tie_embeddings:
+    shapes['lm_head.weight'] = (c.vocab_size, c.dim)
+  return shapes
+
+
+def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
+  """Tensor name -> file, for a single-file or an index-sharded checkpoint folder."""
+  path = os.fspath(path)
+  index = os.path.join(path, INDEX_FILE)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)['weight_map']
+    files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+    for file in sorted(set(files.values())):
+      if not os.path.exists(file):
+        raise ValueError(f'{INDEX_FILE} lists {os.path.basename(file)}, which is not in {path}')
+    return files
+  single = os.path.join(path, SINGLE_FILE)
+  if os.path.exists(single):
+    with safe_open(single, 'numpy') as f:
+      return {name: single for name in f.keys()}
+  raise ValueError(f'no {SINGLE_FILE} or {INDEX_FILE} in {path}')
+
+
+@contextlib.contextmanager
+def _open_all(files: dict[str, str]) -> Iterator[tuple[Callable, Callable]]:
+  """Yields (get: name -> array, shape_of: name -> shape) over all files of a checkpoint."""
+  with contextlib.ExitStack() as stack:
+    handles = {file: stack.enter_context(safe_open(file, 'numpy')) for file in set(files.values())}
+    yield (lambda name: handles[files[name]].get_tensor(name),
+           lambda name: handles[files[name]].get_slice(name).get_shape())
+
+
+def _check_names_and_shapes(files: dict[str, str], shapes_of: Callable[[str], tuple[int, ...]],
+                            config: LlamaConfig) -> None:
+  expected = expected_hf_shapes(config)
+  present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+  if config.tie_embeddings:
+    present.discard('lm_head.weight')  # some tied checkpoints store the alias; it is unused
+  missing = sorted(set(expected) - present)
+  extra = sorted(present - set(expected))
+  if missing:
+    raise ValueError(f'checkpoint is missing {len(missing)} tensors for {config.name or "config"}: '
+                     f'{missing[:8]}{" ..." if len(missing) > 8 else ""}')
+  if extra:
+    raise ValueError(f'checkpoint has {len(extra)} unexpected tensors: '
+                     f'{extra[:8]}{" ..." if len(extra) > 8 else ""}')
+  for name, want in expected.items():
+    got = tuple(shapes_of(name))
+    if got != want:
+      raise ValueError(f'tensor {name} has shape {got}, expected {want}')
+
+
+def convert_hf_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, dtype) -> dict:
+  """Our parameter tree (a pure dict of numpy arrays in `dtype`) from HF tensors by name."""
+  np_dtype = np.dtype(jnp.dtype(dtype))
+  cast = lambda x: np.asarray(x).astype(np_dtype)
+  layers = {
+      i: {ours: cast(convert(get(f'model.layers.{i}.{hf_name}'), config))
+          for hf_name, (ours, convert) in _LAYER_TENSORS.items()}
+      for i in range(config.num_layers)
+  }
+  params = {
+      'embed': cast(get('model.embed_tokens.weight')),
+      'layers': layers,
+      'final_norm': cast(get('model.norm.weight')),
+  }
+  if not config.tie_embeddings:
+    params['lm_head'] = cast(get('lm_head.weight').T)
+  return params
+
+
+def abstract_model(config: LlamaConfig, dtype) -> Llama:
+  """A Llama with shape-only parameters (no memory, no random init)."""
+  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype))
+
+
+def model_from_params(config: LlamaConfig, params: dict, dtype) -> Llama:
+  """A Llama whose parameters are `params` (a pure dict like `nnx.to_pure_dict(state)`)."""
+  graphdef, state = nnx.split(abstract_model(config, dtype))
+  want = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), nnx.to_pure_dict(state))
+  got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), params)
+  if want != got:
+    raise ValueError(f'parameter tree does not match the model: expected {want}, got {got}')
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+  return nnx.merge(graphdef, state)
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, config: LlamaConfig | None = None
+) -> Llama:
+  """Loads a HF Llama folder (config.json + safetensors, single or sharded) into a `Llama`.
+
+  Args:
+    path: the folder.
+    dtype: parameter dtype (bf16 or f32); tensors are cast on load.
+    config: overrides the folder's config.json.
+  """
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                              jnp.dtype(jnp.float16)):
+    raise ValueError(f'dtype must be bfloat16, float16 or float32, got {dtype}')
+  config = config or load_hf_config(path)
+  files = safetensors_files(path)
+  with _open_all(files) as (get, shape_of):
+    _check_names_and_shapes(files, shape_of, config)
+    params = convert_hf_tensors(get, config, dtype)
+  return model_from_params(config, params, dtype)
+
+
+_CONFIG_FILE = 'llama_config.json'
+_PARAMS_DIR = 'params'
+
+
+def save_params(model: Llama, directory: str | os.PathLike) -> None:
+  """Saves converted parameters with orbax, and the config next to them."""
+  import orbax.checkpoint as ocp  # heavy import, only where used
+
+  directory = os.path.abspath(os.fspath(directory))
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, _CONFIG_FILE), 'w') as f:
+    json.dump(dict(hf=model.config.to_hf_dict(), name=model.config.name,
+                   dtype=jnp.dtype(model.dtype).name), f, indent=1)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(directory, _PARAMS_DIR),
+                    nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
+  checkpointer.wait_until_finished()
+
+
+def restore_params(directory: str | os.PathLike, *, dtype=None) -> Llama:
+  """Restores a `Llama` written by `save_params` (in its saved dtype unless `dtype` is given)."""
+  import orbax.checkpoint as ocp
+
+  directory = os.path.abspath(os.fspath(directory))
+  config_file = os.path.join(directory, _CONFIG_FILE)
+  if not os.path.exists(config_file):
+    raise ValueError(f'no {_CONFIG_FILE} in {directory}: not written by save_params')
+  with open(config_file) as f:
+    saved = json.load(f)
+  config = dataclasses.replace(from_hf_dict(saved['hf']), name=saved.get('name', ''))
+  saved_dtype = jnp.dtype(saved['dtype'])
+  graphdef, state = nnx.split(abstract_model(config, saved_dtype))
+  target = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state), nnx.Param))
+  restored = ocp.StandardCheckpointer().restore(os.path.join(directory, _PARAMS_DIR), target)
+  dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
+  restored = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
+  return model_from_params(config, restored, dtype)

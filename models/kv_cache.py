@@ -1,0 +1,74 @@
+"""KV caches of the Llama: the flat per-layer buffers of hydrajax, and dense per-sequence caches.
+
+`KVCache` is what the tree path uses: per layer one flat buffer `[L, K, H]`
+(stacked over layers: `[num_layers, L, K, H]`) that a hydrajax `TreeLayout`
+indexes. Which token lives where is the layout's business; the model only
+writes new tokens at given flat slots (`write_slots`, an index >= L drops the
+write: padding).
+
+`DenseKVCache` is the naive path's: one `[S, K, H]` buffer per sequence, token
+at position p stored at index p.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models import sharding_rules as sr
+from models.config import LlamaConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Flat KV buffers of every layer: k, v [num_layers, L, K, H]."""
+
+  k: jax.Array
+  v: jax.Array
+
+  logical_axes = (sr.LAYERS, sr.CACHE_TOKENS, sr.KV_HEADS, sr.HEAD_DIM)
+
+  @classmethod
+  def zeros(cls, config: LlamaConfig, num_tokens: int, dtype=jnp.bfloat16) -> 'KVCache':
+    if num_tokens < 1:
+      raise ValueError(f'num_tokens (L) must be >= 1, got {num_tokens}')
+    shape = (config.num_layers, num_tokens, config.num_kv_heads, config.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  @property
+  def num_tokens(self) -> int:
+    return self.k.shape[1]
+
+  def check(self, config: LlamaConfig) -> None:
+    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+    if self.k.shape != self.v.shape or self.k.ndim != 4 or (
+        self.k.shape[0], self.k.shape[2], self.k.shape[3]) != want:
+      raise ValueError(
+          f'cache k, v must be [num_layers={want[0]}, L, K={want[1]}, H={want[2]}], '
+          f'got {self.k.shape} and {self.v.shape}'
+      )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseKVCache:
+  """Per-sequence KV: k, v [num_layers, B, S, K, H]; position p at index p."""
+
+  k: jax.Array
+  v: jax.Array
+
+  logical_axes = (sr.LAYERS, sr.BATCH, sr.CACHE_TOKENS, sr.KV_HEADS, sr.HEAD_DIM)
+
+  @classmethod
+  def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.bfloat16):
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  def check(self, config: LlamaConfig, batch: int) -> None:
+    want = (config.num_layers, batch, config.num_kv_heads, config.head_dim)
+    got = self.k.shape
+    if self.k.shape != self.v.shape or self.k.ndim != 5 or (got[0], got[1], got[3], got[4]) != want:
+      raise ValueError(
+          f'dense cache k, v must be [num_layers, B={batch}, S, K, H] matching {want}, got {got}'
+      )

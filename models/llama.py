@@ -1,0 +1,230 @@
+"""The Llama family in Flax NNX, with attention over a hydrajax sharing layout.
+
+Interface (the engine and generation build on it; keep it stable):
+
+    model = Llama(config, rngs=nnx.Rngs(0))
+    logits, cache = model(tokens, positions, cache, write_slots, layout, impl=AttentionImpl.AUTO)
+
+  tokens       [B, T] int32   token ids of the T new tokens of each of the B rows
+  positions    [B, T] int32   their sequence positions (RoPE)
+  cache        KVCache        k, v [num_layers, L, K, H]: one flat buffer per layer, the buffers
+                              a hydrajax `TreeLayout` indexes (`L % layout.page_size == 0`)
+  write_slots  [B, T] int32   flat token index in [0, L) where each new token's K/V is written;
+                              an index >= L drops the write (padding)
+  layout       TreeLayout     what each row attends: its shared segments and private pages;
+                              the row's T query tokens are its last T private tokens
+  impl         AttentionImpl or NO_ATTENTION
+  logits       [B, T, V] float32; the updated cache is returned (donate it under jit)
+
+Each layer: RMSNorm, q/k/v projections, RoPE at `positions`, K/V scattered
+into the cache at `write_slots`, then `hydrajax.tree_attention(q, k_l, v_l,
+layout, impl=impl)`, output projection, residual, RMSNorm, SwiGLU MLP,
+residual. So as not to copy a layer's buffer out of the stacked cache, `k_l,
+v_l` are the whole cache viewed as `[num_layers * L, K, H]` and the layout is
+shifted by `l * L` tokens: the same tokens, no copy.
+
+The layers are a Python loop over per-layer parameters, not a `lax.scan`
+over stacked ones: under a scan XLA materialises every layer's weight slice
+before its matmuls (seen in the optimised HLO), which doubles the weight
+traffic of a memory-bound decode step. The price is a longer compile.
+
+`impl=NO_ATTENTION` keeps every projection and the cache writes but skips the
+attention product (the attention output is the query itself): the throughput
+ceiling of the Hydragen paper. `forward_naive` is the ground truth: dense
+per-sequence caches (`DenseKVCache`) and `hydrajax.naive_attention`.
+
+Parameters carry `logical_axes` metadata (see `models.sharding_rules`).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import hydrajax
+from hydrajax import AttentionImpl, TreeLayout
+from models import sharding_rules as sr
+from models.config import LlamaConfig
+from models.kv_cache import DenseKVCache, KVCache
+from models.rope import apply_rope, inverse_frequencies
+
+NO_ATTENTION = 'no_attention'  # an `impl` value: projections without the attention product
+
+
+def _param(rngs: nnx.Rngs, shape, names, dtype, std: float | None) -> nnx.Param:
+  if std is None:  # norm weights start at one
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, logical_axes=names)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """x [..., D]: normalised in float32, cast back, scaled (HF LlamaRMSNorm)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * x32.astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+  """One decoder block's parameters (the forward pass is `Llama`'s layer loop)."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    c = config
+    self.attn_norm = _param(rngs, (c.dim,), (sr.EMBED,), dtype, None)
+    self.wq = _param(rngs, (c.dim, c.num_heads, c.head_dim), (sr.EMBED, sr.HEADS, sr.HEAD_DIM),
+                     dtype, c.dim**-0.5)
+    self.wk = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
+                     (sr.EMBED, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
+    self.wv = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
+                     (sr.EMBED, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
+    self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim), (sr.HEADS, sr.HEAD_DIM, sr.EMBED),
+                     dtype, (c.num_heads * c.head_dim) ** -0.5)
+    self.mlp_norm = _param(rngs, (c.dim,), (sr.EMBED,), dtype, None)
+    self.w_gate = _param(rngs, (c.dim, c.mlp_dim), (sr.EMBED, sr.MLP), dtype, c.dim**-0.5)
+    self.w_up = _param(rngs, (c.dim, c.mlp_dim), (sr.EMBED, sr.MLP), dtype, c.dim**-0.5)
+    self.w_down = _param(rngs, (c.mlp_dim, c.dim), (sr.MLP, sr.EMBED), dtype, c.mlp_dim**-0.5)
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name).get_value() for name in LAYER_PARAMS}
+
+
+LAYER_PARAMS = ('attn_norm', 'wq', 'wk', 'wv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
+
+
+def _mlp(p, x, eps):
+  y = rms_norm(x, p['mlp_norm'], eps)
+  gate = jnp.einsum('btd,df->btf', y, p['w_gate'])
+  up = jnp.einsum('btd,df->btf', y, p['w_up'])
+  return x + jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, p['w_down'])
+
+
+def _qkv(p, x, positions, inv_freq, eps):
+  y = rms_norm(x, p['attn_norm'], eps)
+  q = apply_rope(jnp.einsum('btd,dnh->btnh', y, p['wq']), positions, inv_freq)
+  k = apply_rope(jnp.einsum('btd,dkh->btkh', y, p['wk']), positions, inv_freq)
+  v = jnp.einsum('btd,dkh->btkh', y, p['wv'])
+  return q, k, v
+
+
+def shift_layout(layout: TreeLayout, offset: jax.Array) -> TreeLayout:
+  """The same layout over a buffer whose token 0 is at `offset` (a multiple of page_size)."""
+  groups = tuple(dataclasses.replace(g, kv_start=g.kv_start + offset) for g in layout.groups)
+  return dataclasses.replace(
+      layout, groups=groups, private_pages=layout.private_pages + offset // layout.page_size
+  )
+
+
+def _check_inputs(config, tokens, positions, write_slots=None):
+  if getattr(tokens, 'ndim', None) != 2:
+    raise ValueError(f'tokens must be [B, T] int32, got shape {getattr(tokens, "shape", None)}')
+  if positions.shape != tokens.shape:
+    raise ValueError(f'positions must be [B, T] = {tokens.shape}, got {positions.shape}')
+  if write_slots is not None and write_slots.shape != tokens.shape:
+    raise ValueError(f'write_slots must be [B, T] = {tokens.shape}, got {write_slots.shape}')
+
+
+class Llama(nnx.Module):
+  """Llama 2 / Llama 3 / CodeLlama decoder; see the module docstring for the interface."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    c = config
+    self.embed = _param(rngs, (c.vocab_size, c.dim), (sr.VOCAB, sr.EMBED), dtype, 1.0)
+    self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_layers)])
+    self.final_norm = _param(rngs, (c.dim,), (sr.EMBED,), dtype, None)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs, (c.dim, c.vocab_size), (sr.EMBED, sr.VOCAB), dtype, c.dim**-0.5)
+
+  def inv_freq(self) -> jax.Array:
+    c = self.config
+    return jnp.asarray(inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """h [..., D] (after the final norm) -> logits [..., V] float32."""
+    if self.config.tie_embeddings:
+      return jnp.einsum('...d,vd->...v', h, self.embed.get_value(),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum('...d,dv->...v', h, self.lm_head.get_value(),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, cache: KVCache, write_slots, layout: TreeLayout, *,
+               impl: AttentionImpl | str = AttentionImpl.AUTO):
+    """Tree-attention forward; returns (logits [B, T, V] float32, cache)."""
+    h, cache = self.forward_hidden(tokens, positions, cache, write_slots, layout, impl=impl)
+    return self.logits(h), cache
+
+  def forward_hidden(self, tokens, positions, cache: KVCache, write_slots, layout: TreeLayout, *,
+                     impl: AttentionImpl | str = AttentionImpl.AUTO):
+    """Like `__call__` but returns the final-norm hidden states [B, T, D] instead of logits."""
+    c = self.config
+    _check_inputs(c, tokens, positions, write_slots)
+    cache.check(c)
+    if not isinstance(layout, TreeLayout):
+      raise ValueError(f'layout must be a TreeLayout, got {type(layout).__name__}')
+    if layout.num_rows != tokens.shape[0]:
+      raise ValueError(f'layout has {layout.num_rows} rows but tokens has B={tokens.shape[0]}')
+    num_layers, length, kh, hd = cache.k.shape
+    if length % layout.page_size:
+      raise ValueError(
+          f'cache L={length} must be a multiple of layout.page_size={layout.page_size}')
+    if num_layers * length >= 2**31:
+      raise ValueError(f'num_layers * L = {num_layers * length} does not fit int32 indices')
+    no_attention = impl == NO_ATTENTION
+    if not no_attention:
+      impl = AttentionImpl(impl)
+    b, t = tokens.shape
+    inv_freq = self.inv_freq()
+    x = self.embed.get_value()[tokens]  # [B, T, D]
+    k_all = cache.k.reshape(num_layers * length, kh, hd)  # [nl * L, K, H]: a bitcast
+    v_all = cache.v.reshape(num_layers * length, kh, hd)
+    slots = write_slots.reshape(-1).astype(jnp.int32)
+    dropped = num_layers * length  # out of range: the scatter drops it
+    for index, layer in enumerate(self.layers):
+      p = layer.arrays()
+      q, k, v = _qkv(p, x, positions, inv_freq, c.norm_eps)
+      offset = index * length
+      dest = jnp.where((slots >= 0) & (slots < length), slots + offset, dropped)
+      k_all = k_all.at[dest].set(k.reshape(b * t, kh, hd).astype(k_all.dtype), mode='drop')
+      v_all = v_all.at[dest].set(v.reshape(b * t, kh, hd).astype(v_all.dtype), mode='drop')
+      if no_attention:
+        attn = q
+      else:
+        attn = hydrajax.tree_attention(
+            q, k_all, v_all, shift_layout(layout, offset), impl=impl
+        ).out.astype(x.dtype)
+      x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
+      x = _mlp(p, x, c.norm_eps)
+    cache = KVCache(k_all.reshape(cache.k.shape), v_all.reshape(cache.v.shape))
+    return rms_norm(x, self.final_norm.get_value(), c.norm_eps), cache
+
+  def forward_naive(self, tokens, positions, cache: DenseKVCache):
+    """The ground truth: per-sequence dense caches and `hydrajax.naive_attention`.
+
+    Row b's new tokens are written at indices `positions[b]` of its dense
+    cache (>= S drops) and attend its first `positions[b, -1] + 1` tokens
+    (causal among the new ones). Returns (logits [B, T, V] float32, cache).
+    """
+    c = self.config
+    _check_inputs(c, tokens, positions)
+    b, t = tokens.shape
+    cache.check(c, b)
+    s = cache.k.shape[2]
+    inv_freq = self.inv_freq()
+    x = self.embed.get_value()[tokens]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    kv_lengths = positions[:, -1] + 1
+    k_all, v_all = cache.k, cache.v
+    for index, layer in enumerate(self.layers):
+      p = layer.arrays()
+      q, k, v = _qkv(p, x, positions, inv_freq, c.norm_eps)
+      k_all = k_all.at[index, rows, positions].set(k.astype(k_all.dtype), mode='drop')
+      v_all = v_all.at[index, rows, positions].set(v.astype(v_all.dtype), mode='drop')
+      attn = hydrajax.naive_attention(
+          q, k_all[index], v_all[index], jnp.minimum(kv_lengths, s)).out.astype(x.dtype)
+      x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
+      x = _mlp(p, x, c.norm_eps)
+    h = rms_norm(x, self.final_norm.get_value(), c.norm_eps)
+    return self.logits(h), DenseKVCache(k_all, v_all)

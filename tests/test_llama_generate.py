@@ -1,0 +1,154 @@
+"""Generation: tree attention is token-identical to the naive path and to HF greedy; sampling."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hydrajax import PromptNode
+from models import generate as gen
+from models.config import get_config
+from models.hf_loading import abstract_model, load_hf_checkpoint
+from models.llama import Llama
+from models.sampling import SamplingConfig, processed_logits, row_keys, sample
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
+
+
+def _fixture(name):
+  folder = os.path.join(FIXTURES, f'hf_{name}')
+  with open(os.path.join(folder, 'greedy.json')) as f:
+    greedy = json.load(f)
+  return load_hf_checkpoint(folder, dtype=jnp.float32), greedy
+
+
+def _two_level_tree(tree):
+  """root -> middles -> leaves, as PromptNodes with tokens (one leaf holds no tokens)."""
+  return gen.prompt_node(tree['root'], [
+      gen.prompt_node(mid, [gen.prompt_node(leaf) for leaf in leaves])
+      for mid, leaves in zip(tree['middles'], tree['leaves'])
+  ])
+
+
+@pytest.mark.parametrize('name', ['tiny_gqa', 'tiny_mha'])
+def test_greedy_tree_equals_naive_and_hf(name):
+  model, fixture = _fixture(name)
+  expected = np.array(fixture['greedy'])
+  new = fixture['max_new_tokens']
+  tree = _two_level_tree(fixture['tree'])
+  out = gen.generate(model, tree, max_new_tokens=new, impl='xla', return_logprobs=True)
+  naive = gen.generate(model, tree, max_new_tokens=new, impl=gen.NAIVE, return_logprobs=True)
+  np.testing.assert_array_equal(out.tokens, expected)  # HF LlamaForCausalLM.generate, greedy
+  np.testing.assert_array_equal(naive.tokens, expected)
+  np.testing.assert_array_equal(out.lengths, [new] * len(expected))
+  np.testing.assert_array_equal(out.prompt_ids, np.arange(len(expected)))
+  np.testing.assert_allclose(out.logprobs, naive.logprobs, rtol=1e-4, atol=1e-5)
+  assert np.all(out.logprobs < 0)
+  # Plain token lists: the same tree is found by longest common prefixes.
+  lists = gen.generate(model, fixture['prompts'], max_new_tokens=new, impl='xla')
+  np.testing.assert_array_equal(lists.tokens, expected)
+
+
+def test_plan_prompts_from_token_lists_shares_prefixes():
+  prompts = [[5, 6, 7, 1, 2], [5, 6, 7, 1, 3, 4], [5, 6, 7, 9], [8]]
+  tp = gen.plan_prompts(prompts, max_new_tokens=3, num_samples=2)
+  assert tp.num_rows == 8
+  # Every row's full prompt is recovered, rows grouped (prompt, sample).
+  rows = gen._row_prompts(tp)
+  for r in range(tp.num_rows):
+    assert rows[r] == prompts[tp.prompt_ids[r]]
+  np.testing.assert_array_equal(tp.prompt_lengths, [len(prompts[i]) for i in tp.prompt_ids])
+  # [5, 6, 7] is one segment shared by 6 rows, [1] a child shared by 4.
+  shared = sorted((s.kv_length, s.num_rows) for s in tp.plan.segments if s.num_rows > 2)
+  assert shared == [(1, 4), (3, 6)]
+  assert tp.plan.shared_tokens() == sum(len(t) for t, _, _ in tp.nodes)
+
+
+def test_prefill_writes_every_node_token_once():
+  root = gen.prompt_node(range(1, 21), [  # 20 tokens: 3 rounds of 8, children join the last
+      gen.prompt_node([30, 31, 32], num_samples=4),
+      gen.prompt_node(range(40, 51), [gen.prompt_node([60]), gen.prompt_node([])]),
+  ])
+  tp = gen.plan_prompts(root, max_new_tokens=2)
+  calls = gen.prefill_calls(tp, chunk=8)
+  length = tp.plan.kv_tokens
+  written = np.concatenate([c.write_slots[c.write_slots < length] for c in calls])
+  node_slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
+                               for s in tp.plan.segments])
+  np.testing.assert_array_equal(np.sort(written), np.sort(node_slots))  # each exactly once
+  assert len(calls) == 4  # root 8, 8, 4 + both children; then the 2nd child's last 3 + [60]
+  assert {c.tokens.shape for c in calls} == {(3, 8)}  # one shape: one compile
+  # A child runs in the round that completes its parent, never before.
+  seen = set()
+  for c in calls:
+    for j in c.segment_ids[c.segment_ids >= 0]:
+      seen.add(int(j))
+      assert all(a in seen for a in tp.nodes[j][2])
+
+
+def test_long_prompts_in_chunks_match_naive():
+  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(12), dtype=jnp.float32)
+  rng = np.random.default_rng(13)
+  root = rng.integers(0, 97, 21).tolist()
+  prompts = [root + rng.integers(0, 97, n).tolist() for n in (5, 11, 1)]
+  kwargs = dict(max_new_tokens=4, num_samples=2)
+  out = gen.generate(model, prompts, impl='xla', prefill_chunk=8, **kwargs)
+  naive = gen.generate(model, prompts, impl=gen.NAIVE, **kwargs)
+  np.testing.assert_array_equal(out.tokens, naive.tokens)
+  np.testing.assert_array_equal(out.sample_ids, [0, 1] * 3)
+
+
+def test_sampling_temperature_top_k_top_p_and_stop_tokens():
+  model = Llama(get_config('tiny_mha'), rngs=nnx.Rngs(14), dtype=jnp.float32)
+  tree = PromptNode(3, (PromptNode(2, num_samples=3, tokens=(7, 8)),
+                        PromptNode(1, num_samples=2, tokens=(9,))), tokens=(1, 2, 3))
+  sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+  kwargs = dict(max_new_tokens=5, sampling=sampling, seed=3)
+  out = gen.generate(model, tree, impl='xla', **kwargs)
+  naive = gen.generate(model, tree, impl=gen.NAIVE, **kwargs)
+  np.testing.assert_array_equal(out.tokens, naive.tokens)  # same keys per (prompt, sample)
+  assert len({tuple(t) for t in out.tokens}) > 1  # samples differ
+  again = gen.generate(model, tree, impl='xla', **kwargs)
+  np.testing.assert_array_equal(again.tokens, out.tokens)  # the seed fixes them
+  # Stop at the first token of row 0: that row ends (stop token kept), -1 after.
+  stop = int(out.tokens[0, 0])
+  stopped = gen.generate(model, tree, impl='xla', stop_tokens=[stop], **kwargs)
+  assert stopped.lengths[0] == 1 and np.all(stopped.tokens[0, 1:] == -1)
+  for r in range(len(out.tokens)):
+    hit = np.flatnonzero(out.tokens[r] == stop)
+    n = hit[0] + 1 if hit.size else 5
+    assert stopped.lengths[r] == n
+    np.testing.assert_array_equal(stopped.tokens[r, :n], out.tokens[r, :n])
+
+
+def test_sample_distribution_and_filters():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+  keys = row_keys(jax.random.key(15), jnp.arange(4000), 0)
+  counts = np.bincount(sample(logits, keys, SamplingConfig(temperature=1.0)), minlength=4)
+  np.testing.assert_allclose(counts / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+  top2 = np.bincount(sample(logits, keys, SamplingConfig(temperature=1.0, top_k=2)), minlength=4)
+  assert top2[2:].sum() == 0 and abs(top2[0] / 4000 - 0.5 / 0.8) < 0.03
+  # top_p=0.7: 0.5 alone is short of 0.7, 0.5 + 0.3 reaches it: keep the first two.
+  kept = processed_logits(logits[:1], SamplingConfig(temperature=1.0, top_p=0.7))
+  np.testing.assert_array_equal(np.isfinite(kept[0]), [True, True, False, False])
+  assert int(sample(logits[:1], keys[:1], SamplingConfig(temperature=1.0, top_k=1))[0]) == 0
+  with pytest.raises(ValueError, match='top_p'):
+    SamplingConfig(top_p=0.0)
+
+
+def test_generate_rejects_bad_prompts():
+  model = abstract_model(get_config('tiny_gqa'), jnp.float32)  # prompts are checked first
+  with pytest.raises(ValueError, match='empty'):
+    gen.generate(model, [[]], max_new_tokens=2)
+  with pytest.raises(ValueError, match='token ids on every PromptNode'):
+    gen.generate(model, PromptNode(3), max_new_tokens=2)
+  with pytest.raises(ValueError, match='all PromptNodes or all token lists'):
+    gen.generate(model, [gen.prompt_node([1]), [2]], max_new_tokens=2)
+  with pytest.raises(ValueError, match='max_new_tokens'):
+    gen.generate(model, [[1]], max_new_tokens=0)
+  with pytest.raises(ValueError, match='tokens has 2 ids but length is 3'):
+    PromptNode(3, tokens=(1, 2))

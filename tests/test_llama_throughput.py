@@ -1,0 +1,136 @@
+"""The decode benchmark's modes: same KV per row, same logits, records, derived numbers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hydrajax.benchmarking import Ceilings
+from models import decode_benchmark as db
+from models.config import get_config
+from models.generate import decode, start_decode
+from models.llama import NO_ATTENTION, Llama
+
+PREFIX, NEW, PAGE, BATCH = 32, 6, 8, 3
+
+
+@pytest.fixture(scope='module')
+def setup():
+  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(21), dtype=jnp.float32)
+  k, v, first, seconds = db.prefill_prefix(model, PREFIX, chunk=16, seed=22)
+  return model, (k, v), first, seconds
+
+
+@pytest.mark.parametrize('mode', ['tree', 'paged', 'no_sharing'])
+def test_modes_give_every_row_the_same_context(mode):
+  setup = db.decode_setup(db.Case(mode, 'xla', BATCH, PREFIX, NEW), PAGE)
+  indices, lengths = setup.plan.row_token_indices()
+  np.testing.assert_array_equal(lengths, [PREFIX] * BATCH)  # before decoding: the prompt
+  base = np.asarray(setup.rows.write_base)
+  for b in range(BATCH):
+    prefix_slots = indices[b, :PREFIX]
+    if mode == 'no_sharing':  # its own copy
+      np.testing.assert_array_equal(prefix_slots, setup.prefix_dest[b] + np.arange(PREFIX))
+    else:  # the one stored copy
+      np.testing.assert_array_equal(prefix_slots, np.arange(PREFIX))
+    # Generated token j goes to the row's private slot base + j, inside its own pages.
+    size = setup.plan.page_size
+    own = (np.array(setup.plan.private_pages[b])[:, None] * size + np.arange(size)).reshape(-1)
+    assert set(base[b] + np.arange(NEW)) <= set(own)
+  assert setup.kv_tokens % PAGE == 0 and setup.plan.page_size % PAGE == 0
+
+
+def test_all_modes_decode_the_same_tokens(setup):
+  model, prefix_kv, first, _ = setup
+  graphdef, params = nnx.split(model)
+  key, stops = jax.random.key(0), jnp.zeros((0,), jnp.int32)
+  results = {}
+  for mode, impl in (('tree', 'xla'), ('paged', 'xla'), ('no_sharing', 'xla'),
+                     ('no_attention', NO_ATTENTION)):
+    s = db.decode_setup(db.Case(mode, 'xla', BATCH, PREFIX, NEW), PAGE)
+    cache = db._build_cache(*prefix_kv, s.kv_tokens, s.prefix_dest)
+    logits = jnp.broadcast_to(first, (BATCH, first.shape[-1]))
+    state = start_decode(cache, logits, s.rows, key, stops, max_new_tokens=NEW, sampling=db.GREEDY)
+    state = decode(graphdef, params, state, s.plan.to_device(), s.rows, key, stops,
+                   jnp.int32(NEW), sampling=db.GREEDY, impl=impl)
+    results[mode] = (np.asarray(state.tokens), np.asarray(state.logprobs))
+  tree_tokens, tree_logprobs = results['tree']
+  for mode in ('paged', 'no_sharing'):
+    np.testing.assert_array_equal(results[mode][0], tree_tokens)
+    np.testing.assert_allclose(results[mode][1], tree_logprobs, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(results['no_attention'][1], tree_logprobs)
+
+
+def test_run_case_records_and_memory_checks(setup):
+  model, prefix_kv, first, _ = setup
+  case = db.Case('tree', 'xla', BATCH, PREFIX, NEW)
+  r = db.run_case(model, case, prefix_kv, first, page_size=PAGE, memory_limit=2**30,
+                  max_decode_s=0.05)
+  assert r['status'] == 'ok' and r['resolved_impl'] == 'xla'
+  assert 1 <= r['steps_timed'] <= NEW - 2 and r['first_step'] == 2
+  assert r['tokens_per_s'] == pytest.approx(BATCH / r['step_s'])
+  assert r['program_bytes'] >= r['cache_bytes'] + r['weights_bytes']
+  small = db.run_case(model, db.Case('no_sharing', 'xla', BATCH, PREFIX, NEW), prefix_kv, first,
+                      page_size=PAGE, memory_limit=r['weights_bytes'] + 1, max_decode_s=0.05)
+  assert small['status'] == 'does_not_fit' and 'KV cache' in small['reason']
+  kernel = db.run_case(model, db.Case('tree', 'mosaic_gpu', BATCH, PREFIX, NEW), prefix_kv, first,
+                       page_size=PAGE, memory_limit=2**30, max_decode_s=0.05)
+  if jax.default_backend() == 'cpu':
+    assert kernel['status'] == 'unsupported' and 'MOSAIC_GPU' in kernel['reason']
+
+
+def test_derived_numbers():
+  config = get_config('codellama_7b')
+  ceilings = Ceilings(copy_bandwidth=4e12, matmul_rate=8e14)
+
+  def rec(name, mode, step_s):
+    return dict(name=name, mode=mode, batch=1024, prefix=16384, status='ok', step_s=step_s,
+                tokens_per_s=1024 / step_s, suffix_mid=64.0, program_bytes=90 * 2**30,
+                weights_bytes=13 * 2**30, memory_limit_bytes=130 * 2**30)
+
+  records = [rec('no_attention', 'no_attention', 0.020), rec('tree_xla', 'tree', 0.050),
+             rec('paged_xla', 'paged', 1.0)]
+  db.add_derived(records, config, ceilings)
+  ceiling, tree, paged = records
+  # Tree attention floor, by hand: prefix FLOPs 4*B*N*H*(P+S) per layer = 2.77e11 at 8e14 FLOP/s
+  # (0.346 ms) beats the bytes (16384 prefix + 1024*64 suffix tokens of 16 KiB: 1.35 GB, 0.34 ms).
+  flops = 4 * 1024 * 32 * 128 * (16384 + 64)
+  assert tree['attention_floor_s'] == pytest.approx(32 * flops / 8e14, rel=1e-6)
+  assert tree['attention_s'] == pytest.approx(0.030)
+  assert tree['speedup_vs_paged_xla'] == pytest.approx(20.0)
+  assert tree['fraction_of_ceiling'] == pytest.approx(0.4)
+  assert ceiling['matmul_efficiency'] == pytest.approx(
+      db.decode_matmul_flops(config, 1024) / 0.020 / 8e14)
+  assert paged['attention_floor_s'] > tree['attention_floor_s'] * 10  # it reads the prefix B times
+  (estimate,) = [e for e in db.max_batch_estimates(records, config) if e['name'] == 'tree_xla']
+  shared = config.kv_bytes_per_token(2) * 16384
+  per_row = (90 * 2**30 - 13 * 2**30 - shared) / 1024
+  assert estimate['max_batch'] == int((130 * 2**30 - 13 * 2**30 - shared) // per_row)
+
+
+def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  base = [sys.executable, '-m', 'experiments.throughput', '--preset=tiny_mha']
+  run = lambda *args: subprocess.run(base + list(args), cwd=root, env=env, capture_output=True,
+                                     text=True, timeout=600)
+  out = run('--batches=2', '--prefixes=16', '--new_tokens=4', '--modes=no_attention,tree',
+            '--impls=xla', '--page_size=8', '--max_decode_s=0.05', f'--workdir={tmp_path / "a"}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  names = {'raw.jsonl', 'throughput.jsonl', 'table.md', 'max_batch.md'}
+  assert names <= set(os.listdir(tmp_path / 'a'))
+  with open(tmp_path / 'a' / 'throughput.jsonl') as f:
+    records = [json.loads(line) for line in f]
+  assert [(r['name'], r['status']) for r in records] == [('no_attention', 'ok'), ('tree_xla', 'ok')]
+  assert records[1]['attention_s'] == pytest.approx(records[1]['step_s'] - records[0]['step_s'])
+  out = run(f'--rebuild={tmp_path / "a" / "raw.jsonl"}', f'--workdir={tmp_path / "b"}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  table = lambda d: [l for l in (tmp_path / d / 'table.md').read_text().splitlines()
+                     if l.startswith('| ')]
+  assert table('a') == table('b') and len(table('a')) == 3
