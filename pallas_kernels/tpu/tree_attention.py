@@ -1,0 +1,340 @@
+"""Tree attention on TPU with Pallas Mosaic TPU kernels: the public entry point.
+
+Same contract as `hydrajax.tree_attention_xla` (the reference these kernels are
+tested against): `tree_attention(q, k_cache, v_cache, layout)` returns
+(out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+
+Two launches per call, whatever the tree's depth or number of segment groups:
+
+1. `private_attention`: each row over its own pages (causal in its last T
+   tokens), giving a float32 partial state per row.
+2. `shared_attention`: every shared segment of every group, as (row tile, kv
+   block) matmuls whose M dimension is the covered rows x T x G; each row
+   tile starts from its rows' private states and merges its segments in VMEM
+   with an online softmax, so the LSE recombination is fused and no partial
+   state per segment or per chunk reaches HBM.
+
+The queries are laid out once as a [B*T*G, K, H] matrix (row b owns rows
+[b*T*G, (b+1)*T*G), token-major, head-group-minor) and the KV buffer is read in
+place ([L, K*H] and [L/C, C, K*H] are free reshapes of [L, K, H]).
+
+No TPU is needed to test: pass `interpret=pltpu.InterpretParams()` to run both
+kernels in TPU interpret mode on CPU.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from hydrajax.layout import TreeLayout
+from hydrajax.partial_state import PartialState
+from hydrajax.validation import check_tree_attention_inputs
+from pallas_kernels.tpu.online_softmax import LANES
+from pallas_kernels.tpu.private_attention import private_attention
+from pallas_kernels.tpu.shared_attention import shared_attention
+from pallas_kernels.tpu.work_list import build_work_list, work_list_size
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
+VMEM_BUDGET_BYTES = 48 * 2**20  # fits v5p's 64 MiB per TensorCore (v5e has 128 MiB)
+SMEM_BUDGET_BYTES = 512 * 2**10  # half of the 1 MiB SMEM per TensorCore on v5e/v5p
+DEFAULT_VMEM_LIMIT_BYTES = 32 * 2**20
+MAX_VMEM_LIMIT_BYTES = 60 * 2**20  # below v5p's 64 MiB
+MAX_PRIVATE_UNROLL = 64  # (row, page, head) bodies per private grid step
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tuning knobs of the two kernels (defaults sized for the issue's shapes, see ROOFLINE.md).
+
+  Attributes:
+    block_rows: target query-matrix rows (rows x T x G) per row tile of the
+      shared kernel; rounded down to a multiple of lcm(T*G, sublane tile) and
+      capped at the whole batch. A tile's arithmetic intensity on the kv it
+      reads is ~block_rows FLOP/byte, so it must exceed the bf16 ridge point
+      (~240 on v5e, ~166 on v5p) for the shared phase to be MXU-bound.
+    block_kv: kv tokens per block of the shared kernel (multiple of 128).
+    heads_per_block: kv heads per grid step of the shared kernel (must divide
+      K); None picks the largest divisor of K with heads * H <= 256 lanes.
+    core_splits: independent work lists of the shared kernel, on a parallel
+      grid axis (row tiles dealt round-robin; capped at the number of tiles).
+      2 lets megacore (v5p's two TensorCores) split the work by row tile even
+      when K / heads_per_block is 1, as with MQA; on one-core chips a split
+      only adds a few no-op grid steps.
+    private_block_kv: private kv tokens per row and grid step of the private
+      kernel, rounded down to whole pages (at least one page).
+    private_rows_per_block: rows per grid step of the private kernel (the
+      largest divisor of the padded batch up to this, and up to 64 unrolled
+      row x page x head bodies), so that decode rows with one short page do
+      not pay a grid step each.
+    private_heads_per_block: kv heads per grid step of the private kernel
+      (must divide K); None picks the largest divisor with heads * H <= 1024.
+    vmem_limit_bytes: the Mosaic scoped-VMEM limit; None derives it from the
+      block sizes (at least 32 MiB, at most 60 MiB).
+  """
+
+  block_rows: int = 1024
+  block_kv: int = 1024
+  heads_per_block: int | None = None
+  core_splits: int = 2
+  private_block_kv: int = 512
+  private_rows_per_block: int = 8
+  private_heads_per_block: int | None = None
+  vmem_limit_bytes: int | None = None
+
+  def __post_init__(self):
+    if self.block_rows < 1:
+      raise ValueError(f'block_rows must be >= 1, got {self.block_rows}')
+    if self.block_kv < 128 or self.block_kv % 128:
+      raise ValueError(f'block_kv must be a positive multiple of 128, got {self.block_kv}')
+    if self.core_splits < 1:
+      raise ValueError(f'core_splits must be >= 1, got {self.core_splits}')
+    if self.private_block_kv < 1:
+      raise ValueError(f'private_block_kv must be >= 1, got {self.private_block_kv}')
+    if self.private_rows_per_block < 1:
+      raise ValueError(f'private_rows_per_block must be >= 1, got {self.private_rows_per_block}')
+    for name in ('heads_per_block', 'private_heads_per_block'):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f'{name} must be >= 1 or None, got {value}')
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """Static sizes of one call, derived from shapes, layout capacities and BlockSizes."""
+
+  rows_per_query: int  # T*G
+  block_rows: int  # bm, rows per row tile
+  num_tiles: int
+  padded_rows: int  # B_pad, query rows including padding: num_tiles * bm / (T*G)
+  block_kv: int  # bk
+  heads_per_block: int  # shared kernel
+  num_splits: int  # shared kernel
+  pages_per_block: int  # private kernel
+  private_rows_per_block: int
+  private_heads_per_block: int
+  num_items: int  # E, work-list length per split
+  vmem_bytes: int  # estimated VMEM footprint of the larger kernel
+  smem_bytes: int  # scalar-prefetch footprint of the larger kernel
+  vmem_limit_bytes: int
+
+
+def _sublanes(dtype) -> int:
+  return 8 * 4 // jnp.dtype(dtype).itemsize  # rows per (8, 128) 32-bit tile: 8 f32, 16 bf16
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _heads(kv_heads: int, head_dim: int, wanted: int | None, max_lanes: int) -> int:
+  if wanted is not None:
+    return wanted
+  fits = lambda d: kv_heads % d == 0 and (d * head_dim <= max_lanes or d == 1)
+  return max(d for d in range(1, kv_heads + 1) if fits(d))
+
+
+def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) -> KernelPlan:
+  """The static tiling for inputs of these shapes (no arrays are read)."""
+  b, t, n, h = q_shape
+  length, kv_heads, _ = kv_shape
+  tg = t * (n // kv_heads)
+  sub = _sublanes(dtype)
+  unit = math.lcm(tg, sub)
+  bm = min(unit * max(1, block_sizes.block_rows // unit), _round_up(b * tg, unit))
+  num_tiles = -(-b * tg // bm)
+  padded_rows = num_tiles * bm // tg
+  bk = length if length <= block_sizes.block_kv else block_sizes.block_kv
+  hb = _heads(kv_heads, h, block_sizes.heads_per_block, 256)
+  phb = _heads(kv_heads, h, block_sizes.private_heads_per_block, 1024)
+  c, width = layout.page_size, layout.private_pages.shape[1]
+  ppb = max(1, min(width, block_sizes.private_block_kv // c))
+  # The private kernel unrolls rows x pages x heads bodies per step: keep that bounded.
+  rows_cap = min(block_sizes.private_rows_per_block, max(1, MAX_PRIVATE_UNROLL // (ppb * phb)))
+  rp = max(d for d in range(1, min(padded_rows, rows_cap) + 1) if padded_rows % d == 0)
+  splits = min(block_sizes.core_splits, num_tiles)
+  items = work_list_size(
+      layout, rows_per_query=tg, block_rows=bm, block_kv=bk, num_tiles=num_tiles,
+      kv_tokens=length, num_splits=splits,
+  )
+  isz = jnp.dtype(dtype).itemsize
+  lanes, lse_lanes = hb * h, hb * LANES
+  shared = (
+      2 * bm * lanes * isz  # q, double-buffered
+      + 2 * 2 * bk * lanes * isz  # k, v
+      + 2 * bm * (lanes + lse_lanes) * 4  # initial state
+      + 2 * bm * lanes * isz + 2 * bm * lse_lanes * 4  # output
+      + 2 * bm * lse_lanes * 4 + bm * lanes * 4  # m, l, acc
+      + 4 * bm * bk * 4  # score-sized temporaries
+  )
+  tgp, cp = _round_up(tg, sub), _round_up(c, sub)
+  lanes, lse_lanes = phb * h, phb * LANES
+  private = rp * (
+      2 * tgp * lanes * isz  # q
+      + 2 * 2 * ppb * cp * lanes * isz  # k, v pages
+      + 2 * tgp * (lanes + 2 * lse_lanes) * 4 + tgp * (lanes + 2 * lse_lanes) * 4  # out, m, l, acc
+  ) + 4 * tgp * _round_up(c, LANES) * 4  # score-sized temporaries
+  vmem = max(shared if layout.groups else 0, private)
+  smem = max(7 * splits * items * 4, 4 * padded_rows * (width + 1))
+  limit = block_sizes.vmem_limit_bytes or max(
+      DEFAULT_VMEM_LIMIT_BYTES, min(2 * vmem, MAX_VMEM_LIMIT_BYTES)
+  )
+  return KernelPlan(
+      rows_per_query=tg, block_rows=bm, num_tiles=num_tiles, padded_rows=padded_rows,
+      block_kv=bk, heads_per_block=hb, num_splits=splits, pages_per_block=ppb,
+      private_rows_per_block=rp,
+      private_heads_per_block=phb,
+      num_items=items, vmem_bytes=vmem, smem_bytes=smem, vmem_limit_bytes=limit,
+  )
+
+
+def targets_tpu() -> bool:
+  """True on a TPU backend, or under `jax.sharding.use_abstract_mesh` with a TPU device.
+
+  The second form lets a CPU host lower (e.g. `jax.export` with
+  platforms=['tpu']) for a named TPU generation.
+  """
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None:
+    return device.platform == 'tpu'
+  return jax.default_backend() == 'tpu'
+
+
+def unsupported_reason(
+    q,  # [B, T, N, H]
+    k_cache,  # [L, K, H]
+    v_cache,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    interpret=None,
+    block_sizes: BlockSizes | None = None,
+) -> str | None:
+  """Why these (validated) inputs cannot run on these kernels, or None if they can.
+
+  Reads shapes and dtypes only (arrays or jax.ShapeDtypeStruct).
+  """
+  if not interpret and not targets_tpu():
+    return (
+        f'Mosaic TPU kernels need a TPU (the default backend is {jax.default_backend()}); '
+        'pass interpret=pltpu.InterpretParams() to run them in interpret mode'
+    )
+  if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+    return f'dtypes must be bfloat16 or float32, got q {q.dtype} and kv {k_cache.dtype}'
+  if q.dtype != k_cache.dtype:
+    return f'q ({q.dtype}) and the KV cache ({k_cache.dtype}) must share a dtype'
+  h = q.shape[-1]
+  if h % LANES:
+    return f'head dim H={h} must be a multiple of {LANES} (TPU lanes)'
+  length = k_cache.shape[0]
+  if length % layout.page_size:
+    return f'the KV buffer length L={length} must be a multiple of page_size={layout.page_size}'
+  block_sizes = block_sizes or BlockSizes()
+  kv_heads = k_cache.shape[1]
+  for name in ('heads_per_block', 'private_heads_per_block'):
+    heads = getattr(block_sizes, name)
+    if heads is not None and kv_heads % heads:
+      return f'{name}={heads} must divide K={kv_heads}'
+  p = plan(q.shape, q.dtype, k_cache.shape, layout, block_sizes)
+  if p.vmem_bytes > VMEM_BUDGET_BYTES:
+    return (
+        f'blocks need ~{p.vmem_bytes / 2**20:.1f} MiB of VMEM (budget '
+        f'{VMEM_BUDGET_BYTES / 2**20:.0f} MiB): lower block_rows, block_kv or the heads per block '
+        f'(a row tile is {p.block_rows} rows for T*G={p.rows_per_query})'
+    )
+  if p.smem_bytes > SMEM_BUDGET_BYTES:
+    return (
+        f'scalar-prefetched metadata needs ~{p.smem_bytes / 2**10:.0f} KiB of SMEM (budget '
+        f'{SMEM_BUDGET_BYTES / 2**10:.0f} KiB, {p.num_splits} x {p.num_items} work items): '
+        'raise block_kv or block_rows, or use fewer private pages per row'
+    )
+  return None
+
+
+def _interpret_arg(interpret):
+  if interpret is True:
+    return pltpu.InterpretParams()
+  return interpret or False
+
+
+def tree_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    scale: float | None = None,
+    interpret: pltpu.InterpretParams | bool | None = None,
+    block_sizes: BlockSizes | None = None,
+) -> PartialState:
+  """Exact attention of every row over its tree path and private KV, on Mosaic TPU.
+
+  Args:
+    q: [B, T, N, H] queries; row b's T tokens are its last T private tokens.
+    k_cache, v_cache: [L, K, H] flat KV buffer of the batch (one layer).
+    layout: the device `TreeLayout` of the batch.
+    scale: softmax scale, H**-0.5 if None.
+    interpret: a `pltpu.InterpretParams` (or True) runs the kernels in TPU
+      interpret mode, e.g. on CPU; None/False compiles them for the TPU.
+    block_sizes: tuning knobs, `BlockSizes()` if None.
+
+  Returns:
+    (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+
+  Raises:
+    ValueError: bad inputs (see `hydrajax.validation`), or inputs these kernels
+      do not support (see `unsupported_reason`).
+  """
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  block_sizes = block_sizes or BlockSizes()
+  interpret = _interpret_arg(interpret)
+  reason = unsupported_reason(
+      q, k_cache, v_cache, layout, interpret=interpret, block_sizes=block_sizes
+  )
+  if reason is not None:
+    raise ValueError(f'pallas_kernels.tpu.tree_attention does not support these inputs: {reason}')
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  return _tree_attention(
+      q, k_cache, v_cache, layout, scale=scale, interpret=interpret, block_sizes=block_sizes
+  )
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'block_sizes'))
+def _tree_attention(q, k_cache, v_cache, layout: TreeLayout, *, scale, interpret, block_sizes):
+  b, t, n, h = q.shape
+  length, kv_heads, _ = k_cache.shape
+  g = n // kv_heads
+  p = plan(q.shape, q.dtype, k_cache.shape, layout, block_sizes)
+  tg, extra = p.rows_per_query, p.padded_rows - b
+  knobs = dict(vmem_limit_bytes=p.vmem_limit_bytes, interpret=interpret)
+
+  # [B, T, N, H] -> [B_pad, T*G, K, H]: row (t, g) of query row b, per kv head.
+  qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 1, 3, 2, 4).reshape(b, tg, kv_heads, h)
+  qg = jnp.pad(qg, ((0, extra), (0, 0), (0, 0), (0, 0)))
+  lengths = jnp.pad(layout.private_lengths, (0, extra))  # padding rows: length 0, (0, -inf)
+  pages = jnp.pad(layout.private_pages, ((0, extra), (0, 0)))
+  paged = lambda x: x.reshape(length // layout.page_size, layout.page_size, kv_heads, h)  # free
+  out, lse = private_attention(
+      qg, paged(k_cache), paged(v_cache),
+      lengths, pages, num_queries=t, scale=scale, pages_per_block=p.pages_per_block,
+      rows_per_block=p.private_rows_per_block, heads_per_block=p.private_heads_per_block, **knobs,
+  )
+  rows = p.padded_rows * tg
+  out, lse = out.reshape(rows, kv_heads, h), lse.reshape(rows, kv_heads, LANES)
+  if layout.groups:
+    work = build_work_list(
+        layout, rows_per_query=tg, block_rows=p.block_rows, block_kv=p.block_kv,
+        num_tiles=p.num_tiles, kv_tokens=length, num_splits=p.num_splits,
+    )
+    out, lse = shared_attention(
+        qg.reshape(rows, kv_heads, h), k_cache, v_cache, out, lse, work, scale=scale,
+        block_rows=p.block_rows, block_kv=p.block_kv, heads_per_block=p.heads_per_block,
+        num_splits=p.num_splits, **knobs,
+    )
+
+  # [B*T*G, K, H] -> [B, T, N, H] and [B*T*G, K, 128] -> [B, T, N].
+  out = out[: b * tg].reshape(b, t, g, kv_heads, h).transpose(0, 1, 3, 2, 4).reshape(b, t, n, h)
+  lse = lse[: b * tg, :, 0].reshape(b, t, g, kv_heads).transpose(0, 1, 3, 2).reshape(b, t, n)
+  return PartialState(out.astype(q.dtype), lse)
