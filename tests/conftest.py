@@ -1,0 +1,116 @@
+"""Shared helpers of the core tests: random sharing trees, random inputs, tolerances, the oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hydrajax as hj
+
+# Per-dtype tolerances of a fast path against the naive oracle (which computes in float32).
+# bf16: the probabilities are rounded to bf16 before the PV product, and the output is bf16.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5),
+    jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
+}
+# The lse of bf16 inputs is a float32 softmax over exactly the same (bf16) scores.
+LSE_TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5),
+    jnp.dtype(jnp.bfloat16): dict(rtol=1e-4, atol=1e-4),
+}
+
+# The oracle, jitted so that a case pays one compile instead of one per op.
+naive_tree_attention = jax.jit(hj.naive_tree_attention, static_argnames=('plan', 'scale'))
+
+
+def assert_states_close(actual: hj.PartialState, expected: hj.PartialState, dtype=None, **tol):
+  """out and lse agree within the dtype's tolerance; NaN never passes; -inf must match exactly."""
+  dtype = jnp.dtype(dtype or expected.out.dtype)
+  out_tol = tol or TOLERANCES[dtype]
+  lse_tol = tol or LSE_TOLERANCES[dtype]
+  a_out, e_out = (np.asarray(x.out, np.float32) for x in (actual, expected))
+  a_lse, e_lse = (np.asarray(x.lse, np.float32) for x in (actual, expected))
+  assert a_out.shape == e_out.shape and a_lse.shape == e_lse.shape
+  assert actual.lse.dtype == jnp.float32
+  assert not np.isnan(a_out).any(), 'NaN in out'
+  assert not np.isnan(a_lse).any(), 'NaN in lse'
+  assert not np.isnan(e_out).any() and not np.isnan(e_lse).any(), 'NaN in the expected state'
+  np.testing.assert_allclose(a_out, e_out, err_msg='out', **out_tol)
+  # assert_allclose treats -inf == -inf as equal and -inf vs a finite value as a mismatch.
+  np.testing.assert_allclose(a_lse, e_lse, err_msg='lse', **lse_tol)
+
+
+def random_length(rng: np.random.Generator, max_len: int = 300) -> int:
+  """A segment length in 0..max_len, with 0 and 1 drawn often."""
+  kind = rng.choice(4, p=[0.15, 0.1, 0.3, 0.45])
+  if kind == 0:
+    return 0
+  if kind == 1:
+    return 1
+  if kind == 2:
+    return int(rng.integers(2, 21))
+  return int(rng.integers(21, max_len + 1))
+
+
+def random_tree(
+    rng: np.random.Generator,
+    depth: int,
+    rows: int,
+    *,
+    max_fanout: int = 5,
+    max_len: int = 300,
+    leaf_early: float = 0.2,
+) -> hj.PromptNode:
+  """A random sharing tree of at most `depth` levels over exactly `rows` rows.
+
+  Every inner node draws its own fan-out in 1..max_fanout (capped by its rows) and
+  splits its rows among its children at random; a leaf's rows are its samples.
+  The first root-to-leaf path always reaches `depth` levels.
+  """
+
+  def node(level: int, n: int, on_first_path: bool) -> hj.PromptNode:
+    length = random_length(rng, max_len)
+    last = level == depth - 1
+    if last or (not on_first_path and rng.random() < leaf_early):
+      return hj.PromptNode(length, num_samples=n)
+    fan = int(rng.integers(1, min(max_fanout, n) + 1))
+    cuts = np.sort(rng.choice(np.arange(1, n), fan - 1, replace=False)) if fan > 1 else []
+    sizes = np.diff(np.concatenate([[0], cuts, [n]])).astype(int)
+    return hj.PromptNode(
+        length,
+        children=tuple(
+            node(level + 1, int(s), on_first_path and i == 0) for i, s in enumerate(sizes)
+        ),
+    )
+
+  return node(0, rows, True)
+
+
+def tree_depth(node: hj.PromptNode) -> int:
+  return 1 + max((tree_depth(c) for c in node.children), default=0)
+
+
+def fanouts(node: hj.PromptNode) -> list[int]:
+  """The fan-out of every inner node."""
+  inner = [len(node.children)] if node.children else []
+  return inner + [f for c in node.children for f in fanouts(c)]
+
+
+def segment_lengths(node: hj.PromptNode) -> list[int]:
+  return [node.length] + [n for c in node.children for n in segment_lengths(c)]
+
+
+def random_inputs(
+    seed: int, plan: hj.SharingPlan, t: int, n: int, k: int, h: int, dtype, extra_kv: int = 0
+):
+  """q [B, T, N, H], k_cache, v_cache [L, K, H], standard normal from a numpy Generator(seed).
+
+  Drawn on the host: a jax.random draw compiles once per shape, which would dominate
+  the cost of the many small random cases.
+  """
+  rng = np.random.default_rng(seed)
+
+  def draw(shape):
+    return jnp.asarray(rng.standard_normal(shape, np.float32).astype(jnp.dtype(dtype)))
+
+  length = plan.kv_tokens + extra_kv
+  return draw((plan.num_rows, t, n, h)), draw((length, k, h)), draw((length, k, h))

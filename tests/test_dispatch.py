@@ -1,0 +1,135 @@
+"""The public entry point: which implementation runs, and what happens when a kernel cannot."""
+
+import logging
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hydrajax as hj
+from hydrajax import dispatch
+from tests.conftest import assert_states_close, naive_tree_attention, random_inputs
+
+on_cpu = pytest.mark.skipif(jax.default_backend() != 'cpu', reason='checks the CPU choice')
+
+
+@pytest.fixture(scope='module')
+def problem():
+  plan = hj.plan_tree(
+      hj.PromptNode(11, children=(hj.PromptNode(6, num_samples=2), hj.PromptNode(0))),
+      private_capacity=3,
+      private_lengths=[1, 3, 2],
+  )
+  q, k_cache, v_cache = random_inputs(60, plan, 1, 4, 2, 8, jnp.float32)
+  return plan, (q, k_cache, v_cache, plan.to_device())
+
+
+@pytest.mark.parametrize('impl', ['xla', hj.AttentionImpl.XLA], ids=['string', 'enum'])
+def test_xla_resolves_to_xla(impl, problem):
+  _, args = problem
+  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.XLA, hj.tree_attention_xla)
+
+
+@on_cpu
+def test_auto_on_cpu_picks_xla(problem):
+  plan, args = problem
+  assert dispatch._default_kernel() is None
+  xla = (hj.AttentionImpl.XLA, hj.tree_attention_xla)
+  assert dispatch.resolve(hj.AttentionImpl.AUTO, *args) == xla
+  assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
+  got = hj.tree_attention(*args)  # AUTO is the default
+  assert_states_close(got, naive_tree_attention(*args[:3], plan))
+  assert_states_close(got, hj.tree_attention_xla(*args), rtol=0, atol=0)
+
+
+def test_unknown_impl_raises(problem):
+  _, args = problem
+  with pytest.raises(ValueError, match="'cuda' is not a valid AttentionImpl"):
+    hj.tree_attention(*args, impl='cuda')
+
+
+@on_cpu
+@pytest.mark.parametrize(
+    'impl', [hj.AttentionImpl.MOSAIC_GPU, hj.AttentionImpl.MOSAIC_TPU], ids=lambda i: i.value
+)
+def test_explicit_kernel_that_cannot_run_raises(impl, problem):
+  # On CPU the kernel either cannot be imported or reports why it cannot run these inputs;
+  # an explicit choice never falls back silently.
+  _, args = problem
+  with pytest.raises(ValueError, match=rf'impl={impl.name} does not support these inputs: .+'):
+    hj.tree_attention(*args, impl=impl)
+
+
+# The dispatch logic itself, with stand-in kernel modules (no accelerator needed).
+
+
+def _fake_kernel(reason):
+  module = types.ModuleType('fake_tree_attention_kernel')
+  module.calls = []
+
+  def tree_attention(q, k_cache, v_cache, layout, *, scale=None):
+    module.calls.append(scale)
+    return hj.tree_attention_xla(q, k_cache, v_cache, layout, scale=scale)
+
+  module.tree_attention = tree_attention
+  module.unsupported_reason = lambda q, k_cache, v_cache, layout: reason
+  return module
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """Makes MOSAIC_GPU the backend's kernel and points it at a stand-in module."""
+
+  def install(reason):
+    module = _fake_kernel(reason)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(dispatch._KERNEL_MODULES, hj.AttentionImpl.MOSAIC_GPU, module.__name__)
+    monkeypatch.setattr(dispatch, '_default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
+    return module
+
+  return install
+
+
+@pytest.mark.parametrize(
+    'impl', [hj.AttentionImpl.AUTO, hj.AttentionImpl.MOSAIC_GPU], ids=['auto', 'explicit']
+)
+def test_a_kernel_that_supports_the_inputs_runs(impl, fake_gpu, problem):
+  _, args = problem
+  module = fake_gpu(None)
+  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.MOSAIC_GPU, module.tree_attention)
+  out = hj.tree_attention(*args, impl=impl, scale=0.5)
+  assert module.calls == [0.5]
+  assert_states_close(out, hj.tree_attention_xla(*args, scale=0.5))
+
+
+def test_auto_falls_back_to_xla_with_the_reason_logged(fake_gpu, problem, caplog):
+  _, args = problem
+  module = fake_gpu('head dim 8 is not supported')
+  with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+    assert dispatch.resolve('auto', *args) == (hj.AttentionImpl.XLA, hj.tree_attention_xla)
+    hj.tree_attention(*args)
+  assert module.calls == []
+  assert 'falling back to XLA from MOSAIC_GPU: head dim 8 is not supported' in caplog.text
+
+
+def test_explicit_unsupported_kernel_raises_with_the_reason(fake_gpu, problem):
+  _, args = problem
+  fake_gpu('head dim 8 is not supported')
+  match = 'impl=MOSAIC_GPU does not support these inputs: head dim 8 is not supported'
+  with pytest.raises(ValueError, match=match):
+    hj.tree_attention(*args, impl='mosaic_gpu')
+
+
+def test_a_kernel_module_that_cannot_be_imported(monkeypatch, problem, caplog):
+  _, args = problem
+  missing = 'pallas_kernels.no_such_backend.tree_attention'
+  monkeypatch.setitem(dispatch._KERNEL_MODULES, hj.AttentionImpl.MOSAIC_GPU, missing)
+  match = f'impl=MOSAIC_GPU does not support these inputs: cannot import {missing}'
+  with pytest.raises(ValueError, match=match):
+    hj.tree_attention(*args, impl=hj.AttentionImpl.MOSAIC_GPU)
+  monkeypatch.setattr(dispatch, '_default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
+  with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+    assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
+  assert f'cannot import {missing}' in caplog.text

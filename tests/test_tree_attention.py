@@ -1,0 +1,355 @@
+"""Tree attention (the XLA path, directly and through dispatch) against the naive oracle."""
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hydrajax as hj
+from tests.conftest import (
+    assert_states_close,
+    fanouts,
+    naive_tree_attention,
+    random_inputs,
+    random_tree,
+    segment_lengths,
+    tree_depth,
+)
+
+HEAD_DIM = 16
+HEADS = ((8, 8), (8, 2), (8, 1))  # (N, K): MHA, GQA (G=4), MQA (G=8)
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  seed: int
+  depth: int
+  heads: tuple[int, int]
+  dtype: object
+  t: int
+  batch_one: bool = False
+
+  @property
+  def id(self) -> str:
+    n, k = self.heads
+    rows = 'batch=1_' if self.batch_one else ''
+    dtype = jnp.dtype(self.dtype).name
+    return f'{rows}depth={self.depth}_N={n}_K={k}_T={self.t}_{dtype}_seed={self.seed}'
+
+
+def _cases() -> list[Case]:
+  """Every depth with every GQA fold in both dtypes, each with T = 1 or T = 3 (half of the grid)."""
+  cases = []
+  grid = itertools.product(range(2), range(1, 5), enumerate(HEADS))
+  for i, (flip, depth, (h, heads)) in enumerate(grid):
+    dtype = DTYPES[(depth + h + flip) % 2]
+    t = (1, 3)[((depth - 1) // 2 + h + flip) % 2]
+    cases.append(Case(100 + i, depth, heads, dtype, t))
+  for depth in range(1, 5):  # batch 1: one row under a chain of `depth` segments
+    heads, dtype = HEADS[depth % 3], DTYPES[depth % 2]
+    cases.append(Case(200 + depth, depth, heads, dtype, t=depth, batch_one=True))
+  return cases
+
+
+CASES = _cases()
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+  roots: tuple[hj.PromptNode, ...]
+  plan: hj.SharingPlan
+  kv_block: int
+
+
+def _build(case: Case) -> Built:
+  """The case's random forest and plan, from a numpy Generator seeded by the case."""
+  rng = np.random.default_rng(case.seed)
+  if case.batch_one:
+    rows = [1]
+  else:
+    rows = [int(r) for r in rng.integers(1, 6, int(rng.integers(1, 4)))]
+  roots = tuple(random_tree(rng, case.depth, r) for r in rows)
+  capacity = case.t + int(rng.integers(0, 40))
+  lengths = [int(n) for n in rng.integers(case.t, capacity + 1, sum(rows))]
+  plan = hj.plan_tree(roots, private_capacity=capacity, private_lengths=lengths)
+  return Built(roots, plan, kv_block=int(rng.choice([7, 16])))
+
+
+def test_random_cases_cover_the_issue():
+  """The parameterized cases below span what the issue asks for (checked, not assumed)."""
+  built = [(c, _build(c)) for c in CASES]
+  assert {tree_depth(r) for _, b in built for r in b.roots} == {1, 2, 3, 4}
+  assert set(range(1, 6)) <= {f for _, b in built for r in b.roots for f in fanouts(r)}
+  lengths = {n for _, b in built for r in b.roots for n in segment_lengths(r)}
+  assert {0, 1} <= lengths and max(lengths) >= 250
+  assert any(b.plan.num_rows == 1 for _, b in built)
+  assert any(len(b.roots) >= 3 for _, b in built)  # forests
+  assert {c.t for c in CASES} >= {1, 3} and {c.heads for c in CASES} == set(HEADS)
+  assert {jnp.dtype(c.dtype) for c in CASES} == {jnp.dtype(d) for d in DTYPES}
+  for c in CASES:  # every T and GQA fold is seen with both dtypes
+    assert c.batch_one or any(
+        d.t == c.t and d.heads == c.heads and d.dtype != c.dtype for d in CASES
+    ), c.id
+  # The blocked (multi-block) KV path runs in most cases.
+  blocked = [any(s.kv_length > b.kv_block for s in b.plan.segments) for _, b in built]
+  assert sum(blocked) >= len(CASES) // 2
+
+
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.id)
+def test_random_tree_matches_oracle(case: Case):
+  built = _build(case)
+  plan = built.plan
+  n, k = case.heads
+  q, k_cache, v_cache = random_inputs(case.seed, plan, case.t, n, k, HEAD_DIM, case.dtype)
+  expected = naive_tree_attention(q, k_cache, v_cache, plan)
+
+  via_dispatch = hj.tree_attention(q, k_cache, v_cache, plan.to_device(), impl=hj.AttentionImpl.XLA)
+  assert via_dispatch.out.dtype == case.dtype
+  assert via_dispatch.out.shape == q.shape and via_dispatch.lse.shape == q.shape[:3]
+  assert_states_close(via_dispatch, expected)
+
+  blocked = hj.tree_attention_xla(
+      q, k_cache, v_cache, plan.to_device(bucket=False), kv_block=built.kv_block
+  )
+  assert_states_close(blocked, expected)
+
+
+# Golden cases, worked by hand. H = 1 and scale = 1 so that a score is q * k.
+
+
+def _golden_layout(tree, capacity, lengths):
+  plan = hj.plan_tree(tree, private_capacity=capacity, private_lengths=lengths)
+  return plan, plan.to_device()
+
+
+def _golden_check(plan, layout, q, k_cache, v_cache, out, lse):
+  q, k_cache, v_cache = (jnp.asarray(x, jnp.float32) for x in (q, k_cache, v_cache))
+  expected = hj.PartialState(jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32))
+  for impl in ('xla', hj.AttentionImpl.AUTO):
+    got = hj.tree_attention(q, k_cache, v_cache, layout, impl=impl, scale=1.0)
+    assert_states_close(got, expected, rtol=1e-6, atol=1e-6)
+  assert_states_close(hj.naive_tree_attention(q, k_cache, v_cache, plan, scale=1.0), expected)
+
+
+def test_golden_two_keys_shared_and_private():
+  # One row; a shared segment of one key (k = 0, v = 1) and one private key (k = log 3, v = 5).
+  # q = 1: scores 0 and log 3, weights 1/4 and 3/4: out = 1/4 * 1 + 3/4 * 5 = 4, lse = log(1 + 3).
+  plan, layout = _golden_layout(hj.PromptNode(1), capacity=1, lengths=1)
+  assert plan.kv_tokens == 2  # token 0: the segment, token 1: the row's private page
+  q = [[[[1.0]]]]  # [B=1, T=1, N=1, H=1]
+  k_cache = [[[0.0]], [[math.log(3)]]]
+  v_cache = [[[1.0]], [[5.0]]]
+  _golden_check(plan, layout, q, k_cache, v_cache, out=[[[[4.0]]]], lse=[[[math.log(4)]]])
+
+
+def test_golden_two_row_tree():
+  # Two rows share a root segment of two tokens (k = 0, log 2; v = 0, 6); each row has one
+  # private token: row 0 (k = log 3, v = 12), row 1 (k = 5, v = 3).
+  # Row 0, q = 1: scores 0, log 2, log 3 -> weights 1, 2, 3 over 6:
+  #   out = (0 + 2 * 6 + 3 * 12) / 6 = 8, lse = log 6.
+  # Row 1, q = 0: all scores 0 -> the plain mean of 0, 6, 3: out = 3, lse = log 3.
+  plan, layout = _golden_layout(hj.PromptNode(2, num_samples=2), capacity=1, lengths=1)
+  assert [s.kv_length for s in plan.segments] == [2]
+  assert plan.private_pages == ((2,), (3,))
+  q = [[[[1.0]]], [[[0.0]]]]
+  k_cache = [[[0.0]], [[math.log(2)]], [[math.log(3)]], [[5.0]]]
+  v_cache = [[[0.0]], [[6.0]], [[12.0]], [[3.0]]]
+  _golden_check(
+      plan,
+      layout,
+      q,
+      k_cache,
+      v_cache,
+      out=[[[[8.0]]], [[[3.0]]]],
+      lse=[[[math.log(6)]], [[math.log(3)]]],
+  )
+
+
+def test_golden_causal_suffix_with_gqa():
+  # One row, T = 2 query tokens, an empty shared segment, two private keys (k = 0, log 3;
+  # v = 1, 5) under one kv head and two query heads (G = 2): head 0 has q = 1, head 1 has q = 0.
+  # Token 0 sees key 0 only: out = 1, lse = 0 (both heads).
+  # Token 1 sees both keys: head 0 (scores 0, log 3): out = 4, lse = log 4;
+  #                         head 1 (scores 0, 0):     out = 3, lse = log 2.
+  plan, layout = _golden_layout(hj.PromptNode(0), capacity=2, lengths=2)
+  assert layout.groups == ()  # the empty segment is dropped
+  assert plan.private_pages == ((0,),) and plan.page_size == 2  # the private page is tokens 0, 1
+  q = [[[[1.0], [0.0]], [[1.0], [0.0]]]]  # [B=1, T=2, N=2, H=1]
+  k_cache = [[[0.0]], [[math.log(3)]]]  # [L=2, K=1, H=1]
+  v_cache = [[[1.0]], [[5.0]]]
+  _golden_check(
+      plan,
+      layout,
+      q,
+      k_cache,
+      v_cache,
+      out=[[[[1.0], [1.0]], [[4.0], [3.0]]]],
+      lse=[[[0.0, 0.0], [math.log(4), math.log(2)]]],
+  )
+
+
+@pytest.mark.parametrize('scale', [0.9, 300.0], ids=['scale=0.9', 'large_logits_scale=300'])
+def test_custom_scale_matches_oracle(scale):
+  # scale=300 gives scores in the thousands (lse about 4e3): exp would overflow without the max.
+  plan = hj.plan_tree(
+      hj.PromptNode(9, children=(hj.PromptNode(4), hj.PromptNode(30, num_samples=2))),
+      private_capacity=3,
+      private_lengths=[1, 2, 3],
+  )
+  q, k_cache, v_cache = random_inputs(7, plan, 1, 4, 2, 8, jnp.float32)
+  expected = hj.naive_tree_attention(q, k_cache, v_cache, plan, scale=scale)
+  got = hj.tree_attention(q, k_cache, v_cache, plan.to_device(), impl='xla', scale=scale)
+  assert_states_close(got, expected)
+  blocked = hj.tree_attention_xla(  # the 30-token segment in blocks of 8, merged
+      q, k_cache, v_cache, plan.to_device(bucket=False), scale=scale, kv_block=8
+  )
+  assert_states_close(blocked, expected)
+  assert np.abs(np.asarray(got.lse)).max() > (1e3 if scale > 1 else 0)
+  default = naive_tree_attention(q, k_cache, v_cache, plan)
+  assert not np.allclose(np.asarray(got.lse), np.asarray(default.lse))  # the scale is used
+
+
+# Splitting one segment into a chain of two over the same rows and buffer is exact.
+
+
+@pytest.mark.parametrize('split', [0, 1, 18, 37], ids=lambda a: f'split={a}_of_37')
+def test_splitting_a_segment_is_exact(split: int):
+  n = 37
+  leaves = (hj.PromptNode(5, num_samples=2), hj.PromptNode(0), hj.PromptNode(11))
+  private = dict(private_capacity=4, private_lengths=[1, 2, 3, 4, 2])
+  whole = hj.plan_tree([hj.PromptNode(n, children=leaves), hj.PromptNode(3)], **private)
+  chain = hj.PromptNode(split, children=(hj.PromptNode(n - split, children=leaves),))
+  parts = hj.plan_tree([chain, hj.PromptNode(3)], **private)
+  # The same rows see the same tokens of the same buffer.
+  assert parts.num_rows == whole.num_rows and parts.kv_tokens == whole.kv_tokens
+  for a, b in zip(parts.row_token_indices(), whole.row_token_indices()):
+    np.testing.assert_array_equal(a, b)
+  assert len(parts.segments) == len(whole.segments) + 1
+
+  q, k_cache, v_cache = random_inputs(300 + split, whole, 2, 4, 1, 8, jnp.float32)
+  expected = hj.tree_attention_xla(q, k_cache, v_cache, whole.to_device(bucket=False))
+  for layout in (parts.to_device(bucket=False), parts.to_device()):
+    assert_states_close(
+        hj.tree_attention_xla(q, k_cache, v_cache, layout), expected, rtol=2e-6, atol=2e-6
+    )
+  assert_states_close(expected, naive_tree_attention(q, k_cache, v_cache, whole))
+
+
+def test_splitting_a_segment_by_hand_built_plans():
+  # A parent segment of n tokens vs two segments [0, a) and [a, n) over the same rows.
+  n, a, rows = 23, 9, 3
+  private = dict(
+      page_size=4, private_pages=((6,), (7,), (8,)), private_lengths=(4, 1, 3), kv_tokens=36
+  )
+  one = hj.SharingPlan(rows, (hj.Segment(0, n, 0, rows),), **private)
+  head, tail = hj.Segment(0, a, 0, rows), hj.Segment(a, n - a, 0, rows, parent=0, position=a)
+  two = hj.SharingPlan(rows, (head, tail), **private)
+  q, k_cache, v_cache = random_inputs(31, one, 1, 2, 2, 8, jnp.float32)
+  expected = naive_tree_attention(q, k_cache, v_cache, one)
+  for plan in (one, two):
+    assert_states_close(hj.tree_attention_xla(q, k_cache, v_cache, plan.to_device()), expected)
+    assert_states_close(naive_tree_attention(q, k_cache, v_cache, plan), expected)
+
+
+# Padded layouts under jit.
+
+
+def _padding_plan():
+  return hj.plan_tree(
+      [
+          hj.PromptNode(
+              45, children=(hj.PromptNode(3, num_samples=7), hj.PromptNode(0), hj.PromptNode(70))
+          ),
+          hj.PromptNode(1, num_samples=2),
+      ],
+      private_capacity=6,
+      private_lengths=[2, 6, 3, 4, 5, 2, 3, 6, 2, 5, 4],
+  )
+
+
+def test_padded_layouts_match_unpadded():
+  dtype = jnp.float32
+  plan = _padding_plan()
+  q, k_cache, v_cache = random_inputs(41, plan, 2, 4, 2, 8, dtype, extra_kv=13)
+  unpadded = plan.to_device(bucket=False)
+  assert sorted(g.kv_capacity for g in unpadded.groups) == sorted(
+      s.kv_length for s in plan.segments if s.kv_length
+  )
+  expected = hj.tree_attention_xla(q, k_cache, v_cache, unpadded)
+  padded = {
+      'bucket': plan.to_device(),
+      'bucket_wide_pages': plan.to_device(max_private_pages=4),
+      'exact_wide_pages': plan.to_device(bucket=False, max_private_pages=3),
+  }
+  bucketed = padded['bucket']
+  assert any(g.kv_capacity > min(g.kv_length) for g in bucketed.groups)  # real padding
+  assert any(g.row_capacity > min(g.row_count) for g in bucketed.groups)
+  assert padded['bucket_wide_pages'].private_pages.shape == (plan.num_rows, 4)
+  for layout in padded.values():
+    got = hj.tree_attention_xla(q, k_cache, v_cache, layout)
+    assert_states_close(got, expected, rtol=1e-6, atol=1e-6)
+  assert_states_close(expected, naive_tree_attention(q, k_cache, v_cache, plan))
+
+
+def test_same_bucket_signature_does_not_retrace():
+  traces = []
+
+  @jax.jit
+  def attend(q, k_cache, v_cache, layout):
+    traces.append(1)  # runs once per trace
+    return hj.tree_attention(q, k_cache, v_cache, layout, impl='xla')
+
+  def plan(root, child, leaf, lengths):
+    tree = hj.PromptNode(root, children=(hj.PromptNode(child, num_samples=2), hj.PromptNode(leaf)))
+    return hj.plan_tree(tree, private_capacity=5, private_lengths=lengths)
+
+  first = plan(17, 35, 3, [1, 5, 2])
+  second = plan(19, 38, 14, [3, 1, 5])  # other lengths, same buckets: 20, 40 and 16 tokens
+  third = plan(17, 41, 3, [1, 5, 2])  # 41 tokens bucket to 48
+  length = 128  # one buffer size for all three
+  for i, p in enumerate((first, second, third)):
+    q, k_cache, v_cache = random_inputs(50 + i, p, 1, 4, 2, 8, jnp.float32)
+    pad = ((0, length - p.kv_tokens), (0, 0), (0, 0))
+    k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    got = attend(q, k_cache, v_cache, p.to_device())
+    assert_states_close(got, naive_tree_attention(q, k_cache, v_cache, p))
+    assert len(traces) == (1, 1, 2)[i], f'plan {i}: {len(traces)} traces'
+
+
+def test_many_trees_in_one_bucket_signature_share_one_compile():
+  # One topology; every draw picks lengths inside fixed buckets (rows 9 -> 10, tokens
+  # 33..40 -> 40, 17..20 -> 20, 1..16 -> 16), so all draws run one compiled program with
+  # different amounts of padding. Checked: one trace for all draws.
+  traces = []
+
+  @jax.jit
+  def attend(q, k_cache, v_cache, layout):
+    traces.append(1)
+    return hj.tree_attention_xla(q, k_cache, v_cache, layout, kv_block=16)
+
+  rng = np.random.default_rng(77)
+  length = 512
+  for draw in range(8):
+    root, mid, leaf = (int(rng.integers(lo, hi + 1)) for lo, hi in ((33, 40), (18, 20), (1, 15)))
+    tree = hj.PromptNode(
+        root,
+        children=(
+            hj.PromptNode(
+                mid, children=(hj.PromptNode(leaf, num_samples=3), hj.PromptNode(leaf + 1))
+            ),
+            hj.PromptNode(mid - 1, num_samples=5),
+        ),
+    )
+    lengths = [int(n) for n in rng.integers(2, 9, 9)]
+    plan = hj.plan_tree(tree, private_capacity=8, private_lengths=lengths)
+    q, k_cache, v_cache = random_inputs(
+        700 + draw, plan, 2, 4, 1, 8, jnp.float32, extra_kv=length - plan.kv_tokens
+    )
+    expected = naive_tree_attention(q, k_cache, v_cache, plan)
+    assert_states_close(attend(q, k_cache, v_cache, plan.to_device()), expected)
+  assert len(traces) == 1

@@ -1,0 +1,228 @@
+"""Bad layouts and bad attention inputs raise ValueError with a message naming what is wrong."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hydrajax as hj
+from hydrajax.validation import check_tree_attention_inputs
+
+# SharingPlan checks
+
+
+def _plan(
+    segments=(), *, num_rows=2, page_size=4, pages=((3,), (4,)), lengths=(1, 2), kv_tokens=20
+):
+  return hj.SharingPlan(num_rows, tuple(segments), page_size, pages, lengths, kv_tokens)
+
+
+def test_a_valid_plan_passes():
+  plan = _plan([hj.Segment(0, 8, 0, 2), hj.Segment(8, 4, 1, 2, parent=0)])
+  assert plan.path(1) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(segments=[hj.Segment(0, 4, 1, 1)]), r'segment 0: rows \[1, 1\) not in \[0, 2\)'),
+        (dict(segments=[hj.Segment(0, 4, 0, 3)]), r'segment 0: rows \[0, 3\) not in \[0, 2\)'),
+        (dict(segments=[hj.Segment(0, 4, -1, 1)]), r'segment 0: rows \[-1, 1\)'),
+        (
+            dict(segments=[hj.Segment(10, 11, 0, 2)]),
+            r'segment 0: tokens \[10, 21\) not in the buffer of 20',
+        ),
+        (dict(segments=[hj.Segment(-1, 2, 0, 2)]), r'segment 0: tokens \[-1, 1\)'),
+        (dict(segments=[hj.Segment(0, -3, 0, 2)]), r'segment 0: tokens \[0, -3\)'),
+        (
+            dict(segments=[hj.Segment(0, 4, 0, 2), hj.Segment(4, 4, 0, 1, parent=1)]),
+            r'segment 1: parent 1 must come before it',
+        ),
+        (
+            dict(segments=[hj.Segment(0, 4, 0, 1), hj.Segment(4, 4, 0, 2, parent=0)]),
+            r'segment 1: rows not inside those of its parent 0',
+        ),
+        (dict(lengths=(1, 5)), r'row 1: private length 5 exceeds its 1 pages of 4'),
+        (dict(lengths=(-1, 0)), r'row 0: private length -1'),
+        (dict(pages=((3,), (5,))), r'row 1: private page ids must be in \[0, 5\)'),
+        (dict(pages=((3,),)), r'private_pages and private_lengths need one entry per row \(2\)'),
+        (dict(num_rows=0, pages=(), lengths=()), r'num_rows must be >= 1, got 0'),
+        (dict(page_size=0), r'page_size must be >= 1, got 0'),
+    ],
+    ids=[
+        'empty_row_range',
+        'rows_past_batch',
+        'negative_row',
+        'tokens_past_buffer',
+        'negative_start',
+        'negative_length',
+        'parent_after_child',
+        'rows_outside_parent',
+        'private_over_capacity',
+        'negative_private_length',
+        'page_outside_buffer',
+        'private_arrays_short',
+        'no_rows',
+        'zero_page_size',
+    ],
+)
+def test_bad_plans_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _plan(**kwargs)
+
+
+def test_to_device_rejects_too_few_private_pages():
+  plan = _plan(pages=((2, 3), (4,)), lengths=(5, 2))
+  match = r'max_private_pages=1 is below the widest private page table \(2\)'
+  with pytest.raises(ValueError, match=match):
+    plan.to_device(max_private_pages=1)
+
+
+# Builders
+
+
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(length=-1), r'PromptNode.length must be >= 0, got -1'),
+        (dict(length=3, num_samples=0), r'PromptNode.num_samples must be >= 1, got 0'),
+        (
+            dict(length=3, children=(hj.PromptNode(1),), num_samples=2),
+            r'num_samples applies to leaves only',
+        ),
+    ],
+    ids=['negative_length', 'no_samples', 'samples_on_inner_node'],
+)
+def test_bad_prompt_nodes_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    hj.PromptNode(**kwargs)
+
+
+@pytest.mark.parametrize(
+    'roots, kwargs, match',
+    [
+        ([], dict(private_capacity=2), r'plan_tree needs at least one root'),
+        (
+            hj.PromptNode(3, num_samples=2),
+            dict(private_capacity=2, private_lengths=[1]),
+            r'needs 2 entries, got 1',
+        ),
+        (
+            hj.PromptNode(3),
+            dict(private_capacity=2, private_lengths=3),
+            r'private_lengths must be in \[0, private_capacity=2\]',
+        ),
+        (
+            hj.PromptNode(3),
+            dict(private_capacity=2, private_lengths=-1),
+            r'private_lengths must be in \[0, private_capacity=2\]',
+        ),
+    ],
+    ids=['no_roots', 'lengths_count', 'length_over_capacity', 'negative_length'],
+)
+def test_bad_plan_tree_arguments_raise(roots, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    hj.plan_tree(roots, **kwargs)
+
+
+def test_bad_plan_from_tokens_arguments_raise():
+  with pytest.raises(ValueError, match='needs at least one sequence'):
+    hj.plan_from_tokens([])
+  with pytest.raises(ValueError, match='max_new_tokens must be >= 0, got -1'):
+    hj.plan_from_tokens([[1, 2]], max_new_tokens=-1)
+
+
+# check_tree_attention_inputs, directly and through every entry point
+
+B, T, N, K, H = 3, 2, 8, 2, 16
+
+
+@pytest.fixture(scope='module')
+def layout():
+  plan = hj.plan_tree(hj.PromptNode(5, num_samples=B), private_capacity=4, private_lengths=T)
+  return plan.to_device()
+
+
+def _inputs(
+    q_shape=(B, T, N, H),
+    kv_shape=(40, K, H),
+    v_shape=None,
+    q_dtype=jnp.float32,
+    kv_dtype=jnp.float32,
+    v_dtype=None,
+):
+  """q, k_cache, v_cache of these shapes and dtypes (v like k unless given)."""
+  return (
+      jnp.zeros(q_shape, q_dtype),
+      jnp.zeros(kv_shape, kv_dtype),
+      jnp.zeros(v_shape or kv_shape, v_dtype or kv_dtype),
+  )
+
+
+BAD_INPUTS = {
+    'q_rank': (_inputs(q_shape=(B, N, H)), r'q must be \[B, T, N, H\], got shape \(3, 8, 16\)'),
+    'k_rank': (
+        _inputs(kv_shape=(1, 40, K, H)),
+        r'k_cache must be \[L, K, H\], got shape \(1, 40, 2, 16\)',
+    ),
+    'v_rank': (_inputs(v_shape=(40 * K * H,)), r'v_cache must be \[L, K, H\], got shape \(1280,\)'),
+    'kv_shapes_differ': (
+        _inputs(v_shape=(41, K, H)),
+        r'k_cache \(40, 2, 16\) and v_cache \(41, 2, 16\) must have one shape',
+    ),
+    'head_dim': (_inputs(kv_shape=(40, K, 8)), r'head dim H differs: q has 16, k_cache has 8'),
+    'heads_not_multiple': (
+        _inputs(kv_shape=(40, 3, H)),
+        r'query heads N=8 must be a multiple of kv heads K=3',
+    ),
+    'batch_vs_layout': (_inputs(q_shape=(B + 1, T, N, H)), r'q has B=4 rows but the layout has 3'),
+    'no_query_tokens': (_inputs(q_shape=(B, 0, N, H)), r'q must have B, T, H >= 1'),
+    'int_q': (_inputs(q_dtype=jnp.int32), r'q must be float32, bfloat16 or float16, got int32'),
+    'int_k': (
+        _inputs(kv_dtype=jnp.int8, v_dtype=jnp.float32),
+        r'k_cache must be float32, bfloat16 or float16, got int8',
+    ),
+    'int_v': (
+        _inputs(v_dtype=jnp.int32),
+        r'v_cache must be float32, bfloat16 or float16, got int32',
+    ),
+    'kv_dtypes_differ': (
+        _inputs(v_dtype=jnp.bfloat16),
+        r'k_cache \(float32\) and v_cache \(bfloat16\) must share a dtype',
+    ),
+    'buffer_below_a_page': (
+        _inputs(kv_shape=(3, K, H)),
+        r'k_cache holds 3 tokens, less than one page of 4',
+    ),
+}
+
+
+@pytest.mark.parametrize('name', list(BAD_INPUTS))
+def test_bad_attention_inputs_raise(name, layout):
+  (q, k_cache, v_cache), match = BAD_INPUTS[name]
+  with pytest.raises(ValueError, match=match):
+    check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  for impl in ('xla', hj.AttentionImpl.AUTO, hj.AttentionImpl.MOSAIC_GPU):  # before any dispatch
+    with pytest.raises(ValueError, match=match):
+      hj.tree_attention(q, k_cache, v_cache, layout, impl=impl)
+  with pytest.raises(ValueError, match=match):  # also at trace time of the jitted XLA path
+    hj.tree_attention_xla(q, k_cache, v_cache, layout)
+
+
+def test_layout_must_be_a_tree_layout(layout):
+  q, k_cache, v_cache = _inputs()
+  plan = hj.plan_tree(hj.PromptNode(5, num_samples=B), private_capacity=4, private_lengths=T)
+  match = re.escape('layout must be a TreeLayout (SharingPlan.to_device()), got SharingPlan')
+  with pytest.raises(ValueError, match=match):
+    hj.tree_attention(q, k_cache, v_cache, plan)
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)  # the good inputs pass
+
+
+def test_good_inputs_in_every_float_dtype_pass(layout):
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    q, k_cache, v_cache = _inputs(q_dtype=dtype, kv_dtype=dtype)
+    check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  # Shapes only: abstract values validate too (the check runs at trace time).
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs()]
+  check_tree_attention_inputs(*abstract, layout)
