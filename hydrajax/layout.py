@@ -183,6 +183,10 @@ class TreeLayout:
   private_lengths: jax.Array  # [B] int32
   page_size: int = dataclasses.field(metadata=dict(static=True))
   num_rows: int = dataclasses.field(metadata=dict(static=True))
+  # [B, D] int32 or None: per row, the non-empty shared segments on its path
+  # (root first) as indices into the concatenation of `groups`, -1 padded; D is
+  # the deepest path. Optional host metadata for kernels that merge per row.
+  row_segments: jax.Array | None = None
 
   @property
   def max_private_tokens(self) -> int:
@@ -197,6 +201,10 @@ def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None
     cap = (bucket_size(s.num_rows), bucket_size(s.kv_length, 16)) if bucket else (s.num_rows, s.kv_length)
     by_capacity.setdefault(cap, []).append(s)
   groups = []
+  global_id: dict[int, int] = {}  # id(segment) -> index in the concatenation of the groups
+  for _, segs in sorted(by_capacity.items()):
+    for s in segs:
+      global_id[id(s)] = len(global_id)
   for (rows, tokens), segs in sorted(by_capacity.items()):
     col = lambda f: jnp.asarray(np.array([f(s) for s in segs], np.int32))
     groups.append(
@@ -222,4 +230,21 @@ def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None
       private_lengths=jnp.asarray(np.array(plan.private_lengths, np.int32)),
       page_size=plan.page_size,
       num_rows=plan.num_rows,
+      row_segments=jnp.asarray(_row_segments(plan, global_id)),
   )
+
+
+def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
+  """[B, D] int32: each row's non-empty path segments (root first) as group-concatenation ids."""
+  depth = np.zeros(plan.num_rows, np.int64)
+  for s in plan.segments:
+    if s.kv_length > 0:
+      depth[s.row_begin : s.row_end] += 1
+  table = np.full((plan.num_rows, max(1, int(depth.max(initial=0)))), -1, np.int32)
+  depth[:] = 0
+  for s in plan.segments:  # parents come before children
+    if s.kv_length > 0:
+      rows = np.arange(s.row_begin, s.row_end)
+      table[rows, depth[rows]] = global_id[id(s)]
+      depth[rows] += 1
+  return table

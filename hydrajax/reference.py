@@ -22,6 +22,8 @@ def naive_attention(
 ) -> PartialState:
   """Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32); computes in float32."""
   out_dtype = q.dtype
+  if k.shape[1] == 0:  # no keys at all: the empty state
+    return PartialState(jnp.zeros(q.shape, out_dtype), jnp.full(q.shape[:-1], -jnp.inf))
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   b, t, n, h = q.shape
   kh = k.shape[2]

@@ -184,3 +184,12 @@ def test_merge_into_rows_with_extreme_logits():
       jnp.array([1e4, -1e4 + math.log(2), 1e4], jnp.float32)[:, None],
   )
   assert_states_close(merged, expected, rtol=0, atol=2e-3)
+
+
+def test_naive_attention_over_zero_keys_is_the_empty_state():
+  q = jnp.ones((2, 3, 4, 8), jnp.bfloat16)
+  kv = jnp.ones((2, 0, 2, 8), jnp.bfloat16)
+  out, lse = hj.naive_attention(q, kv, kv, jnp.zeros(2, jnp.int32))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  assert np.all(np.isneginf(np.asarray(lse)))

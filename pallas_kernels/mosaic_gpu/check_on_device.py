@@ -1,0 +1,207 @@
+"""Checks and times the Mosaic GPU tree-attention kernels on a Hopper GPU, in one process.
+
+On the GPU machine, from the repository root:
+
+  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT
+
+On a CPU machine, `--lower_only` cross-lowers every kernel configuration for
+CUDA (Pallas -> Mosaic GPU MLIR) without running anything: it catches layout
+and tiling errors before device time is spent.
+
+What it does on the GPU:
+1. measures the ceilings: bf16 matmul rate (8192^3) and copy bandwidth
+   (read + write of 2 GiB), both with CUPTI device timers;
+2. checks the kernels against `tree_attention_xla` on random inputs for each
+   benchmark shape (relative L2 error of out, max |lse| error, -inf agreement);
+3. times each kernel variant and the XLA path with CUPTI (kernel time only,
+   summed over the kernels of one call), on R copies of the inputs used in
+   turn so that each call starts with its KV out of L2 (R * bytes >= 256 MiB);
+4. prints a table: time, floor = max(bytes / bandwidth, FLOPs / matmul rate),
+   time / floor. Results also go to `--out/results.jsonl`.
+
+`--variants all` adds the block_kv=64 variants (slower on every shape on the
+H200); batches <= 64 also time smaller `max_splits`.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hydrajax
+from pallas_kernels.mosaic_gpu import tree_attention as mosaic
+
+SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens each, T = 1
+    (256, 16384, 1, 32, 8),
+    (1024, 16384, 1, 32, 8),
+    (1024, 32768, 1, 8, 1),
+    (256, 16384, 128, 32, 8),
+    (32, 2048, 1, 32, 8),
+)
+VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
+    dict(block_kv=128, max_concurrent_steps=2),
+    dict(block_kv=64, max_concurrent_steps=2),
+    dict(block_kv=64, max_concurrent_steps=4),
+)
+SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
+SMALL_BATCH = 64
+HEAD_DIM = 128
+DTYPE = jnp.bfloat16
+
+
+def problem(b, p, s, n, k, seed=0):
+  capacity = max(64, -(-s // 64) * 64)
+  plan = hydrajax.plan_tree(
+      hydrajax.PromptNode(p, num_samples=b), private_capacity=capacity, private_lengths=s
+  )
+  layout = plan.to_device()
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, 1, n, HEAD_DIM), DTYPE)
+  kc = jax.random.normal(keys[1], (plan.kv_tokens, k, HEAD_DIM), DTYPE)
+  vc = jax.random.normal(keys[2], (plan.kv_tokens, k, HEAD_DIM), DTYPE)
+  return plan, layout, q, kc, vc
+
+
+def floor_us(b, p, s, n, k, bandwidth, rate):
+  kv = 2 * HEAD_DIM * k * 2 * (p + b * s)  # K and V, shared prefix once plus private
+  qo = 2 * b * n * HEAD_DIM * 2 + b * n * 4
+  flops = 4 * b * n * (p + s) * HEAD_DIM
+  return max((kv + qo) / bandwidth, flops / rate) * 1e6, kv + qo, flops
+
+
+def cupti_us(fn, arg_sets, iterations=5):
+  """Median over iterations of (sum of kernel times of one pass over arg_sets) / len(arg_sets)."""
+  from jax.experimental.mosaic.gpu import profiler
+
+  many = jax.jit(lambda sets: [fn(*a) for a in sets])
+  _, timings = profiler.measure(many, aggregate=False, iterations=iterations)(arg_sets)
+  if iterations == 1:
+    timings = [timings]
+  per_call = [sum(t for _, t in it) * 1e3 / len(arg_sets) for it in timings]
+  by_kernel = {}
+  for name, t in timings[-1]:
+    by_kernel[name] = by_kernel.get(name, 0.0) + t * 1e3 / len(arg_sets)
+  return statistics.median(per_call), by_kernel
+
+
+def ceilings():
+  from jax.experimental.mosaic.gpu import profiler
+
+  a = jax.random.normal(jax.random.key(1), (8192, 8192), DTYPE)
+  bm = jax.random.normal(jax.random.key(2), (8192, 8192), DTYPE)
+  _, ms = profiler.measure(jax.jit(lambda x, y: x @ y), iterations=5)(a, bm)
+  rate = 2 * 8192**3 / (statistics.median(ms) * 1e-3)
+  x = jax.random.normal(jax.random.key(3), (2**30,), DTYPE)  # 2 GiB
+  _, ms = profiler.measure(jax.jit(lambda v: v * 2), iterations=5)(x)
+  bandwidth = 2 * x.nbytes / (statistics.median(ms) * 1e-3)
+  return rate, bandwidth
+
+
+def errors(got, want):
+  o, r = np.asarray(got.out, np.float32), np.asarray(want.out, np.float32)
+  rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+  gl, wl = np.asarray(got.lse), np.asarray(want.lse)
+  same_inf = bool((np.isinf(gl) == np.isinf(wl)).all())
+  fin = np.isfinite(wl)
+  lse = float(np.abs(gl[fin] - wl[fin]).max(initial=0.0))
+  return dict(out_rel_l2=rel, lse_max_abs=lse, inf_agree=same_inf, nan=bool(np.isnan(o).any()))
+
+
+def lower_only():
+  for shape in SHAPES:
+    plan, layout, q, kc, vc = problem(*shape)
+    for variant in VARIANTS:
+      t0 = time.time()
+      fn = jax.jit(lambda q, k, v, l, variant=variant: mosaic.tree_attention(q, k, v, l, **variant))
+      fn.trace(q, kc, vc, layout).lower(lowering_platforms=('cuda',))
+      print(f'lowered {shape} {variant} in {time.time() - t0:.1f}s')
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--out', default=os.environ.get('OUT', '/tmp'))
+  parser.add_argument('--lower_only', action='store_true')
+  parser.add_argument('--shapes', default='all', help='comma-separated indices into SHAPES')
+  parser.add_argument(
+      '--variants', default='0', help="comma-separated indices into VARIANTS, or 'all'"
+  )
+  args = parser.parse_args()
+  if args.lower_only:
+    return lower_only()
+  shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',')]
+  variants = (
+      VARIANTS if args.variants == 'all'
+      else [VARIANTS[int(i)] for i in args.variants.split(',')]
+  )
+  print(jax.devices(), jax.__version__)
+  sink = open(os.path.join(args.out, 'results.jsonl'), 'a')
+
+  def record(**kw):
+    sink.write(json.dumps(kw) + '\n')
+    sink.flush()
+    print(json.dumps(kw))
+
+  rate, bandwidth = ceilings()
+  record(kind='ceilings', matmul_tflops=rate / 1e12, copy_tbps=bandwidth / 1e12)
+  table = []
+  for shape in shapes:
+    b, p, s, n, k = shape
+    try:
+      plan, layout, q, kc, vc = problem(*shape)
+    except Exception as e:  # out of memory, say
+      record(kind='error', shape=shape, stage='setup', error=repr(e)[:500])
+      continue
+    fl, nbytes, flops = floor_us(b, p, s, n, k, bandwidth, rate)
+    xla = jax.jit(lambda q, k, v, l: hydrajax.tree_attention_xla(q, k, v, l))
+    want = xla(q, kc, vc, layout)
+    copies = max(1, min(8, math.ceil(256 * 2**20 / (kc.nbytes + vc.nbytes))))
+    sets = [(q, kc, vc, layout)]
+    for i in range(1, copies):
+      _, _, qi, ki, vi = problem(*shape, seed=i)
+      sets.append((qi, ki, vi, layout))
+    row = dict(shape=shape, floor_us=fl, bytes=nbytes, flops=flops)
+    extra = SMALL_BATCH_VARIANTS if b <= SMALL_BATCH else ()
+    for variant in (*variants, *extra):
+      name = 'mosaic ' + (','.join(f'{a}={v}' for a, v in variant.items()) or 'default')
+      fn = jax.jit(lambda q, k, v, l, variant=variant: mosaic.tree_attention(q, k, v, l, **variant))
+      try:
+        got = fn(q, kc, vc, layout)
+        err = errors(got, want)
+        us, kernels = cupti_us(fn, sets)
+        record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels, **err)
+        row[name] = (us, err['out_rel_l2'])
+      except Exception as e:
+        trace = ''.join(traceback.format_exception(e))[-3000:]
+        record(kind='error', shape=shape, impl=name, error=trace)
+    try:
+      us, kernels = cupti_us(xla, sets)
+      record(kind='time', shape=shape, impl='xla', us=us, x_floor=us / fl, kernels=kernels)
+      row['xla'] = (us, 0.0)
+    except Exception as e:
+      record(kind='error', shape=shape, impl='xla', error=repr(e)[:1000])
+    table.append(row)
+    del sets, plan, layout, q, kc, vc, want
+
+  print('\n| B | P | S | q/kv | floor us | impl | us | x floor | out rel err |')
+  print('|---|---|---|---|---|---|---|---|---|')
+  for row in table:
+    b, p, s, n, k = row['shape']
+    for impl, value in row.items():
+      if impl in ('shape', 'floor_us', 'bytes', 'flops'):
+        continue
+      us, err = value
+      print(f'| {b} | {p} | {s} | {n}/{k} | {row["floor_us"]:.0f} | {impl} | {us:.1f} | '
+            f'{us / row["floor_us"]:.2f} | {err:.1e} |')
+  sink.close()
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,128 @@
+"""Static work decomposition of the Mosaic GPU tree-attention kernels.
+
+Both kernels see the queries folded per kv head: `qf [K, M, H]` with
+`M = B * T * G` rows, row b owning rows `[b*T*G, (b+1)*T*G)` (the T*G rows of
+one kv head's group). A shared segment covering rows `[row_begin, row_begin +
+row_count)` is then the contiguous block `[row_begin*T*G, (row_begin +
+row_count)*T*G)` of that matrix: the M dimension of its matrix products.
+
+Tensor-memory copies (TMA) into tiled shared memory need row offsets that are
+multiples of `ALIGN`, so each segment's query rows and kv tokens are read in an
+aligned frame that starts at the offset rounded down to `ALIGN`; the kernels
+mask what lies before the real start or past the real end.
+
+Shared kernel work items: for every segment group (static capacities R, S) and
+every segment j of it, `num_splits` kv splits times `row_tiles` row tiles of
+`TILE_M` rows, numbered `item_offset + (j * num_splits + split) * row_tiles +
+row_tile`. Item w writes its partial state to rows `[w*TILE_M, (w+1)*TILE_M)`
+of the partial buffers, so one (segment, split)'s tiles are contiguous and a
+window of consecutive query rows is one contiguous read.
+"""
+
+import dataclasses
+
+from hydrajax.layout import TreeLayout
+
+ALIGN = 8  # rows per tile of the (8, 64) shared-memory tiling used by wgmma
+TILE_M = 128  # query rows per shared-kernel program: two compute warpgroups of 64
+WG_M = 64  # query rows per warpgroup
+PRIVATE_BLOCK = 64  # private kv tokens per step of the private kernel
+MERGE_RING = 4  # partial-state windows in flight while the private kernel merges
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+  return cdiv(a, b) * b
+
+
+def frame_pad(rows_per_query: int) -> int:
+  """Extra rows an aligned frame may need in front of a segment's or row's first query row."""
+  return 0 if rows_per_query % ALIGN == 0 else ALIGN - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSchedule:
+  """Static tiling of one segment group."""
+
+  num_segments: int  # J
+  row_tiles: int  # row tiles of TILE_M per (segment, split)
+  split_tokens: int  # kv tokens per split, a multiple of block_kv
+  item_offset: int  # first work item of the group
+  segment_offset: int  # first index of the group in the concatenation of all groups
+  num_splits: int
+
+  @property
+  def num_items(self) -> int:
+    return self.num_segments * self.num_splits * self.row_tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedSchedule:
+  """Static tiling of all shared segments: one launch for every group."""
+
+  groups: tuple[GroupSchedule, ...]
+  num_splits: int  # kv splits per segment (the same for every group)
+  rows_per_query: int  # T*G
+  block_kv: int
+
+  @property
+  def num_items(self) -> int:
+    return sum(g.num_items for g in self.groups)
+
+  @property
+  def num_segments(self) -> int:
+    return sum(g.num_segments for g in self.groups)
+
+
+def choose_splits(num_tiles: int, max_blocks: int, *, num_sms: int, max_splits: int) -> int:
+  """KV splits per segment so that the programs fill the chip about once.
+
+  With at least one program per multiprocessor there is no split; otherwise as
+  many splits as still fit in one wave, never more than the kv blocks of the
+  longest segment (a split with no block is an empty program).
+  """
+  if num_tiles >= num_sms:
+    return 1
+  return max(1, min(max_splits, num_sms // max(num_tiles, 1), max_blocks))
+
+
+def shared_schedule(
+    layout: TreeLayout,
+    *,
+    rows_per_query: int,
+    num_kv_heads: int,
+    block_kv: int,
+    num_sms: int,
+    max_splits: int,
+) -> SharedSchedule:
+  """The static work decomposition of the shared kernel for this layout's capacities."""
+  pad = frame_pad(rows_per_query)
+  row_tiles = [cdiv(g.row_capacity * rows_per_query + pad, TILE_M) for g in layout.groups]
+  # Splits are chosen from the tiles with rows in them: the frame's extra tile (when the
+  # first row is not 8-aligned) is an empty program for 8-aligned segments such as roots.
+  tiles = num_kv_heads * sum(
+      g.num_segments * cdiv(g.row_capacity * rows_per_query, TILE_M) for g in layout.groups
+  )
+  max_blocks = max((cdiv(g.kv_capacity + ALIGN - 1, block_kv) for g in layout.groups), default=1)
+  splits = choose_splits(tiles, max_blocks, num_sms=num_sms, max_splits=max_splits)
+  groups, item, segment = [], 0, 0
+  for g, t in zip(layout.groups, row_tiles):
+    split_tokens = round_up(cdiv(g.kv_capacity + ALIGN - 1, splits), block_kv)
+    gs = GroupSchedule(g.num_segments, t, split_tokens, item, segment, splits)
+    groups.append(gs)
+    item += gs.num_items
+    segment += g.num_segments
+  return SharedSchedule(tuple(groups), splits, rows_per_query, block_kv)
+
+
+def private_row_tiles(rows_per_query: int) -> int:
+  """Row tiles of WG_M per query row in the private kernel (its frame starts aligned)."""
+  return cdiv(rows_per_query + frame_pad(rows_per_query), WG_M)
+
+
+def window_rows(rows_per_query: int) -> int:
+  """Rows of a partial-state window the private kernel reads per tile (a multiple of ALIGN)."""
+  return min(WG_M, round_up(rows_per_query + frame_pad(rows_per_query), ALIGN))

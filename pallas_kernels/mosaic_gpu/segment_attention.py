@@ -1,0 +1,462 @@
+"""Shared-segment attention on Hopper: Pallas Mosaic GPU, one launch for every segment.
+
+Each program takes one work item (a row tile of one kv split of one segment,
+see `schedule.py`) for one kv head: the segment's rows times the GQA group are
+the M dimension of two wgmma matrix products per kv block (QK^T and PV), as in
+FlashAttention-3: two compute warpgroups of 64 rows each and one memory
+warpgroup that streams K and V blocks with TMA through `max_concurrent_steps`
+shared-memory slots. Scores are kept in base 2 (scale * log2(e) folded into
+one multiply); the written lse is natural-log.
+
+Output: per item a normalised partial state, out `[K, W*TILE_M, H]` in the
+input dtype and lse `[K, W*TILE_M]` float32, with (0, -inf) for a split that
+holds no tokens. Items whose row tile lies past the segment's rows write
+nothing (nobody reads them).
+"""
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from hydrajax.layout import SegmentGroup
+from pallas_kernels.mosaic_gpu.schedule import ALIGN, TILE_M, WG_M, SharedSchedule
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentKernelConfig:
+  """Block sizes of the shared-segment kernel."""
+
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+
+  def __post_init__(self):
+    if self.block_kv % 64:
+      raise ValueError(f'block_kv must be a multiple of 64, got {self.block_kv}')
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
+
+
+def _align_down(x):
+  return x - lax.rem(x, jnp.int32(ALIGN))
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentFields:
+  """Scalars of one segment, selected from the group arrays at a dynamic global index."""
+
+  valid: jax.Array  # bool: the index names a segment
+  kv_start: jax.Array
+  kv_length: jax.Array
+  row_begin: jax.Array
+  row_count: jax.Array
+  item_base: jax.Array  # first work item of the segment
+  row_tiles: jax.Array  # row tiles per (segment, split) of its group
+  split_tokens: jax.Array  # kv tokens per split of its group
+
+
+def pack_segments(groups: Sequence[SegmentGroup]) -> jax.Array:
+  """[4, J] int32 (kv_start, kv_length, row_begin, row_count) over the concatenated groups."""
+  return jnp.stack([
+      jnp.concatenate([getattr(g, f) for g in groups])
+      for f in ('kv_start', 'kv_length', 'row_begin', 'row_count')
+  ]).astype(jnp.int32)
+
+
+def segment_fields(sched: SharedSchedule, seg_ref, index) -> SegmentFields:
+  """Reads segment `index` (into the concatenation of the groups) from `pack_segments` in GMEM.
+
+  The group's static tiling is found by a static loop over the groups.
+  """
+  zero = jnp.int32(0)
+  valid, item_base, row_tiles, split_tokens = jnp.bool_(False), zero, zero, zero
+  for gs in sched.groups:
+    local = index - gs.segment_offset
+    inside = (local >= 0) & (local < gs.num_segments)
+    valid = valid | inside
+    first_item = gs.item_offset + local * (gs.num_splits * gs.row_tiles)
+    item_base = jnp.where(inside, first_item, item_base)
+    row_tiles = jnp.where(inside, gs.row_tiles, row_tiles)
+    split_tokens = jnp.where(inside, gs.split_tokens, split_tokens)
+  j = jnp.minimum(jnp.maximum(index, 0), sched.num_segments - 1)
+  return SegmentFields(
+      valid=valid, kv_start=seg_ref[0, j], kv_length=seg_ref[1, j], row_begin=seg_ref[2, j],
+      row_count=seg_ref[3, j], item_base=item_base, row_tiles=row_tiles, split_tokens=split_tokens,
+  )
+
+
+def _item_segment(sched: SharedSchedule, item):
+  """Global segment index, split and row tile of work item `item`."""
+  index = split = tile = jnp.int32(0)
+  for gs in sched.groups:
+    local = item - gs.item_offset
+    inside = (local >= 0) & (local < gs.num_items)
+    local = jnp.minimum(jnp.maximum(local, 0), gs.num_items - 1)
+    per_segment = gs.num_splits * gs.row_tiles
+    j = lax.div(local, jnp.int32(per_segment))
+    rest = lax.rem(local, jnp.int32(per_segment))
+    index = jnp.where(inside, gs.segment_offset + j, index)
+    split = jnp.where(inside, lax.div(rest, jnp.int32(gs.row_tiles)), split)
+    tile = jnp.where(inside, lax.rem(rest, jnp.int32(gs.row_tiles)), tile)
+  return index, split, tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """Scalars of one work item (see the module docstring of `schedule`)."""
+
+  active: jax.Array  # the row tile holds some of the segment's rows
+  tile_row: jax.Array  # first query row of the tile (a multiple of ALIGN)
+  split_tok: jax.Array  # first kv token of the split's frame (a multiple of ALIGN)
+  lo: jax.Array  # the segment's tokens are [lo, hi) relative to split_tok
+  hi: jax.Array
+  num_blocks: jax.Array
+  num_head: jax.Array  # 1 if the first block needs the lo mask
+  num_tail: jax.Array  # 1 if the last (other) block needs the hi mask
+
+
+def _decode_item(sched: SharedSchedule, seg_ref, item, bk: int) -> _Item:
+  index, split, tile = _item_segment(sched, item)
+  seg = segment_fields(sched, seg_ref, index)
+  tg = sched.rows_per_query
+  first_row = seg.row_begin * tg
+  frame_row = _align_down(first_row)
+  frame_tok = _align_down(seg.kv_start)
+  head = seg.kv_start - frame_tok
+  lo = jnp.maximum(head - split * seg.split_tokens, 0)
+  hi = jnp.minimum(head + seg.kv_length - split * seg.split_tokens, seg.split_tokens)
+  num_blocks = jnp.where(hi > lo, lax.div(hi + (bk - 1), jnp.int32(bk)), 0)
+  num_head = jnp.where((lo > 0) & (num_blocks > 0), 1, 0)
+  num_tail = jnp.where((lax.rem(hi, jnp.int32(bk)) != 0) & (num_blocks > num_head), 1, 0)
+  return _Item(
+      active=tile * TILE_M < (first_row - frame_row) + seg.row_count * tg,
+      tile_row=frame_row + tile * TILE_M,
+      split_tok=frame_tok + split * seg.split_tokens,
+      lo=lo, hi=hi, num_blocks=num_blocks, num_head=num_head, num_tail=num_tail,
+  )
+
+
+def _masked(qk, it: _Item, step, bk: int):
+  cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA) + step * bk
+  return jnp.where((cols >= it.lo) & (cols < it.hi), qk, -jnp.inf)
+
+
+def _softmax(qk, m_i, l_i, acc, qk_scale: float, dtype):
+  """One online-softmax step on raw scores qk (every row has a finite score in the block)."""
+  m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+  alpha = jnp.exp2(m_i - m_ij)
+  p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+  acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+  l_i *= alpha
+  p16 = p.astype(dtype)
+  l_i += p.sum(axis=1)
+  return m_ij, l_i, acc, p16
+
+
+def _finish(acc, m_i, l_i, o_smem, lse_smem, dtype):
+  """Normalised out and natural-log lse into shared memory; (0, -inf) for an empty split."""
+  nonempty = l_i > 0
+  l_safe = jnp.where(nonempty, l_i, 1.0)
+  o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+  lse_smem[...] = jnp.where(nonempty, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
+  plgpu.commit_smem()
+
+
+def _init_state(rows: int, h: int):
+  m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+  acc = plgpu.layout_cast(jnp.full((rows, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+  return acc, m_i, l_i
+
+
+def _three_sections(step_fn, it: _Item, carry):
+  """Runs step_fn over the item's blocks: masked head, unmasked middle, masked tail."""
+  carry = lax.fori_loop(0, it.num_head, lambda i, c: step_fn(i, c, True), carry)
+  carry = lax.fori_loop(
+      it.num_head, it.num_blocks - it.num_tail, lambda i, c: step_fn(i, c, False), carry
+  )
+  return lax.fori_loop(
+      it.num_blocks - it.num_tail, it.num_blocks, lambda i, c: step_fn(i, c, True), carry
+  )
+
+
+def segment_attention(
+    qf: jax.Array,  # [K, M_pad, H]: queries folded per kv head, M_pad a multiple of ALIGN
+    k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
+    v_cache: jax.Array,  # [L, K, H]
+    segments: jax.Array,  # [4, J] int32, pack_segments(layout.groups)
+    sched: SharedSchedule,
+    *,
+    scale: float,
+    config: SegmentKernelConfig = SegmentKernelConfig(),
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Partial states of every (segment, split, row tile): ([K, W*TILE_M, H], [K, W*TILE_M] f32).
+
+  On the GPU this is the warp-specialised kernel. With `interpret=True` it is
+  the single-warpgroup kernel: the same items, masks, softmax and epilogue,
+  pipelined by one warpgroup (interpret mode runs each warpgroup as an XLA CPU
+  computation, and three that wait on each other's barriers can starve a CPU
+  thread pool of two cores).
+  """
+  kh, _, h = qf.shape
+  rows = sched.num_items * TILE_M
+  out_type = (
+      jax.ShapeDtypeStruct((kh, rows, h), qf.dtype),
+      jax.ShapeDtypeStruct((kh, rows), jnp.float32),
+  )
+  build = _single_warpgroup_kernel if interpret else _warp_specialized_kernel
+  kernel, scratch, mesh = build(qf, sched, scale=scale, config=config)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(sched.num_items, kh),
+      grid_names=('item', 'kv_head'),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+      ),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      **mesh,
+  )(segments, qf, k_cache, v_cache)
+
+
+_TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _warp_specialized_kernel(qf, sched, *, scale, config):
+  """FlashAttention-3 style: two compute warpgroups of 64 rows and one TMA warpgroup."""
+  _, _, h = qf.shape
+  dtype = qf.dtype
+  bk = config.block_kv
+  steps = config.max_concurrent_steps
+  qk_scale = scale * LOG2E  # scores in base 2
+
+  def shared_segment_kernel(seg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers,
+                            consumed, schedule_barrier):
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem
+    k_barriers, v_barriers, q_barriers = barriers
+    k_consumed, v_consumed = consumed
+    item = lax.axis_index('item')
+    kv_head = lax.axis_index('kv_head')
+    wg = lax.axis_index('wg')
+    it = _decode_item(sched, seg_ref, item, bk)
+
+    def schedule():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    @pl.when(it.active & (wg < 2))
+    def _compute():
+      plgpu.set_max_registers(232, action='increase')
+      qo_smem = qo_smem2.at[wg]
+      q_row = pl.multiple_of(it.tile_row + wg * WG_M, ALIGN)
+      plgpu.copy_gmem_to_smem(q_ref.at[kv_head, pl.ds(q_row, WG_M)], qo_smem, q_barriers.at[wg])
+      plgpu.barrier_wait(q_barriers.at[wg])
+      carry = _init_state(WG_M, h)
+
+      @pl.when(it.num_blocks > 0)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+      pl.when(wg == 1)(schedule)
+
+      def kv_step(step, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(step, jnp.int32(steps))
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          schedule()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if masked:
+          qk = _masked(qk, it, step, bk)
+        m_i, l_i, acc, p16 = _softmax(qk, m_i, l_i, acc, qk_scale, dtype)
+        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+        plgpu.barrier_arrive(schedule_barrier)
+        plgpu.barrier_wait(v_barriers.at[slot])
+        plgpu.barrier_wait(schedule_barrier)
+
+        def wait_next_k():
+          nxt = step + 1
+
+          @pl.when(nxt < it.num_blocks)
+          def _():
+            plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(steps))])
+
+        def compute_pv(acc_ref):  # P from registers, accumulated in place
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k()
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_i, l_i
+
+      acc, m_i, l_i = _three_sections(kv_step, it, carry)
+      pl.when(wg == 0)(schedule)
+      _finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
+      out_row = pl.multiple_of(item * TILE_M + wg * WG_M, ALIGN)
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[kv_head, pl.ds(out_row, WG_M)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(it.active & (wg == 2))
+    def _memory():
+      plgpu.set_max_registers(40, action='decrease')
+
+      def issue(step, slot):
+        tok = pl.multiple_of(it.split_tok + step * bk, ALIGN)
+        rows = pl.ds(tok, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_barriers.at[slot])
+
+      for i in range(steps):
+        pl.when(i < it.num_blocks)(lambda i=i: issue(i, i))
+
+      @pl.loop(0, jnp.maximum(it.num_blocks - steps, 0))
+      def _(step):
+        slot = lax.rem(step, jnp.int32(steps))
+        rows = pl.ds(pl.multiple_of(it.split_tok + (step + steps) * bk, ALIGN), bk)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_barriers.at[slot])
+
+  scratch = [
+      (
+          plgpu.SMEM((2, WG_M, h), dtype, transforms=_TILED),  # Q, then the output
+          plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
+          plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
+          plgpu.SMEM((2, WG_M), jnp.float32),
+      ),
+      (
+          plgpu.Barrier(num_barriers=steps),
+          plgpu.Barrier(num_barriers=steps),
+          plgpu.Barrier(num_barriers=2),
+      ),
+      (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  return shared_segment_kernel, scratch, dict(num_threads=3, thread_name='wg')
+
+
+def _single_warpgroup_kernel(qf, sched, *, scale, config):
+  """One warpgroup: TILE_M rows, K/V through two slots it fills and drains itself."""
+  _, _, h = qf.shape
+  dtype = qf.dtype
+  bk = config.block_kv
+  qk_scale = scale * LOG2E
+
+  def shared_segment_kernel(seg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers):
+    qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
+    q_bar, k_bars, v_bars = barriers
+    item = lax.axis_index('item')
+    kv_head = lax.axis_index('kv_head')
+    it = _decode_item(sched, seg_ref, item, bk)
+
+    @pl.when(it.active)
+    def _():
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[kv_head, pl.ds(pl.multiple_of(it.tile_row, ALIGN), TILE_M)], qo_smem, q_bar.at[0]
+      )
+
+      def issue(step, slot):
+        tok = pl.multiple_of(it.split_tok + step * bk, ALIGN)
+        plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(tok, bk), kv_head], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(tok, bk), kv_head], v_smem.at[slot], v_bars.at[slot])
+
+      for i in range(2):
+        pl.when(i < it.num_blocks)(lambda i=i: issue(i, i))
+      plgpu.barrier_wait(q_bar.at[0])
+
+      def kv_step(step, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(step, jnp.int32(2))
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((TILE_M, bk), jnp.float32))
+        if masked:
+          qk = _masked(qk, it, step, bk)
+        m_i, l_i, acc, p16 = _softmax(qk, m_i, l_i, acc, qk_scale, dtype)
+        plgpu.barrier_wait(v_bars.at[slot])
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((TILE_M, h), jnp.float32))
+
+        @pl.when(step + 2 < it.num_blocks)
+        def _():
+          issue(step + 2, slot)
+
+        return acc, m_i, l_i
+
+      acc, m_i, l_i = _three_sections(kv_step, it, _init_state(TILE_M, h))
+      _finish(acc, m_i, l_i, qo_smem, lse_smem, dtype)
+      out_row = pl.multiple_of(item * TILE_M, ALIGN)
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, TILE_M)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[kv_head, pl.ds(out_row, TILE_M)])
+      plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      (
+          plgpu.SMEM((TILE_M, h), dtype, transforms=_TILED),
+          plgpu.SMEM((2, bk, h), dtype, transforms=_TILED),
+          plgpu.SMEM((2, bk, h), dtype, transforms=_TILED),
+          plgpu.SMEM((TILE_M,), jnp.float32),
+          plgpu.SMEM((TILE_M, bk), dtype, transforms=_TILED),
+      ),
+      (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
+  ]
+  return shared_segment_kernel, scratch, {}
+
+
+def segment_attention_reference(qf, k_cache, v_cache, segments, sched: SharedSchedule, *, scale):
+  """The kernel's outputs in jnp (float32 math), item by item (not jitted: for tests)."""
+  _, m_pad, _ = qf.shape
+  tg = sched.rows_per_query
+  outs, lses = [], []
+  for gs in sched.groups:
+    for j in range(gs.num_segments):
+      kv_start, kv_length, row_begin, _ = (int(x) for x in segments[:, gs.segment_offset + j])
+      for s in range(gs.num_splits):
+        for t in range(gs.row_tiles):
+          first_row = row_begin * tg
+          rows = first_row - first_row % ALIGN + t * TILE_M + jnp.arange(TILE_M)
+          q = qf[:, jnp.minimum(rows, m_pad - 1)].astype(jnp.float32)
+          q = jnp.where((rows < m_pad)[None, :, None], q, 0.0)
+          frame = kv_start - kv_start % ALIGN
+          pos = s * gs.split_tokens + jnp.arange(gs.split_tokens)
+          tok = frame + pos
+          visible = (tok >= kv_start) & (tok < kv_start + kv_length)
+          tok = jnp.minimum(tok, k_cache.shape[0] - 1)
+          k = k_cache[tok].astype(jnp.float32).transpose(1, 0, 2)
+          v = v_cache[tok].astype(jnp.float32).transpose(1, 0, 2)
+          sc = jnp.einsum('kmh,ksh->kms', q, k, precision=jax.lax.Precision.HIGHEST) * scale
+          sc = jnp.where(visible[None, None, :], sc, -jnp.inf)
+          mx = jnp.max(sc, axis=-1, keepdims=True)
+          mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+          p = jnp.exp(sc - mx)
+          l = p.sum(-1)
+          o = jnp.einsum('kms,ksh->kmh', p, v, precision=jax.lax.Precision.HIGHEST)
+          outs.append(o / jnp.where(l > 0, l, 1.0)[..., None])
+          lses.append(jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf))
+  return jnp.concatenate(outs, axis=1).astype(qf.dtype), jnp.concatenate(lses, axis=1)

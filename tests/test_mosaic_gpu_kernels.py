@@ -1,0 +1,241 @@
+"""Tests of the Pallas Mosaic GPU tree-attention kernels.
+
+`TestMosaicGpuKernels` runs every case compiled on a Hopper GPU (skipped
+elsewhere); `TestMosaicGpuKernelsInterpret` runs the same cases on CPU in
+Mosaic GPU interpret mode with small shapes (what CI runs). Both compare with
+`tree_attention_xla` and with the naive oracle. Interpret mode cannot feed
+wgmma from registers, so there the kernels stage P through shared memory;
+everything else (TMA, barriers, warp specialisation, masking, merges) is the
+code that runs on the GPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hydrajax
+from hydrajax import PromptNode
+from pallas_kernels.mosaic_gpu import schedule
+from pallas_kernels.mosaic_gpu import tree_attention as mosaic
+from pallas_kernels.mosaic_gpu.segment_attention import (
+    pack_segments, segment_attention, segment_attention_reference,
+)
+
+ON_HOPPER = mosaic._hopper_reason() is None
+TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}  # out, absolute and relative
+LSE_TOLERANCE = 5e-3
+
+
+def _tree(name: str, capacity: int, lengths):
+  """Sharing plans; `capacity` (the private page) is a multiple of 8 as the kernels need."""
+  trees = {
+      # batch 1: one shared segment (not a multiple of 8 tokens long) and a private suffix
+      'batch1': PromptNode(37, num_samples=1),
+      # two levels; one child segment is empty; kv starts that are not 8-aligned
+      'two_level': PromptNode(
+          37, children=(PromptNode(100, num_samples=3), PromptNode(0, num_samples=2))
+      ),
+      # three levels, variable fan-out, lengths past one kv block
+      'deep': PromptNode(21, children=(
+          PromptNode(70, children=(PromptNode(9, num_samples=2), PromptNode(150, num_samples=1))),
+          PromptNode(5, num_samples=2),
+      )),
+      # a forest: two independent sharing groups
+      'forest': (PromptNode(40, num_samples=2), PromptNode(75, num_samples=3)),
+      # nothing shared: private attention only
+      'private_only': PromptNode(0, num_samples=3),
+  }
+  root = trees[name]
+  rows = sum(_leaves(r) for r in (root if isinstance(root, tuple) else (root,)))
+  lengths = [lengths[i % len(lengths)] for i in range(rows)]
+  return hydrajax.plan_tree(root, private_capacity=capacity, private_lengths=lengths)
+
+
+def _leaves(node: PromptNode) -> int:
+  return sum(_leaves(c) for c in node.children) if node.children else node.num_samples
+
+
+def _inputs(plan, *, t, n, k, h, dtype, seed):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (plan.num_rows, t, n, h), jnp.float32).astype(dtype)
+  kc = jax.random.normal(keys[1], (plan.kv_tokens, k, h), jnp.float32).astype(dtype)
+  vc = jax.random.normal(keys[2], (plan.kv_tokens, k, h), jnp.float32).astype(dtype)
+  return q, kc, vc
+
+
+def _assert_states_close(got, want, dtype):
+  tol = TOLERANCE[dtype]
+  got_lse, want_lse = np.asarray(got.lse), np.asarray(want.lse)
+  np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=LSE_TOLERANCE, rtol=0)
+  np.testing.assert_allclose(
+      np.asarray(got.out, np.float32), np.asarray(want.out, np.float32), atol=tol, rtol=tol
+  )
+  assert not np.isnan(np.asarray(got.out, np.float32)).any()
+
+
+CASES = [  # (tree, query tokens T, query heads N, kv heads K, private lengths)
+    ('batch1', 1, 4, 1, (3,)),  # MQA
+    ('two_level', 1, 4, 2, (5, 16, 3, 9, 1)),  # GQA
+    ('two_level', 3, 2, 2, (5, 16, 3, 9, 7)),  # MHA, T > 1 (causal in the private region)
+    ('deep', 1, 4, 2, (0, 12, 16, 1, 8)),  # an empty private region
+    ('deep', 4, 4, 1, (4, 16, 9, 13, 5)),  # MQA, T > 1
+    ('forest', 1, 8, 2, (2, 11, 16)),
+    ('private_only', 2, 4, 2, (2, 16, 7)),
+]
+
+
+def _case_id(case):
+  tree, t, n, k, _ = case
+  return f'{tree}_T={t}_heads={n}/{k}'
+
+
+class TestMosaicGpuKernels:
+  """Compiled on a Hopper GPU."""
+
+  interpret = False
+  head_dim = 128
+  capacity = 72  # private tokens per row: two 64-token blocks, the second partial
+
+  @pytest.fixture(autouse=True)
+  def _need_hopper(self):
+    if not self.interpret and not ON_HOPPER:
+      pytest.skip(f'compiled Mosaic GPU kernels need a Hopper GPU: {mosaic._hopper_reason()}')
+
+  def _run(self, q, kc, vc, layout, **kw):
+    return mosaic.tree_attention(q, kc, vc, layout, interpret=self.interpret, block_kv=64, **kw)
+
+  @pytest.mark.parametrize('case', CASES, ids=_case_id)
+  def test_matches_xla_and_oracle(self, case):
+    tree, t, n, k, lengths = case
+    lengths = [min(x + t - 1, self.capacity) for x in lengths]  # private_lengths >= T
+    plan = _tree(tree, self.capacity, lengths)
+    layout = plan.to_device()
+    seed = CASES.index(case)
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=seed)
+    got = self._run(q, kc, vc, layout)
+    assert got.out.shape == q.shape and got.out.dtype == q.dtype and got.lse.shape == q.shape[:3]
+    _assert_states_close(got, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
+    _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+
+  def test_float16_with_scale_and_dense_row_paths(self):
+    """f16; an explicit scale; a layout without host row paths (the kernel builds them)."""
+    plan = _tree('two_level', self.capacity, (4, 9))
+    layout = dataclasses.replace(plan.to_device(), row_segments=None)
+    q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.float16, seed=11)
+    got = self._run(q, kc, vc, layout, scale=0.05)
+    want = hydrajax.naive_tree_attention(q, kc, vc, plan, scale=0.05)
+    _assert_states_close(got, want, jnp.float16)
+
+  def test_all_empty_is_zero_and_neg_inf(self):
+    """No shared segments and no private tokens: every state is (0, -inf), no NaN."""
+    plan = _tree('private_only', self.capacity, (0,))
+    q, kc, vc = _inputs(plan, t=1, n=2, k=1, h=self.head_dim, dtype=jnp.bfloat16, seed=12)
+    got = self._run(q, kc, vc, plan.to_device())
+    np.testing.assert_array_equal(np.asarray(got.out, np.float32), 0.0)
+    assert np.isneginf(np.asarray(got.lse)).all()
+
+  def test_many_splits_merge_like_one(self):
+    """Splitting every segment's kv into many parts (as for small batches) changes nothing."""
+    plan = _tree('deep', self.capacity, (5, 3))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=13)
+    many = self._run(q, kc, vc, layout, num_sms=10_000, max_splits=4)
+    one = self._run(q, kc, vc, layout, num_sms=1)
+    _assert_states_close(many, one, jnp.bfloat16)
+    _assert_states_close(many, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
+
+  def test_segment_kernel_partials(self):
+    """The shared kernel alone, item by item, against its jnp reference."""
+    plan = _tree('two_level', self.capacity, (1,))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=14)
+    tg = 2
+    qf = mosaic._fold_queries(q, 2, schedule.round_up(plan.num_rows * tg + schedule.TILE_M, 8))
+    sched = schedule.shared_schedule(
+        layout, rows_per_query=tg, num_kv_heads=2, block_kv=64, num_sms=8, max_splits=2
+    )
+    scale = self.head_dim**-0.5
+    config = mosaic.SegmentKernelConfig(block_kv=64)
+    segments = pack_segments(layout.groups)
+    out, lse = segment_attention(
+        qf, kc, vc, segments, sched, scale=scale, config=config, interpret=self.interpret
+    )
+    want_out, want_lse = segment_attention_reference(qf, kc, vc, segments, sched, scale=scale)
+    for group, gs in zip(layout.groups, sched.groups):
+      for j in range(gs.num_segments):
+        first = int(group.row_begin[j]) * tg
+        for split in range(gs.num_splits):
+          base = (gs.item_offset + (j * gs.num_splits + split) * gs.row_tiles) * schedule.TILE_M
+          rows = base + first % 8 + np.arange(int(group.row_count[j]) * tg)
+          _assert_states_close(
+              hydrajax.PartialState(out[:, rows], lse[:, rows]),
+              hydrajax.PartialState(want_out[:, rows], want_lse[:, rows]),
+              jnp.bfloat16,
+          )
+
+
+class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
+  """The same cases in Mosaic GPU interpret mode on CPU, with small shapes."""
+
+  interpret = True
+  head_dim = 64
+
+
+class TestSupportAndSchedule:
+  """What AUTO needs to fall back, and the static work decomposition (no kernels run)."""
+
+  def _args(self, dtype=jnp.bfloat16, h=128, capacity=16):
+    plan = _tree('two_level', capacity, (3,))
+    q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=h, dtype=dtype, seed=0)
+    return q, kc, vc, plan.to_device()
+
+  def test_unsupported_reasons(self):
+    q, kc, vc, layout = self._args()
+    assert mosaic._shape_reason(q, kc, vc, layout) is None
+    assert 'float32' in mosaic._shape_reason(*self._args(dtype=jnp.float32))
+    assert 'head dim 96' in mosaic._shape_reason(*self._args(h=96))
+    assert 'page size 20' in mosaic._shape_reason(*self._args(capacity=20))
+    assert 'L=204' in mosaic._shape_reason(*self._args(capacity=12))
+    if not ON_HOPPER:
+      assert 'Hopper' in mosaic.unsupported_reason(q, kc, vc, layout)
+
+  def test_float32_raises_value_error(self):
+    with pytest.raises(ValueError, match='float32'):
+      mosaic.tree_attention(*self._args(dtype=jnp.float32), interpret=True)
+
+  def test_auto_falls_back_to_xla_off_hopper(self):
+    args = self._args()
+    impl, _ = hydrajax.resolve(hydrajax.AttentionImpl.AUTO, *args)
+    assert impl is (hydrajax.AttentionImpl.MOSAIC_GPU if ON_HOPPER else hydrajax.AttentionImpl.XLA)
+
+  @pytest.mark.parametrize(
+      'batch,group,splits',
+      [(256, 4, 2), (1024, 4, 1), (1024, 8, 2), (32, 4, 16)],
+      ids=lambda v: str(v),
+  )
+  def test_splits_fill_the_chip(self, batch, group, splits):
+    """The benchmark shapes: 8 kv heads (1 for G=8), one 16K prefix, 132 SMs."""
+    plan = hydrajax.plan_tree(PromptNode(16384, num_samples=batch), private_capacity=64)
+    kv_heads = 1 if group == 8 else 8
+    sched = schedule.shared_schedule(
+        plan.to_device(), rows_per_query=group, num_kv_heads=kv_heads, block_kv=128, num_sms=132,
+        max_splits=16,
+    )
+    assert sched.num_splits == splits
+    gs = sched.groups[0]
+    assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
+
+  def test_row_segments_follow_paths(self):
+    plan = _tree('deep', 16, (1,))
+    layout = plan.to_device()
+    ids = np.concatenate([np.asarray(g.kv_start) for g in layout.groups])  # segment id -> kv_start
+    table = np.asarray(layout.row_segments)
+    for row in range(plan.num_rows):
+      want = [plan.segments[j].kv_start for j in plan.path(row) if plan.segments[j].kv_length]
+      got = [int(ids[i]) for i in table[row] if i >= 0]
+      assert got == want
