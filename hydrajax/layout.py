@@ -138,7 +138,10 @@ def _check_plan(plan: SharingPlan) -> None:
   num_pages = plan.kv_tokens // plan.page_size
   for b, (pages, n) in enumerate(zip(plan.private_pages, plan.private_lengths)):
     if not 0 <= n <= len(pages) * plan.page_size:
-      raise ValueError(f'row {b}: private length {n} exceeds its {len(pages)} pages of {plan.page_size}')
+      raise ValueError(
+          f'row {b}: private length {n} must be in [0, {len(pages) * plan.page_size}] '
+          f'({len(pages)} pages of {plan.page_size})'
+      )
     if any(not 0 <= p < num_pages for p in pages):
       raise ValueError(f'row {b}: private page ids must be in [0, {num_pages})')
 
@@ -185,7 +188,8 @@ class TreeLayout:
   num_rows: int = dataclasses.field(metadata=dict(static=True))
   # [B, D] int32 or None: per row, the non-empty shared segments on its path
   # (root first) as indices into the concatenation of `groups`, -1 padded; D is
-  # the deepest path. Optional host metadata for kernels that merge per row.
+  # the deepest path rounded up to a multiple of 4. Optional host metadata for
+  # kernels that merge per row.
   row_segments: jax.Array | None = None
 
   @property
@@ -240,7 +244,8 @@ def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
   for s in plan.segments:
     if s.kv_length > 0:
       depth[s.row_begin : s.row_end] += 1
-  table = np.full((plan.num_rows, max(1, int(depth.max(initial=0)))), -1, np.int32)
+  # Depth padded to a multiple of 4, so a deeper tree recompiles only past that.
+  table = np.full((plan.num_rows, 4 * max(1, -(-int(depth.max(initial=0)) // 4))), -1, np.int32)
   depth[:] = 0
   for s in plan.segments:  # parents come before children
     if s.kv_length > 0:

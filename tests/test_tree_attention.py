@@ -353,3 +353,29 @@ def test_many_trees_in_one_bucket_signature_share_one_compile():
     expected = naive_tree_attention(q, k_cache, v_cache, plan)
     assert_states_close(attend(q, k_cache, v_cache, plan.to_device()), expected)
   assert len(traces) == 1
+
+
+def test_deeper_tree_with_the_same_groups_does_not_retrace():
+  # Both trees have the segments 17 (3 rows), 35 (2 rows) and 3 (1 row), so the same
+  # groups; the second is one level deeper (empty segments are dropped). Path depth is
+  # padded to a multiple of 4, so both share a trace.
+  traces = []
+
+  @jax.jit
+  def attend(q, k_cache, v_cache, layout):
+    traces.append(1)
+    return hj.tree_attention(q, k_cache, v_cache, layout, impl='xla')
+
+  P = hj.PromptNode
+  shallow = hj.plan_tree(P(17, children=(P(35, num_samples=2), P(3))), private_capacity=4,
+                         private_lengths=[1, 2, 3])
+  deep = hj.plan_tree(P(17, children=(P(35, children=(P(3), P(0))), P(0))), private_capacity=4,
+                      private_lengths=[2, 1, 4])
+  layouts = [p.to_device() for p in (shallow, deep)]
+  assert layouts[0].row_segments.shape == layouts[1].row_segments.shape == (3, 4)
+  for i, (p, layout) in enumerate(zip((shallow, deep), layouts)):
+    q, k_cache, v_cache = random_inputs(90 + i, p, 1, 4, 2, 8, jnp.float32)
+    pad = ((0, 96 - p.kv_tokens), (0, 0), (0, 0))
+    k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    assert_states_close(attend(q, k_cache, v_cache, layout), naive_tree_attention(q, k_cache, v_cache, p))
+  assert len(traces) == 1
