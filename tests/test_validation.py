@@ -43,7 +43,7 @@ def test_a_valid_plan_passes():
             dict(segments=[hj.Segment(0, 4, 0, 1), hj.Segment(4, 4, 0, 2, parent=0)]),
             r'segment 1: rows not inside those of its parent 0',
         ),
-        (dict(lengths=(1, 5)), r'row 1: private length 5 exceeds its 1 pages of 4'),
+        (dict(lengths=(1, 5)), r'row 1: private length 5 must be in \[0, 4\]'),
         (dict(lengths=(-1, 0)), r'row 0: private length -1'),
         (dict(pages=((3,), (5,))), r'row 1: private page ids must be in \[0, 5\)'),
         (dict(pages=((3,),)), r'private_pages and private_lengths need one entry per row \(2\)'),

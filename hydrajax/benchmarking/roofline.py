@@ -118,35 +118,44 @@ def _check_shape(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, que
     raise ValueError(f'need 1 <= query_len ({query_len}) <= suffix ({suffix})')
 
 
-def measure_copy_bandwidth(nbytes: int = 2**31, **timing_kw) -> tuple[float, dict[str, float]]:
+def measure_copy_bandwidth(
+    nbytes: int = 2**31, *, max_doublings: int = 4, **timing_kw
+) -> tuple[float, dict[str, float]]:
   """Best bytes/s (read + written) over a few elementwise copies of `nbytes`.
 
-  Returns (bandwidth, {variant: bandwidth}).
+  A size too small to time against the timer's noise is doubled, up to
+  `max_doublings` times. Returns (bandwidth, {variant: bandwidth}).
   """
-  n = max(1, nbytes // 4)
-  x32 = jax.random.bits(jax.random.key(11), (n,), jnp.uint32)
-  xbf = jax.random.normal(jax.random.key(12), (2 * n,), jnp.bfloat16)
-  variants = {
-      'uint32 x+1': (lambda x: x + jnp.uint32(1), x32),
-      'bf16 x*2': (lambda x: x * jnp.bfloat16(2), xbf),
-  }
-  found = {}
-  for name, (fn, x) in variants.items():
-    t = device_time(fn, x, **timing_kw)
-    found[name] = 2 * x.nbytes / t.median_s if t.median_s > 0 else 0.0
-  if max(found.values()) <= 0:
-    raise RuntimeError(f'copies of {nbytes} bytes too fast to time; use a larger size')
-  return max(found.values()), found
+  for _ in range(max_doublings + 1):
+    n = max(1, nbytes // 4)
+    x32 = jax.random.bits(jax.random.key(11), (n,), jnp.uint32)
+    xbf = jax.random.normal(jax.random.key(12), (2 * n,), jnp.bfloat16)
+    variants = {
+        'uint32 x+1': (lambda x: x + jnp.uint32(1), x32),
+        'bf16 x*2': (lambda x: x * jnp.bfloat16(2), xbf),
+    }
+    found = {}
+    for name, (fn, x) in variants.items():
+      t = device_time(fn, x, **timing_kw)
+      found[name] = 2 * x.nbytes / t.median_s if t.median_s > 0 else 0.0
+    if max(found.values()) > 0:
+      return max(found.values()), found
+    nbytes *= 2
+  raise RuntimeError(f'copies of up to {nbytes // 2} bytes too fast to time; use a larger size')
 
 
-def measure_matmul_rate(size: int = 8192, dtype=jnp.bfloat16, **timing_kw) -> float:
-  """FLOP/s of a [size, size] x [size, size] product on random data."""
-  a = jax.random.normal(jax.random.key(13), (size, size), dtype)
-  b = jax.random.normal(jax.random.key(14), (size, size), dtype)
-  t = device_time(jnp.matmul, a, b, **timing_kw)
-  if t.median_s <= 0:
-    raise RuntimeError(f'matmul of size {size} too fast to time ({t.samples_s}); use a larger size')
-  return 2 * size**3 / t.median_s
+def measure_matmul_rate(
+    size: int = 8192, dtype=jnp.bfloat16, *, max_doublings: int = 2, **timing_kw
+) -> float:
+  """FLOP/s of a [size, size] x [size, size] product on random data (size doubled if untimeable)."""
+  for _ in range(max_doublings + 1):
+    a = jax.random.normal(jax.random.key(13), (size, size), dtype)
+    b = jax.random.normal(jax.random.key(14), (size, size), dtype)
+    t = device_time(jnp.matmul, a, b, **timing_kw)
+    if t.median_s > 0:
+      return 2 * size**3 / t.median_s
+    size *= 2
+  raise RuntimeError(f'matmul of size up to {size // 2} too fast to time; use a larger size')
 
 
 def measure_ceilings(copy_bytes: int = 2**31, matmul_size: int = 8192, **timing_kw) -> Ceilings:
