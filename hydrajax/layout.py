@@ -198,18 +198,17 @@ class TreeLayout:
 
 
 def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None) -> TreeLayout:
-  by_capacity: dict[tuple[int, int], list[Segment]] = {}
-  for s in plan.segments:
+  by_capacity: dict[tuple[int, int], list[int]] = {}  # capacities -> indices into plan.segments
+  for j, s in enumerate(plan.segments):
     if s.kv_length == 0:
       continue  # an empty segment is a no-op
     cap = (bucket_size(s.num_rows), bucket_size(s.kv_length, 16)) if bucket else (s.num_rows, s.kv_length)
-    by_capacity.setdefault(cap, []).append(s)
+    by_capacity.setdefault(cap, []).append(j)
   groups = []
-  global_id: dict[int, int] = {}  # id(segment) -> index in the concatenation of the groups
-  for _, segs in sorted(by_capacity.items()):
-    for s in segs:
-      global_id[id(s)] = len(global_id)
-  for (rows, tokens), segs in sorted(by_capacity.items()):
+  global_id: dict[int, int] = {}  # plan segment index -> index in the concatenation of the groups
+  for (rows, tokens), members in sorted(by_capacity.items()):
+    segs = [plan.segments[j] for j in members]
+    global_id.update((j, len(global_id)) for j in members)
     col = lambda f: jnp.asarray(np.array([f(s) for s in segs], np.int32))
     groups.append(
         SegmentGroup(
@@ -247,9 +246,9 @@ def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
   # Depth padded to a multiple of 4, so a deeper tree recompiles only past that.
   table = np.full((plan.num_rows, 4 * max(1, -(-int(depth.max(initial=0)) // 4))), -1, np.int32)
   depth[:] = 0
-  for s in plan.segments:  # parents come before children
+  for j, s in enumerate(plan.segments):  # parents come before children
     if s.kv_length > 0:
       rows = np.arange(s.row_begin, s.row_end)
-      table[rows, depth[rows]] = global_id[id(s)]
+      table[rows, depth[rows]] = global_id[j]
       depth[rows] += 1
   return table
