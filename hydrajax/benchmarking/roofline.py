@@ -64,6 +64,16 @@ def _visible_keys(prefix: int, suffix: int, query_len: int) -> int:
   return query_len * (prefix + suffix) - query_len * (query_len - 1) // 2
 
 
+def _attention_cost(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len,
+                    dtype_bytes, prefix_reads) -> Cost:
+  _check_shape(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len)
+  kv_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token
+  q_and_out = 2 * batch * query_len * num_q_heads * head_dim * dtype_bytes
+  bytes_ = prefix_reads * prefix * kv_token + batch * suffix * kv_token + q_and_out
+  flops = 4 * batch * num_q_heads * head_dim * _visible_keys(prefix, suffix, query_len)
+  return Cost(float(bytes_), float(flops))
+
+
 def shared_prefix_cost(
     batch: int,
     prefix: int,
@@ -81,12 +91,8 @@ def shared_prefix_cost(
   out written (the LSE, optional for the caller, is not counted). FLOPs: two
   matrix products (QK^T and PV) over every visible key, 2 FLOPs per MAC.
   """
-  _check_shape(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len)
-  kv_token = 2 * num_kv_heads * head_dim * dtype_bytes  # K and V of one token
-  q_and_out = 2 * batch * query_len * num_q_heads * head_dim * dtype_bytes
-  bytes_ = prefix * kv_token + batch * suffix * kv_token + q_and_out
-  flops = 4 * batch * num_q_heads * head_dim * _visible_keys(prefix, suffix, query_len)
-  return Cost(float(bytes_), float(flops))
+  return _attention_cost(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len,
+                         dtype_bytes, prefix_reads=1)
 
 
 def per_sequence_cost(
@@ -101,12 +107,8 @@ def per_sequence_cost(
     dtype_bytes: int = 2,
 ) -> Cost:
   """The same attention when every row reads its own copy of the prefix."""
-  _check_shape(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len)
-  kv_token = 2 * num_kv_heads * head_dim * dtype_bytes
-  q_and_out = 2 * batch * query_len * num_q_heads * head_dim * dtype_bytes
-  bytes_ = batch * (prefix + suffix) * kv_token + q_and_out
-  flops = 4 * batch * num_q_heads * head_dim * _visible_keys(prefix, suffix, query_len)
-  return Cost(float(bytes_), float(flops))
+  return _attention_cost(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len,
+                         dtype_bytes, prefix_reads=batch)
 
 
 def _check_shape(batch, prefix, suffix, num_q_heads, num_kv_heads, head_dim, query_len):
