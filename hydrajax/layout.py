@@ -187,9 +187,10 @@ class TreeLayout:
   page_size: int = dataclasses.field(metadata=dict(static=True))
   num_rows: int = dataclasses.field(metadata=dict(static=True))
   # [B, D] int32 or None: per row, the non-empty shared segments on its path
-  # (root first) as indices into the concatenation of `groups`, -1 padded; D is
-  # the deepest path rounded up to a multiple of 4. Optional host metadata for
-  # kernels that merge per row.
+  # (root first) as indices into the concatenation of `groups`, -1 padded; a
+  # segment has the same column on all of its rows (`path_columns`); D is the
+  # deepest path rounded up to a multiple of 4. Host metadata for kernels that
+  # merge per row (the Mosaic GPU kernels need it).
   row_segments: jax.Array | None = None
 
   @property
@@ -239,16 +240,31 @@ def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None
 
 def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
   """[B, D] int32: each row's non-empty path segments (root first) as group-concatenation ids."""
-  depth = np.zeros(plan.num_rows, np.int64)
-  for s in plan.segments:
-    if s.kv_length > 0:
-      depth[s.row_begin : s.row_end] += 1
-  # Depth padded to a multiple of 4, so a deeper tree recompiles only past that.
-  table = np.full((plan.num_rows, 4 * max(1, -(-int(depth.max(initial=0)) // 4))), -1, np.int32)
-  depth[:] = 0
-  for j, s in enumerate(plan.segments):  # parents come before children
-    if s.kv_length > 0:
-      rows = np.arange(s.row_begin, s.row_end)
-      table[rows, depth[rows]] = global_id[j]
-      depth[rows] += 1
+  # Width padded to a multiple of 4, so a deeper tree recompiles only past that.
+  columns = path_columns(
+      [(s.row_begin, s.num_rows) for s in plan.segments if s.kv_length > 0], plan.num_rows
+  )
+  width = 4 * max(1, -(-(int(columns.max(initial=-1)) + 1) // 4))
+  table = np.full((plan.num_rows, width), -1, np.int32)
+  members = [j for j, s in enumerate(plan.segments) if s.kv_length > 0]
+  for j, col in zip(members, columns):
+    s = plan.segments[j]
+    table[s.row_begin : s.row_end, col] = global_id[j]
   return table
+
+
+def path_columns(pieces: Sequence[tuple[int, int]], num_rows: int) -> np.ndarray:
+  """Column of each (row_begin, num_rows) piece in the rows' path table, parents first.
+
+  One column per piece for all of its rows (kernels keep one partial-state slab
+  per column): the first column past every earlier piece on any of its rows. In
+  a tree (nested row ranges) that is the piece's depth on the path.
+  """
+  filled = np.zeros(num_rows, np.int64)
+  columns = np.zeros(len(pieces), np.int64)
+  for i, (row_begin, rows) in enumerate(pieces):
+    col = int(filled[row_begin : row_begin + rows].max(initial=0))
+    columns[i] = col
+    filled[row_begin : row_begin + rows] = col + 1
+  return columns
+

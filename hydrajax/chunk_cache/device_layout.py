@@ -31,7 +31,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.layout import SegmentGroup, SharingPlan, TreeLayout
+from hydrajax.layout import SegmentGroup, SharingPlan, TreeLayout, path_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,20 +108,13 @@ def group_arrays(plan: SharingPlan, policy: LayoutPolicy):
     global_id[members] = offset + np.arange(len(members))
     offset += size
     groups.append((rows, tokens, columns))
-  depth = np.zeros(plan.num_rows + 1, np.int64)
-  for _, _, row_begin, rows in pieces:
-    depth[row_begin] += 1
-    depth[row_begin + rows] -= 1
-  depth = np.cumsum(depth)[: plan.num_rows]
-  width = next_power_of_two(max(1, int(depth.max(initial=0))))
+  columns = path_columns([(row_begin, rows) for _, _, row_begin, rows in pieces], plan.num_rows)
+  width = next_power_of_two(max(1, int(columns.max(initial=-1)) + 1))
   if policy.fixed_shapes:
     width = offset  # J of the one group: the width never changes with the tree
   table = np.full((plan.num_rows, width), -1, np.int32)
-  filled = np.zeros(plan.num_rows, np.int64)
   for i, (_, _, row_begin, rows) in enumerate(pieces):  # segments come parents first
-    r = np.arange(row_begin, row_begin + rows)
-    table[r, filled[r]] = global_id[i]
-    filled[r] += 1
+    table[row_begin : row_begin + rows, columns[i]] = global_id[i]
   return groups, table
 
 
