@@ -2,10 +2,22 @@ r"""Serving benchmark: the continuous-batching engine with and without prefix sh
 
 Requests arrive as a Poisson process at a sweep of rates. Each prompt is
 `prompt_len` tokens whose first `shared_frac` are one of several system
-prompts (the rest unique); each asks for `--new_tokens` tokens. Per point:
-normalized latency (end-to-end latency / output tokens, queueing included),
-throughput, peak KV memory, host overhead per decode step. The same engine
-with `share_prefixes=False` is the baseline.
+prompts (the rest unique); each asks for `--new_tokens` tokens, in
+`--num_samples` samples (one prefill, then a fork; the rate counts prompts).
+Per point: normalized latency (end-to-end latency / output tokens, queueing
+included, per sample), throughput, peak KV memory, host overhead per decode
+step (ms and % of the step: the step's wall time minus its wait for the
+device). The same engine with `share_prefixes=False` is the baseline; the
+sharing engine keeps finished prompts' chunks cached (`retain_prefixes`,
+emptied before each point, so every point starts cold).
+
+Per (prompt length, shared fraction): the rate at the latency bound, i.e. the
+highest rate whose mean normalized latency stays under `--latency_bound_ms` on
+the measured curve (linear interpolation between the two measured rates around
+the crossing; a bound outside the measured rates is reported as such), for
+each engine, and their ratio (sharing on / off) at that equal normalized
+latency. These are the `rate_at_bound` records of results.jsonl and the last
+table of table.md (computed in experiments/serving_report.py).
 
 The H200 run of experiments/results/serving/ (Llama-2-7B shape, random bf16
 weights, a reduced sweep; about 2 minutes; on the lent machine $OUT/serving):
@@ -33,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 import hydrajax as hj
+from experiments.serving_report import summarize
 from hydrajax.benchmarking import report, timing
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from hydrajax.layout import TreeLayout
@@ -47,6 +60,7 @@ _RATES = flags.DEFINE_list('rates', ['2', '4', '8', '16', '32'], 'request rates,
 _SHARING = flags.DEFINE_list('sharing', ['on', 'off'], 'engines: prefix sharing on / off')
 _NUM_REQUESTS = flags.DEFINE_integer('num_requests', 64, 'requests per point')
 _NEW_TOKENS = flags.DEFINE_integer('new_tokens', 512, 'tokens generated per request')
+_NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'samples per prompt (forked after prefill)')
 _SYSTEM_PROMPTS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
 _KV_GIB = flags.DEFINE_float('kv_gib', 32.0, 'KV pool size of each engine, GiB')
 _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
@@ -87,18 +101,25 @@ def make_workload(*, num_requests: int, prompt_len: int, shared_frac: float, rat
   return Workload(tuple(prompts), tuple(float(a) for a in arrivals))
 
 
-def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadline_s: float) -> dict:
-  """Replays the arrivals in real time; returns the point's metrics."""
+def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadline_s: float,
+          log_every_s: float = 30.0) -> dict:
+  """Replays the arrivals in real time; returns the point's metrics (per sample request)."""
   start = engine.clock()
   ids, i, n = [], 0, len(workload.prompts)
-  timed_out = False
+  timed_out, next_log = False, log_every_s
   while i < n or engine.has_work:
     now = engine.clock() - start
     if now > deadline_s:
       timed_out = True
       break
+    if now > next_log:  # progress of a long point
+      done = sum(engine.requests[r].state == 'done' for r in ids)
+      logging.info('  %.0fs: %d/%d prompts arrived, %d/%d requests done, %d running, %d queued',
+                   now, i, n, done, n * params.n, engine.num_running, engine.num_queued)
+      next_log += log_every_s
     while i < n and workload.arrivals[i] <= now:
-      ids.append(engine.submit(workload.prompts[i], params, arrival=start + workload.arrivals[i]))
+      rid = engine.submit(workload.prompts[i], params, arrival=start + workload.arrivals[i])
+      ids.extend(engine.samples(rid))
       i += 1
     if engine.has_work:
       engine.step()
@@ -122,23 +143,48 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
       peak_kv_gb=stats['peak_chunks'] * engine.config.chunk_size * engine.kv_bytes_per_token / 1e9,
       mean_batch=stats['decode_rows'] / max(stats['decode_steps'], 1),
       mean_shared_tokens=float(np.mean([r.shared_tokens for r in reqs])) if reqs else None,
+      evicted_chunks=engine.cache.evicted_chunks,
       **{k: stats[k] for k in ('host_overhead_fraction', 'mean_decode_step_ms',
-                               'mean_decode_host_ms', 'decode_steps', 'prefill_tokens',
-                               'prefill_calls', 'peak_rows', 'distinct_step_shapes')},
+                               'mean_decode_host_ms', 'mean_decode_wait_ms', 'decode_steps',
+                               'prefill_tokens', 'cached_tokens', 'forked_samples',
+                               'prefill_calls', 'peak_rows', 'distinct_step_shapes',
+                               'new_shape_steps', 'new_shape_s')},
   )
 
 
-def warm_up(engine: Engine, prompt_len: int, shared_frac: float, vocab: int) -> None:
-  """Compiles the point's shapes (a first and a sharing request, decode), then resets stats."""
+def warm_up(engine: Engine, prompt_len: int, shared_frac: float, vocab: int,
+            num_samples: int = 1, system_prompts: int = 1) -> None:
+  """Compiles the point's shapes, then resets.
+
+  A first and a sharing request, then a burst that fills the batch with every
+  system prompt (its layouts have about as many segments as a busy point's),
+  then a lone request that reuses cached chunks (they are its private pages).
+  """
   shared = int(round(prompt_len * shared_frac))
   rng = np.random.default_rng(12345)
-  system = rng.integers(0, vocab, shared).tolist()
+  systems = [rng.integers(0, vocab, shared).tolist() for _ in range(system_prompts)]
+  params = SamplingParams(max_new_tokens=4, n=num_samples)
+
+  def prompt(i):
+    return systems[i % system_prompts] + rng.integers(0, vocab, prompt_len - shared).tolist()
+
   for _ in range(2):
-    engine.submit(system + rng.integers(0, vocab, prompt_len - shared).tolist(),
-                  SamplingParams(max_new_tokens=4))  # the first is live when the second shares
+    engine.submit(prompt(0), params)  # the second shares the first's prefix
   engine.run()
+  for i in range(max(1, engine.config.max_batch // num_samples)):
+    engine.submit(prompt(i), params)
+  engine.run()
+  engine.submit(prompt(0), params)
+  engine.run()
+  reset(engine)
+
+
+def reset(engine: Engine) -> None:
+  """Before a point: no stats, no finished requests, no cached prefixes (a cold start)."""
   engine.stats = type(engine.stats)()
   engine.requests.clear()
+  engine.cache.evict()
+  engine.cache.evicted_chunks = 0
 
 
 def resolved_impl(engine: Engine, impl: str) -> str:
@@ -234,7 +280,9 @@ def main(argv):
   writer = report.JsonlWriter(path)
   start = time.perf_counter()
   records = []
-  params = SamplingParams(max_new_tokens=new_tokens)
+  samples = _NUM_SAMPLES.value
+  params = SamplingParams(max_new_tokens=new_tokens, n=samples)
+  total, point = len(lens) * len(fracs) * len(rates) * len(_SHARING.value), 0
   for prompt_len in lens:
     for frac in fracs:
       if time.perf_counter() - start > _DEADLINE.value:
@@ -253,7 +301,7 @@ def main(argv):
                                 fixed_shapes=True, min_private_pages=_MIN_PAGES.value),
         ))
         tw = time.perf_counter()
-        warm_up(engine, prompt_len, frac, config.vocab_size)
+        warm_up(engine, prompt_len, frac, config.vocab_size, samples, _SYSTEM_PROMPTS.value)
         engines[sharing] = (engine, time.perf_counter() - tw, resolved_impl(engine, _IMPL.value))
         logging.info('engine sharing=%s ready (warm-up %.1fs)', sharing, engines[sharing][1])
       for rate in rates:
@@ -264,11 +312,14 @@ def main(argv):
           workload = make_workload(
               num_requests=num_requests, prompt_len=prompt_len, shared_frac=frac, rate=rate,
               system_prompts=_SYSTEM_PROMPTS.value, vocab=config.vocab_size, seed=_SEED.value)
-          engine.stats = type(engine.stats)()
-          engine.requests.clear()
+          point += 1
+          logging.info('[%d/%d] sharing=%s P=%d f=%.2f rate=%g (%.0fs elapsed)', point, total,
+                       sharing, prompt_len, frac, rate, time.perf_counter() - start)
+          reset(engine)
           metrics = serve(engine, workload, params, deadline_s=left)
           rec = dict(kind='serving', model=model_name, sharing=sharing, prompt_len=prompt_len,
                      shared_frac=frac, rate=rate, num_requests=num_requests,
+                     num_samples=samples, retain_prefixes=engine.cache.config.retain_prefixes,
                      new_tokens=new_tokens, chunk_size=chunk, max_batch=engine.config.max_batch,
                      kv_pool_gb=num_chunks * chunk * config.kv_bytes_per_token(2) / 1e9,
                      system_prompts=_SYSTEM_PROMPTS.value, impl=_IMPL.value,
@@ -277,12 +328,15 @@ def main(argv):
           records.append(rec)
           logging.info(
               'sharing=%s P=%d f=%.2f rate=%g: %.1f ms/token, %.0f tok/s, peak KV %.2f GB, '
-              'batch %.1f, step %.1f ms, host %.1f%%', sharing, prompt_len, frac, rate,
+              'batch %.1f, step %.1f ms, host %.2f ms (%.1f%%)', sharing, prompt_len, frac, rate,
               rec['mean_norm_latency_ms'] or -1, rec['throughput_tok_s'], rec['peak_kv_gb'],
-              rec['mean_batch'], rec['mean_decode_step_ms'], 100 * rec['host_overhead_fraction'])
+              rec['mean_batch'], rec['mean_decode_step_ms'], rec['mean_decode_host_ms'],
+              100 * rec['host_overhead_fraction'])
       engines.clear()
       gc.collect()
-  summarize(records, _LATENCY_BOUND.value, _WORKDIR.value)
+  if point < total:
+    logging.info('the deadline cut the sweep: %d of %d points ran', point, total)
+  summarize(records, _LATENCY_BOUND.value, _WORKDIR.value, writer)
   if _ATTENTION_BENCH.value:  # last: a kernel failure cannot cost the sweep's results
     del model
     gc.collect()
@@ -296,48 +350,6 @@ def main(argv):
     with open(os.path.join(_WORKDIR.value, 'table.md'), 'a') as f:
       f.write(text)
     print(text)
-
-
-def summarize(records: list[dict], bound_ms: float, workdir: str) -> None:
-  """table.md (every point + throughput at the latency bound) and the plots."""
-  columns = [('sharing', 'sharing'), ('P', 'prompt_len'), ('shared', 'shared_frac'),
-             ('rate req/s', 'rate'), ('done', 'completed'),
-             ('ms/token mean', 'mean_norm_latency_ms'), ('p90', 'p90_norm_latency_ms'),
-             ('TTFT s', 'mean_ttft_s'), ('tok/s', 'throughput_tok_s'), ('batch', 'mean_batch'),
-             ('peak KV GB', 'peak_kv_gb'), ('step ms', 'mean_decode_step_ms'),
-             ('host ms', 'mean_decode_host_ms'),
-             ('host %', lambda r: 100 * r['host_overhead_fraction']),
-             ('attention', 'resolved_impl')]
-  text = '# Serving sweep\n\n' + report.markdown_table(records, columns)
-  best = []
-  for key in sorted({(r['prompt_len'], r['shared_frac']) for r in records}):
-    row = dict(prompt_len=key[0], shared_frac=key[1])
-    for sharing in ('on', 'off'):
-      ok = [r for r in records if (r['prompt_len'], r['shared_frac']) == key
-            and r['sharing'] == sharing and r['mean_norm_latency_ms'] is not None
-            and r['mean_norm_latency_ms'] <= bound_ms and not r['timed_out']]
-      top = max(ok, key=lambda r: r['rate'], default=None)
-      row[f'rate_{sharing}'] = top['rate'] if top else None
-      row[f'tok_s_{sharing}'] = top['throughput_tok_s'] if top else None
-      peaks = [r['peak_kv_gb'] for r in records if (r['prompt_len'], r['shared_frac']) == key
-               and r['sharing'] == sharing]
-      row[f'peak_kv_{sharing}'] = max(peaks) if peaks else None
-    best.append(row)
-  text += (f'\n## Highest swept rate with mean normalized latency <= {bound_ms:g} ms/token\n\n'
-           + report.markdown_table(best, [
-               ('P', 'prompt_len'), ('shared', 'shared_frac'), ('rate on', 'rate_on'),
-               ('rate off', 'rate_off'), ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
-               ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off')]))
-  with open(os.path.join(workdir, 'table.md'), 'w') as f:
-    f.write(text)
-  print(text)
-  report.plot_sweeps(records, x='rate', y='mean_norm_latency_ms', series='sharing',
-                     fixed=['prompt_len', 'shared_frac'], ylabel='ms per output token',
-                     path=os.path.join(workdir, 'latency.png'),
-                     title='Normalized latency vs request rate')
-  report.plot_sweeps(records, x='rate', y='peak_kv_gb', series='sharing',
-                     fixed=['prompt_len', 'shared_frac'], ylabel='peak KV GB',
-                     path=os.path.join(workdir, 'kv_memory.png'), title='Peak KV memory')
 
 
 if __name__ == '__main__':

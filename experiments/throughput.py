@@ -53,6 +53,7 @@ flags.DEFINE_float('max_decode_s', 1.5, 'time at most about this long per point 
 flags.DEFINE_float('deadline_s', 0.0, 'start no new point after this many seconds (0: none)')
 flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8 on CPU)')
 flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
+flags.DEFINE_integer('profile_kernels', 0, 'record the N costliest kernels of one step (GPU)')
 flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
 
 
@@ -109,7 +110,8 @@ def main(argv):
       k, v, first = prefixes[case.prefix]
       try:
         r = db.run_case(model, case, (k, v), first, page_size=FLAGS.page_size,
-                        memory_limit=memory_limit, max_decode_s=FLAGS.max_decode_s)
+                        memory_limit=memory_limit, max_decode_s=FLAGS.max_decode_s,
+                        profile_kernels=FLAGS.profile_kernels)
       except Exception as e:  # a failing point is recorded; the sweep goes on
         logging.exception('%s failed', case)
         r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])

@@ -7,6 +7,7 @@ from hydrajax.parallel import tree_attention_sharded
 from hydrajax.partial_state import PartialState, empty_state, merge, merge_many
 from hydrajax.reference import naive_attention, naive_tree_attention
 from hydrajax.render import render_plan
+from hydrajax.sharing_policy import SharingPolicy, demote
 from hydrajax.tree_attention import merge_into_rows, tree_attention_xla
 
 __version__ = '0.1.0'

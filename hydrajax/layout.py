@@ -135,6 +135,7 @@ def _check_plan(plan: SharingPlan) -> None:
       p = plan.segments[s.parent]
       if not (p.row_begin <= s.row_begin and s.row_end <= p.row_end):
         raise ValueError(f'segment {j}: rows not inside those of its parent {s.parent}')
+  _check_laminar(plan.segments)
   num_pages = plan.kv_tokens // plan.page_size
   for b, (pages, n) in enumerate(zip(plan.private_pages, plan.private_lengths)):
     if not 0 <= n <= len(pages) * plan.page_size:
@@ -144,6 +145,24 @@ def _check_plan(plan: SharingPlan) -> None:
       )
     if any(not 0 <= p < num_pages for p in pages):
       raise ValueError(f'row {b}: private page ids must be in [0, {num_pages})')
+
+
+def _check_laminar(segments: Sequence[Segment]) -> None:
+  """Row ranges must nest or be disjoint (a radix tree or forest): kernels give every
+  segment one column of the rows' path table."""
+  order = sorted(range(len(segments)), key=lambda j: (segments[j].row_begin, -segments[j].row_end))
+  open_ranges: list[int] = []
+  for j in order:
+    s = segments[j]
+    while open_ranges and segments[open_ranges[-1]].row_end <= s.row_begin:
+      open_ranges.pop()
+    if open_ranges and segments[open_ranges[-1]].row_end < s.row_end:
+      o = segments[open_ranges[-1]]
+      raise ValueError(
+          f'segments {open_ranges[-1]} (rows [{o.row_begin}, {o.row_end})) and {j} (rows '
+          f'[{s.row_begin}, {s.row_end})) overlap without nesting; segments must form a tree'
+      )
+    open_ranges.append(j)
 
 
 def bucket_size(n: int, minimum: int = 1) -> int:

@@ -157,9 +157,36 @@ def _build_cache(k, v, kv_tokens: int, dest: np.ndarray) -> KVCache:
   return build(k, v, jnp.asarray(dest))
 
 
+def _top_kernels(run, state, count: int):
+  """(state after one more step, the `count` costliest kernels of that step: [name, us, calls]).
+
+  CUPTI device timers, through the extension Mosaic GPU's profiler uses (GPU
+  only; called directly because the step donates its state, so no warm-up run).
+  """
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  ext._cupti_init()
+  try:
+    state = jax.block_until_ready(run(state, 1))
+  finally:
+    timings = ext._cupti_get_timings(True) or []
+  by_name: dict[str, list] = {}
+  for name, ms in timings:
+    entry = by_name.setdefault(name, [name, 0.0, 0])
+    entry[1] += ms * 1e3
+    entry[2] += 1
+  top = sorted(by_name.values(), key=lambda e: -e[1])[:count]
+  return state, [[n, round(us, 1), calls] for n, us, calls in top]
+
+
 def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: int,
-             memory_limit: int, max_decode_s: float) -> dict[str, Any]:
-  """Measures one point; returns its record (status 'ok', 'does_not_fit' or 'unsupported')."""
+             memory_limit: int, max_decode_s: float, profile_kernels: int = 0) -> dict[str, Any]:
+  """Measures one point; returns its record (status 'ok', 'does_not_fit' or 'unsupported').
+
+  With `profile_kernels` > 0 (GPU), one more step is profiled and its costliest
+  kernels recorded (`top_kernels`: name, microseconds, launches).
+  """
   c = model.config
   itemsize = jnp.dtype(model.dtype).itemsize
   weights = params_bytes(model)
@@ -227,6 +254,8 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   elapsed = time.perf_counter() - start
   steps = int(state.step) - first_step
   step_s = elapsed / steps
+  if profile_kernels and int(state.step) < case.new_tokens:
+    state, record['top_kernels'] = _top_kernels(run, state, profile_kernels)
   stats = jax.devices()[0].memory_stats() or {}
   record.update(
       status='ok', steps_timed=steps, first_step=first_step, decode_s=elapsed, step_s=step_s,

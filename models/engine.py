@@ -3,19 +3,31 @@
 Each `step()` is one iteration:
 
 1. Admission: queued requests, first come first served, while the batch has
-   room (`max_batch`), the iteration's prefill budget allows, and the chunk
-   pool can hold the prompt plus a reservation for every token it may still
-   generate (`ChunkCache.insert`). A request whose prefix is being prefilled in
-   this very iteration waits one iteration, so that it shares it instead of
-   computing it again. A request that can never fit is refused at `submit`.
+   room (`max_batch`, counting every sample), the iteration's prefill budget
+   allows, and the chunk pool can hold the prompt plus a reservation for every
+   token it may still generate, for each of its samples (`ChunkCache.insert`
+   with `num_samples`; cached chunks count as room). A request whose prefix is
+   being prefilled in this very iteration waits one iteration, so that it
+   shares it instead of computing it again. A request that can never fit is
+   refused at `submit`.
 2. Prefill of the admitted requests: only their unshared tokens (the cache
-   shares full chunks and copies partial ones), in calls of rows with the same
-   padded length; each row's first token is sampled from its last position.
+   shares full chunks, live or cached, and copies partial ones), in calls of
+   rows with the same padded length; each sample's first token is sampled from
+   the prompt's last position. A prompt with n > 1 samples is prefilled once,
+   then forked into n sequences (`ChunkCache.fork`: full chunks shared, the
+   partial tail copied).
 3. Decode: one token for every live sequence in one jitted call, batch padded
    to a bucket (few compiles); attention over the pool through the cache's
    `TreeLayout` (segment metadata rebuilt only when the tree changes).
 4. Retirement: finished (stop token, `max_new_tokens`) or cancelled requests
-   release their chunks.
+   release their chunks; with `retain_prefixes` their full prompt chunks stay
+   cached (a later request with the same prefix does not prefill it) until the
+   pool needs the room (LRU eviction).
+
+Parallel sampling: `SamplingParams(n=k)` makes k requests of one prompt, with
+consecutive ids `rid, rid + 1, ..., rid + k - 1` (`submit` returns rid;
+`samples(rid)` lists them). Each has its own output, events, callback calls
+and cancellation; they share the prompt's prefill.
 
 Streaming: `step()` returns the `TokenEvent`s of the iteration, a request's
 `on_token` callback gets its own, and `stream()` yields them until all work
@@ -23,14 +35,15 @@ is done. `cancel(request_id)` takes effect at the next iteration boundary.
 
 Sampling is per request (greedy or temperature) with a key that depends only
 on (seed, request id, token index): a request's tokens do not depend on which
-other requests share its batch.
+other requests share its batch, and sample i of a prompt draws what a lone
+request with id rid + i would.
 """
 
 import collections
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +68,8 @@ class EngineConfig:
     max_batch: most live sequences.
     max_sequence_length: longest prompt + generation.
     share_prefixes: False is the no-sharing baseline (same engine, every sequence on its own).
+    retain_prefixes: keep finished requests' full prompt chunks as an LRU prefix cache
+      (only with share_prefixes; off, a finished request frees all of its chunks).
     max_prefill_tokens: padded prefill tokens per iteration (one request may exceed it alone).
     max_prefill_rows: most requests in one prefill call.
     decode_buckets: padded decode batch sizes (ascending; the last must be >= max_batch);
@@ -74,6 +89,7 @@ class EngineConfig:
   max_batch: int = 64
   max_sequence_length: int = 4096
   share_prefixes: bool = True
+  retain_prefixes: bool = True
   max_prefill_tokens: int = 8192
   max_prefill_rows: int = 8
   decode_buckets: tuple[int, ...] = ()
@@ -112,22 +128,25 @@ class SamplingParams:
     max_new_tokens: tokens to generate (fewer after a stop token).
     temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
     stop_tokens: ids that end the request (the stop token is returned).
+    n: samples of the prompt, each a request of its own (see `Engine.submit`).
   """
 
   max_new_tokens: int = 16
   temperature: float = 0.0
   stop_tokens: tuple[int, ...] = ()
+  n: int = 1
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
       raise ValueError(f'max_new_tokens must be >= 1, got {self.max_new_tokens}')
     if self.temperature < 0:
       raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+    if self.n < 1:
+      raise ValueError(f'n must be >= 1, got {self.n}')
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-  """One streamed token (or a cancellation, token -1)."""
+class TokenEvent(NamedTuple):
+  """One streamed token (or a cancellation, token -1). A NamedTuple: cheap to make per token."""
 
   request_id: int
   token: int
@@ -138,13 +157,21 @@ class TokenEvent:
 
 @dataclasses.dataclass
 class Request:
-  """A request's state and timings (seconds of the engine's clock)."""
+  """A request's state and timings (seconds of the engine's clock).
+
+  `first_sample` is the id of sample 0 of its prompt (its own id when n = 1),
+  `sample_index` its own index; `shared_tokens`, `cached_tokens` (the part of
+  them reused from finished requests) and `prefilled_tokens` describe its
+  prompt's admission, which all its samples share.
+  """
 
   id: int
   prompt: np.ndarray
   params: SamplingParams
   on_token: Callable[[TokenEvent], None] | None = None
   arrival: float = 0.0
+  first_sample: int = -1
+  sample_index: int = 0
   admitted: float | None = None
   first_token: float | None = None
   finished: float | None = None
@@ -153,6 +180,7 @@ class Request:
   output: list[int] = dataclasses.field(default_factory=list)
   seq_id: int = -1
   shared_tokens: int = 0
+  cached_tokens: int = 0
   prefilled_tokens: int = 0
   cancel_requested: bool = False
 
@@ -161,9 +189,12 @@ class Request:
 class EngineStats:
   """Counters of an engine's life (seconds of the engine's clock).
 
-  Host overhead is the time spent in the tree and its metadata (cache
-  operations, layouts, batch arrays) in decode steps, next to the whole decode
-  step time.
+  A decode step's time is `decode_host_s` (host overhead: the tree and its
+  metadata, the batch arrays and their upload, the dispatch of the jitted call,
+  and handing out the tokens) plus `decode_wait_s` (waiting for the device's
+  result): step wall time minus the wait for the device. A step whose shapes
+  the engine runs for the first time (it may compile) is counted apart, in
+  `new_shape_steps` and `new_shape_s`, not in the decode figures.
   """
 
   iterations: int = 0
@@ -171,12 +202,17 @@ class EngineStats:
   decode_rows: int = 0
   decode_s: float = 0.0
   decode_host_s: float = 0.0
+  decode_wait_s: float = 0.0
+  new_shape_steps: int = 0
+  new_shape_s: float = 0.0
   prefill_calls: int = 0
   prefill_tokens: int = 0
   prefill_padded_tokens: int = 0
   prefill_s: float = 0.0
   shared_tokens: int = 0
+  cached_tokens: int = 0
   copied_tokens: int = 0
+  forked_samples: int = 0
   generated_tokens: int = 0
   peak_chunks: int = 0
   peak_rows: int = 0
@@ -188,6 +224,7 @@ class EngineStats:
     out['host_overhead_fraction'] = self.decode_host_s / self.decode_s if self.decode_s else 0.0
     out['mean_decode_step_ms'] = 1e3 * self.decode_s / max(self.decode_steps, 1)
     out['mean_decode_host_ms'] = 1e3 * self.decode_host_s / max(self.decode_steps, 1)
+    out['mean_decode_wait_ms'] = 1e3 * self.decode_wait_s / max(self.decode_steps, 1)
     return out
 
 
@@ -207,11 +244,17 @@ def _sample(logits, key, request_ids, indices, temperature):
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
 def _model_step(graphdef, params, cache, tokens, positions, slots, layout, key, request_ids,
-                indices, temperature, *, impl):
-  """One model call: writes the new tokens' KV, samples each row's next token (last position)."""
+                indices, temperature, sample_rows=None, *, impl):
+  """One model call: writes the new tokens' KV, samples next tokens from last positions.
+
+  One token per row, or with `sample_rows` [S] one per entry, from that row's
+  logits (request_ids, indices, temperature are then [S]).
+  """
   model = nnx.merge(graphdef, params)
   h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
   logits = model.logits(h[:, -1])  # [B, V]
+  if sample_rows is not None:
+    logits = logits[sample_rows]
   return _sample(logits, key, request_ids, indices, temperature), cache
 
 
@@ -226,7 +269,8 @@ class Engine:
     self.cache = ChunkCache(ChunkCacheConfig(
         num_chunks=config.num_chunks, chunk_size=config.chunk_size,
         max_sequence_length=config.max_sequence_length, max_sequences=config.max_batch,
-        share_prefixes=config.share_prefixes, layout=config.layout,
+        share_prefixes=config.share_prefixes,
+        retain_prefixes=config.share_prefixes and config.retain_prefixes, layout=config.layout,
     ))
     dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
     self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype)
@@ -235,10 +279,11 @@ class Engine:
         kv_piece=config.layout.kv_piece, min_private_pages=config.layout.min_private_pages)
     self._graphdef, self._params = nnx.split(model)
     self._key = jax.random.key(config.seed)
-    self._queue: collections.deque[Request] = collections.deque()
+    self._queue: collections.deque[list[Request]] = collections.deque()  # a prompt's samples
     self._by_seq: dict[int, Request] = {}
     self.requests: dict[int, Request] = {}
     self._next_id = 0
+    self._seen_shapes: set = set()  # step shapes run so far (the first run may compile)
     self.stats = EngineStats()
 
   # ---- the API ----------------------------------------------------------------------------
@@ -246,7 +291,12 @@ class Engine:
   def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
              on_token: Callable[[TokenEvent], None] | None = None,
              arrival: float | None = None) -> int:
-    """Queues a request; returns its id. Raises ValueError if it can never fit."""
+    """Queues a request; returns its id. Raises ValueError if it can never fit.
+
+    With `params.n` = k > 1 it queues k requests of the prompt (its samples),
+    with ids `rid .. rid + k - 1` (rid is returned; `samples(rid)` lists them),
+    one callback `on_token` for all of them (events carry each one's id).
+    """
     prompt = np.asarray(prompt, np.int64).reshape(-1)
     c = self.config
     if prompt.size < 1:
@@ -258,17 +308,27 @@ class Engine:
           f'prompt ({prompt.size}) + max_new_tokens ({params.max_new_tokens}) exceed '
           f'max_sequence_length={c.max_sequence_length}'
       )
-    worst = -(-(prompt.size + params.max_new_tokens) // c.chunk_size)
+    if params.n > c.max_batch:
+      raise ValueError(f'n={params.n} samples exceed max_batch={c.max_batch}: it can never fit')
+    worst = self.cache.max_chunks(prompt.size, reserve_tokens=params.max_new_tokens - 1,
+                                  num_samples=params.n)
     if worst > c.num_chunks:
       raise ValueError(
           f'the request needs up to {worst} chunks; the pool has {c.num_chunks}: it can never fit'
       )
     rid = self._next_id
-    self._next_id += 1
-    req = Request(rid, prompt, params, on_token, self.clock() if arrival is None else arrival)
-    self.requests[rid] = req
-    self._queue.append(req)
+    self._next_id += params.n
+    arrival = self.clock() if arrival is None else arrival
+    group = [Request(rid + i, prompt, params, on_token, arrival, rid, i) for i in range(params.n)]
+    for req in group:
+      self.requests[req.id] = req
+    self._queue.append(group)
     return rid
+
+  def samples(self, request_id: int) -> tuple[int, ...]:
+    """Ids of the samples of the request's prompt (all n of them), sample 0 first."""
+    req = self.requests[request_id]
+    return tuple(range(req.first_sample, req.first_sample + req.params.n))
 
   def cancel(self, request_id: int) -> bool:
     """Cancels a queued or running request (at the next iteration boundary); False if finished."""
@@ -288,7 +348,8 @@ class Engine:
 
   @property
   def num_queued(self) -> int:
-    return len(self._queue)
+    """Queued requests (samples count one each)."""
+    return sum(len(g) for g in self._queue)
 
   def step(self) -> list[TokenEvent]:
     """One iteration (admit + prefill, one decode step, retire); returns its events."""
@@ -319,8 +380,11 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
                ) -> list[list[int]]:
-    """Submits the prompts, runs to completion, returns their outputs in order."""
-    ids = [self.submit(p, params) for p in prompts]
+    """Submits the prompts, runs to completion, returns their outputs in order.
+
+    With `params.n` > 1: n outputs per prompt, a prompt's samples together.
+    """
+    ids = [i for p in prompts for i in self.samples(self.submit(p, params))]
     self.run()
     return [list(self.requests[i].output) for i in ids]
 
@@ -330,36 +394,46 @@ class Engine:
   # ---- the iteration ----------------------------------------------------------------------
 
   def _apply_cancellations(self, events):
-    for req in [r for r in self._queue if r.cancel_requested]:
-      self._queue.remove(req)
-      self._finish(req, 'cancelled', events, cancelled=True)
+    for group in [g for g in self._queue if any(r.cancel_requested for r in g)]:
+      for req in [r for r in group if r.cancel_requested]:  # its other samples stay queued
+        group.remove(req)
+        self._finish(req, 'cancelled', events, cancelled=True)
+    if not all(self._queue):
+      self._queue = collections.deque(g for g in self._queue if g)
     for req in [r for r in self._by_seq.values() if r.cancel_requested]:
       self._finish(req, 'cancelled', events, cancelled=True)
 
-  def _admit(self) -> list[tuple[Request, object]]:
+  def _admit(self) -> list[tuple[list[Request], object]]:
+    """Admits queued prompts; returns (the prompt's samples, its `Admission`) of each."""
     c, cache = self.config, self.cache
-    admitted, budget = [], c.max_prefill_tokens
-    while self._queue and len(self._by_seq) + len(admitted) < c.max_batch:
-      req = self._queue[0]
-      reserve = req.params.max_new_tokens - 1
-      match = cache.match(req.prompt, reserve_tokens=reserve)
+    admitted, budget, rows = [], c.max_prefill_tokens, len(self._by_seq)
+    while self._queue and rows + len(self._queue[0]) <= c.max_batch:
+      group = self._queue[0]
+      lead = group[0]
+      reserve = lead.params.max_new_tokens - 1
+      match = cache.match(lead.prompt, reserve_tokens=reserve, num_samples=len(group))
       if match.pending:
         break  # its prefix is being prefilled now: next iteration it is shared instead
-      padded = self._prefill_len(req.prompt.size - match.shared_tokens - match.copied_tokens)
+      padded = self._prefill_len(lead.prompt.size - match.shared_tokens - match.copied_tokens)
       if admitted and padded > budget:
         break
       try:
-        adm = cache.insert(req.prompt, reserve_tokens=reserve)
+        adm = cache.insert(lead.prompt, reserve_tokens=reserve, num_samples=len(group))
       except CapacityError:
         break  # waits for memory; submit() guaranteed it fits an empty pool
       self._queue.popleft()
       budget -= padded
-      req.state, req.seq_id, req.admitted = 'running', adm.seq_id, self.clock()
-      req.shared_tokens = adm.shared_tokens
-      req.prefilled_tokens = adm.num_tokens - adm.prefill_start
-      self._by_seq[adm.seq_id] = req
-      admitted.append((req, adm))
+      rows += len(group)
+      now = self.clock()
+      for req in group:
+        req.state, req.admitted = 'running', now
+        req.shared_tokens, req.cached_tokens = adm.shared_tokens, adm.cached_tokens
+        req.prefilled_tokens = adm.num_tokens - adm.prefill_start
+      lead.seq_id = adm.seq_id  # the others get theirs from the fork after the prefill
+      self._by_seq[adm.seq_id] = lead
+      admitted.append((group, adm))
       self.stats.shared_tokens += adm.shared_tokens
+      self.stats.cached_tokens += adm.cached_tokens
       self.stats.copied_tokens += adm.copied_tokens
     self._track_peak()
     return admitted
@@ -367,51 +441,82 @@ class Engine:
   def _prefill_len(self, n: int) -> int:
     return max(next_power_of_two(n), self.config.min_prefill_len)
 
-  def _prefill(self, admitted, events):
-    c, cache = self.config, self.cache
-    t0 = self.clock()
-    src = np.concatenate([a.copy_src for _, a in admitted])
+  def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+    """Runs KV copies (copy on write), padded to a power of two."""
     if src.size:
-      dst = np.concatenate([a.copy_dst for _, a in admitted])
       size = next_power_of_two(max(src.size, 64))
       pad = lambda x, fill: np.concatenate([x, np.full(size - x.size, fill, np.int32)])
       k, v = copy_slots(self.kv.k, self.kv.v, jnp.asarray(pad(src, 0)),
-                        jnp.asarray(pad(dst, cache.config.kv_tokens)))
+                        jnp.asarray(pad(dst, self.cache.config.kv_tokens)))
       self.kv = KVCache(k, v)
+
+  def _prefill(self, admitted, events):
+    c, cache = self.config, self.cache
+    t0 = self.clock()
+    self._copy(np.concatenate([a.copy_src for _, a in admitted]),
+               np.concatenate([a.copy_dst for _, a in admitted]))
     by_len: dict[int, list] = {}
-    for req, adm in sorted(admitted, key=lambda x: cache.row(x[1].seq_id)):
+    for group, adm in admitted:
       t = self._prefill_len(adm.num_tokens - adm.prefill_start)
-      by_len.setdefault(t, []).append((req, adm))
-    for t, group in sorted(by_len.items()):
+      by_len.setdefault(t, []).append((group, adm))
+    forks = []  # (samples, their first tokens), forked once every prefill call has run
+    for t, items in sorted(by_len.items()):
+      items.sort(key=lambda x: cache.row(x[1].seq_id))
       per_call = max(1, min(c.max_prefill_rows, c.max_prefill_tokens // t))
-      for i in range(0, len(group), per_call):
-        self._prefill_call(group[i : i + per_call], t, events)
+      for i in range(0, len(items), per_call):
+        forks += self._prefill_call(items[i : i + per_call], t)
+    src, dst = [], []
+    for group, _ in forks:
+      if len(group) > 1:
+        f = cache.fork(group[0].seq_id, len(group),
+                       reserve_tokens=group[0].params.max_new_tokens - 1)
+        src.append(f.copy_src)
+        dst.append(f.copy_dst)
+        for req, sid in zip(group[1:], f.seq_ids[1:]):
+          req.seq_id = sid
+          self._by_seq[sid] = req
+        self.stats.forked_samples += len(group) - 1
+    if src:
+      self._copy(np.concatenate(src), np.concatenate(dst))
+    now = self.clock()
+    for group, tokens in forks:
+      for req in group:
+        req.first_token = now
+      self._emit(group, tokens, events)
+    self._track_peak()
     self.stats.prefill_s += self.clock() - t0
 
-  def _prefill_call(self, group, t, events):
+  def _prefill_call(self, items, t):
+    """One prefill call of (samples, admission) items; returns (samples, first tokens) of each."""
     cache, length = self.cache, self.cache.config.kv_tokens
-    b = next_power_of_two(len(group))
+    b = next_power_of_two(len(items))
     tokens = np.zeros((b, t), np.int32)
     positions = np.zeros((b, t), np.int32)
     slots = np.full((b, t), length, np.int32)
-    for r, (req, adm) in enumerate(group):  # left-padded: a row's new tokens are its last T
+    for r, (group, adm) in enumerate(items):  # left-padded: a row's new tokens are its last T
       n = adm.num_tokens - adm.prefill_start
-      tokens[r, t - n :] = req.prompt[adm.prefill_start :]
+      tokens[r, t - n :] = group[0].prompt[adm.prefill_start :]
       positions[r, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
       slots[r, t - n :] = adm.prefill_slots
-    layout = cache.device_layout([adm.seq_id for _, adm in group], num_rows=b,
+    layout = cache.device_layout([adm.seq_id for _, adm in items], num_rows=b,
                                  policy=self._prefill_policy)
-    reqs = [req for req, _ in group]
-    new = self._run_model(tokens, positions, slots, layout, reqs, b, self.config.prefill_impl)
+    samples = [req for group, _ in items for req in group]
+    rows = None  # one token per row, unless a prompt has several samples
+    if len(samples) > len(items):
+      rows = np.zeros(next_power_of_two(len(samples)), np.int32)
+      rows[: len(samples)] = [r for r, (group, _) in enumerate(items) for _ in group]
+    new = self._run_model(tokens, positions, slots, layout, samples, b, self.config.prefill_impl,
+                          rows)
+    new = np.asarray(new)[: len(samples)].tolist()
     self.stats.prefill_calls += 1
-    self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start for _, adm in group)
+    self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start for _, adm in items)
     self.stats.prefill_padded_tokens += b * t
-    now = self.clock()
-    for _, adm in group:
+    out, i = [], 0
+    for group, adm in items:
       cache.commit(adm.seq_id)  # its KV is written: others may share it now
-    for req, token in zip(reqs, new.tolist()):
-      req.first_token = now
-      self._emit(req, token, events)
+      out.append((group, new[i : i + len(group)]))
+      i += len(group)
+    return out
 
   def _decode(self, events):
     c, cache = self.config, self.cache
@@ -419,51 +524,72 @@ class Engine:
     rows = cache.rows
     reqs = [self._by_seq[sid] for sid in rows]
     b = self.config.decode_rows(len(rows))
+    last = [r.output[-1] for r in reqs]
     slots = np.full((b, 1), cache.config.kv_tokens, np.int32)
-    slots[: len(rows), 0] = cache.append([r.output[-1] for r in reqs])
+    slots[: len(rows), 0] = cache.append(last)
     tokens = np.zeros((b, 1), np.int32)
-    tokens[: len(rows), 0] = [r.output[-1] for r in reqs]
+    tokens[: len(rows), 0] = last
     positions = np.zeros((b, 1), np.int32)
     positions[: len(rows), 0] = cache.lengths() - 1
     layout = cache.device_layout(num_rows=b)
     self._track_peak()
-    host = self.clock() - t0
+    seen = len(self._seen_shapes)
     new = self._run_model(tokens, positions, slots, layout, reqs, b, c.impl)
-    t1 = self.clock()
-    for req, token in zip(reqs, new.tolist()):
-      self._emit(req, token, events)
-    self.stats.decode_host_s += host + (self.clock() - t1)
-    self.stats.decode_s += self.clock() - t0
-    self.stats.decode_steps += 1
-    self.stats.decode_rows += len(rows)
+    t1 = self.clock()  # dispatched: what follows until the result is the device's
+    new = np.asarray(new)[: len(reqs)].tolist()
+    t2 = self.clock()
+    self._emit(reqs, new, events)
+    t3 = self.clock()
+    stats = self.stats
+    if len(self._seen_shapes) > seen:  # a first run of these shapes: maybe a compile
+      stats.new_shape_steps += 1
+      stats.new_shape_s += t3 - t0
+      return
+    stats.decode_host_s += (t1 - t0) + (t3 - t2)
+    stats.decode_wait_s += t2 - t1
+    stats.decode_s += t3 - t0
+    stats.decode_steps += 1
+    stats.decode_rows += len(rows)
 
-  def _run_model(self, tokens, positions, slots, layout, reqs, b, impl) -> np.ndarray:
-    ids = np.zeros(b, np.int32)
-    index = np.zeros(b, np.int32)
-    temp = np.zeros(b, np.float32)
-    for r, req in enumerate(reqs):
-      ids[r], index[r], temp[r] = req.id, len(req.output), req.params.temperature
-    self.stats.shapes.add((tokens.shape, jax.tree_util.tree_structure(layout),
-                           tuple(x.shape for x in jax.tree_util.tree_leaves(layout))))
+  def _run_model(self, tokens, positions, slots, layout, samples, b, impl, sample_rows=None):
+    """Dispatches one model call; returns its sampled tokens (on the device, not waited for).
+
+    `samples` are the requests that sample (one per row, or one per entry of `sample_rows`).
+    """
+    s, k = (b if sample_rows is None else sample_rows.size), len(samples)
+    ids = np.zeros(s, np.int32)
+    index = np.zeros(s, np.int32)
+    temp = np.zeros(s, np.float32)
+    ids[:k] = [req.id for req in samples]
+    index[:k] = [len(req.output) for req in samples]
+    temp[:k] = [req.params.temperature for req in samples]
+    shapes = (tokens.shape, s, jax.tree_util.tree_structure(layout),
+              tuple(x.shape for x in jax.tree_util.tree_leaves(layout)))
+    self.stats.shapes.add(shapes)
+    self._seen_shapes.add(shapes)
+    # Host arrays go to the jitted call as they are: its dispatch uploads them faster than
+    # one jnp.asarray each.
     new, self.kv = _model_step(
-        self._graphdef, self._params, self.kv, jnp.asarray(tokens), jnp.asarray(positions),
-        jnp.asarray(slots), layout, self._key, jnp.asarray(ids), jnp.asarray(index),
-        jnp.asarray(temp), impl=impl,
+        self._graphdef, self._params, self.kv, tokens, positions, slots, layout, self._key, ids,
+        index, temp, sample_rows, impl=impl,
     )
-    return np.asarray(new)[: len(reqs)]
+    return new
 
-  def _emit(self, req: Request, token: int, events) -> None:
-    req.output.append(int(token))
-    self.stats.generated_tokens += 1
-    if token in req.params.stop_tokens:
-      self._finish(req, 'stop', events)
-    elif len(req.output) >= req.params.max_new_tokens:
-      self._finish(req, 'length', events)
-    else:
-      events.append(TokenEvent(req.id, int(token), len(req.output) - 1, False))
+  def _emit(self, reqs: Sequence[Request], tokens: Sequence[int], events) -> None:
+    """Gives each request its new token; finishes those that stop or reach max_new_tokens."""
+    self.stats.generated_tokens += len(reqs)
+    for req, token in zip(reqs, tokens):
+      out, params = req.output, req.params
+      out.append(token)
+      if token in params.stop_tokens:
+        self._finish(req, 'stop', events)
+      elif len(out) >= params.max_new_tokens:
+        self._finish(req, 'length', events)
+      else:
+        events.append(TokenEvent(req.id, token, len(out) - 1, False))
 
   def _finish(self, req: Request, reason: str, events, cancelled: bool = False) -> None:
-    if req.seq_id in self._by_seq:
+    if self._by_seq.get(req.seq_id) is req:
       del self._by_seq[req.seq_id]
       self.cache.remove(req.seq_id)
     req.state = 'cancelled' if cancelled else 'done'

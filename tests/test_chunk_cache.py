@@ -1,4 +1,4 @@
-"""The chunked KV cache: tree operations vs a brute-force model; attention over the pool."""
+"""The chunked KV cache: tree operations vs a brute-force model, retention, attention over it."""
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +11,35 @@ from hydrajax.chunk_cache import (
 )
 
 
+def cached_prefixes(cache: ChunkCache) -> list[tuple[list[int], int]]:
+  """(tokens from the root to the end of the chunk, chunk) of every cached chunk, LRU first."""
+  out = []
+  for node in cache._lru:
+    chunk, chunks = node.chunk, []
+    while node.chunk >= 0:
+      chunks.append(node.chunk)
+      node = node.parent
+    out.append((cache._tokens[chunks[::-1]].reshape(-1).tolist(), chunk))
+  return out
+
+
 class Model:
   """Brute force: each sequence's tokens, and a fake KV pool that holds token ids at their slots."""
 
   def __init__(self, cache: ChunkCache):
     self.cache = cache
     self.tokens: dict[int, list[int]] = {}
+    self.prompts: dict[int, list[int]] = {}
+    self.retained: set[tuple[int, ...]] = set()  # full prompt-chunk prefixes of removed sequences
     self.pool = np.full(cache.config.kv_tokens, -1, np.int64)
 
-  def insert(self, tokens, reserve):
-    a = self.cache.insert(tokens, reserve_tokens=reserve)
+  def insert(self, tokens, reserve, samples=1):
+    a = self.cache.insert(tokens, reserve_tokens=reserve, num_samples=samples)
     self.pool[a.copy_dst] = self.pool[a.copy_src]
     self.pool[a.prefill_slots] = np.asarray(tokens)[a.prefill_start :]
     self.cache.commit(a.seq_id)
     self.tokens[a.seq_id] = list(tokens)
+    self.prompts[a.seq_id] = list(tokens)
     return a
 
   def append(self, new):
@@ -41,11 +56,14 @@ class Model:
     self.pool[f.copy_dst] = self.pool[f.copy_src]
     for new in f.seq_ids[1:]:
       self.tokens[new] = list(self.tokens[sid])
+      self.prompts[new] = self.prompts[sid]
     return f
 
   def remove(self, sid):
     self.cache.remove(sid)
     del self.tokens[sid]
+    prompt, c = self.prompts.pop(sid), self.cache.chunk_size
+    self.retained |= {tuple(prompt[: k * c]) for k in range(1, len(prompt) // c + 1)}
 
   def verify(self):
     cache = self.cache
@@ -60,7 +78,13 @@ class Model:
         holders.setdefault(chunk, []).append(row)
     for chunk, rows in holders.items():  # each chunk's sharers are a contiguous row range
       assert rows == list(range(rows[0], rows[0] + len(rows))), (chunk, rows)
-    assert sorted(holders) == cache.used_chunks().tolist()  # nothing leaked
+    cached = cached_prefixes(cache)
+    c = cache.chunk_size
+    for prefix, chunk in cached:  # cached KV intact, and only prompt prefixes are cached
+      assert cache.config.retain_prefixes and tuple(prefix) in self.retained
+      np.testing.assert_array_equal(self.pool[chunk * c : (chunk + 1) * c], prefix[-c:])
+    assert sorted([*holders, *(ch for _, ch in cached)]) == cache.used_chunks().tolist()  # no leak
+    assert not set(holders) & {ch for _, ch in cached}
     plan = cache.plan()
     if cache.num_rows:
       indices, lengths = plan.row_token_indices()
@@ -71,10 +95,10 @@ class Model:
 
 
 def expected_match(model: Model, tokens, c):
-  """(shared, copied) tokens the tree must find: the best over live sequences."""
+  """(shared, copied) tokens the tree must find: the best over live sequences and cached chunks."""
   n = len(tokens)
   lcps = []
-  for t in model.tokens.values():
+  for t in list(model.tokens.values()) + [p for p, _ in cached_prefixes(model.cache)]:
     m = 0
     while m < min(n, len(t)) and t[m] == tokens[m]:
       m += 1
@@ -87,8 +111,11 @@ def expected_match(model: Model, tokens, c):
   return depth * c, max(copied, 0)
 
 
-def random_prompt(rng, model, bases, c):
-  kind = rng.integers(4)
+def random_prompt(rng, model, bases, c, past=()):
+  kind = rng.integers(5 if past else 4)
+  if kind == 4:  # an earlier prompt again, maybe continued (its sequence may be gone)
+    tail = rng.integers(1000, 2000, rng.integers(0, 3)).tolist()
+    return list(past[rng.integers(len(past))]) + tail
   if kind == 0 or not model.tokens:  # a system prompt + a private tail
     base = bases[rng.integers(len(bases))]
     head = base[: rng.integers(1, len(base) + 1)]
@@ -102,28 +129,43 @@ def random_prompt(rng, model, bases, c):
 
 
 @pytest.mark.parametrize(
-    'seed,chunk,share', [(0, 4, True), (1, 3, True), (2, 8, True), (3, 4, False)],
-    ids=['seed0_chunk4', 'seed1_chunk3', 'seed2_chunk8', 'seed3_chunk4_no_sharing'],
+    'seed,chunk,share,retain,num_chunks',
+    [(0, 4, True, False, 96), (1, 3, True, False, 96), (2, 8, True, False, 96),
+     (3, 4, False, False, 96), (4, 4, True, True, 96), (8, 3, True, True, 64),
+     (6, 8, True, True, 72)],
+    ids=['seed0_chunk4', 'seed1_chunk3', 'seed2_chunk8', 'seed3_chunk4_no_sharing',
+         'seed4_chunk4_retain', 'seed8_chunk3_retain_small_pool', 'seed6_chunk8_retain'],
 )
-def test_random_operations_match_brute_force(seed, chunk, share):
+def test_random_operations_match_brute_force(seed, chunk, share, retain, num_chunks):
   rng = np.random.default_rng(seed)
-  config = ChunkCacheConfig(num_chunks=96, chunk_size=chunk, max_sequence_length=12 * chunk,
-                            max_sequences=12, share_prefixes=share)
+  config = ChunkCacheConfig(num_chunks=num_chunks, chunk_size=chunk,
+                            max_sequence_length=12 * chunk, max_sequences=12,
+                            share_prefixes=share, retain_prefixes=retain)
   model = Model(ChunkCache(config))
   bases = [rng.integers(0, 1000, 5 * chunk + k).tolist() for k in (0, 1, 3)]
-  refusals = 0
+  refusals = hits = 0
+  past = []
   for _ in range(300):
     op = rng.choice(['insert', 'append', 'fork', 'remove'], p=[0.35, 0.35, 0.12, 0.18])
     cache = model.cache
-    before = (cache.rows, cache.num_used_chunks, cache.reserved_chunks)
+    before = (cache.rows, cache.num_used_chunks, cache.reserved_chunks, cache.num_cached_chunks)
     try:
       if op == 'insert':
         reserve = int(rng.integers(0, 3 * chunk))
-        tokens = random_prompt(rng, model, bases, chunk)[: config.max_sequence_length - reserve]
+        tokens = random_prompt(rng, model, bases, chunk, past)[
+            : config.max_sequence_length - reserve]
         want = expected_match(model, tokens, chunk) if share else (0, 0)
-        a = model.insert(tokens, reserve)
+        samples = int(rng.choice([1, 1, 2, 3]))
+        a = model.insert(tokens, reserve, samples)
         assert (a.shared_tokens, a.copied_tokens) == want
         assert a.prefill_start < len(tokens)  # the last prompt token is always prefilled
+        hits += a.cached_tokens > 0
+        past.append(tokens)
+        if samples > 1 and rng.random() < 0.8:  # the engine forks right after the prefill
+          model.verify()
+          held = cache.reserved_chunks
+          f = model.fork(a.seq_id, samples, reserve)  # never refused: the insert held its room
+          assert len(f.seq_ids) == samples and cache.reserved_chunks <= held
       elif op == 'append' and cache.num_rows:
         if cache.lengths().max() < config.max_sequence_length:
           model.append(rng.integers(2000, 3000, cache.num_rows))
@@ -135,13 +177,21 @@ def test_random_operations_match_brute_force(seed, chunk, share):
         model.remove(cache.rows[rng.integers(cache.num_rows)])
     except CapacityError:
       refusals += 1
-      assert (cache.rows, cache.num_used_chunks, cache.reserved_chunks) == before
+      after = (cache.rows, cache.num_used_chunks, cache.reserved_chunks, cache.num_cached_chunks)
+      assert after == before
     model.verify()
   assert refusals > 0  # the pool was full at times: refusals changed nothing (checked above)
+  if retain:
+    assert hits > 0 and model.cache.evicted_chunks > 0
   for sid in list(model.tokens):
     model.remove(sid)
     model.verify()
-  assert model.cache.num_used_chunks == 0 and model.cache.reserved_chunks == 0
+  assert model.cache.reserved_chunks == 0 and model.cache.num_rows == 0
+  assert model.cache.num_used_chunks == model.cache.num_cached_chunks
+  assert (model.cache.num_cached_chunks > 0) == retain
+  model.cache.evict()
+  model.verify()
+  assert model.cache.num_used_chunks == 0 and model.cache.num_free_chunks == num_chunks
 
 
 def test_partial_chunks_copy_on_write_and_full_chunks_shared():
@@ -213,6 +263,118 @@ def test_remove_all_frees_everything():
     cache.remove(sid)
     cache.check()
   assert cache.num_used_chunks == 0 and cache.reserved_chunks == 0 and cache.num_rows == 0
+
+
+def test_retention_reuses_finished_prompts_and_evicts_lru_leaves_first():
+  cache = ChunkCache(ChunkCacheConfig(num_chunks=10, chunk_size=4, max_sequence_length=40,
+                                      retain_prefixes=True))
+  system = list(range(100, 112))  # 3 full chunks
+  a = cache.insert(system + [1, 2], reserve_tokens=6)
+  cache.commit(a.seq_id)
+  for t in range(6):
+    cache.append([t])
+  cache.remove(a.seq_id)  # its 3 full prompt chunks stay cached; its tail and output are freed
+  cache.check()
+  assert (cache.num_rows, cache.num_used_chunks, cache.num_cached_chunks) == (0, 3, 3)
+  assert cache.available_chunks == 10 and cache.reserved_chunks == 0
+  b = cache.insert(system + [7, 8, 9])  # the same system prompt: only the new tokens prefill
+  assert (b.shared_tokens, b.cached_tokens, b.copied_tokens, b.prefill_start) == (12, 12, 0, 12)
+  assert cache.num_cached_chunks == 0 and cache.shared_tokens(b.seq_id) == 0  # one holder
+  cache.commit(b.seq_id)
+  cache.remove(b.seq_id)
+  other = cache.insert(list(range(200, 208)) + [5])  # 2 full chunks, cached after it
+  cache.commit(other.seq_id)
+  cache.remove(other.seq_id)
+  lru = [prefix[-4:] for prefix, _ in cached_prefixes(cache)]
+  # Least recently used first, and every chunk after its cached children.
+  assert lru == [system[8:], system[4:8], system[:4], list(range(204, 208)), list(range(200, 204))]
+  c = cache.insert(list(range(300, 328)))  # 7 new chunks, 5 free: the 2 oldest leaves go
+  assert cache.evicted_chunks == 2 and cache.num_cached_chunks == 3
+  assert [p[-4:] for p, _ in cached_prefixes(cache)] == lru[2:]
+  assert cache.match(system + [1]).shared_tokens == 4  # only the root chunk is left of it
+  cache.commit(c.seq_id)
+  with pytest.raises(CapacityError, match='3 cached'):
+    cache.insert(list(range(400, 416)))  # 4 chunks: 0 free + 3 cached
+  assert cache.num_cached_chunks == 3  # a refusal evicts nothing
+  cache.remove(c.seq_id)
+  cache.check()
+  assert cache.num_cached_chunks == 3 + 7 and cache.evict(4) == 4
+  assert cache.evict() == 6
+  cache.check()
+  assert cache.num_used_chunks == 0 and cache.num_free_chunks == 10
+
+
+def test_a_cached_copy_source_reused_in_the_same_iteration_keeps_its_kv():
+  cache = ChunkCache(ChunkCacheConfig(num_chunks=6, chunk_size=4, max_sequence_length=24,
+                                      retain_prefixes=True))
+  model = Model(cache)
+  model.remove(model.insert(list(range(9)), 0).seq_id)  # chunks [0..3] and [4..7] cached
+  # One iteration: B shares [0..3], copies [4, 5] from the cached chunk; C evicts and reuses it.
+  b = cache.insert([0, 1, 2, 3, 4, 5, 99])
+  assert (b.cached_tokens, b.copied_tokens) == (4, 2)
+  source = int(b.copy_src[0]) // 4
+  c = cache.insert(list(range(100, 116)))  # 4 chunks: 3 free + the cached source
+  assert cache.evicted_chunks == 1 and source in cache.chunks(c.seq_id)
+  # The engine runs all copies of the iteration in one call (reads first), then the prefills.
+  pool = model.pool.copy()
+  k, v = copy_slots(jnp.asarray(pool[:, None, None]), jnp.asarray(pool[:, None, None]),
+                    jnp.asarray(np.concatenate([b.copy_src, c.copy_src])),
+                    jnp.asarray(np.concatenate([b.copy_dst, c.copy_dst])))
+  model.pool = np.array(k)[:, 0, 0]
+  for a, tokens in ((b, [0, 1, 2, 3, 4, 5, 99]), (c, list(range(100, 116)))):
+    model.pool[a.prefill_slots] = np.asarray(tokens)[a.prefill_start :]
+    cache.commit(a.seq_id)
+    model.tokens[a.seq_id] = model.prompts[a.seq_id] = tokens
+  model.verify()  # B's KV (its copied tokens included) and C's are intact
+
+
+def test_retention_keeps_prompt_chunks_only_and_needs_sharing():
+  with pytest.raises(ValueError, match='share_prefixes'):
+    ChunkCacheConfig(num_chunks=4, share_prefixes=False, retain_prefixes=True)
+  cache = ChunkCache(ChunkCacheConfig(num_chunks=16, chunk_size=4, max_sequence_length=32,
+                                      retain_prefixes=True))
+  a = cache.insert(list(range(6)), reserve_tokens=8)  # prompt: 1 full chunk + 2 tokens
+  cache.commit(a.seq_id)
+  f = cache.fork(a.seq_id, 2, reserve_tokens=8)
+  for t in range(8):
+    cache.append([t, t + 50])
+  cache.remove(f.seq_ids[1])
+  assert cache.num_cached_chunks == 0  # the root chunk is still held by the original
+  cache.remove(a.seq_id)
+  assert [p for p, _ in cached_prefixes(cache)] == [[0, 1, 2, 3]]  # generated chunks are freed
+  cache.check()
+
+
+def test_insert_for_samples_holds_its_fork():
+  cache = ChunkCache(ChunkCacheConfig(num_chunks=12, chunk_size=4, max_sequence_length=32,
+                                      max_sequences=4))
+  prompt = list(range(10))  # 2 full chunks + a partial tail of 2 tokens
+  assert cache.chunks_needed(prompt, reserve_tokens=5, num_samples=3) == 3 + 1 + 2 * (1 + 1)
+  assert cache.max_chunks(10, reserve_tokens=5, num_samples=3) == 8
+  a = cache.insert(prompt, reserve_tokens=5, num_samples=3)
+  assert cache.num_used_chunks == 3 and cache.reserved_chunks == 1 + 4
+  with pytest.raises(CapacityError, match='max_sequences'):
+    cache.insert([50, 51], num_samples=2)  # 1 live + 2 held rows + 2 > 4
+  with pytest.raises(CapacityError, match='available'):
+    cache.insert(list(range(50, 70)))  # 5 chunks; only 4 of 9 free are not reserved
+  cache.commit(a.seq_id)
+  f = cache.fork(a.seq_id, 3, reserve_tokens=5)
+  cache.check()
+  assert cache.reserved_chunks == 3 and cache.num_used_chunks == 5
+  tail = cache.chunks(a.seq_id)[-1]
+  np.testing.assert_array_equal(f.copy_src, np.tile(tail * 4 + np.arange(2), 2))
+  for sid in f.seq_ids:  # full chunks shared, the partial tail copied
+    assert cache.tokens(sid).tolist() == prompt and cache.shared_tokens(sid) == 8
+  b = cache.insert(list(range(50, 53)), reserve_tokens=1)  # the hold is given back
+  cache.commit(b.seq_id)
+  for sid in [*f.seq_ids, b.seq_id]:
+    cache.remove(sid)
+  cache.check()
+  assert cache.num_used_chunks == 0 and cache.reserved_chunks == 0
+  c = cache.insert(prompt, num_samples=4)
+  cache.remove(c.seq_id)  # removed before its fork: the hold goes too
+  cache.check()
+  assert cache.reserved_chunks == 0 and cache.available_chunks == 12
 
 
 def test_contiguous_allocation_gives_one_segment_per_prompt():
@@ -362,3 +524,8 @@ def test_copy_slots_copies_every_layer_and_drops_padding():
   want_v[:, [10, 11]] = v0[:, [1, 2]]
   np.testing.assert_array_equal(k1, want_k)
   np.testing.assert_array_equal(v1, want_v)
+  # Every source is read before any destination is written: a chain of copies in one call.
+  k2, _ = copy_slots(jnp.asarray(k0), jnp.asarray(v0), jnp.array([1, 2]), jnp.array([2, 3]))
+  want_k = k0.copy()
+  want_k[:, [2, 3]] = k0[:, [1, 2]]
+  np.testing.assert_array_equal(k2, want_k)

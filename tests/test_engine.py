@@ -1,4 +1,5 @@
-"""The serving engine: greedy outputs equal independent generation; streaming; cancellation."""
+"""The serving engine: greedy outputs equal independent generation; streaming; cancellation;
+parallel samples (fork); prefix retention."""
 
 import dataclasses
 
@@ -21,6 +22,17 @@ CONFIG = EngineConfig(
     prefill_layout=LayoutPolicy(kv_piece=16, min_segments=8, fixed_shapes=True,
                                 min_private_pages=12),
 )
+
+
+def assert_no_leak(engine):
+  """Idle: no row, no reservation, only cached chunks in use; evicting them empties the pool."""
+  cache = engine.cache
+  cache.check()
+  assert cache.num_rows == 0 and cache.reserved_chunks == 0
+  assert cache.num_used_chunks == cache.num_cached_chunks
+  assert cache.config.retain_prefixes or cache.num_cached_chunks == 0
+  cache.evict()
+  assert cache.num_used_chunks == 0 and cache.num_free_chunks == engine.config.num_chunks
 
 
 @pytest.fixture(scope='module')
@@ -51,14 +63,15 @@ def reference(model):
   return prompts, out.tokens.tolist()
 
 
-@pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])
-def test_greedy_outputs_equal_independent_generation(model, reference, share):
+@pytest.mark.parametrize('share,retain', [(True, True), (True, False), (False, True)],
+                         ids=['sharing', 'sharing_no_retention', 'no_sharing'])
+def test_greedy_outputs_equal_independent_generation(model, reference, share, retain):
   prompts, expected = reference
-  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share))
+  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share, retain_prefixes=retain))
   outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
   assert outputs == expected
   reqs = list(engine.requests.values())
-  assert engine.cache.num_used_chunks == 0 and engine.cache.reserved_chunks == 0
+  assert_no_leak(engine)
   assert engine.stats.peak_chunks <= CONFIG.num_chunks
   assert engine.stats.peak_rows < len(prompts)  # the pool or max_batch made requests wait
   assert len(engine.stats.shapes) == 2  # one prefill shape, one decode shape
@@ -97,7 +110,7 @@ def test_streaming_cancellation_and_stop_tokens(model, reference):
   assert engine.requests[stopper].output == expected[4][: expected[4].index(stop) + 1]
   assert engine.requests[stopper].reason == 'stop'
   assert not engine.cancel(ids[0])  # already finished
-  assert engine.cache.num_used_chunks == 0 and engine.cache.num_rows == 0
+  assert_no_leak(engine)
 
 
 def test_temperature_sampling_does_not_depend_on_the_batch(model):
@@ -124,3 +137,99 @@ def test_requests_that_can_never_fit_are_refused(model):
     small.submit(list(range(14)), SamplingParams(max_new_tokens=4))
   with pytest.raises(ValueError, match='token ids'):
     engine.submit([5, 200])
+
+
+@pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])
+def test_greedy_samples_equal_the_single_request_output(model, reference, share):
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share))
+  params = SamplingParams(max_new_tokens=NEW, n=3)
+  # 24 tokens: the prompt's last chunk is full (shared by the samples); 27: a partial tail (copied).
+  assert len(prompts[0]) % 4 == 0 and len(prompts[1]) % 4 == 3
+  rids = [engine.submit(prompts[i], params) for i in (0, 1)]
+  assert [engine.samples(r) for r in rids] == [(0, 1, 2), (3, 4, 5)]
+  engine.run()
+  for rid, i in zip(rids, (0, 1)):
+    for sid in engine.samples(rid):
+      req = engine.requests[sid]
+      assert req.output == expected[i] and req.first_sample == rid and req.reason == 'length'
+  assert engine.stats.forked_samples == 4
+  assert engine.stats.prefill_tokens == sum(engine.requests[r].prefilled_tokens for r in rids)
+  assert engine.stats.prefill_tokens <= len(prompts[0]) + len(prompts[1])  # each prompt once
+  assert engine.generate([prompts[4]], params) == [expected[4]] * 3  # n outputs per prompt
+  assert_no_leak(engine)
+
+
+def test_samples_sample_like_independent_requests_and_are_deterministic(model):
+  prompt = _prompts(2)[1]  # 27 tokens: the samples copy the partial tail
+  params = SamplingParams(max_new_tokens=NEW, temperature=0.8, n=3)
+  runs = []
+  for _ in range(2):
+    engine = Engine(model, CONFIG)
+    engine.cancel(engine.submit([0]))  # sample ids 1, 2, 3
+    runs.append(engine.generate([prompt], params))
+    assert_no_leak(engine)
+  assert runs[0] == runs[1]
+  assert len({tuple(o) for o in runs[0]}) > 1  # the samples differ
+  for i, out in enumerate(runs[0]):  # sample i draws like a lone request with id 1 + i
+    engine = Engine(model, CONFIG)
+    for _ in range(1 + i):
+      engine.cancel(engine.submit([0]))
+    assert engine.generate([prompt], dataclasses.replace(params, n=1)) == [out]
+
+
+def test_cancelling_one_sample_leaves_the_others(model, reference):
+  prompts, expected = reference
+  engine = Engine(model, CONFIG)
+  queued = engine.submit(prompts[1], SamplingParams(max_new_tokens=NEW, n=3))
+  assert engine.cancel(queued)  # sample 0, before admission: the others still run
+  running = engine.submit(prompts[0], SamplingParams(max_new_tokens=NEW, n=2))
+  for event in engine.stream():
+    if event.request_id == running + 1 and event.index == 1:
+      assert engine.cancel(running + 1)
+  reqs = engine.requests
+  assert reqs[queued].state == 'cancelled' and reqs[queued].output == []
+  assert reqs[queued + 1].output == reqs[queued + 2].output == expected[1]
+  assert reqs[running].output == expected[0]
+  assert reqs[running + 1].state == 'cancelled'
+  assert reqs[running + 1].output == expected[0][: len(reqs[running + 1].output)]
+  assert engine.stats.forked_samples == 2  # one more sequence per prompt
+  assert_no_leak(engine)
+
+
+def test_admission_holds_room_for_every_sample(model, reference):
+  prompts, expected = reference
+  # No sharing, 20 chunks: prompt 0 takes 8; prompt 1 takes 8 and its second sample 8 more.
+  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=False, num_chunks=20))
+  first = engine.submit(prompts[0], SamplingParams(max_new_tokens=NEW))
+  rid = engine.submit(prompts[1], SamplingParams(max_new_tokens=NEW, n=2))
+  engine.run()  # a fork without room would raise here
+  assert engine.requests[rid].admitted >= engine.requests[first].finished  # it waited
+  outputs = [engine.requests[i].output for i in (first, rid, rid + 1)]
+  assert outputs == [expected[0], expected[1], expected[1]]
+  assert engine.stats.peak_chunks <= 20
+  with pytest.raises(ValueError, match='never fit'):
+    engine.submit(prompts[1], SamplingParams(max_new_tokens=NEW, n=3))  # 24 chunks
+  with pytest.raises(ValueError, match='max_batch'):
+    engine.submit([1], SamplingParams(n=5))
+  assert_no_leak(engine)
+
+
+@pytest.mark.parametrize('share,retain', [(True, True), (True, False), (False, True)],
+                         ids=['retention', 'no_retention', 'no_sharing'])
+def test_a_finished_prompt_prefix_is_reused(model, reference, share, retain):
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share, retain_prefixes=retain))
+  first = engine.generate([prompts[0]], SamplingParams(max_new_tokens=NEW))  # system + 3 tokens
+  assert first == [expected[0]] and engine.num_running == 0
+  before = engine.stats.prefill_tokens
+  rid = engine.submit(prompts[1], SamplingParams(max_new_tokens=NEW))  # the same system prompt
+  engine.run()
+  req = engine.requests[rid]
+  assert req.output == expected[1]
+  if share and retain:  # 5 cached chunks reused, 1 token copied: only the 6 new tokens prefill
+    assert (req.cached_tokens, req.shared_tokens, req.prefilled_tokens) == (20, 20, 6)
+  else:
+    assert (req.cached_tokens, req.prefilled_tokens) == (0, len(prompts[1]))
+  assert engine.stats.prefill_tokens - before == req.prefilled_tokens
+  assert_no_leak(engine)

@@ -45,6 +45,12 @@ def _tree(name: str, capacity: int, lengths):
       )),
       # a forest: two independent sharing groups
       'forest': (PromptNode(40, num_samples=2), PromptNode(75, num_samples=3)),
+      # many rows under segments of uneven widths (frames of several rows cross segments)
+      'wide': PromptNode(19, children=(
+          PromptNode(33, num_samples=3), PromptNode(8, children=(
+              PromptNode(12, num_samples=5), PromptNode(0, num_samples=1),
+          )), PromptNode(64, num_samples=7),
+      )),
       # nothing shared: private attention only
       'private_only': PromptNode(0, num_samples=3),
   }
@@ -89,6 +95,13 @@ CASES = [  # (tree, query tokens T, query heads N, kv heads K, private lengths)
 ]
 
 
+PACKED_CASES = [
+    ('wide', 1, 4, 2, (1, 3, 9, 0, 2, 16, 5)),  # 4 rows per frame; segment boundaries inside frames
+    ('wide', 2, 6, 2, (2, 40, 7)),  # T*G = 6 padded to 8
+    ('two_level', 40, 4, 2, (41, 50, 72)),  # T*G = 80 -> 128: two frames per row, causal
+]
+
+
 def _case_id(case):
   tree, t, n, k, _ = case
   return f'{tree}_T={t}_heads={n}/{k}'
@@ -122,14 +135,24 @@ class TestMosaicGpuKernels:
     _assert_states_close(got, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
     _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
 
-  def test_float16_with_scale_and_dense_row_paths(self):
-    """f16; an explicit scale; a layout without host row paths (the kernel builds them)."""
+  def test_float16_with_scale(self):
     plan = _tree('two_level', self.capacity, (4, 9))
-    layout = dataclasses.replace(plan.to_device(), row_segments=None)
     q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.float16, seed=11)
-    got = self._run(q, kc, vc, layout, scale=0.05)
+    got = self._run(q, kc, vc, plan.to_device(), scale=0.05)
     want = hydrajax.naive_tree_attention(q, kc, vc, plan, scale=0.05)
     _assert_states_close(got, want, jnp.float16)
+
+  @pytest.mark.parametrize('case', PACKED_CASES, ids=_case_id)
+  def test_packed_frames(self, case):
+    """One program per 64 folded rows (num_sms=1): several rows per frame, runs of rows under
+    different segments inside one frame, and (T*G > 64) one row over several frames."""
+    tree, t, n, k, lengths = case
+    lengths = [min(x + t - 1, self.capacity) for x in lengths]
+    plan = _tree(tree, self.capacity, lengths)
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=40 + t)
+    got = self._run(q, kc, vc, layout, num_sms=1)
+    _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
 
   def test_all_empty_is_zero_and_neg_inf(self):
     """No shared segments and no private tokens: every state is (0, -inf), no NaN."""
@@ -155,7 +178,7 @@ class TestMosaicGpuKernels:
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=14)
     tg = 2
-    qf = mosaic._fold_queries(q, 2, schedule.round_up(plan.num_rows * tg + schedule.TILE_M, 8))
+    qf = mosaic._fold_queries(q, 2, tg, schedule.round_up(plan.num_rows * tg + schedule.TILE_M, 8))
     sched = schedule.shared_schedule(
         layout, rows_per_query=tg, num_kv_heads=2, block_kv=64, num_sms=8, max_splits=2
     )
@@ -170,7 +193,8 @@ class TestMosaicGpuKernels:
       for j in range(gs.num_segments):
         first = int(group.row_begin[j]) * tg
         for split in range(gs.num_splits):
-          base = (gs.item_offset + (j * gs.num_splits + split) * gs.row_tiles) * schedule.TILE_M
+          item = gs.item_offset + (j * gs.num_splits + split) * gs.row_tiles
+          base = schedule.PARTIAL_PAD + item * schedule.TILE_M
           rows = base + first % 8 + np.arange(int(group.row_count[j]) * tg)
           _assert_states_close(
               hydrajax.PartialState(out[:, rows], lse[:, rows]),
@@ -197,6 +221,8 @@ class TestSupportAndSchedule:
   def test_unsupported_reasons(self):
     q, kc, vc, layout = self._args()
     assert mosaic._shape_reason(q, kc, vc, layout) is None
+    no_paths = dataclasses.replace(layout, row_segments=None)
+    assert 'row_segments' in mosaic._shape_reason(q, kc, vc, no_paths)
     assert 'float32' in mosaic._shape_reason(*self._args(dtype=jnp.float32))
     assert 'head dim 96' in mosaic._shape_reason(*self._args(h=96))
     assert 'page size 20' in mosaic._shape_reason(*self._args(capacity=20))

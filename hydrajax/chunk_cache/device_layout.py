@@ -122,11 +122,11 @@ def device_groups(plan: SharingPlan, policy: LayoutPolicy):
   """(segment groups on the device, row_pieces [B, D] on the device)."""
   groups, table = group_arrays(plan, policy)
   out = []
-  for rows, tokens, columns in groups:
-    col = jnp.asarray(columns)
+  for rows, tokens, columns in groups:  # one upload per column (slicing on the device costs more)
+    start, length, begin, count = (jnp.asarray(c) for c in np.ascontiguousarray(columns))
     out.append(
         SegmentGroup(
-            kv_start=col[0], kv_length=col[1], row_begin=col[2], row_count=col[3],
+            kv_start=start, kv_length=length, row_begin=begin, row_count=count,
             row_capacity=rows, kv_capacity=tokens,
         )
     )

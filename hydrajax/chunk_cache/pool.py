@@ -21,7 +21,9 @@ def copy_slots(
 ) -> tuple[jax.Array, jax.Array]:
   """Copies the KV of tokens `src` to slots `dst` in every layer (the buffers are donated).
 
-  Sources and destinations must not overlap (the cache never asks for that).
+  Every source is read before any destination is written, so one call may
+  write a slot that another of its copies reads (an iteration's copies, when a
+  later insert evicted and reused a cached chunk an earlier one copies from).
   """
   if k.ndim < 3 or k.shape != v.shape:
     raise ValueError(f'k and v must be [..., L, K, H] of one shape, got {k.shape} and {v.shape}')

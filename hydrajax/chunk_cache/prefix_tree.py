@@ -43,7 +43,19 @@ Capacity. `insert` and `fork` reserve the chunks that the sequence's future
 appends will take (`reserve_tokens`), and refuse with `CapacityError` (nothing
 changed) when the pool cannot hold the new sequence and every reservation;
 so appends within the reservations never fail and never touch a live
-sequence's chunks.
+sequence's chunks. `insert(..., num_samples=n)` also holds the chunks and rows
+that `fork(seq_id, n)` right after its prefill will take, so that a prompt
+admitted for n samples can always be forked.
+
+Retention (`retain_prefixes`, with sharing only). When a sequence is removed,
+its full prompt chunks stay in the tree with no holder: *cached* chunks, which
+a later `insert` matches like live ones (a prefix-cache hit: no prefill of
+those tokens). Cached chunks count as available room: an operation that needs
+chunks evicts them, least recently used first and leaves first (a chunk that
+has cached children stays until they are gone). A copy on write may read a
+cached chunk that a later insert of the same iteration evicts and reuses:
+run all the copies before the next model step (`copy_slots` reads every
+source before it writes).
 """
 
 import dataclasses
@@ -66,6 +78,8 @@ class ChunkCacheConfig:
     max_sequence_length: longest sequence (prompt + generated); fixes the page-table width.
     max_sequences: most live sequences (rows).
     share_prefixes: False stores every sequence on its own (the no-sharing baseline).
+    retain_prefixes: keep removed sequences' full prompt chunks as an LRU prefix cache
+      (needs share_prefixes).
     layout: static-shape policy of device layouts.
   """
 
@@ -74,12 +88,15 @@ class ChunkCacheConfig:
   max_sequence_length: int = 4096
   max_sequences: int = 256
   share_prefixes: bool = True
+  retain_prefixes: bool = False
   layout: LayoutPolicy = LayoutPolicy()
 
   def __post_init__(self):
     for name in ('num_chunks', 'chunk_size', 'max_sequence_length', 'max_sequences'):
       if getattr(self, name) < 1:
         raise ValueError(f'ChunkCacheConfig.{name} must be >= 1, got {getattr(self, name)}')
+    if self.retain_prefixes and not self.share_prefixes:
+      raise ValueError('retain_prefixes needs share_prefixes (cached chunks are reused by sharing)')
 
   @property
   def kv_tokens(self) -> int:
@@ -99,10 +116,11 @@ class Admission:
   Attributes:
     seq_id: the new sequence.
     num_tokens: n, prompt tokens.
-    shared_tokens: leading tokens whose KV is shared with other sequences.
+    shared_tokens: leading tokens whose KV is reused: full chunks of live or cached sequences.
     copy_src, copy_dst: [M] int32 flat slots: copy these tokens' KV (copy on write).
     prefill_start: first position to prefill (= shared_tokens + M).
     prefill_slots: [n - prefill_start] int32 flat slots where the prefill writes its KV.
+    cached_tokens: the part of shared_tokens in cached chunks (no live holder: a cache hit).
   """
 
   seq_id: int
@@ -112,6 +130,7 @@ class Admission:
   copy_dst: np.ndarray
   prefill_start: int
   prefill_slots: np.ndarray
+  cached_tokens: int = 0
 
   @property
   def copied_tokens(self) -> int:
@@ -157,7 +176,7 @@ class _Node:
     self.first = first  # first token id (index key in the parent)
     self.children: list[_Node] = []
     self.by_first: dict[int, list[_Node]] = {}
-    self.holders: set[int] = set()  # live sequences whose path contains this chunk
+    self.holders: set[int] = set()  # live sequences whose path contains this chunk (none: cached)
     self.tails: list[int] = []  # sequences whose path ends here, in row order
     self.ready = True  # KV computed
     self.row_begin = self.row_end = 0  # holders' rows (set for shared nodes)
@@ -178,13 +197,18 @@ class _Node:
 
 
 class _Seq:
-  __slots__ = ('id', 'path', 'reserved', 'row', 'length')
+  __slots__ = ('id', 'path', 'reserved', 'row', 'length', 'prompt_chunks', 'fork_chunks',
+               'fork_rows')
 
-  def __init__(self, seq_id: int, path: list[_Node], length: int, reserved: int):
+  def __init__(self, seq_id: int, path: list[_Node], length: int, reserved: int,
+               prompt_chunks: int):
     self.id = seq_id
     self.path = path
     self.length = length  # valid until the sequence has a row; the row arrays hold it after
     self.reserved = reserved  # chunks set aside for its future appends
+    self.prompt_chunks = prompt_chunks  # full chunks of its prompt (retained when removed)
+    self.fork_chunks = 0  # chunks held for a fork (insert's num_samples), also reserved
+    self.fork_rows = 0  # rows held for that fork
     self.row = -1
 
 
@@ -200,6 +224,9 @@ class ChunkCache:
     self._fill = np.zeros(config.num_chunks, np.int32)
     self._root = _Node(-1, None, -1)
     self._seqs: dict[int, _Seq] = {}
+    self._lru: dict[_Node, None] = {}  # cached nodes, least recently used first
+    self._held_rows = 0  # rows held for forks
+    self.evicted_chunks = 0  # cached chunks freed to make room, over the cache's life
     self._next_id = 0
     self._rows: list[int] = []  # sequence ids in row (depth-first) order
     self._shared_nodes: list[_Node] = []  # nodes with >= 2 holders, depth-first pre-order
@@ -239,8 +266,13 @@ class ChunkCache:
 
   @property
   def available_chunks(self) -> int:
-    """Free chunks that no reservation holds."""
-    return self._alloc.available
+    """Free chunks that no reservation holds, plus cached chunks (evictable)."""
+    return self._alloc.available + len(self._lru)
+
+  @property
+  def num_cached_chunks(self) -> int:
+    """Chunks that no live sequence holds, kept as a prefix cache (`retain_prefixes`)."""
+    return len(self._lru)
 
   @property
   def reserved_chunks(self) -> int:
@@ -278,44 +310,60 @@ class ChunkCache:
   def shared_tokens(self, seq_id: int) -> int:
     return int(self._shared[self._seq(seq_id).row])
 
-  def match(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> PrefixMatch:
+  def match(self, tokens: Sequence[int], *, reserve_tokens: int = 0,
+            num_samples: int = 1) -> PrefixMatch:
     """What `insert(tokens)` would reuse if pending chunks were ready (changes nothing)."""
     tokens = self._check_tokens(tokens, reserve_tokens)
     matched, src, copy_len = self._walk(tokens, allow_pending=True)
     pending = any(not n.ready for n in matched) or (src is not None and not src.ready)
     fresh, _, _ = self._walk(tokens, allow_pending=False) if pending else (matched, None, 0)
-    n = len(tokens)
-    needed = self._new_chunks(n, len(fresh)) + self._chunks_for(n, reserve_tokens)
+    needed = self._insert_chunks(len(tokens), len(fresh), reserve_tokens, num_samples)
     return PrefixMatch(len(matched) * self._c, copy_len, pending, needed)
 
-  def chunks_needed(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> int:
-    """Chunks `insert` would take now (new chunks plus the reservation)."""
+  def chunks_needed(self, tokens: Sequence[int], *, reserve_tokens: int = 0,
+                    num_samples: int = 1) -> int:
+    """Chunks `insert` would take now (new chunks, the reservation, the fork's hold)."""
     tokens = self._check_tokens(tokens, reserve_tokens)
     matched, _, _ = self._walk(tokens, allow_pending=False)
-    n = len(tokens)
-    return self._new_chunks(n, len(matched)) + self._chunks_for(n, reserve_tokens)
+    return self._insert_chunks(len(tokens), len(matched), reserve_tokens, num_samples)
+
+  def max_chunks(self, num_tokens: int, *, reserve_tokens: int = 0, num_samples: int = 1) -> int:
+    """Most chunks an insert of `num_tokens` (sharing nothing) and its fork can take."""
+    return self._insert_chunks(num_tokens, 0, reserve_tokens, num_samples)
 
   # ---- operations -------------------------------------------------------------------------
 
-  def insert(self, tokens: Sequence[int], *, reserve_tokens: int = 0) -> Admission:
+  def insert(self, tokens: Sequence[int], *, reserve_tokens: int = 0,
+             num_samples: int = 1) -> Admission:
     """Adds a sequence: shares its longest ready prefix of full chunks, copies a partial match.
 
     Args:
       tokens: the prompt, n >= 1 token ids.
       reserve_tokens: tokens the sequence may append later (chunks are reserved for them).
+      num_samples: also hold the chunks and rows of `fork(seq_id, num_samples,
+        reserve_tokens=reserve_tokens)` right after the prefill (released by that fork or
+        by `remove`).
 
     Returns what was shared, the KV copies to run and where the prefill writes.
     Raises CapacityError (changing nothing) if the pool cannot hold it.
     """
     tokens = self._check_tokens(tokens, reserve_tokens)
+    if num_samples < 1:
+      raise ValueError(f'num_samples must be >= 1, got {num_samples}')
     n, c = len(tokens), self._c
     matched, src, copy_len = self._walk(tokens, allow_pending=False)
     depth = len(matched)
     new_count = self._new_chunks(n, depth)
     reserve = self._chunks_for(n, reserve_tokens)
-    self._check_room(1, new_count + reserve, 'insert')
+    hold = self._insert_chunks(n, depth, reserve_tokens, num_samples) - new_count - reserve
+    revived = [node for node in matched if not node.holders]  # cached chunks it reuses
+    pinned = len(revived) + int(src is not None and not src.holders)  # not evictable now
+    self._check_room(num_samples, new_count + reserve + hold, 'insert', pinned=pinned)
+    for node in revived:
+      del self._lru[node]
+    self._reclaim(new_count + reserve + hold, keep=src)
     chunks = self._alloc.allocate(new_count, after=matched[-1].chunk if matched else -1)
-    self._alloc.reserve(reserve)
+    self._alloc.reserve(reserve + hold)
     sid = self._new_id()
     dirty = {sid}
     for node in matched:
@@ -336,7 +384,9 @@ class ChunkCache:
       path.append(node)
       parent = node
     path[-1].tails.append(sid)
-    self._seqs[sid] = _Seq(sid, path, n, reserve)
+    seq = self._seqs[sid] = _Seq(sid, path, n, reserve, n // c)
+    seq.fork_chunks, seq.fork_rows = hold, num_samples - 1
+    self._held_rows += num_samples - 1
     copy_src = np.zeros(0, np.int32)
     copy_dst = np.zeros(0, np.int32)
     if copy_len:
@@ -346,7 +396,8 @@ class ChunkCache:
     pos = np.arange(start, n)
     slots = np.array([nd.chunk for nd in path], np.int64)[pos // c] * c + pos % c
     self._restructure(dirty)
-    return Admission(sid, n, depth * c, copy_src, copy_dst, start, slots.astype(np.int32))
+    return Admission(sid, n, depth * c, copy_src, copy_dst, start, slots.astype(np.int32),
+                     len(revived) * c)
 
   def commit(self, seq_id: int) -> None:
     """Marks a sequence's chunks computed (after its prefill ran): others may now share them."""
@@ -377,10 +428,11 @@ class ChunkCache:
     if cross.size:
       seqs = [self._seqs[self._rows[r]] for r in cross.tolist()]
       unreserved = sum(1 for s in seqs if s.reserved == 0)
-      if unreserved > self._alloc.available:
+      if unreserved > self.available_chunks:
         raise CapacityError(
-            f'append needs {unreserved} unreserved chunks, {self._alloc.available} available'
+            f'append needs {unreserved} unreserved chunks, {self.available_chunks} available'
         )
+      self._reclaim(unreserved)
       for r, s in zip(cross.tolist(), seqs):
         take = 1 if s.reserved > 0 else 0
         tail = s.path[-1]
@@ -407,7 +459,9 @@ class ChunkCache:
 
     Full chunks are shared; a partial tail is copied for each new sample (with
     `share_prefixes` off, every chunk is). Run the returned copies before the
-    next model step.
+    next model step. What `insert(..., num_samples=)` held for the sequence's
+    fork is used here, and the rest given back (a fork refused for lack of room
+    keeps it). The new samples' prompts are the sequence's prompt (retention).
     """
     s = self._seq(seq_id)
     if num_samples < 1:
@@ -418,6 +472,7 @@ class ChunkCache:
       raise ValueError(f'reserve_tokens must be >= 0, got {reserve_tokens}')
     extra = num_samples - 1
     if extra == 0:
+      self._release_hold(s)
       return Fork((seq_id,), np.zeros(0, np.int32), np.zeros(0, np.int32))
     c = self._c
     n = self.length(seq_id)
@@ -429,7 +484,10 @@ class ChunkCache:
     # Chunks each sample copies: the partial tail, or (sharing off) the whole path.
     copied = len(s.path) if not self.config.share_prefixes else int(n % c != 0)
     reserve = self._chunks_for(n, reserve_tokens)
-    self._check_room(extra, extra * (copied + reserve), 'fork')
+    need = extra * (copied + reserve)
+    self._check_room(extra, need, 'fork', held_chunks=s.fork_chunks, held_rows=s.fork_rows)
+    self._release_hold(s)
+    self._reclaim(need)
     ids = [self._new_id() for _ in range(extra)]
     dirty = {seq_id, *ids}
     shared_path = s.path[: len(s.path) - copied]
@@ -455,13 +513,13 @@ class ChunkCache:
           path.append(node)
           parent = node
         path[-1].tails.append(sid)
-        self._seqs[sid] = _Seq(sid, path, n, 0)
+        self._seqs[sid] = _Seq(sid, path, n, 0, s.prompt_chunks)
     else:
       tail = s.path[-1]
       at = tail.tails.index(seq_id) + 1
       tail.tails[at:at] = ids
       for sid in ids:
-        self._seqs[sid] = _Seq(sid, list(shared_path), n, 0)
+        self._seqs[sid] = _Seq(sid, list(shared_path), n, 0, s.prompt_chunks)
     self._alloc.reserve(extra * reserve)
     for sid in ids:
       self._seqs[sid].reserved = reserve
@@ -470,22 +528,38 @@ class ChunkCache:
     return Fork((seq_id, *ids), cat(srcs), cat(dsts))
 
   def remove(self, seq_id: int) -> None:
-    """Retires a sequence: drops its references, frees chunks nobody else holds."""
+    """Retires a sequence: drops its references, frees (or caches) chunks nobody else holds.
+
+    With `retain_prefixes`, its full prompt chunks that nobody holds any more
+    become cached (most recently used), and so does a chunk that still has
+    cached children; the rest is freed.
+    """
     s = self._seq(seq_id)
     del self._seqs[seq_id]
     s.path[-1].tails.remove(seq_id)
+    retain = self.config.retain_prefixes
     dirty, freed = set(), []
-    for node in reversed(s.path):
+    for node in reversed(s.path):  # leaves first: a parent is cached after its children
       node.holders.discard(seq_id)
       if not node.holders:
-        node.parent.remove_child(node)
-        freed.append(node.chunk)
+        if node.children or (retain and node.ready and node.depth < s.prompt_chunks):
+          self._lru[node] = None
+        else:
+          node.parent.remove_child(node)
+          freed.append(node.chunk)
       elif len(node.holders) == 1:
         dirty |= node.holders  # a shared chunk becomes its last holder's private chunk
     self._fill[freed] = 0
     self._alloc.release(freed)
     self._alloc.unreserve(s.reserved)
+    self._release_hold(s)
     self._restructure(dirty)
+
+  def evict(self, num_chunks: int | None = None) -> int:
+    """Frees up to `num_chunks` cached chunks (default all), LRU leaves first; returns how many."""
+    before = len(self._lru)
+    self._evict(before if num_chunks is None else num_chunks)
+    return before - len(self._lru)
 
   # ---- plans and device layouts -----------------------------------------------------------
 
@@ -504,38 +578,18 @@ class ChunkCache:
     num_rows = max(b, 1) if num_rows is None else num_rows
     if num_rows < max(b, 1):
       raise ValueError(f'num_rows must be >= the {b} selected rows (and >= 1), got {num_rows}')
-    if seq_ids is None:
-      index = np.arange(b + 1)  # global row -> plan row
-    else:
+    index = None  # global row -> plan row (the identity for all rows)
+    if seq_ids is not None:
       chosen = np.zeros(self.num_rows + 1, np.int64)
       chosen[rows] = 1
-      index = np.concatenate([[0], np.cumsum(chosen)])
-    c = self._c
-    # Per segment: [kv_start, length, row_begin, row_end, parent, position, last chunk].
-    segs: list[list[int]] = []
-    seg_of: dict[int, int] = {}
-    for node in self._shared_nodes:
-      begin, end = int(index[node.row_begin]), int(index[node.row_end])
-      if begin == end:
-        continue
-      parent = seg_of.get(id(node.parent), -1)
-      p = segs[parent] if parent >= 0 else None
-      if p is not None and (p[2], p[3]) == (begin, end) and p[6] + 1 == node.chunk:
-        p[1] += c
-        p[6] = node.chunk
-        seg_of[id(node)] = parent
-        continue
-      seg_of[id(node)] = len(segs)
-      segs.append([node.chunk * c, c, begin, end, parent, node.depth * c, node.chunk])
-    segments = tuple(
-        Segment(s[0], s[1], s[2], s[3], s[4], s[5], f'chunks {s[0] // c}..{s[6]}') for s in segs
-    )
-    pages = [tuple(self._pages[r, : self._npages[r]].tolist()) for r in rows]
-    lengths = [int(self._len[r] - self._shared[r]) for r in rows]
+      index = np.concatenate([[0], np.cumsum(chosen)]).tolist()
+    npages = self._npages[rows].tolist()
+    pages = [tuple(p[:k]) for p, k in zip(self._pages[rows].tolist(), npages)]
+    lengths = (self._len[rows] - self._shared[rows]).tolist()
     pad = num_rows - b
     return SharingPlan(
-        num_rows, segments, c, tuple(pages) + ((),) * pad, tuple(lengths) + (0,) * pad,
-        self.config.kv_tokens,
+        num_rows, self._segments(index), self._c, tuple(pages) + ((),) * pad,
+        tuple(lengths) + (0,) * pad, self.config.kv_tokens,
     )
 
   def device_layout(
@@ -570,8 +624,10 @@ class ChunkCache:
       raise ValueError(f'num_rows must be >= num_rows of the cache ({b}) and >= 1, got {num_rows}')
     key = (self.structure_version, num_rows)
     cached = self._device_cache.get('groups')
-    if cached is None or cached[0] != key:
-      cached = (key, device_groups(self.plan(num_rows=num_rows), policy))
+    if cached is None or cached[0] != key:  # the groups need only the segments of the plan
+      plan = SharingPlan(num_rows, self._segments(), self._c, ((),) * num_rows, (0,) * num_rows,
+                         self.config.kv_tokens)
+      cached = (key, device_groups(plan, policy))
       self._device_cache['groups'] = cached
     pkey = (self.structure_version, self.pages_version, num_rows)
     pages = self._device_cache.get('pages')
@@ -598,12 +654,16 @@ class ChunkCache:
         assert child.parent is node and child.depth == node.depth + 1
         assert child.chunk not in seen, f'chunk {child.chunk} in two nodes'
         seen[child.chunk] = child
-        assert child.holders, f'chunk {child.chunk} has no holder'
         assert child.holders <= node.holders or node is self._root
         assert self._fill[child.chunk] >= 1 and self._tokens[child.chunk, 0] == child.first
         if self._fill[child.chunk] < c:
           assert len(child.holders) == 1, f'partial chunk {child.chunk} is shared'
+        if not child.holders:
+          assert child in self._lru, f'chunk {child.chunk} has no holder and is not cached'
+          assert child.ready and self._fill[child.chunk] == c and self.config.retain_prefixes
         stack.append(child)
+    cached = [node for node in seen.values() if not node.holders]
+    assert len(cached) == len(self._lru), 'a cached chunk left the tree'
     used = set(self.used_chunks().tolist())
     assert used == set(seen), f'leaked {sorted(used - set(seen))}, lost {sorted(set(seen) - used)}'
     assert self._rows == self._dfs_order(), 'row order is not depth-first'
@@ -621,8 +681,9 @@ class ChunkCache:
       assert self._shared[r] == shared * c and self._tail[r] == s.path[-1].chunk
       assert self._pages[r, : self._npages[r]].tolist() == [nd.chunk for nd in s.path[shared:]]
       assert self._fill[s.path[-1].chunk] == n - (len(s.path) - 1) * c
-      reserved += s.reserved
+      reserved += s.reserved + s.fork_chunks
     assert reserved == self._alloc.reserved
+    assert self._held_rows == sum(s.fork_rows for s in self._seqs.values())
 
   # ---- internals --------------------------------------------------------------------------
 
@@ -655,6 +716,12 @@ class ChunkCache:
       )
     return tokens
 
+  def _insert_chunks(self, n: int, matched: int, reserve_tokens: int, num_samples: int) -> int:
+    """Chunks of an insert: new ones, its reservation, the hold of its fork into num_samples."""
+    own = self._new_chunks(n, matched) + self._chunks_for(n, reserve_tokens)
+    copied = -(-n // self._c) if not self.config.share_prefixes else int(n % self._c != 0)
+    return own + (num_samples - 1) * (copied + self._chunks_for(n, reserve_tokens))
+
   def _chunks_for(self, n: int, extra_tokens: int) -> int:
     """Chunks that appending `extra_tokens` to a length-n sequence allocates."""
     c = self._c
@@ -663,25 +730,64 @@ class ChunkCache:
   def _new_chunks(self, n: int, matched: int) -> int:
     return -(-n // self._c) - matched
 
-  def _check_room(self, sequences: int, chunks: int, what: str) -> None:
-    if self.num_rows + sequences > self.config.max_sequences:
+  def _check_room(self, sequences: int, chunks: int, what: str, *, pinned: int = 0,
+                  held_chunks: int = 0, held_rows: int = 0) -> None:
+    """Raises CapacityError unless `sequences` rows and `chunks` chunks fit.
+
+    `pinned` cached chunks cannot be evicted for it; `held_*` is what a fork's
+    insert held for it.
+    """
+    rows = self.num_rows + self._held_rows - held_rows
+    if rows + sequences > self.config.max_sequences:
       raise CapacityError(
-          f'{what}: {self.num_rows} live sequences + {sequences} exceed max_sequences='
+          f'{what}: {rows} live or held sequences + {sequences} exceed max_sequences='
           f'{self.config.max_sequences}'
       )
-    if chunks > self._alloc.available:
+    available = self._alloc.available + len(self._lru) - pinned + held_chunks
+    if chunks > available:
       raise CapacityError(
-          f'{what} needs {chunks} chunks (new + reserved), {self._alloc.available} available '
+          f'{what} needs {chunks} chunks (new + reserved), {available} available '
           f'({self._alloc.num_free} free of {self.config.num_chunks}, '
-          f'{self._alloc.reserved} reserved)'
+          f'{self._alloc.reserved} reserved, {len(self._lru)} cached)'
       )
 
-  def _full_matches(self, node: _Node, chunk_tokens: np.ndarray, allow_pending: bool):
-    for child in node.by_first.get(int(chunk_tokens[0]), ()):
-      if (child.ready or allow_pending) and self._fill[child.chunk] == self._c and np.array_equal(
-          self._tokens[child.chunk], chunk_tokens
-      ):
-        yield child
+  def _release_hold(self, s: _Seq) -> None:
+    """Gives back what an insert held for the sequence's fork."""
+    self._alloc.unreserve(s.fork_chunks)
+    self._held_rows -= s.fork_rows
+    s.fork_chunks = s.fork_rows = 0
+
+  def _reclaim(self, chunks: int, keep: _Node | None = None) -> None:
+    """Evicts cached chunks until `chunks` are available (`keep` stays)."""
+    if chunks > self._alloc.available:
+      self._evict(chunks - self._alloc.available, keep)
+
+  def _evict(self, count: int, keep: _Node | None = None) -> None:
+    """Frees `count` cached chunks (fewer if there are none), least recently used leaves first."""
+    freed = []
+    while len(freed) < count:
+      before = len(freed)
+      for node in list(self._lru):  # a parent follows its children: one pass usually does
+        if len(freed) == count:
+          break
+        if node.children or node is keep:
+          continue
+        del self._lru[node]
+        node.parent.remove_child(node)
+        freed.append(node.chunk)
+      if len(freed) == before:
+        break
+    self._fill[freed] = 0
+    self._alloc.release(freed)
+    self.evicted_chunks += len(freed)
+
+  def _full_matches(self, node: _Node, first: int, key: bytes, allow_pending: bool):
+    """Children of `node` that are full chunks holding exactly the tokens `key` (int32 bytes)."""
+    return [
+        child for child in node.by_first.get(first, ())
+        if (child.ready or allow_pending) and self._fill[child.chunk] == self._c
+        and self._tokens[child.chunk].tobytes() == key
+    ]
 
   def _best_copy(self, node: _Node, tokens: np.ndarray, allow_pending: bool):
     """The child of `node` sharing the most leading tokens with the next chunk of `tokens`."""
@@ -706,28 +812,57 @@ class ChunkCache:
     Full chunks are shared up to the chunk before the one holding the last
     prompt token. Identical full chunks can exist twice (a prompt that ends on
     a chunk boundary copies and completes its last chunk), so every matching
-    path is searched; the deepest wins, then the longest copy.
+    path is followed, level by level; the deepest wins, then the longest copy
+    from a child of its last chunk.
     """
     if not self.config.share_prefixes:
       return [], None, 0
     c, n = self._c, len(tokens)
     limit = (n - 1) // c  # full chunks that may be shared
-    best = (-1, -1, self._root, None)
-    stack = [self._root]
-    while stack:
-      node = stack.pop()
-      depth = node.depth + 1
-      src, common = self._best_copy(node, tokens, allow_pending)
-      if (depth, common) > best[:2]:
-        best = (depth, common, node, src)
-      if depth < limit:
-        stack.extend(self._full_matches(node, tokens[depth * c : (depth + 1) * c], allow_pending))
-    _, common, node, src = best
+    keys = tokens[: limit * c].astype(np.int32)
+    frontier, depth = [self._root], 0  # the nodes that match `depth` chunks
+    while depth < limit:
+      lo = depth * c
+      key, first = keys[lo : lo + c].tobytes(), int(keys[lo])
+      deeper = [m for node in frontier for m in self._full_matches(node, first, key, allow_pending)]
+      if not deeper:
+        break
+      frontier, depth = deeper, depth + 1
+    common, node, src = -1, None, None
+    for candidate in frontier:
+      copy_src, copy_len = self._best_copy(candidate, tokens, allow_pending)
+      if copy_len > common:
+        common, node, src = copy_len, candidate, copy_src
     matched = []
     while node is not self._root:
       matched.append(node)
       node = node.parent
     return matched[::-1], src, common
+
+  def _segments(self, index: list[int] | None = None) -> tuple[Segment, ...]:
+    """The shared segments, with rows renumbered by `index` (global row -> plan row)."""
+    c = self._c
+    # Per segment: [kv_start, length, row_begin, row_end, parent, position, last chunk].
+    segs: list[list[int]] = []
+    seg_of: dict[int, int] = {}
+    for node in self._shared_nodes:
+      begin, end = node.row_begin, node.row_end
+      if index is not None:
+        begin, end = index[begin], index[end]
+        if begin == end:
+          continue
+      parent = seg_of.get(id(node.parent), -1)
+      p = segs[parent] if parent >= 0 else None
+      if p is not None and p[2] == begin and p[3] == end and p[6] + 1 == node.chunk:
+        p[1] += c
+        p[6] = node.chunk
+        seg_of[id(node)] = parent
+        continue
+      seg_of[id(node)] = len(segs)
+      segs.append([node.chunk * c, c, begin, end, parent, node.depth * c, node.chunk])
+    return tuple(
+        Segment(s[0], s[1], s[2], s[3], s[4], s[5], f'chunks {s[0] // c}..{s[6]}') for s in segs
+    )
 
   def _dfs_order(self) -> list[int]:
     """Sequence ids depth-first: per node its children in order, then its tails."""
@@ -739,7 +874,7 @@ class ChunkCache:
       if child is None:
         order.extend(node.tails)
         stack.pop()
-      elif len(child.holders) == 1:  # a private subtree: a chain ending at its one holder
+      elif len(child.holders) <= 1:  # a private subtree (its one holder's) or a cached one
         order.extend(child.holders)
       else:
         stack.append((child, iter(child.children)))
@@ -753,28 +888,28 @@ class ChunkCache:
     stack = [(self._root, iter(self._root.children))]
     while stack:  # the depth-first order of `_dfs_order`, recording shared nodes' row ranges
       node, children = stack[-1]
-      child = next(children, None)
-      if child is None:
+      for child in children:  # resumes where it stopped when the node is back on top
+        if len(child.holders) >= 2:
+          child.row_begin = len(rows)
+          shared_nodes.append(child)
+          stack.append((child, iter(child.children)))
+          break
+        rows.extend(child.holders)  # a private subtree (one holder) or a cached one (none)
+      else:
         rows.extend(node.tails)
         node.row_end = len(rows)
         stack.pop()
-      elif len(child.holders) == 1:
-        rows.extend(child.holders)
-      else:
-        child.row_begin = len(rows)
-        shared_nodes.append(child)
-        stack.append((child, iter(child.children)))
-    old = np.array([self._seqs[sid].row for sid in rows], np.int64)
+    seqs = [self._seqs[sid] for sid in rows]
+    old = np.array([s.row for s in seqs], np.int64)
     b = len(rows)
     if b:
       src = np.maximum(old, 0)
       for arr in (self._len, self._tail, self._shared, self._pages, self._npages):
         arr[:b] = arr[src]
-    for r, sid in enumerate(rows):
-      s = self._seqs[sid]
-      if s.row < 0:
-        self._len[r] = s.length
-        dirty.add(sid)
+    for r in np.flatnonzero(old < 0).tolist():  # new sequences
+      self._len[r] = seqs[r].length
+      dirty.add(rows[r])
+    for r, s in enumerate(seqs):
       s.row = r
     for sid in dirty:
       s = self._seqs.get(sid)

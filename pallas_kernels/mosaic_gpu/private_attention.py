@@ -1,23 +1,30 @@
 """Private-KV attention fused with the tree-level LSE merge, on Hopper (Pallas Mosaic GPU).
 
-One program per (query row b, row tile, kv head), one warpgroup. It runs
-flash-decoding over the row's own pages (T query tokens, causal inside the
-private region: query token t sees private positions `< length - T + t + 1`),
-streaming 64-token blocks through two shared-memory slots; each block is read
-as rungs of 8/8/16/32 rows, only those holding valid tokens (V slots are
-zeroed once, so rows never loaded are finite where P = 0). Then it folds in
-the row's shared partial states: for every segment on the row's path
-(`row_segments`) and every kv split of it, the window of the shared kernel's
-partial buffers that holds this row's query rows. Windows stream through the
-four K/V buffers (free by then; the first two already during the private
-phase when it needs at most one block). The result is the row's final state:
-out in the input dtype and a natural-log lse.
+One program per (frame, kv head), one warpgroup. A frame is F consecutive rows
+of the folded query matrix (`schedule.private_frame_rows`): R = F / TGp whole
+query rows, or one 64-row tile of a single row when TGp > 64. The 64 rows of
+the wgmma M dimension start at the frame; rows past F are computed on whatever
+follows and never stored.
 
-The program's query rows are the aligned frame `[F0, F0 + 64)` of the folded
-matrix with `F0 = round_down(b*T*G, 8) + tile*64`; only the first
-`window_rows(T*G)` rows are loaded, and rows outside `[b*T*G, (b+1)*T*G)` are
-computed on stale data and never stored (outputs are written with a ladder of
-exact-size copies).
+Private phase: the private tokens of the frame's rows are cut into 8-token
+chunks (a chunk never crosses a page: pages are multiples of 8) and packed,
+row after row, 8 chunks to a 64-token step: one TMA copy per chunk into one of
+`slots` shared-memory slots, loads running `slots` steps ahead. Scores of all
+64 query rows against a step's tokens are masked block-diagonally (a query row
+sees only its own row's chunks) and, for T > 1, causally (query token t sees
+private positions `< length - T + t + 1`). At decode, with a few private tokens
+per row, 8 rows share one step instead of taking one each.
+
+Merge phase: the rows' shared partial states are read from the shared kernel's
+item buffers straight into registers, one 64-row window per (path column, kv
+split, run of the frame's rows under one segment); the next window is loaded
+while the current one is merged, and the first before the private phase, so
+its latency hides behind it. Columns of `row_segments` are filled root first
+with no gaps (laminar plans, `SharingPlan`), so a row's depth is its count of
+non-negative entries.
+
+Outputs: out `[K, frames*F, H]` (frame p at rows `[p*F, (p+1)*F)`, i.e. the
+folded rows) and lse `[K, frames*64]` (frame p's rows at `p*64 + [0, F)`).
 """
 
 import dataclasses
@@ -29,13 +36,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, MERGE_RING, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, private_row_tiles,
-    window_rows,
+    ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, segment_fields
 
 _BLK = PRIVATE_BLOCK
-_RUNGS = ((0, 8), (8, 16), (16, 32), (32, 64))  # row ranges of a private block's copies
+_LANES = PRIVATE_BLOCK // CHUNK  # chunks per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,54 +51,58 @@ class PrivateProblem:
   num_rows: int  # B
   query_tokens: int  # T
   group_size: int  # G
-  page_size: int  # C
+  rows_per_query: int  # TGp >= T*G, `schedule.padded_rows_per_query`
+  frame_rows: int  # F, `schedule.private_frame_rows`
+  page_size: int  # C, a multiple of CHUNK
   scale: float
+  slots: int = 2  # K/V steps in flight
 
   @property
-  def rows_per_query(self) -> int:
-    return self.query_tokens * self.group_size
+  def rows_per_frame(self) -> int:
+    return max(1, self.frame_rows // self.rows_per_query)
+
+  @property
+  def num_frames(self) -> int:
+    return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
 
 
-def _align_down(x):
-  return x - lax.rem(x, jnp.int32(ALIGN))
+def _floor_div(x, d: int):
+  """x // d for a non-negative int32 array below 2**20, in float math (exact there)."""
+  return (x.astype(jnp.float32) * (1.0 / d) + 0.5 / d).astype(jnp.int32)
 
 
 def private_attention(
-    qf: jax.Array,  # [K, M_pad, H] folded queries, M_pad a multiple of ALIGN
+    qf: jax.Array,  # [K, M_q, H] folded queries; M_q >= frames*F + 64
     k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
     v_cache: jax.Array,  # [L, K, H]
     private_pages: jax.Array,  # [B, P] int32
     private_lengths: jax.Array,  # [B] int32
-    row_segments: jax.Array | None,  # [B, D] int32 segment ids on each row's path, -1 padded
+    row_segments: jax.Array | None,  # [B, D] int32 path columns, -1 padded (TreeLayout)
     segments: jax.Array | None,  # [4, J] int32, segment_attention.pack_segments(layout.groups)
     sched: SharedSchedule | None,
-    partial_out: jax.Array | None,  # [K, W*TILE_M, H] shared partial states (segment_attention)
-    partial_lse: jax.Array | None,  # [K, W*TILE_M] float32
+    partial_out: jax.Array | None,  # [K, PAD + W*TILE_M + PAD, H] (segment_attention)
+    partial_lse: jax.Array | None,  # [K, PAD + W*TILE_M + PAD] float32
     problem: PrivateProblem,
     *,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Final states in folded form: out [K, B*T*G, H] (q dtype) and lse tiles [K, B*tiles*64] f32.
-
-  lse row r of tile `(b, tile)` is at `(b * tiles + tile) * 64 + r` and belongs
-  to folded query row `round_down(b*T*G, 8) + tile*64 + r`.
-  """
+  """Final states of every folded query row; layouts in the module docstring."""
   kh, _, h = qf.shape
   dtype = qf.dtype
   b_rows = problem.num_rows
   t_tok = problem.query_tokens
   g_size = problem.group_size
-  tg = problem.rows_per_query
+  tgp = problem.rows_per_query
+  f_rows = problem.frame_rows
+  r_rows = problem.rows_per_frame
   c = problem.page_size
-  m = b_rows * tg
-  tiles = private_row_tiles(tg)
-  blocks_per_page = -(-c // _BLK)
+  slots = problem.slots
+  max_pages = private_pages.shape[1]
   qk_scale = problem.scale * LOG2E
   merging = sched is not None and sched.num_items > 0 and row_segments is not None
-  depth = row_segments.shape[1] if merging else 0
+  depth_cap = row_segments.shape[1] if merging else 0
   splits = sched.num_splits if merging else 0
-  num_entries = depth * splits
-  win = window_rows(tg)
+  tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref = refs[:5]
@@ -101,124 +111,229 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    (q_smem, kv_smem, p_smem, o_smem, lse_smem, wlse_smem), barriers = refs[2], refs[3]
-    q_bar, k_bars, v_bars, w_bars, wl_bars = barriers
+    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem), (q_bar, k_bars, v_bars) = refs[2:]
 
-    row = lax.axis_index('row')
-    tile = lax.axis_index('tile')
+    frame = lax.axis_index('frame')
     kv_head = lax.axis_index('kv_head')
-    first = row * tg  # the row's first folded query row
-    frame = _align_down(first) + tile * WG_M  # F0
-    length = lengths_ref[row]
+    f0 = frame * f_rows  # first folded row of the frame
+    if r_rows > 1 or tgp <= WG_M:
+      row0 = frame * r_rows
+      q0 = jnp.int32(0)  # query index (t*G + g) of the frame's first row
+    else:
+      row0 = lax.div(frame, jnp.int32(tiles_per_row))
+      q0 = lax.rem(frame, jnp.int32(tiles_per_row)) * WG_M
+    rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
 
-    # Only the window's rows (this row's T*G rows, 8-aligned); the rest of the tile is
-    # stale and its rows are never stored.
     plgpu.copy_gmem_to_smem(
-        q_ref.at[kv_head, pl.ds(pl.multiple_of(frame, ALIGN), win)], q_smem.at[pl.ds(0, win)],
-        q_bar.at[0],
+        q_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), WG_M)], q_smem, q_bar.at[0]
     )
-    # V rows past a block's loaded rows meet P = 0; zero them once so they are finite.
-    for slot in range(2):
-      kv_smem.at[1, slot][...] = plgpu.layout_cast(
-          jnp.zeros((_BLK, h), dtype), plgpu.Layout.WGMMA
-      )
-    plgpu.commit_smem()
 
-    # Private flash-decoding: step i reads page i // blocks_per_page, block i % blocks_per_page.
-    full_pages = lax.div(length, jnp.int32(c))
-    rest = lax.rem(length, jnp.int32(c))
-    num_steps = full_pages * blocks_per_page + lax.div(rest + (_BLK - 1), jnp.int32(_BLK))
+    # ---- scalars of the frame's rows ----
+    if t_tok == 1:
+      t_last = None
+    elif r_rows > 1 or tgp <= WG_M:
+      t_last = jnp.int32(t_tok - 1)
+    else:  # the last query token among this tile's rows
+      t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(g_size)), t_tok - 1)
 
-    def issue(step, slot):
-      """Loads the rungs of the block that hold valid tokens: rows [0,8) [8,16) [16,32) [32,64).
+    # The frame's private lengths, read once (independent loads) into shared memory: the
+    # chunk walks below read them at dynamic rows, one after the other.
+    for r in range(r_rows):
+      length = lengths_ref[jnp.minimum(row0 + r, b_rows - 1)]
+      len_smem[r] = jnp.where(r < rows_here, length, 0)
 
-      Every rung arrives on the slot's barriers once (a copy, or a plain arrival
-      when the rung holds no valid token), so the barriers expect len(_RUNGS).
-      """
-      page = lax.div(step, jnp.int32(blocks_per_page))
-      sub = lax.rem(step, jnp.int32(blocks_per_page))
-      tok = pl.multiple_of(pages_ref[row, page] * c + sub * _BLK, ALIGN)
-      valid = jnp.minimum(length - (page * c + sub * _BLK), min(_BLK, c))
-      if c % _BLK:
-        valid = jnp.minimum(valid, c - sub * _BLK)
-      for begin, end in _RUNGS:
-        def copy(begin=begin, end=end):
-          src = pl.ds(pl.multiple_of(tok + begin, ALIGN), end - begin)
-          plgpu.copy_gmem_to_smem(
-              k_ref.at[src, kv_head], kv_smem.at[0, slot, begin:end], k_bars.at[slot]
-          )
-          plgpu.copy_gmem_to_smem(
-              v_ref.at[src, kv_head], kv_smem.at[1, slot, begin:end], v_bars.at[slot]
-          )
+    def row_length(r):
+      """(inside the frame and batch, private length, tokens the frame's queries see)."""
+      inside = r < rows_here
+      length = jnp.where(inside, len_smem[jnp.minimum(r, r_rows - 1)], 0)
+      seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
+      return inside, length, seen
 
-        def skip():
+    def lane_at(cursor):
+      """The chunk at cursor (row r, chunk i) and the next cursor; a row with no chunk
+      still takes one (empty) lane, so the walk needs no search."""
+      r, i = cursor
+      inside, length, seen = row_length(r)
+      chunks = lax.div(seen + (CHUNK - 1), jnp.int32(CHUNK))
+      real = inside & (i < chunks)
+      more = i + 1 < jnp.maximum(chunks, 1)
+      nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
+      return (r, i * CHUNK, real, length), nxt
+
+    lanes_total = jnp.int32(0)
+    for r in range(r_rows):
+      inside, _, seen = row_length(jnp.int32(r))
+      chunks = lax.div(seen + (CHUNK - 1), jnp.int32(CHUNK))
+      lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
+    num_steps = lax.div(lanes_total + (_LANES - 1), jnp.int32(_LANES))
+
+    def walk(cursor):
+      """The next 8 lanes [(r, pos, real)] and the cursor after them (no memory reads)."""
+      lanes = []
+      for _ in range(_LANES):
+        (r, pos, real, _), cursor = lane_at(cursor)
+        lanes.append((r, pos, real))
+      return lanes, cursor
+
+    def tokens(lanes):
+      """First KV token of each lane's chunk ([0, 8) for a lane with none) and whether the
+      8 chunks are 64 contiguous tokens."""
+      toks, contiguous = [], lanes[0][2]
+      for j, (r, pos, real) in enumerate(lanes):
+        page = lax.div(pos, jnp.int32(c))
+        row = jnp.minimum(row0 + jnp.minimum(r, r_rows - 1), b_rows - 1)
+        page_id = pages_ref[row, jnp.minimum(page, max_pages - 1)]
+        toks.append(jnp.where(real, page_id * c + (pos - page * c), 0))
+        if j:
+          contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
+      return toks, contiguous
+
+    def copy_step(slot, toks, contiguous):
+      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
+      then get 7 plain arrivals each), else 8; each barrier sees 8 arrivals per step."""
+      def copy(tok, rows, j):
+        src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
+        dst = pl.ds(j * CHUNK, rows)
+        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
+
+      @pl.when(contiguous)
+      def _():
+        copy(toks[0], _BLK, 0)
+        for _ in range(_LANES - 1):
           plgpu.barrier_arrive(k_bars.at[slot])
           plgpu.barrier_arrive(v_bars.at[slot])
 
-        pl.when(valid > begin)(copy)
-        pl.when(valid <= begin)(skip)
+      @pl.when(jnp.logical_not(contiguous))
+      def _():
+        for j in range(_LANES):
+          copy(toks[j], CHUNK, j)
 
-    for i in range(2):
-      pl.when(i < num_steps)(lambda i=i: issue(i, i))
+    def issue(slot, cursor, active):
+      """Walks the next 8 lanes; when `active`, reads their pages and copies their chunks."""
+      lanes, cursor = walk(cursor)
 
-    if merging:
-      issue_window, merge = _merger(
-          row=row, frame=frame, kv_head=kv_head, rowseg_ref=rowseg_ref, seg_ref=seg_ref,
-          pout_ref=pout_ref, plse_ref=plse_ref, kv_smem=kv_smem, wlse_smem=wlse_smem,
-          w_bars=w_bars, wl_bars=wl_bars, sched=sched, tg=tg, splits=splits,
-          num_entries=num_entries, win=win,
-      )
-      # With at most one private block the second K/V slot is free: start the merge's
-      # first windows now, overlapping the private phase.
-      issued_early = num_steps <= 1
-      for e in range(min(2, num_entries)):
-        pl.when(issued_early)(lambda e=e: issue_window(jnp.int32(e)))
+      @pl.when(active)
+      def _():
+        copy_step(slot, *tokens(lanes))
 
-    # Per query row of the tile: its last visible private position + 1 (causal).
+      return cursor
+
+    # The first steps: every lane walked and every page read before the first copy, so the
+    # page reads of all slots share one round trip.
+    cursor = (jnp.int32(0), jnp.int32(0))
+    first_steps = []
+    for _ in range(slots):
+      lanes, cursor = walk(cursor)
+      first_steps.append(tokens(lanes))
+    for slot, (toks, contiguous) in enumerate(first_steps):
+      pl.when(slot < num_steps)(lambda slot=slot, t=toks, cont=contiguous: copy_step(slot, t, cont))
+
+    # ---- static index vectors of the 64 x BLK score tile ----
     rows = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-    if t_tok == 1:
-      limit = length
+    lane = _floor_div(cols, CHUNK)
+    sub = cols - lane * CHUNK  # token within the chunk
+    if r_rows > 1:
+      row_of = _floor_div(rows, tgp)
+      within = rows - row_of * tgp
     else:
-      rel = rows + (frame - first)  # query index t*G + g within the row
-      tq = (rel.astype(jnp.float32) * (1.0 / g_size) + 0.5 / g_size).astype(jnp.int32)
-      limit = jnp.minimum(length - t_tok + 1 + tq, length)
+      row_of = None
+      within = rows + q0
+    if t_tok > 1:  # query token of each score row
+      t_of = _floor_div(within, g_size)
 
+    def step_mask(cursor):
+      """Visibility [64, BLK] of the next 8 lanes, and the cursor after them.
+
+      Per lane, key = 16 * row + valid tokens (0..8): a score is visible iff
+      sub < key - 16 * its own row < 16, i.e. the chunk is its row's and the
+      token is valid; for T > 1 also sub < (length - T + 1 - pos) + t.
+      """
+      key = jnp.zeros_like(cols)
+      causal = jnp.zeros_like(cols) if t_tok > 1 else None
+      for j in range(_LANES):
+        (r, pos, real, length), cursor = lane_at(cursor)
+        valid = jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)
+        key = jnp.where(lane == j, r * 16 + valid, key)
+        if causal is not None:
+          causal = jnp.where(lane == j, length - t_tok + 1 - pos, causal)
+      x = key - row_of * 16 if row_of is not None else key
+      visible = (sub < x) & (x < 16)
+      if causal is not None:
+        visible = visible & (sub < causal + t_of)
+      return visible, cursor
+
+    # ---- merge setup: depth of each row, the first window loaded now ----
+    if merging:
+      def row_depth(r):
+        """Non-negative entries of the row's path (a prefix of its columns), 0 outside;
+        independent loads, so all rows' columns are read in one round trip."""
+        row = jnp.minimum(row0 + r, b_rows - 1)
+        filled = jnp.int32(0)
+        for col in range(depth_cap):
+          filled += jnp.where(rowseg_ref[row, col] >= 0, 1, 0)
+        return jnp.where(r < rows_here, filled, 0)
+
+      max_depth = jnp.int32(0)
+      for r in range(r_rows):
+        max_depth = jnp.maximum(max_depth, row_depth(r))
+
+      def describe(d, r):
+        """The run of the frame's rows from row r under the segment in path column d:
+        (valid, buffer row of its split-0 window, rows per split, end of the run)."""
+        row = jnp.minimum(row0 + r, b_rows - 1)
+        index = rowseg_ref[row, jnp.minimum(d, depth_cap - 1)]
+        seg = segment_fields(sched, seg_ref, index)
+        valid = (index >= 0) & seg.valid & (d < depth_cap) & (r < rows_here)
+        seg_frame = seg.row_begin * tgp
+        seg_frame = seg_frame - lax.rem(seg_frame, jnp.int32(ALIGN))
+        base = PARTIAL_PAD + seg.item_base * TILE_M + (f0 - seg_frame)
+        run_end = jnp.minimum(seg.row_begin + seg.row_count - row0, rows_here)
+        return (
+            valid, jnp.where(valid, base, PARTIAL_PAD), jnp.where(valid, seg.row_tiles * TILE_M, 0),
+            jnp.where(valid, run_end, r + 1),
+        )
+
+      def load_window(start):
+        o = plgpu.load(
+            pout_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA, optimized=False
+        )
+        lse = plgpu.load(
+            plse_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1),
+            optimized=False,
+        )
+        return o, lse
+
+      first = describe(jnp.int32(0), jnp.int32(0))
+      first_window = load_window(first[1])
+
+    # ---- private phase ----
     m_i = plgpu.layout_cast(jnp.full((WG_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((WG_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((WG_M, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     plgpu.barrier_wait(q_bar.at[0])
 
-    def update(carry, s2, v_tile):
-      """Online-softmax step on base-2 scores s2 [64, BLK] (-inf where masked)."""
-      acc, m_i, l_i = carry
-      m_new = jnp.maximum(m_i, s2.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_safe)
-      p = jnp.exp2(s2 - lax.broadcast_in_dim(m_safe, s2.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    def pv(acc, p, v_tile):
       p16 = p.astype(dtype)
       if p_smem is None:
-        def pv(acc_ref):
+        def run(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_tile)
 
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      else:  # interpret mode: wgmma operands from shared memory only
-        p_smem[...] = p16
-        plgpu.commit_smem()
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+      p_smem[...] = p16  # interpret mode: wgmma operands from shared memory only
+      plgpu.commit_smem()
 
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_tile)
-          return acc_ref[...]
+      def run(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_tile)
+        return acc_ref[...]
 
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_M, h), jnp.float32))
-      return acc, m_new, l_i
+      return acc + pl.run_scoped(run, plgpu.ACC((WG_M, h), jnp.float32))
 
     def private_step(step, carry):
-      slot = lax.rem(step, jnp.int32(2))
-      page = lax.div(step, jnp.int32(blocks_per_page))
-      sub = lax.rem(step, jnp.int32(blocks_per_page))
+      acc, m_i, l_i, issue_at, consume_at = carry
+      slot = lax.rem(step, jnp.int32(slots))
+      visible, consume_at = step_mask(consume_at)
       plgpu.barrier_wait(k_bars.at[slot])
 
       def qk(acc_ref):
@@ -226,160 +341,111 @@ def private_attention(
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
-      in_page = cols + sub * _BLK
-      visible = in_page + page * c < limit
-      if c % _BLK:
-        visible = visible & (in_page < c)
       s2 = jnp.where(visible, s * qk_scale, -jnp.inf)
+      m_new = jnp.maximum(m_i, s2.max(axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_safe)
+      p = jnp.exp2(s2 - lax.broadcast_in_dim(m_safe, s2.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       plgpu.barrier_wait(v_bars.at[slot])
-      carry = update(carry, s2, kv_smem.at[1, slot])
+      acc = pv(acc, p, kv_smem.at[1, slot])
+      # The slot's wgmmas are done (their results are in registers): refill it.
+      issue_at = issue(slot, issue_at, step + slots < num_steps)
+      return acc, m_new, l_i, issue_at, consume_at
 
-      @pl.when(step + 2 < num_steps)
-      def _():
-        issue(step + 2, slot)
+    acc, m_i, l_i, _, _ = lax.fori_loop(
+        0, num_steps, private_step, (acc, m_i, l_i, cursor, (jnp.int32(0), jnp.int32(0)))
+    )
 
-      return carry
-
-    carry = lax.fori_loop(0, num_steps, private_step, (acc, m_i, l_i))
-
+    # ---- merge phase ----
     if merging:
-      carry = merge(carry, issued_early)
+      if r_rows > 1:
+        frame_row = row_of.astype(jnp.float32).max(axis=1)  # [64]: each score row's frame row
+      else:
+        frame_row = None
 
-    acc, m_i, l_i = carry
+      # Items in order (column d, run of rows from r, split); a run's segment is read once
+      # (lax.cond), its splits' windows follow at a fixed stride, each loaded one item ahead.
+      def merge_cond(carry):
+        return carry[0][0] < max_depth
+
+      def merge_body(carry):
+        (d, r, split), run, (o, lse), acc, m_i, l_i = carry
+        valid, base, stride, run_end = run
+        more_splits = split + 1 < splits
+        more_runs = run_end < rows_here
+        nxt = (
+            jnp.where(more_splits | more_runs, d, d + 1),
+            jnp.where(more_splits, r, jnp.where(more_runs, run_end, 0)),
+            jnp.where(more_splits, split + 1, 0),
+        )
+        next_run = lax.cond(
+            more_splits | (nxt[0] >= max_depth), lambda: run, lambda: describe(nxt[0], nxt[1])
+        )
+        next_window = load_window(next_run[1] + nxt[2] * next_run[2])
+
+        lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
+        if frame_row is not None:
+          in_run = (frame_row >= r.astype(jnp.float32)) & (frame_row < run_end.astype(jnp.float32))
+          lse2 = jnp.where(in_run, lse2, -jnp.inf)
+        m_new = jnp.maximum(m_i, lse2)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_safe)
+        beta = jnp.exp2(lse2 - m_safe)
+        beta_b = lax.broadcast_in_dim(beta, acc.shape, [0])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.where(
+            beta_b > 0, o.astype(jnp.float32) * beta_b, 0.0
+        )
+        l_i = l_i * alpha + beta
+        return nxt, next_run, next_window, acc, m_new, l_i
+
+      zero = jnp.int32(0)
+      carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
+      *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
+
     nonempty = l_i > 0
     l_safe = jnp.where(nonempty, l_i, 1.0)
     o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
     lse_smem[...] = jnp.where(nonempty, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
     plgpu.commit_smem()
-    # Exact rows [r0, r1) of the tile that are this row's: a ladder of power-of-two copies.
-    r0 = jnp.maximum(first - frame, 0)
-    r1 = jnp.minimum(first + tg - frame, WG_M)
-    count = jnp.maximum(r1 - r0, 0)
-    start = r0
-    size = WG_M
-    while size >= 1:
-      @pl.when(lax.bitwise_and(count, jnp.int32(size)) != 0)
-      def _(start=start, size=size):
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(start, size)], out_ref.at[kv_head, pl.ds(frame + start, size)]
-        )
-
-      start = start + lax.bitwise_and(count, jnp.int32(size))
-      size //= 2
-    lse_row = pl.multiple_of((row * tiles + tile) * WG_M, ALIGN)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_out_ref.at[kv_head, pl.ds(lse_row, WG_M)])
+    plgpu.copy_smem_to_gmem(
+        o_smem.at[pl.ds(0, f_rows)], out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)]
+    )
+    plgpu.copy_smem_to_gmem(
+        lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
+    )
     plgpu.wait_smem_to_gmem(0)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   smem = (
       plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
-      plgpu.SMEM((2, 2, _BLK, h), dtype, transforms=tiled),  # K, V x 2 slots; later merge windows
+      plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
       plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled for exact-size copies
+      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
       plgpu.SMEM((WG_M,), jnp.float32),
-      plgpu.SMEM((MERGE_RING, WG_M), jnp.float32) if merging else None,
+      plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
   )
   barriers = (
       plgpu.Barrier(num_barriers=1),
-      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
-      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
-      plgpu.Barrier(num_barriers=MERGE_RING) if merging else None,
-      plgpu.Barrier(num_barriers=MERGE_RING) if merging else None,
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths]
   if merging:
     operands += [row_segments, segments, partial_out, partial_lse]
+  frames = problem.num_frames
   return plgpu.kernel(
       private_merge_kernel,
       out_type=(
-          jax.ShapeDtypeStruct((kh, m, h), dtype),
-          jax.ShapeDtypeStruct((kh, b_rows * tiles * WG_M), jnp.float32),
+          jax.ShapeDtypeStruct((kh, frames * f_rows, h), dtype),
+          jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
       ),
       scratch_types=[smem, barriers],
-      grid=(b_rows, tiles, kh),
-      grid_names=('row', 'tile', 'kv_head'),
+      grid=(frames, kh),
+      grid_names=('frame', 'kv_head'),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
       ),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
-
-
-def _merger(*, row, frame, kv_head, rowseg_ref, seg_ref, pout_ref, plse_ref, kv_smem, wlse_smem,
-            w_bars, wl_bars, sched, tg, splits, num_entries, win):
-  """The LSE merge of the row's shared partial states (entry = path depth * splits + split).
-
-  Windows stream through the four K/V buffers, ring slot w in buffer
-  (w % 2, 1 - w // 2): slots 0 and 1 are the private loop's second K/V slot,
-  free from the start when the private region needs at most one block, so
-  `issue(e)` for e < 2 may run before the private loop (`early=True`).
-  Returns (issue, merge): merge(carry) issues the rest and folds every entry in.
-  """
-
-  def window(entry):
-    """(valid, first partial-buffer row) of an entry's window for this program's rows."""
-    d = lax.div(entry, jnp.int32(splits))
-    s = lax.rem(entry, jnp.int32(splits))
-    index = rowseg_ref[row, d]
-    seg = segment_fields(sched, seg_ref, index)
-    seg_frame = _align_down(seg.row_begin * tg)
-    item = seg.item_base + s * seg.row_tiles
-    start = item * TILE_M + (frame - seg_frame)
-    return (index >= 0) & seg.valid & (seg.kv_length > 0), pl.multiple_of(start, ALIGN)
-
-  def slot_ref(slot):
-    return kv_smem.at[lax.rem(slot, jnp.int32(2)), 1 - lax.div(slot, jnp.int32(2))]
-
-  def issue(entry):
-    valid, start = window(entry)
-    slot = lax.rem(entry, jnp.int32(MERGE_RING))
-
-    @pl.when(valid)
-    def _():
-      plgpu.copy_gmem_to_smem(
-          pout_ref.at[kv_head, pl.ds(start, win)], slot_ref(slot).at[pl.ds(0, win)], w_bars.at[slot]
-      )
-      plgpu.copy_gmem_to_smem(
-          plse_ref.at[kv_head, pl.ds(start, WG_M)], wlse_smem.at[slot], wl_bars.at[slot]
-      )
-
-  def merge(carry, issued_early):
-    # The K/V buffers are free once the private loop is done (its last wgmma was awaited).
-    for e in range(min(MERGE_RING, num_entries)):
-      if e < 2:
-        pl.when(jnp.logical_not(issued_early))(lambda e=e: issue(jnp.int32(e)))
-      else:
-        issue(jnp.int32(e))
-
-    def body(entry, carry):
-      acc, m_i, l_i = carry
-      valid, _ = window(entry)
-      slot = lax.rem(entry, jnp.int32(MERGE_RING))
-
-      @pl.when(valid)
-      def _():
-        plgpu.barrier_wait(w_bars.at[slot])
-        plgpu.barrier_wait(wl_bars.at[slot])
-
-      o = plgpu.load(slot_ref(slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      lse = plgpu.load(wlse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-
-      @pl.when(entry + MERGE_RING < num_entries)
-      def _():  # the slot's data is in registers: refill it (copies wait for all reads)
-        issue(entry + MERGE_RING)
-
-      lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
-      m_new = jnp.maximum(m_i, lse2)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_safe)
-      beta = jnp.exp2(lse2 - m_safe)
-      beta_b = lax.broadcast_in_dim(beta, acc.shape, [0])
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.where(
-          beta_b > 0, o * beta_b, 0.0
-      )
-      l_i = l_i * alpha + beta
-      return acc, m_new, l_i
-
-    return lax.fori_loop(0, num_entries, body, carry)
-
-  return issue, merge

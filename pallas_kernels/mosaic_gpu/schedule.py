@@ -1,10 +1,12 @@
 """Static work decomposition of the Mosaic GPU tree-attention kernels.
 
 Both kernels see the queries folded per kv head: `qf [K, M, H]` with
-`M = B * T * G` rows, row b owning rows `[b*T*G, (b+1)*T*G)` (the T*G rows of
-one kv head's group). A shared segment covering rows `[row_begin, row_begin +
-row_count)` is then the contiguous block `[row_begin*T*G, (row_begin +
-row_count)*T*G)` of that matrix: the M dimension of its matrix products.
+`M = B * TGp` rows, row b owning rows `[b*TGp, (b+1)*TGp)` (the T*G rows of
+one kv head's group, zero-padded to TGp, `padded_rows_per_query`). A shared
+segment covering rows `[row_begin, row_begin + row_count)` is then the
+contiguous block `[row_begin*TGp, (row_begin + row_count)*TGp)` of that matrix:
+the M dimension of its matrix products. The private kernel takes frames of F
+consecutive folded rows (`private_frame_rows`).
 
 Tensor-memory copies (TMA) into tiled shared memory need row offsets that are
 multiples of `ALIGN`, so each segment's query rows and kv tokens are read in an
@@ -27,7 +29,8 @@ ALIGN = 8  # rows per tile of the (8, 64) shared-memory tiling used by wgmma
 TILE_M = 128  # query rows per shared-kernel program: two compute warpgroups of 64
 WG_M = 64  # query rows per warpgroup
 PRIVATE_BLOCK = 64  # private kv tokens per step of the private kernel
-MERGE_RING = 4  # partial-state windows in flight while the private kernel merges
+PARTIAL_PAD = WG_M  # unwritten rows before and after the shared kernel's partial buffers
+CHUNK = 8  # private tokens per TMA copy of the private kernel (pages are multiples of it)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -118,11 +121,29 @@ def shared_schedule(
   return SharedSchedule(tuple(groups), splits, rows_per_query, block_kv)
 
 
-def private_row_tiles(rows_per_query: int) -> int:
-  """Row tiles of WG_M per query row in the private kernel (its frame starts aligned)."""
-  return cdiv(rows_per_query + frame_pad(rows_per_query), WG_M)
+def padded_rows_per_query(tg: int) -> int:
+  """Folded rows per query row, TGp >= T*G: a power of two up to WG_M, else a multiple of it.
+
+  Then a private-kernel frame of F rows holds whole query rows (or a whole
+  64-row tile of one), so frames never share a row and store whole tiles.
+  """
+  if tg <= WG_M:
+    return 1 << max(0, tg - 1).bit_length()
+  return round_up(tg, WG_M)
 
 
-def window_rows(rows_per_query: int) -> int:
-  """Rows of a partial-state window the private kernel reads per tile (a multiple of ALIGN)."""
-  return min(WG_M, round_up(rows_per_query + frame_pad(rows_per_query), ALIGN))
+def private_frame_rows(num_rows: int, rows_per_query: int, num_kv_heads: int, num_sms: int) -> int:
+  """F, folded query rows per private-kernel program (one of 8, 16, 32, 64).
+
+  The largest F whose programs still cover every multiprocessor, so large
+  batches pack many query rows into one program and small ones keep the chip busy.
+  """
+  smallest = max(ALIGN, rows_per_query)
+  if smallest >= WG_M:
+    return WG_M
+  for f in (64, 32, 16, 8):
+    if f < smallest:
+      break
+    if cdiv(num_rows * rows_per_query, f) * num_kv_heads >= num_sms:
+      return f
+  return smallest

@@ -8,10 +8,12 @@ warpgroup that streams K and V blocks with TMA through `max_concurrent_steps`
 shared-memory slots. Scores are kept in base 2 (scale * log2(e) folded into
 one multiply); the written lse is natural-log.
 
-Output: per item a normalised partial state, out `[K, W*TILE_M, H]` in the
-input dtype and lse `[K, W*TILE_M]` float32, with (0, -inf) for a split that
-holds no tokens. Items whose row tile lies past the segment's rows write
-nothing (nobody reads them).
+Output: per item a normalised partial state, out `[K, PAD + W*TILE_M + PAD, H]`
+in the input dtype and lse `[K, PAD + W*TILE_M + PAD]` float32 (item w at rows
+`PAD + [w*TILE_M, (w+1)*TILE_M)`, PAD = `PARTIAL_PAD` unwritten rows at each end
+so that the private kernel's 64-row windows never leave the buffer), with
+(0, -inf) for a split that holds no tokens. Items whose row tile lies past the
+segment's rows write nothing (nobody reads them).
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hydrajax.layout import SegmentGroup
-from pallas_kernels.mosaic_gpu.schedule import ALIGN, TILE_M, WG_M, SharedSchedule
+from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -199,7 +201,7 @@ def segment_attention(
     config: SegmentKernelConfig = SegmentKernelConfig(),
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Partial states of every (segment, split, row tile): ([K, W*TILE_M, H], [K, W*TILE_M] f32).
+  """Partial states of every (segment, split, row tile), rows as in the module docstring.
 
   On the GPU this is the warp-specialised kernel. With `interpret=True` it is
   the single-warpgroup kernel: the same items, masks, softmax and epilogue,
@@ -208,7 +210,7 @@ def segment_attention(
   thread pool of two cores).
   """
   kh, _, h = qf.shape
-  rows = sched.num_items * TILE_M
+  rows = PARTIAL_PAD + sched.num_items * TILE_M + PARTIAL_PAD
   out_type = (
       jax.ShapeDtypeStruct((kh, rows, h), qf.dtype),
       jax.ShapeDtypeStruct((kh, rows), jnp.float32),
@@ -306,7 +308,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
       acc, m_i, l_i = _three_sections(kv_step, it, carry)
       pl.when(wg == 0)(schedule)
       _finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
-      out_row = pl.multiple_of(item * TILE_M + wg * WG_M, ALIGN)
+      out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M + wg * WG_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[kv_head, pl.ds(out_row, WG_M)])
       plgpu.wait_smem_to_gmem(0)
@@ -411,7 +413,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
 
       acc, m_i, l_i = _three_sections(kv_step, it, _init_state(TILE_M, h))
       _finish(acc, m_i, l_i, qo_smem, lse_smem, dtype)
-      out_row = pl.multiple_of(item * TILE_M, ALIGN)
+      out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, TILE_M)])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[kv_head, pl.ds(out_row, TILE_M)])
       plgpu.wait_smem_to_gmem(0)
@@ -459,4 +461,7 @@ def segment_attention_reference(qf, k_cache, v_cache, segments, sched: SharedSch
           o = jnp.einsum('kms,ksh->kmh', p, v, precision=jax.lax.Precision.HIGHEST)
           outs.append(o / jnp.where(l > 0, l, 1.0)[..., None])
           lses.append(jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf))
-  return jnp.concatenate(outs, axis=1).astype(qf.dtype), jnp.concatenate(lses, axis=1)
+  out = jnp.concatenate(outs, axis=1).astype(qf.dtype)
+  lse = jnp.concatenate(lses, axis=1)
+  pad = ((0, 0), (PARTIAL_PAD, PARTIAL_PAD))
+  return jnp.pad(out, (*pad, (0, 0))), jnp.pad(lse, pad, constant_values=-jnp.inf)

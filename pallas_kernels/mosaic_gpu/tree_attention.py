@@ -6,22 +6,27 @@ One call is two kernel launches whatever the tree's depth or width:
    covered rows times the GQA group as the M dimension of wgmma products,
    kv split so that small batches still fill the chip; writes one normalised
    partial state per (segment, split, row tile).
-2. `private_attention`: flash-decoding over each row's own pages (causal for
-   T > 1) fused with the LSE merge of the row's shared partial states (all
-   depths, all splits); writes the final (out, lse).
+2. `private_attention`: per frame of folded query rows (several whole rows at
+   decode), flash-decoding over the rows' own pages packed in 8-token chunks
+   (causal for T > 1), then the LSE merge of the rows' shared partial states
+   (all depths, all splits) read straight into registers; writes the final
+   (out, lse).
 
-plus XLA's fold of the queries to `[K, B*T*G, H]` and the unfold of the
-result (reshapes only when K == 1), and one concatenation of the segment
-arrays. Same contract as `hydrajax.tree_attention_xla`, which is the reference.
+plus XLA's fold of the queries to `[K, B*TGp, H]` (T*G rows per query row,
+padded to TGp: `schedule.padded_rows_per_query`) and the unfold of the result,
+and one concatenation of the segment arrays. A layout with no shared segment
+(plain paged decode) is one launch of `paged_decode` instead, one program per
+row. Same contract as `hydrajax.tree_attention_xla`, which is the reference.
 
 Limits (`unsupported_reason` says which, and AUTO then uses XLA): Hopper only;
 bfloat16/float16 (same dtype for q and the caches); head dim 64 or 128; the
 KV buffer length and the page size multiples of 8 (TMA into tiled shared
-memory reads 8-row tiles). Segment starts and lengths, row ranges and private
-lengths are arbitrary. `interpret=True` runs on CPU; there the shared kernel
+memory reads 8-row tiles); `layout.row_segments` present (every builder fills
+it). Segment starts and lengths, row ranges and private lengths are arbitrary. `interpret=True` runs on CPU; there the shared kernel
 is its single-warpgroup variant (see `segment_attention`).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -31,9 +36,10 @@ import numpy as np
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
+from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, lse_index, paged_attention
 from pallas_kernels.mosaic_gpu.private_attention import PrivateProblem, private_attention
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, TILE_M, WG_M, private_row_tiles, round_up, shared_schedule,
+    ALIGN, TILE_M, WG_M, padded_rows_per_query, private_frame_rows, round_up, shared_schedule,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
     SegmentKernelConfig, pack_segments, segment_attention,
@@ -56,7 +62,9 @@ def _shape_reason(q, k_cache, v_cache, layout: TreeLayout) -> str | None:
     return f'KV buffer length L={k_cache.shape[0]} is not a multiple of {ALIGN} (TMA tiling)'
   if layout.page_size % ALIGN:
     return f'page size {layout.page_size} is not a multiple of {ALIGN} (TMA tiling)'
-  if layout.row_segments is not None and layout.row_segments.shape[0] != q.shape[0]:
+  if layout.row_segments is None:
+    return 'layout.row_segments is None (the kernels merge along each row\'s path)'
+  if layout.row_segments.shape[0] != q.shape[0]:
     return f'layout.row_segments has {layout.row_segments.shape[0]} rows, q has {q.shape[0]}'
   return None
 
@@ -89,32 +97,42 @@ def _num_sms() -> int:
   return DEFAULT_NUM_SMS
 
 
-def _fold_queries(q, num_kv_heads: int, rows: int):
-  """q [B, T, N, H] -> qf [K, rows, H] with row b*T*G + t*G + g = q[b, t, k*G + g]; zero padded."""
+def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
+  """q [B, T, N, H] -> qf [K, rows, H]: row b*TGp + t*G + g = q[b, t, k*G + g], zero padded."""
   b, t, n, h = q.shape
   g = n // num_kv_heads
-  qf = q.reshape(b * t, num_kv_heads, g, h).transpose(1, 0, 2, 3)
-  qf = qf.reshape(num_kv_heads, b * t * g, h)
-  return jnp.pad(qf, ((0, 0), (0, rows - b * t * g), (0, 0)))
+  qf = q.reshape(b, t, num_kv_heads, g, h).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, b, t * g, h)
+  qf = jnp.pad(qf, ((0, 0), (0, 0), (0, tgp - t * g), (0, 0))).reshape(num_kv_heads, b * tgp, h)
+  return jnp.pad(qf, ((0, 0), (0, rows - b * tgp), (0, 0)))
 
 
-def _dense_row_segments(layout: TreeLayout) -> jax.Array:
-  """[B, J] every segment of every group, -1 where it does not cover the row (no host metadata)."""
-  rb = jnp.concatenate([g.row_begin for g in layout.groups])
-  rc = jnp.concatenate([g.row_count for g in layout.groups])
-  kv = jnp.concatenate([g.kv_length for g in layout.groups])
-  rows = jnp.arange(layout.num_rows)[:, None]
-  covers = (rows >= rb[None]) & (rows < (rb + rc)[None]) & (kv[None] > 0)
-  return jnp.where(covers, jnp.arange(rb.shape[0], dtype=jnp.int32)[None], -1).astype(jnp.int32)
+def _unfold(out_f, lse_f, q_shape, problem: PrivateProblem):
+  """The private kernel's folded outputs back to out [B, T, N, H] and lse [B, T, N]."""
+  b, t, n, h = q_shape
+  kh = out_f.shape[0]
+  g = n // kh
+  tgp, f = problem.rows_per_query, problem.frame_rows
+  out = out_f[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
+  out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
+  rows = np.arange(b * tgp).reshape(b, tgp)[:, : t * g].reshape(-1)
+  lse = lse_f[:, (rows // f) * WG_M + rows % f]
+  lse = lse.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, n)
+  return out, lse
 
 
-def _lse_index(b: int, tg: int) -> np.ndarray:
-  """For each folded row f = b*T*G + i, its place in the private kernel's lse tiles."""
-  tiles = private_row_tiles(tg)
-  f = np.arange(b * tg)
-  row = f // tg
-  within = f - (row * tg - (row * tg) % ALIGN)
-  return (row * tiles + within // WG_M) * WG_M + within % WG_M
+def _paged_decode(q, k_cache, v_cache, layout: TreeLayout, *, scale: float, interpret: bool):
+  b, t, n, h = q.shape
+  kh = k_cache.shape[1]
+  g = n // kh
+  problem = PagedProblem(b, t, g, layout.page_size, scale)
+  qf = _fold_queries(q, kh, t * g, round_up(b * t * g + TILE_M, ALIGN))
+  out_f, lse_tiles = paged_attention(
+      qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, problem,
+      interpret=interpret,
+  )
+  out = out_f.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
+  lse = lse_tiles[:, lse_index(b, t * g)].reshape(kh, b, t, g).transpose(1, 2, 0, 3)
+  return PartialState(out, lse.reshape(b, t, n))
 
 
 @functools.partial(
@@ -162,26 +180,32 @@ def tree_attention(
   if scale <= 0:
     raise ValueError(f'scale must be > 0, got {scale}')
   config = SegmentKernelConfig(block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  qf = _fold_queries(q, kh, round_up(b * tg + TILE_M, ALIGN))
+  num_sms = num_sms or _num_sms()
+  if not layout.groups:  # no shared segment: plain paged decode, one program per row
+    return _paged_decode(q, k_cache, v_cache, layout, scale=scale, interpret=interpret)
+  tgp = padded_rows_per_query(tg)
+  frame = private_frame_rows(b, tgp, kh, num_sms)
+  problem = PrivateProblem(
+      num_rows=b, query_tokens=t, group_size=g, rows_per_query=tgp, frame_rows=frame,
+      page_size=layout.page_size, scale=scale,
+  )
+  frames = problem.num_frames
+  # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
+  problem = dataclasses.replace(problem, slots=3 if frames * kh <= num_sms else 2)
+  qf = _fold_queries(q, kh, tgp, round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN))
 
-  sched = partial_out = partial_lse = row_segments = segments = None
+  sched = partial_out = partial_lse = segments = None
   if layout.groups:
     sched = shared_schedule(
-        layout, rows_per_query=tg, num_kv_heads=kh, block_kv=block_kv,
-        num_sms=num_sms or _num_sms(), max_splits=max_splits,
+        layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=block_kv, num_sms=num_sms,
+        max_splits=max_splits,
     )
     segments = pack_segments(layout.groups)
     partial_out, partial_lse = segment_attention(
         qf, k_cache, v_cache, segments, sched, scale=scale, config=config, interpret=interpret
     )
-    row_segments = layout.row_segments
-    if row_segments is None:
-      row_segments = _dense_row_segments(layout)
-  problem = PrivateProblem(b, t, g, layout.page_size, scale)
-  out_f, lse_tiles = private_attention(
-      qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, row_segments,
+  out_f, lse_f = private_attention(
+      qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, layout.row_segments,
       segments, sched, partial_out, partial_lse, problem, interpret=interpret,
   )
-  out = out_f.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
-  lse = lse_tiles[:, _lse_index(b, tg)].reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, n)
-  return PartialState(out, lse)
+  return PartialState(*_unfold(out_f, lse_f, q.shape, problem))

@@ -1,0 +1,234 @@
+r"""Host work of one decode iteration at batch 256, without a model (CPU, seconds).
+
+Measurements of what the engine does on the host around its model call:
+
+* once: a full rebuild of the decode layout (segments, groups, uploads), its
+  reuse (only the private lengths are uploaded), and a remove + insert.
+* cache: per step, `ChunkCache.append` for every live sequence and
+  `device_layout` of all rows, rebuilt only when the tree changed. Without
+  churn nothing finishes; with churn a sequence that has generated
+  `--new_tokens` is removed and a new request admitted in its place (`insert`
+  + `commit`), as in steady serving (about batch / new_tokens per step).
+* engine: `Engine.step()` of the serving engine with the model call replaced by
+  a stub that returns zeros, in the same steady state; `decode host` is what
+  the engine reports as host overhead (a decode step but the wait for the
+  device), and the iteration adds admission, the prefill's host part and
+  retirement.
+
+The engine's chunk size, batch, layout policy and lengths are those of a 7B
+serving run (`--chunk_size=64`, `--batch=256`, `--system_prompts=4` of
+`--system_len=2048` tokens, `--new_tokens=512`); the model shape does not enter
+the host work, so the engine runs the tiny config's (stubbed) model.
+
+  PYTHONPATH=. python3 -m experiments.host_overhead
+"""
+
+import contextlib
+import statistics
+import time
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
+from models import engine as engine_lib
+from models.config import get_config
+from models.llama import Llama
+
+_BATCH = flags.DEFINE_integer('batch', 256, 'live sequences')
+_SYSTEMS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
+_SYSTEM_LEN = flags.DEFINE_integer('system_len', 2048, 'tokens of each system prompt')
+_USER_LEN = flags.DEFINE_integer('user_len', 32, 'unique tokens after the system prompt')
+_NEW = flags.DEFINE_integer('new_tokens', 512, 'tokens generated per request')
+_CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
+_STEPS = flags.DEFINE_integer('steps', 300, 'timed decode steps per measurement')
+_KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
+
+
+def _layout_policy() -> LayoutPolicy:
+  return LayoutPolicy(kv_piece=_KV_PIECE.value, min_segments=8, fixed_shapes=True,
+                      min_private_pages=4)
+
+
+def _prompt(rng, systems, i, vocab):
+  """A system prompt + a unique tail of about `--user_len` tokens (lengths staggered)."""
+  n = _USER_LEN.value
+  tail = rng.integers(0, vocab, int(rng.integers(n // 2, n + n // 2 + 1)))
+  return systems[i % len(systems)] + tail.tolist()
+
+
+def _block(layout):
+  jax.block_until_ready(jax.tree_util.tree_leaves(layout))
+
+
+def _cache(b, systems_count) -> ChunkCache:
+  c, new, user = _CHUNK.value, _NEW.value, _USER_LEN.value
+  per_seq = -(-(user + user // 2 + new) // c) + 2
+  return ChunkCache(ChunkCacheConfig(
+      num_chunks=b * per_seq + systems_count * (-(-_SYSTEM_LEN.value // c)) + 64, chunk_size=c,
+      max_sequence_length=_SYSTEM_LEN.value + user + user // 2 + new, max_sequences=b,
+      layout=_layout_policy()))
+
+
+def measure_cache(churn: bool) -> dict:
+  """ms per step of append + layout (+ remove/insert of finished sequences with churn)."""
+  b, new = _BATCH.value, _NEW.value
+  rng = np.random.default_rng(0)
+  systems = [rng.integers(0, 32000, _SYSTEM_LEN.value).tolist() for _ in range(_SYSTEMS.value)]
+  cache = _cache(b, len(systems))
+  budget = {}  # seq id -> tokens it may still append
+  for i in range(b):
+    a = cache.insert(_prompt(rng, systems, i, 32000), reserve_tokens=new)
+    cache.commit(a.seq_id)
+    budget[a.seq_id] = int(rng.integers(1, new + 1))  # finishes staggered over `new` steps
+  times = {'churn': [], 'append': [], 'layout': [], 'step': []}
+  changes, next_i, warm, last = 0, b, 20, cache.structure_version
+  for step in range(_STEPS.value + warm):
+    tokens = rng.integers(0, 32000, b)
+    t0 = time.perf_counter()
+    if churn:
+      done = [sid for sid in cache.rows if budget[sid] <= 0]
+      for sid in done:
+        cache.remove(sid)
+        del budget[sid]
+      for _ in done:
+        a = cache.insert(_prompt(rng, systems, next_i, 32000), reserve_tokens=new)
+        cache.commit(a.seq_id)
+        budget[a.seq_id] = new
+        next_i += 1
+    t1 = time.perf_counter()
+    version = cache.structure_version
+    cache.append(tokens)
+    t2 = time.perf_counter()
+    _block(cache.device_layout(num_rows=b))
+    t3 = time.perf_counter()
+    for sid in cache.rows:
+      budget[sid] -= 1
+    if step >= warm:  # the first steps warm numpy/JAX caches
+      changes += int(version != last)  # this step rebuilt the layout
+      times['churn'].append(t1 - t0)
+      times['append'].append(t2 - t1)
+      times['layout'].append(t3 - t2)
+      times['step'].append(t3 - t0)
+    last = cache.structure_version
+  out = {k: 1e3 * statistics.mean(v) for k, v in times.items()}
+  out['median_step'] = 1e3 * statistics.median(times['step'])
+  out['structure_changes'] = changes
+  return out
+
+
+def measure_layout_rebuild() -> dict:
+  """ms of one full layout rebuild (plan + groups + upload) vs a reuse, 256 rows, no churn."""
+  b = _BATCH.value
+  rng = np.random.default_rng(1)
+  systems = [rng.integers(0, 32000, _SYSTEM_LEN.value).tolist() for _ in range(_SYSTEMS.value)]
+  cache = _cache(b, len(systems))
+  for i in range(b):
+    cache.commit(cache.insert(_prompt(rng, systems, i, 32000), reserve_tokens=_NEW.value).seq_id)
+  out = {}
+  for name, fn in [
+      ('plan', lambda: cache.plan(num_rows=b)),
+      ('rebuild', lambda: (cache._device_cache.clear(), _block(cache.device_layout(num_rows=b)))),
+      ('reuse', lambda: _block(cache.device_layout(num_rows=b))),
+      ('remove_insert', lambda: _remove_insert(cache, rng, systems)),
+  ]:
+    fn()
+    ts = []
+    for _ in range(50):
+      t0 = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - t0)
+    out[name] = 1e3 * statistics.median(ts)
+  return out
+
+
+def _remove_insert(cache, rng, systems):
+  cache.remove(cache.rows[int(rng.integers(cache.num_rows))])
+  prompt = _prompt(rng, systems, int(rng.integers(len(systems))), 32000)
+  cache.commit(cache.insert(prompt, reserve_tokens=_NEW.value).seq_id)
+
+
+@contextlib.contextmanager
+def _stub_model():
+  """Replaces the engine's jitted model call by zeros (the host path is unchanged)."""
+  real = engine_lib._model_step
+
+  def fake(graphdef, params, cache, tokens, positions, slots, layout, key, request_ids, *args,
+           **kwargs):
+    return jnp.zeros(request_ids.shape[0], jnp.int32), cache
+
+  engine_lib._model_step = fake
+  try:
+    yield
+  finally:
+    engine_lib._model_step = real
+
+
+def measure_engine() -> dict:
+  """Engine steps at batch `--batch` with the model stubbed: decode host ms and iteration ms."""
+  b, c, new = _BATCH.value, _CHUNK.value, _NEW.value
+  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
+  vocab = model.config.vocab_size
+  rng = np.random.default_rng(2)
+  systems = [rng.integers(0, vocab, _SYSTEM_LEN.value).tolist() for _ in range(_SYSTEMS.value)]
+  sizes = _cache(b, len(systems)).config
+  config = engine_lib.EngineConfig(
+      num_chunks=sizes.num_chunks, chunk_size=c, max_batch=b,
+      max_sequence_length=sizes.max_sequence_length,
+      max_prefill_rows=1, max_prefill_tokens=8192, decode_buckets=(b,), layout=_layout_policy(),
+      impl='xla', prefill_impl='xla')
+  params = engine_lib.SamplingParams(max_new_tokens=new)
+  with _stub_model():
+    engine = engine_lib.Engine(model, config)
+    submitted = 0
+    # One arrival per step until the batch is full (staggered lengths), then one per finish;
+    # `new` more steps reach the steady state (about b / new requests finish per step).
+    while engine.num_running < b:
+      if engine.num_queued == 0:
+        engine.submit(_prompt(rng, systems, submitted, vocab), params)
+        submitted += 1
+      engine.step()
+    iteration = []
+    for step in range(new + _STEPS.value):
+      if step == new:
+        engine.stats = type(engine.stats)()
+      while engine.num_running + engine.num_queued < b:
+        engine.submit(_prompt(rng, systems, submitted, vocab), params)
+        submitted += 1
+      t0 = time.perf_counter()
+      engine.step()
+      if step >= new:
+        iteration.append(time.perf_counter() - t0)
+    s = engine.stats.summary()
+  return dict(decode_host_ms=s['mean_decode_host_ms'], decode_step_ms=s['mean_decode_step_ms'],
+              iteration_ms=1e3 * statistics.mean(iteration),
+              median_iteration_ms=1e3 * statistics.median(iteration),
+              mean_batch=s['decode_rows'] / max(s['decode_steps'], 1),
+              finished=sum(r.state == 'done' for r in engine.requests.values()))
+
+
+def main(argv):
+  del argv
+  print(f'batch {_BATCH.value}, {_SYSTEMS.value} system prompts x {_SYSTEM_LEN.value} tokens '
+        f'+ {_USER_LEN.value} unique, {_NEW.value} new tokens, chunk {_CHUNK.value}, '
+        f'{jax.default_backend()}')
+  once = measure_layout_rebuild()
+  print('once (median ms): ' + ', '.join(f'{k} {v:.3f}' for k, v in once.items()))
+  for churn in (False, True):
+    r = measure_cache(churn)
+    print(f'cache, churn={churn} (mean ms per step): step {r["step"]:.3f} (median '
+          f'{r["median_step"]:.3f}) = remove/insert {r["churn"]:.3f} + append {r["append"]:.3f} '
+          f'+ layout {r["layout"]:.3f}; {r["structure_changes"]} of {_STEPS.value} steps changed '
+          'the tree')
+  r = measure_engine()
+  print(f'engine, model stubbed (mean ms per step, batch {r["mean_batch"]:.0f}): decode host '
+        f'{r["decode_host_ms"]:.3f}, iteration {r["iteration_ms"]:.3f} (median '
+        f'{r["median_iteration_ms"]:.3f}); {r["finished"]} requests finished')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,91 @@
+"""The serving benchmark: the rate at a latency bound, the on/off ratio, a CPU smoke run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import serving_report
+from hydrajax.benchmarking import report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_rate_at_bound_interpolates_and_says_when_it_cannot():
+  at_bound = serving_report.rate_at_bound
+  curve = [(4, 20.0), (16, 60.0), (8, 30.0), (32, 140.0)]  # any order
+  rate, status = at_bound(curve, 100.0)
+  assert status == 'interpolated' and rate == pytest.approx(16 + 40 / 80 * 16)
+  assert at_bound(curve, 25.0) == (pytest.approx(6.0), 'interpolated')
+  assert at_bound(curve, 200.0) == (32, 'above_range')
+  assert at_bound(curve, 10.0) == (None, 'below_range')
+  assert at_bound(curve, 60.0) == (pytest.approx(16.0), 'interpolated')
+  # A point that timed out (None) is over the bound; nothing is interpolated towards it.
+  assert at_bound([(4, 20.0), (8, None), (16, 30.0)], 100.0) == (4, 'at_least')
+  # The first crossing counts: a later dip under the bound does not.
+  assert at_bound([(4, 20.0), (8, 120.0), (16, 90.0)], 100.0)[0] == pytest.approx(4 + 80 / 100 * 4)
+  assert at_bound([], 1.0) == (None, 'no_data')
+
+
+def test_rate_ratio_is_exact_or_a_bound():
+  ratio = serving_report.rate_ratio
+  low = (2.0, 4.0)
+  assert ratio((30.0, 'interpolated'), (10.0, 'interpolated'), low) == (3.0, '=')
+  assert ratio((64.0, 'above_range'), (10.0, 'interpolated'), low) == (6.4, '>=')
+  assert ratio((30.0, 'interpolated'), (16.0, 'at_least'), low) == (1.875, '<=')
+  # Sharing off over the bound at its lowest rate (4): its rate is below 4.
+  assert ratio((30.0, 'interpolated'), (None, 'below_range'), low) == (7.5, '>=')
+  assert ratio((None, 'below_range'), (10.0, 'interpolated'), low) == (0.2, '<=')
+  assert ratio((64.0, 'above_range'), (16.0, 'above_range'), low) == (None, None)
+  assert ratio((None, 'below_range'), (None, 'below_range'), low) == (None, None)
+
+
+def _point(sharing, rate, latency, **extra):
+  return dict(sharing=sharing, prompt_len=1024, shared_frac=0.5, num_samples=1, rate=rate,
+              mean_norm_latency_ms=latency, timed_out=False, throughput_tok_s=100.0 * rate,
+              mean_batch=rate / 2, mean_decode_host_ms=0.5, mean_decode_step_ms=20.0,
+              host_overhead_fraction=0.025, peak_kv_gb=1.0, **extra)
+
+
+def test_bound_summary_per_setting():
+  records = [_point('on', 8, 20.0), _point('on', 16, 40.0), _point('on', 32, 160.0),
+             _point('off', 8, 50.0), _point('off', 16, 150.0), _point('off', 32, None)]
+  records[-1]['timed_out'] = True
+  (row,) = serving_report.bound_summary(records, 100.0)
+  assert row['kind'] == 'rate_at_bound' and row['latency_bound_ms'] == 100.0
+  assert (row['status_on'], row['status_off']) == ('interpolated', 'interpolated')
+  assert row['rate_on'] == pytest.approx(16 + 60 / 120 * 16)
+  assert row['rate_off'] == pytest.approx(8 + 50 / 100 * 8)
+  assert row['ratio'] == pytest.approx(24 / 12) and row['ratio_bound'] == '='
+  assert row['tok_s_on'] == pytest.approx(2400.0)  # interpolated like the rate
+  assert (row['host_ms_on'], row['host_pct_on'], row['batch_on']) == (0.5, 2.5, 16)
+
+
+def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
+  workdir = tmp_path / 'serving'
+  cmd = [sys.executable, '-m', 'experiments.serving', '--smoke', '--num_samples=2',
+         f'--workdir={workdir}']
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert '[4/4] sharing=off' in done.stderr  # progress lines
+  records = report.read_jsonl(str(workdir / 'results.jsonl'))
+  points = [r for r in records if r['kind'] == 'serving']
+  assert len(points) == 4 and {r['sharing'] for r in points} == {'on', 'off'}
+  for r in points:
+    assert r['num_samples'] == 2 and r['completed'] == 2 * r['num_requests']  # every sample
+    assert r['forked_samples'] == r['num_requests'] and not r['timed_out']
+    assert r['mean_decode_host_ms'] > 0 and 0 < r['host_overhead_fraction'] <= 1
+    assert r['mean_decode_step_ms'] >= r['mean_decode_host_ms']
+    assert r['retain_prefixes'] == (r['sharing'] == 'on')
+  on = [r for r in points if r['sharing'] == 'on']
+  assert all(r['prefill_tokens'] < r['num_requests'] * r['prompt_len'] for r in on)
+  (bound,) = [r for r in records if r['kind'] == 'rate_at_bound']
+  for key in ('rate_on', 'status_on', 'rate_off', 'status_off', 'ratio', 'ratio_bound',
+              'host_ms_on', 'host_pct_on', 'host_ms_off', 'host_pct_off', 'latency_bound_ms'):
+    assert key in bound
+  assert bound['status_on'] in ('interpolated', 'at_least', 'above_range', 'below_range')
+  table = (workdir / 'table.md').read_text()
+  assert '## Request rate at mean normalized latency <= 100 ms/token' in table
+  assert '| host ms on | host % on |' in table and '| host ms | host % |' in table

@@ -1,0 +1,342 @@
+"""SharingPolicy: demotion of shared segments to per-sequence pages; the break-even benchmark."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hydrajax as hj
+from hydrajax.benchmarking import report
+from hydrajax.sharing_policy import MAX_ROWS
+from tests.conftest import assert_states_close, naive_tree_attention, random_inputs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAD_DIM = 16
+
+
+def _tree(rng, depth: int, rows: int, page: int, unaligned: float) -> hj.PromptNode:
+  """A random tree over `rows` rows; lengths whole pages (0 included), or with probability
+  `unaligned` not a multiple of `page`."""
+
+  def length():
+    if rng.random() < unaligned:
+      return int(page * rng.integers(0, 3) + rng.integers(1, page))
+    return int(page * rng.integers(0, 4))
+
+  def node(level: int, n: int) -> hj.PromptNode:
+    if level == depth - 1 or n == 1 or rng.random() < 0.2:
+      return hj.PromptNode(length(), num_samples=n)
+    fan = int(rng.integers(1, min(4, n) + 1))
+    cuts = np.sort(rng.choice(np.arange(1, n), fan - 1, replace=False)) if fan > 1 else []
+    sizes = np.diff(np.concatenate([[0], cuts, [n]])).astype(int)
+    return hj.PromptNode(length(), children=tuple(node(level + 1, int(s)) for s in sizes))
+
+  return node(0, rows)
+
+
+def _plan(seed: int, t: int, unaligned: float, paged: bool = False) -> hj.SharingPlan:
+  """A random forest from `plan_tree` (page size 8); `paged`: private regions re-laid as several
+  pages per row at shuffled page ids (as a chunk cache holds them)."""
+  rng = np.random.default_rng(seed)
+  page = 8
+  rows = [int(r) for r in rng.integers(1, 7, int(rng.integers(1, 4)))]
+  roots = [_tree(rng, int(rng.integers(1, 5)), r, page, unaligned) for r in rows]
+  lengths = [int(n) for n in rng.integers(t, page + 1, sum(rows))]
+  plan = hj.plan_tree(roots, private_capacity=page, private_lengths=lengths)
+  if not paged:
+    return plan
+  counts = rng.integers(1, 4, plan.num_rows)
+  first = -(-plan.shared_tokens() // page)
+  ids = first + rng.permutation(int(counts.sum()) + 2)  # two pages nobody uses
+  offsets = np.concatenate([[0], np.cumsum(counts)])
+  pages = tuple(tuple(int(p) for p in ids[a:z]) for a, z in zip(offsets[:-1], offsets[1:]))
+  lengths = tuple(int(rng.integers(max(t, (c - 1) * page), c * page + 1)) for c in counts)
+  return hj.SharingPlan(
+      plan.num_rows, plan.segments, page, pages, lengths, (int(ids.max()) + 1) * page
+  )
+
+
+def _aligned(s: hj.Segment, page: int) -> bool:
+  return s.kv_start % page == 0 and s.kv_length % page == 0
+
+
+def _check_rules(plan: hj.SharingPlan, policy: hj.SharingPolicy) -> tuple[int, ...]:
+  """The demoted set, checked against the rules stated independently of the implementation."""
+  gone = policy.demoted(plan)
+  assert list(gone) == sorted(set(gone))
+  new = policy.apply(plan)
+  c = plan.page_size
+  for j in gone:
+    s = plan.segments[j]
+    assert s.num_rows < policy.rows_needed(s.kv_length)
+    assert s.kv_length == 0 or _aligned(s, c)
+  demoted_tokens = []
+  for b in range(plan.num_rows):
+    path = [j for j in plan.path(b) if plan.segments[j].kv_length > 0]
+    flags = [j in gone for j in path]
+    assert flags == sorted(flags), f'row {b}: demoted segments are not the deepest of its path'
+    demoted_tokens.append(sum(plan.segments[j].kv_length for j in path if j in gone))
+  for j, s in enumerate(plan.segments):  # maximal: every kept candidate has a reason
+    if j in gone or s.num_rows >= policy.rows_needed(s.kv_length):
+      continue
+    assert s.kv_length > 0
+    blocked = any(
+        k > j and k not in gone and plan.segments[k].kv_length > 0
+        for b in range(s.row_begin, s.row_end) for k in plan.path(b)
+    )
+    assert not _aligned(s, c) or blocked, f'segment {j} could have been demoted'
+  # The kept segments are the rest, in order, with every field but the parent unchanged.
+  kept = [s for j, s in enumerate(plan.segments) if j not in gone]
+  assert [dataclasses.replace(s, parent=0) for s in new.segments] == [
+      dataclasses.replace(s, parent=0) for s in kept]
+  kept_ids = [j for j in range(len(plan.segments)) if j not in gone]
+  for s, j in zip(new.segments, kept_ids):
+    parent = plan.segments[j].parent
+    while parent in gone:
+      parent = plan.segments[parent].parent
+    assert s.parent == (-1 if parent < 0 else kept_ids.index(parent))
+  # Same tokens per row, in the same order; private positions move back by what was demoted.
+  old_idx, old_len = plan.row_token_indices()
+  new_idx, new_len = new.row_token_indices()
+  np.testing.assert_array_equal(new_len, old_len)
+  for b in range(plan.num_rows):
+    np.testing.assert_array_equal(new_idx[b, : new_len[b]], old_idx[b, : old_len[b]])
+    assert new.private_position(b) == plan.private_position(b) - demoted_tokens[b]
+    assert new.private_lengths[b] == plan.private_lengths[b] + demoted_tokens[b]
+    assert new.private_pages[b][len(new.private_pages[b]) - len(plan.private_pages[b]) :] == (
+        plan.private_pages[b])
+  return gone
+
+
+POLICIES = {
+    'min_rows=2': hj.SharingPolicy(min_rows=2),
+    'demote_all': hj.SharingPolicy.demote_all(),
+    'stepped': hj.SharingPolicy(min_rows=MAX_ROWS, steps=((8, 4), (16, 3), (24, 1))),
+}
+
+
+@pytest.mark.parametrize('seed', range(40))
+def test_rules_on_random_plans(seed):
+  for unaligned, paged in ((0.0, False), (0.15, False), (0.0, True)):
+    plan = _plan(1000 + seed, t=1 + seed % 3, unaligned=unaligned, paged=paged)
+    for policy in POLICIES.values():
+      _check_rules(plan, policy)
+    assert hj.SharingPolicy.never().demoted(plan) == ()
+    assert hj.SharingPolicy.never().apply(plan) is plan
+
+
+def test_random_plans_exercise_the_rules():
+  """The random plans above do demote, keep unaligned segments, and block parents."""
+  demoted = refused = blocked = 0
+  for seed in range(40):
+    plan = _plan(1000 + seed, t=1, unaligned=0.15)
+    gone = hj.SharingPolicy.demote_all().demoted(plan)
+    demoted += sum(plan.segments[j].kv_length > 0 for j in gone)
+    refused += sum(s.kv_length > 0 and not _aligned(s, 8) for s in plan.segments)
+    blocked += sum(j not in gone and _aligned(s, 8) and s.kv_length > 0
+                   for j, s in enumerate(plan.segments))
+  assert demoted >= 20 and refused >= 20 and blocked >= 5
+
+
+def test_min_rows_2_demotes_exactly_the_one_row_segments_when_aligned():
+  for seed in range(10):
+    plan = _plan(2000 + seed, t=1, unaligned=0.0)
+    gone = hj.SharingPolicy(min_rows=2).demoted(plan)
+    assert set(gone) == {j for j, s in enumerate(plan.segments) if s.num_rows == 1}
+
+
+def test_hand_worked_plan():
+  # root 16 (5 rows) -> [a 8 (row 0), b 5 (rows 1-3), e 0 (row 4) -> f 8 (row 4)]; pages of 8.
+  tree = hj.PromptNode(16, children=(
+      hj.PromptNode(8, num_samples=1), hj.PromptNode(5, num_samples=3),
+      hj.PromptNode(0, children=(hj.PromptNode(8, num_samples=1),))))
+  plan = hj.plan_tree(tree, private_capacity=8, private_lengths=3)
+  assert [(s.kv_start, s.kv_length) for s in plan.segments] == [(0, 16), (16, 8), (24, 5), (29, 0),
+                                                                (29, 8)]
+  two = hj.SharingPolicy(min_rows=2)
+  # a (pages 2) is demoted; e is empty; f starts at 29: not whole pages, kept under the root.
+  assert two.demoted(plan) == (1, 3)
+  new = two.apply(plan)
+  assert [(s.label, s.parent) for s in new.segments] == [('node0', -1), ('node2', 0), ('node4', 0)]
+  assert new.private_pages[0] == (2, 5) and new.private_lengths[0] == 11
+  assert new.private_pages[1:] == plan.private_pages[1:]
+  assert new.private_position(0) == 16
+  # Everything wanted: the root is blocked by b and f (kept, unaligned).
+  assert hj.SharingPolicy.demote_all().demoted(plan) == (1, 3)
+  # A whole-page tree goes fully per-sequence, root pages first.
+  flat = hj.plan_tree(hj.PromptNode(16, num_samples=2), private_capacity=8, private_lengths=2)
+  new = hj.SharingPolicy.demote_all().apply(flat)
+  assert new.segments == () and new.private_pages == ((0, 1, 2), (0, 1, 3))
+  assert new.private_lengths == (18, 18) and new.private_position(1) == 0
+
+
+def test_rows_needed_steps():
+  p = hj.SharingPolicy(min_rows=9, steps=((64, 4), (256, 2), (1024, 1)))
+  lengths = (0, 63, 64, 255, 256, 1023, 1024, 10**6)
+  assert [p.rows_needed(n) for n in lengths] == [9, 9, 4, 4, 2, 2, 1, 1]
+  assert hj.SharingPolicy(min_rows=3).rows_needed(5) == 3
+  assert hj.SharingPolicy.never().rows_needed(0) == 1
+  assert hj.SharingPolicy(min_rows=2, steps=[[8, 3]]).steps == ((8, 3),)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(min_rows=0), 'min_rows'),
+    (dict(min_rows=True), 'min_rows'),
+    (dict(min_rows=2.5), 'min_rows'),
+    (dict(steps=((8, 2), (8, 3))), 'increasing'),
+    (dict(steps=((-1, 2),)), 'steps: length'),
+    (dict(steps=((8, 0),)), 'steps: min_rows'),
+    (dict(steps=((8, 2, 1),)), 'steps'),
+    (dict(steps=5), 'steps'),
+])
+def test_policy_rejects_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    hj.SharingPolicy(**kwargs)
+
+
+def test_rows_needed_and_from_dict_reject_bad_input():
+  with pytest.raises(ValueError, match='kv_length'):
+    hj.SharingPolicy().rows_needed(-1)
+  with pytest.raises(ValueError, match='data'):
+    hj.SharingPolicy.from_dict({'steps': []})
+  with pytest.raises(ValueError, match='steps'):
+    hj.SharingPolicy.from_dict({'min_rows': 2, 'steps': 3})
+
+
+def test_demote_rejects_illegal_sets():
+  tree = hj.PromptNode(16, children=(hj.PromptNode(8, num_samples=2), hj.PromptNode(5)))
+  plan = hj.plan_tree(tree, private_capacity=8, private_lengths=1)
+  with pytest.raises(ValueError, match='segments.*not whole pages'):
+    hj.demote(plan, [2])
+  with pytest.raises(ValueError, match='segments.*followed'):
+    hj.demote(plan, [0])  # its child 1 is kept
+  with pytest.raises(ValueError, match='segments'):
+    hj.demote(plan, [3])
+  with pytest.raises(ValueError, match='segments'):
+    hj.demote(plan, [1, 1])
+  with pytest.raises(ValueError, match='segments'):
+    hj.demote(plan, ['1'])
+  assert hj.demote(plan, []) is plan
+  assert hj.demote(plan, [1]).segments == (plan.segments[0], plan.segments[2])
+
+
+def test_default_thresholds_load_and_round_trip(tmp_path):
+  default = hj.SharingPolicy.default()
+  assert 'break_even_h200.json' in default.source
+  with open(os.path.join(REPO, 'hydrajax', 'data', 'break_even_h200.json')) as f:
+    data = json.load(f)
+  assert 'status' in data and default == hj.SharingPolicy.from_dict(data)
+  if data['status'].startswith('provisional'):  # until the H200 numbers replace them
+    assert all(default.rows_needed(n) == 2 for n in (0, 1, 64, 100, 4096, 10**6))
+  path = tmp_path / 'p.json'
+  path.write_text(json.dumps(POLICIES['stepped'].to_dict()))
+  assert hj.SharingPolicy.load(str(path)) == POLICIES['stepped']
+
+
+def _numeric_case(base: int, heads, dtype, t, unaligned, paged, policy):
+  """The first seed from `base` whose plan demotes something and, with `unaligned`, also keeps
+  an unaligned segment: both paths then run side by side."""
+  for seed in range(base, base + 100):
+    plan = _plan(seed, t, unaligned, paged)
+    gone = POLICIES[policy].demoted(plan)
+    odd = [j for j, s in enumerate(plan.segments) if s.kv_length and not _aligned(s, 8)]
+    if any(plan.segments[j].kv_length for j in gone) and (bool(odd) == (unaligned > 0)):
+      return seed, heads, dtype, t, unaligned, paged, policy
+  raise AssertionError(f'no seed from {base} fits')
+
+
+# Numerics: (seed, heads, dtype, T, unaligned fraction, private pages re-laid, policy).
+NUMERIC_CASES = [
+    _numeric_case(3000 + 100 * i, *case)
+    for i, case in enumerate([
+        ((8, 2), jnp.float32, 1, 0.0, False, 'demote_all'),
+        ((8, 2), jnp.float32, 3, 0.0, True, 'demote_all'),
+        ((4, 4), jnp.float32, 3, 0.3, False, 'stepped'),
+        ((4, 4), jnp.float32, 1, 0.3, True, 'min_rows=2'),
+        ((8, 2), jnp.bfloat16, 3, 0.3, False, 'demote_all'),
+        ((8, 2), jnp.bfloat16, 1, 0.3, True, 'stepped'),
+        ((4, 4), jnp.bfloat16, 1, 0.0, False, 'demote_all'),
+        ((4, 4), jnp.bfloat16, 3, 0.0, True, 'min_rows=2'),
+    ])
+]
+
+
+@pytest.mark.parametrize(
+    'seed, heads, dtype, t, unaligned, paged, policy', NUMERIC_CASES,
+    ids=[f'{c[1][0]}-{c[1][1]}_{jnp.dtype(c[2]).name}_T={c[3]}_unaligned={c[4]}_paged={c[5]}_{c[6]}'
+         for c in NUMERIC_CASES],
+)
+def test_demoted_plan_attention_matches(seed, heads, dtype, t, unaligned, paged, policy):
+  plan = _plan(seed, t, unaligned, paged)
+  new = POLICIES[policy].apply(plan)
+  assert len(new.segments) < len(plan.segments)  # something was demoted
+  n, k = heads
+  q, k_cache, v_cache = random_inputs(seed, plan, t, n, k, HEAD_DIM, dtype)
+  expected = naive_tree_attention(q, k_cache, v_cache, plan)
+  shared = hj.tree_attention(q, k_cache, v_cache, plan.to_device(), impl='xla')
+  demoted = hj.tree_attention(q, k_cache, v_cache, new.to_device(), impl='xla')
+  assert demoted.out.dtype == dtype
+  assert_states_close(demoted, expected)
+  assert_states_close(demoted, shared)
+
+
+def test_derive_thresholds():
+  from experiments import break_even  # here: its absl flags stay out of other tests' processes
+
+  def rec(n, b, r, ratio, status='ok'):
+    return dict(kind='point', status=status, length=n, batch=b, rows=r, ratio=ratio)
+
+  records = [
+      rec(64, 32, 1, 1.5), rec(64, 32, 2, 1.01), rec(64, 32, 4, 0.8),  # 1.01 is within 2%
+      rec(64, 256, 1, 1.3), rec(64, 256, 2, 1.1), rec(64, 256, 4, 0.9),  # the larger r_min wins
+      rec(256, 32, 1, 0.9), rec(256, 32, 2, 1.2), rec(256, 32, 4, 0.5),  # from r on, not just at r
+      rec(1024, 32, 1, 1.2), rec(1024, 32, 2, 1.1),  # lost everywhere: beyond the measured r
+      rec(4096, 32, 1, 0.1, status='wrong'),  # not measured: no step
+  ]
+  out = break_even.derive_thresholds(records, slack=0.02)
+  assert out['steps'] == [[64, 4], [256, 4], [1024, 3]] and out['min_rows'] == 4
+  assert out['beyond_measured'] == [1024]
+  assert hj.SharingPolicy.from_dict(out).rows_needed(5000) == 3
+  assert break_even.derive_thresholds([rec(64, 32, 1, 1.0, status='failed')], 0.02) is None
+
+
+def test_break_even_smoke_end_to_end(tmp_path):
+  workdir = tmp_path / 'be'
+  thresholds = tmp_path / 'th' / 'thresholds.json'
+  cmd = [sys.executable, '-m', 'experiments.break_even', '--lengths=64,128', '--rows=1,2',
+         '--batches=8', '--heads=4:2', '--head_dim=64', '--repeats=3', '--target_ms=30',
+         f'--workdir={workdir}', f'--write_thresholds={thresholds}']
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  records = report.read_jsonl(str(workdir / 'results.jsonl'))
+  assert {(r['length'], r['rows'], r['batch']) for r in records} == {
+      (n, r, 8) for n in (64, 128) for r in (1, 2)}
+  for r in records:
+    assert r['status'] == 'ok' and r['impl'] == 'xla' and r['impl_requested'] == 'auto'
+    assert r['groups'] == 8 // r['rows'] and r['meta']['device']
+    assert 'experiments.break_even' in r['meta']['command']
+    assert r['rel_error_batched'] < 2e-2 and r['rel_error_per_sequence'] < 2e-2
+    assert r['time_batched_us'] > 0 and r['time_per_sequence_us'] > 0
+    assert r['ratio'] == pytest.approx(r['time_batched_us'] / r['time_per_sequence_us'])
+  table = (workdir / 'table.md').read_text()
+  assert '| 128 | 2 | 8 | xla | ok |' in table and 'r_min' in table
+  assert (workdir / 'ratio.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  data = json.loads(thresholds.read_text())
+  assert data['status'] == 'measured' and [n for n, _ in data['steps']] == [64, 128]
+  assert data['device'] == records[0]['meta']['device']
+  policy = hj.SharingPolicy.load(str(thresholds))
+  assert all(1 <= r <= 3 for _, r in policy.steps)
+
+
+def test_break_even_rejects_unaligned_lengths(tmp_path):
+  cmd = [sys.executable, '-m', 'experiments.break_even', '--lengths=60', '--rows=1',
+         '--batches=2', f'--workdir={tmp_path}']
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode != 0 and 'page_size' in done.stderr
