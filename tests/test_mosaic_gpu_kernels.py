@@ -256,6 +256,23 @@ class TestSupportAndSchedule:
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
 
+  @pytest.mark.parametrize('tg,want', [(1, 1), (3, 4), (4, 4), (6, 8), (8, 8), (33, 64), (64, 64),
+                                       (65, 128), (80, 128), (128, 128)])
+  def test_padded_rows_per_query(self, tg, want):
+    assert schedule.padded_rows_per_query(tg) == want
+
+  @pytest.mark.parametrize(
+      'batch,tgp,kv_heads,want',
+      [(1024, 4, 8, 64), (256, 4, 8, 32), (32, 4, 8, 8), (32, 1, 32, 8), (2, 16, 1, 16),
+       (4, 128, 8, 64)],
+      ids=str,
+  )
+  def test_private_frames_cover_the_chip(self, batch, tgp, kv_heads, want):
+    """The largest frame whose programs still cover 132 SMs, never below one row or 8 rows."""
+    frame = schedule.private_frame_rows(batch, tgp, kv_heads, 132)
+    assert frame == want
+    assert frame % 8 == 0 and (frame % tgp == 0 or tgp % frame == 0)
+
   def test_row_segments_follow_paths(self):
     plan = _tree('deep', 16, (1,))
     layout = plan.to_device()

@@ -17,9 +17,8 @@ here:
 * the number of pieces J of each (R, S) group is padded to a power of two
   (at least `min_segments`) with empty slots (kv_length 0: a no-op).
 
-Where `TreeLayout` has `row_segments` (per row, its pieces root first, as
-indices into the concatenation of the groups), it is filled, its width padded
-to a power of two.
+`row_segments` (per row, its pieces root first, as indices into the
+concatenation of the groups) is filled, its width padded to a power of two.
 
 The private page table is padded to a power of two of columns (see
 `LayoutPolicy.page_width`), and a plan may already carry padding rows (no
@@ -134,15 +133,11 @@ def device_groups(plan: SharingPlan, policy: LayoutPolicy):
 
 
 def make_layout(groups, row_pieces, private_pages, private_lengths, page_size: int) -> TreeLayout:
-  """A `TreeLayout`, with `row_segments` where this version of the type has it."""
-  extra = {'row_segments': row_pieces} if _HAS_ROW_SEGMENTS else {}
+  """A `TreeLayout` with the rows' paths as `row_segments`."""
   return TreeLayout(
       groups=groups, private_pages=private_pages, private_lengths=private_lengths,
-      page_size=page_size, num_rows=private_lengths.shape[0], **extra,
+      page_size=page_size, num_rows=private_lengths.shape[0], row_segments=row_pieces,
   )
-
-
-_HAS_ROW_SEGMENTS = 'row_segments' in {f.name for f in dataclasses.fields(TreeLayout)}
 
 
 def page_table(plan: SharingPlan, width: int) -> np.ndarray:
