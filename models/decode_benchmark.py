@@ -163,6 +163,8 @@ def _top_kernels(run, state, count: int):
   CUPTI device timers, through the extension Mosaic GPU's profiler uses (GPU
   only; called directly because the step donates its state, so no warm-up run).
   """
+  # Private on purpose: the public `jax.experimental.mosaic.gpu.profiler.measure` runs its
+  # function once more as a warm-up, which a step that donates its state cannot allow.
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
   ext = mosaic_gpu_lib._mosaic_gpu_ext

@@ -30,7 +30,7 @@ from jax import lax
 import numpy as np
 
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PRIVATE_BLOCK, WG_M, cdiv, frame_pad, round_up
-from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E
+from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, floor_div
 
 _BLK = PRIVATE_BLOCK
 _RUNGS = ((0, 8), (8, 16), (16, 32), (32, 64))  # row ranges of a private block's copies
@@ -170,7 +170,7 @@ def paged_attention(
       limit = length
     else:
       rel = rows + (frame - first)  # query index t*G + g within the row
-      tq = (rel.astype(jnp.float32) * (1.0 / g_size) + 0.5 / g_size).astype(jnp.int32)
+      tq = floor_div(rel, g_size)
       limit = jnp.minimum(length - t_tok + 1 + tq, length)
 
     m_i = plgpu.layout_cast(jnp.full((WG_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))

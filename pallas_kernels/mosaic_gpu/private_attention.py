@@ -38,7 +38,7 @@ from jax import lax
 from pallas_kernels.mosaic_gpu.schedule import (
     ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
 )
-from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, segment_fields
+from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, floor_div, segment_fields
 
 _BLK = PRIVATE_BLOCK
 _LANES = PRIVATE_BLOCK // CHUNK  # chunks per step
@@ -64,11 +64,6 @@ class PrivateProblem:
   @property
   def num_frames(self) -> int:
     return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
-
-
-def _floor_div(x, d: int):
-  """x // d for a non-negative int32 array below 2**20, in float math (exact there)."""
-  return (x.astype(jnp.float32) * (1.0 / d) + 0.5 / d).astype(jnp.int32)
 
 
 def private_attention(
@@ -232,16 +227,16 @@ def private_attention(
     # ---- static index vectors of the 64 x BLK score tile ----
     rows = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-    lane = _floor_div(cols, CHUNK)
+    lane = floor_div(cols, CHUNK)
     sub = cols - lane * CHUNK  # token within the chunk
     if r_rows > 1:
-      row_of = _floor_div(rows, tgp)
+      row_of = floor_div(rows, tgp)
       within = rows - row_of * tgp
     else:
       row_of = None
       within = rows + q0
     if t_tok > 1:  # query token of each score row
-      t_of = _floor_div(within, g_size)
+      t_of = floor_div(within, g_size)
 
     def step_mask(cursor):
       """Visibility [64, BLK] of the next 8 lanes, and the cursor after them.

@@ -33,6 +33,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+def floor_div(x, d: int):
+  """x // d for a non-negative int32 array below 2**20, in float math (exact there)."""
+  return (x.astype(jnp.float32) * (1.0 / d) + 0.5 / d).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentKernelConfig:
   """Block sizes of the shared-segment kernel."""

@@ -106,33 +106,39 @@ def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
   return jnp.pad(qf, ((0, 0), (0, rows - b * tgp), (0, 0)))
 
 
-def _unfold(out_f, lse_f, q_shape, problem: PrivateProblem):
-  """The private kernel's folded outputs back to out [B, T, N, H] and lse [B, T, N]."""
+def _unfold(out_f, lse_f, lse_rows: np.ndarray, q_shape, tgp: int):
+  """Folded outputs back to out [B, T, N, H] and lse [B, T, N].
+
+  out_f [K, >= B*TGp, H] holds folded row b*TGp + t*G + g at that index;
+  `lse_rows` [B*T*G] is where each unpadded folded row's lse is in lse_f [K, ...].
+  """
   b, t, n, h = q_shape
   kh = out_f.shape[0]
   g = n // kh
-  tgp, f = problem.rows_per_query, problem.frame_rows
   out = out_f[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
   out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
-  rows = np.arange(b * tgp).reshape(b, tgp)[:, : t * g].reshape(-1)
-  lse = lse_f[:, (rows // f) * WG_M + rows % f]
-  lse = lse.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, n)
+  lse = lse_f[:, lse_rows].reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, n)
   return out, lse
 
 
+def _frame_lse_rows(b: int, tg: int, problem: PrivateProblem) -> np.ndarray:
+  """Place of each unpadded folded row's lse in the private kernel's per-frame lse tiles."""
+  tgp, f = problem.rows_per_query, problem.frame_rows
+  rows = np.arange(b * tgp).reshape(b, tgp)[:, :tg].reshape(-1)
+  return (rows // f) * WG_M + rows % f
+
+
 def _paged_decode(q, k_cache, v_cache, layout: TreeLayout, *, scale: float, interpret: bool):
-  b, t, n, h = q.shape
+  b, t, n, _ = q.shape
   kh = k_cache.shape[1]
-  g = n // kh
-  problem = PagedProblem(b, t, g, layout.page_size, scale)
-  qf = _fold_queries(q, kh, t * g, round_up(b * t * g + TILE_M, ALIGN))
+  tg = t * (n // kh)
+  problem = PagedProblem(b, t, n // kh, layout.page_size, scale)
+  qf = _fold_queries(q, kh, tg, round_up(b * tg + TILE_M, ALIGN))
   out_f, lse_tiles = paged_attention(
       qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, problem,
       interpret=interpret,
   )
-  out = out_f.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
-  lse = lse_tiles[:, lse_index(b, t * g)].reshape(kh, b, t, g).transpose(1, 2, 0, 3)
-  return PartialState(out, lse.reshape(b, t, n))
+  return PartialState(*_unfold(out_f, lse_tiles, lse_index(b, tg), q.shape, tg))
 
 
 @functools.partial(
@@ -208,4 +214,4 @@ def tree_attention(
       qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, layout.row_segments,
       segments, sched, partial_out, partial_lse, problem, interpret=interpret,
   )
-  return PartialState(*_unfold(out_f, lse_f, q.shape, problem))
+  return PartialState(*_unfold(out_f, lse_f, _frame_lse_rows(b, tg, problem), q.shape, tgp))
