@@ -23,7 +23,6 @@ the host work, so the engine runs the tiny config's (stubbed) model.
   PYTHONPATH=. python3 -m experiments.host_overhead
 """
 
-import contextlib
 import statistics
 import time
 
@@ -152,20 +151,13 @@ def _remove_insert(cache, rng, systems):
   cache.commit(cache.insert(prompt, reserve_tokens=_NEW.value).seq_id)
 
 
-@contextlib.contextmanager
-def _stub_model():
+def _stub_model(engine) -> None:
   """Replaces the engine's jitted model call by zeros (the host path is unchanged)."""
-  real = engine_lib._model_step
 
-  def fake(graphdef, params, cache, tokens, positions, slots, layout, key, request_ids, *args,
-           **kwargs):
+  def fake(params, cache, tokens, positions, slots, layout, key, request_ids, *args, **kwargs):
     return jnp.zeros(request_ids.shape[0], jnp.int32), cache
 
-  engine_lib._model_step = fake
-  try:
-    yield
-  finally:
-    engine_lib._model_step = real
+  engine._model_step = fake
 
 
 def measure_engine() -> dict:
@@ -182,28 +174,28 @@ def measure_engine() -> dict:
       max_prefill_rows=1, max_prefill_tokens=8192, decode_buckets=(b,), layout=_layout_policy(),
       impl='xla', prefill_impl='xla')
   params = engine_lib.SamplingParams(max_new_tokens=new)
-  with _stub_model():
-    engine = engine_lib.Engine(model, config)
-    submitted = 0
-    # One arrival per step until the batch is full (staggered lengths), then one per finish;
-    # `new` more steps reach the steady state (about b / new requests finish per step).
-    while engine.num_running < b:
-      if engine.num_queued == 0:
-        engine.submit(_prompt(rng, systems, submitted, vocab), params)
-        submitted += 1
-      engine.step()
-    iteration = []
-    for step in range(new + _STEPS.value):
-      if step == new:
-        engine.stats = type(engine.stats)()
-      while engine.num_running + engine.num_queued < b:
-        engine.submit(_prompt(rng, systems, submitted, vocab), params)
-        submitted += 1
-      t0 = time.perf_counter()
-      engine.step()
-      if step >= new:
-        iteration.append(time.perf_counter() - t0)
-    s = engine.stats.summary()
+  engine = engine_lib.Engine(model, config)
+  _stub_model(engine)
+  submitted = 0
+  # One arrival per step until the batch is full (staggered lengths), then one per finish;
+  # `new` more steps reach the steady state (about b / new requests finish per step).
+  while engine.num_running < b:
+    if engine.num_queued == 0:
+      engine.submit(_prompt(rng, systems, submitted, vocab), params)
+      submitted += 1
+    engine.step()
+  iteration = []
+  for step in range(new + _STEPS.value):
+    if step == new:
+      engine.stats = type(engine.stats)()
+    while engine.num_running + engine.num_queued < b:
+      engine.submit(_prompt(rng, systems, submitted, vocab), params)
+      submitted += 1
+    t0 = time.perf_counter()
+    engine.step()
+    if step >= new:
+      iteration.append(time.perf_counter() - t0)
+  s = engine.stats.summary()
   return dict(decode_host_ms=s['mean_decode_host_ms'], decode_step_ms=s['mean_decode_step_ms'],
               iteration_ms=1e3 * statistics.mean(iteration),
               median_iteration_ms=1e3 * statistics.median(iteration),

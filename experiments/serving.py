@@ -12,7 +12,7 @@ sharing engine keeps finished prompts' chunks cached (`retain_prefixes`,
 emptied before each point, so every point starts cold).
 
 Per (prompt length, shared fraction): the rate at the latency bound, i.e. the
-highest rate whose mean normalized latency stays under `--latency_bound_ms` on
+highest rate whose mean normalized latency stays under each of `--latency_bounds_ms` on
 the measured curve (linear interpolation between the two measured rates around
 the crossing; a bound outside the measured rates is reported as such), for
 each engine, and their ratio (sharing on / off) at that equal normalized
@@ -69,12 +69,17 @@ _KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial st
 _MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of a layout')
 _MIN_PAGES = flags.DEFINE_integer('min_private_pages', 4, 'smallest private page-table width')
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
-_LATENCY_BOUND = flags.DEFINE_float('latency_bound_ms', 100.0, 'normalized latency bound, ms/token')
+_LATENCY_BOUNDS = flags.DEFINE_list('latency_bounds_ms', ['20', '30', '50'],
+                                    'normalized latency bounds, ms/token (a table each)')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'stop starting points after this many seconds')
 _BENCH_IMPLS = flags.DEFINE_list('bench_impls', ['xla', 'auto'],
                                  'implementations of --attention_bench')
 _ATTENTION_BENCH = flags.DEFINE_boolean('attention_bench', False,
                                         'also time attention over the pool at batch 32, 4K shared')
+_PROFILE_BATCHES = flags.DEFINE_list(
+    'profile_batches', [], 'first profile decode steps of a full batch of each size, per setting '
+    'and engine (the engine without sharing caps it by memory)')
+_PROFILE_STEPS = flags.DEFINE_integer('profile_steps', 32, 'decode steps timed per profile')
 _SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/serving', 'output folder')
 _SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
@@ -142,14 +147,78 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
       request_throughput=len(reqs) / max(end - start, 1e-9),
       peak_kv_gb=stats['peak_chunks'] * engine.config.chunk_size * engine.kv_bytes_per_token / 1e9,
       mean_batch=stats['decode_rows'] / max(stats['decode_steps'], 1),
+      # KV in use per live sequence, averaged over decode steps (cached prefixes included)
+      kv_per_seq_mb=(stats['decode_chunks'] * engine.config.chunk_size
+                     * engine.kv_bytes_per_token / max(stats['decode_rows'], 1) / 1e6),
       mean_shared_tokens=float(np.mean([r.shared_tokens for r in reqs])) if reqs else None,
       evicted_chunks=engine.cache.evicted_chunks,
       **{k: stats[k] for k in ('host_overhead_fraction', 'mean_decode_step_ms',
-                               'mean_decode_host_ms', 'mean_decode_wait_ms', 'decode_steps',
+                               'mean_decode_host_ms', 'mean_decode_wait_ms',
+                               'mean_decode_prepare_ms', 'mean_decode_dispatch_ms', 'decode_steps',
                                'prefill_tokens', 'cached_tokens', 'forked_samples',
                                'prefill_calls', 'peak_rows', 'distinct_step_shapes',
                                'new_shape_steps', 'new_shape_s')},
   )
+
+
+def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int,
+                num_chunks: int, chunk: int, max_batch: int, kv_piece: int) -> Engine:
+  """An engine of the sweep. Without sharing, memory bounds the batch: decode steps are
+  padded to that bound, not to max_batch."""
+  per_request = -(-(prompt_len + new_tokens) // chunk)
+  batch = max_batch if sharing else max(1, min(max_batch, num_chunks // per_request))
+  return Engine(model, EngineConfig(
+      num_chunks=num_chunks, chunk_size=chunk, max_batch=batch,
+      max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing,
+      max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
+      decode_buckets=(batch,), impl=_IMPL.value, prefill_impl=_IMPL.value,
+      layout=LayoutPolicy(kv_piece=kv_piece, min_segments=_MIN_SEGMENTS.value,
+                          fixed_shapes=True, min_private_pages=_MIN_PAGES.value),
+  ))
+
+
+def profile_decode(engine: Engine, workload: Workload, *, new_tokens: int, steps: int,
+                   top: int) -> dict:
+  """Decode steps of a full batch: wall, host and device time per step, and its costliest kernels.
+
+  Admits every prompt of `workload` (at once), decodes up to 8 steps (new shapes),
+  then times up to `steps` steps (as many as the requests' new_tokens leave), then
+  profiles one more (GPU: CUPTI; its kernels' total time is the device time of the
+  step).
+  """
+  params = SamplingParams(max_new_tokens=new_tokens)
+  for prompt in workload.prompts:
+    engine.submit(prompt, params)
+  while engine.num_queued:
+    engine.step()
+  left = new_tokens - 2 - max(len(r.output) for r in engine.requests.values())
+  warm = min(8, left // 4)  # the steps that follow run shapes seen before
+  steps = min(steps, left - warm)
+  if steps < 1:
+    raise ValueError(f'new_tokens={new_tokens} leave no decode step to profile')
+  for _ in range(warm):
+    engine.step()
+  engine.stats = type(engine.stats)()
+  for _ in range(steps):
+    engine.step()
+  stats = engine.stats.summary()
+  b = engine.config.decode_rows(engine.cache.num_rows)
+  layout_ms = 1e3 * timing.host_time(lambda: engine.cache.device_layout(num_rows=b),
+                                     sync=lambda x: x).median_s
+  rec = dict(kind='decode_profile', live_rows=engine.cache.num_rows, padded_rows=b,
+             used_chunks=engine.cache.num_used_chunks, layout_ms=layout_ms,
+             kv_per_seq_mb=(engine.cache.num_used_chunks * engine.config.chunk_size
+                            * engine.kv_bytes_per_token / engine.cache.num_rows / 1e6),
+             **{k: stats[k] for k in ('mean_decode_step_ms', 'mean_decode_host_ms',
+                                      'mean_decode_wait_ms', 'mean_decode_prepare_ms',
+                                      'mean_decode_dispatch_ms', 'decode_steps',
+                                      'new_shape_steps')})
+  if jax.default_backend() == 'gpu':
+    _, kernels = timing.kernel_times(engine.step)
+    rec['device_ms'] = sum(k[1] for k in kernels) / 1e3
+    rec['top_kernels'] = kernels[:top]
+  engine.run()
+  return rec
 
 
 def warm_up(engine: Engine, prompt_len: int, shared_frac: float, vocab: int,
@@ -256,7 +325,7 @@ def main(argv):
   del argv
   if _SMOKE.value:
     model_name, lens, fracs, rates = 'tiny_gqa', [64], [1.0], [50.0, 400.0]
-    num_requests, new_tokens, chunk, max_batch, kv_piece = 8, 8, 16, 8, 32
+    num_requests, new_tokens, chunk, max_batch, kv_piece = 8, 16, 16, 8, 32
     num_chunks = 96
   else:
     model_name = _MODEL.value
@@ -282,6 +351,32 @@ def main(argv):
   records = []
   samples = _NUM_SAMPLES.value
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
+  profiles = []
+  for prompt_len in lens:
+    for frac in fracs:
+      for sharing in _SHARING.value:
+        done = set()
+        for batch in [int(x) for x in _PROFILE_BATCHES.value]:
+          engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
+                               new_tokens=new_tokens, num_chunks=num_chunks, chunk=chunk,
+                               max_batch=batch, kv_piece=kv_piece)
+          if engine.config.max_batch in done:  # capped by memory to a batch already profiled
+            continue
+          done.add(engine.config.max_batch)
+          workload = make_workload(
+              num_requests=engine.config.max_batch, prompt_len=prompt_len, shared_frac=frac,
+              rate=1.0, system_prompts=_SYSTEM_PROMPTS.value, vocab=config.vocab_size,
+              seed=_SEED.value)
+          rec = dict(model=model_name, sharing=sharing, prompt_len=prompt_len, shared_frac=frac,
+                     batch=engine.config.max_batch, system_prompts=_SYSTEM_PROMPTS.value,
+                     impl=_IMPL.value, resolved_impl=resolved_impl(engine, _IMPL.value),
+                     **profile_decode(engine, workload, new_tokens=new_tokens,
+                                       steps=_PROFILE_STEPS.value, top=12))
+          logging.info('profile: %s', rec)
+          writer.append(rec)
+          profiles.append(rec)
+          del engine
+          gc.collect()
   total, point = len(lens) * len(fracs) * len(rates) * len(_SHARING.value), 0
   for prompt_len in lens:
     for frac in fracs:
@@ -289,17 +384,9 @@ def main(argv):
         break
       engines = {}
       for sharing in _SHARING.value:  # both engines live at once: every rate gets both
-        # Without sharing, memory bounds the batch: pad decode steps to that, not to max_batch.
-        per_request = -(-(prompt_len + new_tokens) // chunk)
-        batch = max_batch if sharing == 'on' else max(1, min(max_batch, num_chunks // per_request))
-        engine = Engine(model, EngineConfig(
-            num_chunks=num_chunks, chunk_size=chunk, max_batch=batch,
-            max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing == 'on',
-            max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
-            decode_buckets=(batch,), impl=_IMPL.value, prefill_impl=_IMPL.value,
-            layout=LayoutPolicy(kv_piece=kv_piece, min_segments=_MIN_SEGMENTS.value,
-                                fixed_shapes=True, min_private_pages=_MIN_PAGES.value),
-        ))
+        engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
+                             new_tokens=new_tokens, num_chunks=num_chunks, chunk=chunk,
+                             max_batch=max_batch, kv_piece=kv_piece)
         tw = time.perf_counter()
         warm_up(engine, prompt_len, frac, config.vocab_size, samples, _SYSTEM_PROMPTS.value)
         engines[sharing] = (engine, time.perf_counter() - tw, resolved_impl(engine, _IMPL.value))
@@ -336,7 +423,22 @@ def main(argv):
       gc.collect()
   if point < total:
     logging.info('the deadline cut the sweep: %d of %d points ran', point, total)
-  summarize(records, _LATENCY_BOUND.value, _WORKDIR.value, writer)
+  if records:
+    summarize(records, [float(b) for b in _LATENCY_BOUNDS.value], _WORKDIR.value, writer)
+  if profiles:
+    text = ('\n## Decode steps of a full batch\n\nMean over the timed steps; device ms = the '
+            'kernels of one profiled step (CUPTI, GPU only); layout ms = building the step\'s '
+            'layout from the cache (cached metadata).\n\n'
+            + report.markdown_table(profiles, [
+                ('sharing', 'sharing'), ('P', 'prompt_len'), ('shared', 'shared_frac'),
+                ('batch', 'batch'), ('padded', 'padded_rows'), ('step ms', 'mean_decode_step_ms'),
+                ('host ms', 'mean_decode_host_ms'), ('prepare ms', 'mean_decode_prepare_ms'),
+                ('dispatch ms', 'mean_decode_dispatch_ms'), ('wait ms', 'mean_decode_wait_ms'),
+                ('device ms', lambda r: r.get('device_ms')), ('layout ms', 'layout_ms'),
+                ('KV/seq MB', 'kv_per_seq_mb'), ('attention', 'resolved_impl')]))
+    with open(os.path.join(_WORKDIR.value, 'table.md'), 'a') as f:
+      f.write(text)
+    print(text)
   if _ATTENTION_BENCH.value:  # last: a kernel failure cannot cost the sweep's results
     del model
     gc.collect()

@@ -93,7 +93,8 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
   """Per (prompt length, shared fraction, samples): each engine's rate at the latency bound.
 
   Also the tokens/s there (interpolated like the rate), and each engine's host
-  overhead per decode step at its point of largest mean batch.
+  overhead per decode step and KV per live sequence at its point of largest mean
+  batch.
   """
   rows = []
 
@@ -125,6 +126,7 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
           f'step_ms_{sharing}': busiest['mean_decode_step_ms'],
           f'host_pct_{sharing}': 100 * busiest['host_overhead_fraction'],
           f'peak_kv_{sharing}': max(r['peak_kv_gb'] for r in pts),
+          f'kv_per_seq_{sharing}': busiest.get('kv_per_seq_mb'),
       })
     if len(results) == 2:
       row['ratio'], row['ratio_bound'] = rate_ratio(results['on'], results['off'],
@@ -133,8 +135,9 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
   return rows
 
 
-def summarize(records: list[dict], bound_ms: float, workdir: str, writer=None) -> list[dict]:
-  """table.md (every point + the rates at the latency bound), plots; returns the bound rows.
+def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
+              writer=None) -> list[dict]:
+  """table.md (every point + the rates at each latency bound), plots; returns the bound rows.
 
   With a writer, the bound rows are also appended to results.jsonl.
   """
@@ -143,7 +146,8 @@ def summarize(records: list[dict], bound_ms: float, workdir: str, writer=None) -
              ('rate req/s', 'rate'), ('done', 'completed'),
              ('ms/token mean', 'mean_norm_latency_ms'), ('p90', 'p90_norm_latency_ms'),
              ('TTFT s', 'mean_ttft_s'), ('tok/s', 'throughput_tok_s'), ('batch', 'mean_batch'),
-             ('peak KV GB', 'peak_kv_gb'), ('prefill tok', 'prefill_tokens'),
+             ('peak KV GB', 'peak_kv_gb'), ('KV/seq MB', lambda r: r.get('kv_per_seq_mb')),
+             ('prefill tok', 'prefill_tokens'),
              ('cached tok', 'cached_tokens'), ('step ms', 'mean_decode_step_ms'),
              ('host ms', 'mean_decode_host_ms'),
              ('host %', lambda r: 100 * r['host_overhead_fraction']),
@@ -151,27 +155,33 @@ def summarize(records: list[dict], bound_ms: float, workdir: str, writer=None) -
   text = ('# Serving sweep\n\n'
           'Latency is per request (per sample), queueing included; rates count prompts. '
           'Host = decode step wall time minus the wait for the device (tree, metadata, Python, '
-          'dispatch). Decode steps with shapes new to the engine (maybe a compile: "new shapes") '
-          'are left out of the step and host figures, not of the latencies.\n\n'
+          'dispatch). KV/seq = KV in use per live sequence, mean over decode steps (cached '
+          'prefixes included). Decode steps with shapes new to the engine (maybe a compile: '
+          '"new shapes") are left out of the step and host figures, not of the latencies.\n\n'
           + report.markdown_table(records, columns))
-  best = bound_summary(records, bound_ms)
-  for row in best:
-    if writer is not None:
+  rows = []
+  for bound_ms in bounds_ms:
+    best = bound_summary(records, bound_ms)
+    rows += best
+    text += (f'\n## Request rate at mean normalized latency <= {bound_ms:g} ms/token\n\n'
+             'Highest rate whose mean normalized latency stays under the bound, interpolated '
+             'linearly between the measured rates around the crossing; on/off is their ratio at '
+             'that equal latency (≥ / ≤ where a rate is only bounded). Host ms and %, and KV per '
+             'sequence, at each engine\'s point of largest mean batch.\n\n'
+             + report.markdown_table(best, [
+                 ('P', 'prompt_len'), ('shared', 'shared_frac'), ('n', 'num_samples'),
+                 ('rate on', lambda r: _rate_cell(r, 'on')),
+                 ('rate off', lambda r: _rate_cell(r, 'off')), ('on/off', _ratio_cell),
+                 ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
+                 ('host ms on', 'host_ms_on'), ('host % on', 'host_pct_on'),
+                 ('batch on', 'batch_on'), ('host ms off', 'host_ms_off'),
+                 ('host % off', 'host_pct_off'), ('batch off', 'batch_off'),
+                 ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off'),
+                 ('KV/seq MB on', lambda r: r.get('kv_per_seq_on')),
+                 ('KV/seq MB off', lambda r: r.get('kv_per_seq_off'))]))
+  if writer is not None:
+    for row in rows:
       writer.append(row)
-  text += (f'\n## Request rate at mean normalized latency <= {bound_ms:g} ms/token\n\n'
-           'Highest rate whose mean normalized latency stays under the bound, interpolated '
-           'linearly between the measured rates around the crossing; on/off is their ratio at '
-           'that equal latency (≥ / ≤ where a rate is only bounded). Host ms and % of the '
-           'decode step at each engine\'s point of largest mean batch.\n\n'
-           + report.markdown_table(best, [
-               ('P', 'prompt_len'), ('shared', 'shared_frac'), ('n', 'num_samples'),
-               ('rate on', lambda r: _rate_cell(r, 'on')),
-               ('rate off', lambda r: _rate_cell(r, 'off')), ('on/off', _ratio_cell),
-               ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
-               ('host ms on', 'host_ms_on'), ('host % on', 'host_pct_on'),
-               ('batch on', 'batch_on'), ('host ms off', 'host_ms_off'),
-               ('host % off', 'host_pct_off'), ('batch off', 'batch_off'),
-               ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off')]))
   with open(os.path.join(workdir, 'table.md'), 'w') as f:
     f.write(text)
   print(text)
@@ -182,4 +192,4 @@ def summarize(records: list[dict], bound_ms: float, workdir: str, writer=None) -
   report.plot_sweeps(records, x='rate', y='peak_kv_gb', series='sharing',
                      fixed=['prompt_len', 'shared_frac'], ylabel='peak KV GB',
                      path=os.path.join(workdir, 'kv_memory.png'), title='Peak KV memory')
-  return best
+  return rows

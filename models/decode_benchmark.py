@@ -31,6 +31,7 @@ from flax import nnx
 
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
+from hydrajax.benchmarking import timing
 from models.config import LlamaConfig
 from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
 from models.kv_cache import KVCache
@@ -130,15 +131,15 @@ def prefill_prefix(model: Llama, prefix: int, *, chunk: int, seed: int = 0, impl
   """
   tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, prefix)
   tp = plan_prompts([prompt_node(tokens)], max_new_tokens=1)
-  timing = None
+  seconds = None
   for _ in range(2):
     cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype)
     start = time.perf_counter()
     first, cache = prefill(model, tp, cache, impl=impl, chunk=chunk)
     jax.block_until_ready((first, cache))
-    timing = time.perf_counter() - start
+    seconds = time.perf_counter() - start
   k, v = cache.k[:, :prefix], cache.v[:, :prefix]
-  return k, v, first[0], timing
+  return k, v, first[0], seconds
 
 
 def _build_cache(k, v, kv_tokens: int, dest: np.ndarray) -> KVCache:
@@ -155,31 +156,6 @@ def _build_cache(k, v, kv_tokens: int, dest: np.ndarray) -> KVCache:
     return KVCache(*out)
 
   return build(k, v, jnp.asarray(dest))
-
-
-def _top_kernels(run, state, count: int):
-  """(state after one more step, the `count` costliest kernels of that step: [name, us, calls]).
-
-  CUPTI device timers, through the extension Mosaic GPU's profiler uses (GPU
-  only; called directly because the step donates its state, so no warm-up run).
-  """
-  # Private on purpose: the public `jax.experimental.mosaic.gpu.profiler.measure` runs its
-  # function once more as a warm-up, which a step that donates its state cannot allow.
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-  ext = mosaic_gpu_lib._mosaic_gpu_ext
-  ext._cupti_init()
-  try:
-    state = jax.block_until_ready(run(state, 1))
-  finally:
-    timings = ext._cupti_get_timings(True) or []
-  by_name: dict[str, list] = {}
-  for name, ms in timings:
-    entry = by_name.setdefault(name, [name, 0.0, 0])
-    entry[1] += ms * 1e3
-    entry[2] += 1
-  top = sorted(by_name.values(), key=lambda e: -e[1])[:count]
-  return state, [[n, round(us, 1), calls] for n, us, calls in top]
 
 
 def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: int,
@@ -257,7 +233,8 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   steps = int(state.step) - first_step
   step_s = elapsed / steps
   if profile_kernels and int(state.step) < case.new_tokens:
-    state, record['top_kernels'] = _top_kernels(run, state, profile_kernels)
+    state, kernels = timing.kernel_times(run, state, 1)
+    record['top_kernels'] = kernels[:profile_kernels]
   stats = jax.devices()[0].memory_stats() or {}
   record.update(
       status='ok', steps_timed=steps, first_step=first_step, decode_s=elapsed, step_s=step_s,

@@ -192,7 +192,9 @@ class EngineStats:
   A decode step's time is `decode_host_s` (host overhead: the tree and its
   metadata, the batch arrays and their upload, the dispatch of the jitted call,
   and handing out the tokens) plus `decode_wait_s` (waiting for the device's
-  result): step wall time minus the wait for the device. A step whose shapes
+  result): step wall time minus the wait for the device. Of the host part,
+  `decode_prepare_s` is the tree, layout and arrays, `decode_dispatch_s` the
+  jitted call's dispatch. A step whose shapes
   the engine runs for the first time (it may compile) is counted apart, in
   `new_shape_steps` and `new_shape_s`, not in the decode figures.
   """
@@ -200,8 +202,11 @@ class EngineStats:
   iterations: int = 0
   decode_steps: int = 0
   decode_rows: int = 0
+  decode_chunks: int = 0  # chunks in use, summed over the counted decode steps
   decode_s: float = 0.0
   decode_host_s: float = 0.0
+  decode_prepare_s: float = 0.0  # host: the tree, layout and batch arrays, before the dispatch
+  decode_dispatch_s: float = 0.0  # host: the jitted call's dispatch (arguments, uploads)
   decode_wait_s: float = 0.0
   new_shape_steps: int = 0
   new_shape_s: float = 0.0
@@ -225,6 +230,8 @@ class EngineStats:
     out['mean_decode_step_ms'] = 1e3 * self.decode_s / max(self.decode_steps, 1)
     out['mean_decode_host_ms'] = 1e3 * self.decode_host_s / max(self.decode_steps, 1)
     out['mean_decode_wait_ms'] = 1e3 * self.decode_wait_s / max(self.decode_steps, 1)
+    out['mean_decode_prepare_ms'] = 1e3 * self.decode_prepare_s / max(self.decode_steps, 1)
+    out['mean_decode_dispatch_ms'] = 1e3 * self.decode_dispatch_s / max(self.decode_steps, 1)
     return out
 
 
@@ -242,15 +249,15 @@ def _sample(logits, key, request_ids, indices, temperature):
   return jnp.where(temperature > 0, drawn, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
-def _model_step(graphdef, params, cache, tokens, positions, slots, layout, key, request_ids,
-                indices, temperature, sample_rows=None, *, impl):
+def _model_step(graphdef, treedef, params, cache, tokens, positions, slots, layout, key,
+                request_ids, indices, temperature, sample_rows=None, *, impl):
   """One model call: writes the new tokens' KV, samples next tokens from last positions.
 
   One token per row, or with `sample_rows` [S] one per entry, from that row's
-  logits (request_ids, indices, temperature are then [S]).
+  logits (request_ids, indices, temperature are then [S]). `params` are the
+  model's state leaves (`treedef` rebuilds the state).
   """
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
   h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
   logits = model.logits(h[:, -1])  # [B, V]
   if sample_rows is not None:
@@ -277,7 +284,13 @@ class Engine:
     self.kv_bytes_per_token = model.config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
     self._prefill_policy = config.prefill_layout or LayoutPolicy(
         kv_piece=config.layout.kv_piece, min_private_pages=config.layout.min_private_pages)
-    self._graphdef, self._params = nnx.split(model)
+    # Bound once: hashing the graph definition and flattening the model's state on every
+    # call (as a static and a pytree argument) would cost about 1 ms per step of dispatch.
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    self._params = tuple(leaves)
+    self._model_step = jax.jit(functools.partial(_model_step, graphdef, treedef),
+                               static_argnames=('impl',), donate_argnames=('cache',))
     self._key = jax.random.key(config.seed)
     self._queue: collections.deque[list[Request]] = collections.deque()  # a prompt's samples
     self._by_seq: dict[int, Request] = {}
@@ -534,6 +547,7 @@ class Engine:
     layout = cache.device_layout(num_rows=b)
     self._track_peak()
     seen = len(self._seen_shapes)
+    tp = self.clock()
     new = self._run_model(tokens, positions, slots, layout, reqs, b, c.impl)
     t1 = self.clock()  # dispatched: what follows until the result is the device's
     new = np.asarray(new)[: len(reqs)].tolist()
@@ -546,10 +560,13 @@ class Engine:
       stats.new_shape_s += t3 - t0
       return
     stats.decode_host_s += (t1 - t0) + (t3 - t2)
+    stats.decode_prepare_s += tp - t0
+    stats.decode_dispatch_s += t1 - tp
     stats.decode_wait_s += t2 - t1
     stats.decode_s += t3 - t0
     stats.decode_steps += 1
     stats.decode_rows += len(rows)
+    stats.decode_chunks += cache.num_used_chunks
 
   def _run_model(self, tokens, positions, slots, layout, samples, b, impl, sample_rows=None):
     """Dispatches one model call; returns its sampled tokens (on the device, not waited for).
@@ -569,8 +586,8 @@ class Engine:
     self._seen_shapes.add(shapes)
     # Host arrays go to the jitted call as they are: its dispatch uploads them faster than
     # one jnp.asarray each.
-    new, self.kv = _model_step(
-        self._graphdef, self._params, self.kv, tokens, positions, slots, layout, self._key, ids,
+    new, self.kv = self._model_step(
+        self._params, self.kv, tokens, positions, slots, layout, self._key, ids,
         index, temp, sample_rows, impl=impl,
     )
     return new

@@ -514,6 +514,14 @@ def test_fixed_shapes_give_one_group_and_row_paths():
     assert got == want
 
 
+def test_fixed_shapes_without_sharing_give_no_segment_group():
+  # Nothing is ever shared: the layout has no (empty) group, so attention takes the paged path.
+  cache = _populated_cache(10, share=False, policy=FIXED)
+  for layout in (cache.device_layout(num_rows=16), cache.device_layout(cache.rows[:3])):
+    assert layout.groups == ()
+  assert int(cache.device_layout(num_rows=16).private_lengths.sum()) == int(cache.lengths().sum())
+
+
 def test_copy_slots_copies_every_layer_and_drops_padding():
   k = jax.random.normal(jax.random.key(8), (3, 20, 2, 4))
   v = jax.random.normal(jax.random.key(9), (3, 20, 2, 4))

@@ -185,3 +185,30 @@ def host_time(
       method='host wall clock per call',
       flush_bytes=0,
   )
+
+
+def kernel_times(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[list]]:
+  """Runs `fn(*args)` once (and waits); returns (its result, [[kernel name, total us, calls]]).
+
+  CUPTI device timers, through the extension Mosaic GPU's profiler uses (GPU
+  only), sorted by total time. For one call of a function that donates its
+  arguments or changes state (a decode step, an engine iteration), so it
+  cannot run twice.
+  """
+  # Private on purpose: the public `jax.experimental.mosaic.gpu.profiler.measure` runs its
+  # function once more as a warm-up, which a call that donates its state cannot allow.
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  ext._cupti_init()
+  try:
+    result = jax.block_until_ready(fn(*args))
+  finally:
+    timings = ext._cupti_get_timings(True) or []
+  by_name: dict[str, list] = {}
+  for name, ms in timings:
+    entry = by_name.setdefault(name, [name, 0.0, 0])
+    entry[1] += ms * 1e3
+    entry[2] += 1
+  return result, sorted(([n, round(us, 1), c] for n, us, c in by_name.values()),
+                        key=lambda e: -e[1])

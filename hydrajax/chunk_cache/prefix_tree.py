@@ -608,7 +608,7 @@ class ChunkCache:
 
     width = self.config.max_pages
     if seq_ids is not None:
-      policy = policy or self.config.layout
+      policy = self._no_empty_groups(policy or self.config.layout)
       plan = self.plan(seq_ids, num_rows=num_rows)
       width = policy.page_width(max(len(p) for p in plan.private_pages), width)
       return make_layout(
@@ -617,7 +617,7 @@ class ChunkCache:
       )
     if policy is not None and policy != self.config.layout:
       raise ValueError('a layout of all rows (decode) uses config.layout: it is cached')
-    policy = self.config.layout
+    policy = self._no_empty_groups(self.config.layout)
     b = self.num_rows
     num_rows = max(b, 1) if num_rows is None else num_rows
     if num_rows < max(b, 1):
@@ -640,6 +640,13 @@ class ChunkCache:
     lengths = np.zeros(num_rows, np.int32)
     lengths[:b] = self._len[:b] - self._shared[:b]
     return make_layout(*cached[1], pages[1], jnp.asarray(lengths), self._c)
+
+  def _no_empty_groups(self, policy: LayoutPolicy) -> LayoutPolicy:
+    """Without sharing there is never a segment: no (empty) fixed-shape segment group either,
+    so attention takes the plain paged path instead of merging empty shared states."""
+    if self.config.share_prefixes or not policy.fixed_shapes:
+      return policy
+    return dataclasses.replace(policy, fixed_shapes=False)
 
   # ---- checks -----------------------------------------------------------------------------
 
