@@ -161,19 +161,27 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
   )
 
 
-def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int,
-                num_chunks: int, chunk: int, max_batch: int, kv_piece: int) -> Engine:
-  """An engine of the sweep. Without sharing, memory bounds the batch: decode steps are
-  padded to that bound, not to max_batch."""
+def make_engine(model: Llama, *, sharing: bool, prompt_len: int, shared_frac: float,
+                new_tokens: int, num_chunks: int, chunk: int, max_batch: int, kv_piece: int,
+                impl: str = 'auto', min_segments: int = 8, min_pages: int = 4) -> Engine:
+  """An engine of the sweep.
+
+  Without sharing, memory bounds the batch: decode steps are padded to that bound,
+  not to max_batch. The page table is at least as wide as a sharing row's whole
+  life needs (its unshared prompt, the copied partial chunk, every new token), so
+  its width does not grow, and compile, in the middle of a point.
+  """
   per_request = -(-(prompt_len + new_tokens) // chunk)
   batch = max_batch if sharing else max(1, min(max_batch, num_chunks // per_request))
+  unshared = prompt_len - int(round(prompt_len * shared_frac)) if sharing else prompt_len
+  min_pages = max(min_pages, -(-(unshared + chunk + new_tokens) // chunk))
   return Engine(model, EngineConfig(
       num_chunks=num_chunks, chunk_size=chunk, max_batch=batch,
       max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing,
       max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
-      decode_buckets=(batch,), impl=_IMPL.value, prefill_impl=_IMPL.value,
-      layout=LayoutPolicy(kv_piece=kv_piece, min_segments=_MIN_SEGMENTS.value,
-                          fixed_shapes=True, min_private_pages=_MIN_PAGES.value),
+      decode_buckets=(batch,), impl=impl, prefill_impl=impl,
+      layout=LayoutPolicy(kv_piece=kv_piece, min_segments=min_segments, fixed_shapes=True,
+                          min_private_pages=min_pages),
   ))
 
 
@@ -217,7 +225,9 @@ def profile_decode(engine: Engine, workload: Workload, *, new_tokens: int, steps
     _, kernels = timing.kernel_times(engine.step)
     rec['device_ms'] = sum(k[1] for k in kernels) / 1e3
     rec['top_kernels'] = kernels[:top]
-  engine.run()
+  for rid in list(engine.requests):
+    engine.cancel(rid)
+  engine.run()  # one iteration: the cancellations release every chunk
   return rec
 
 
@@ -351,6 +361,7 @@ def main(argv):
   records = []
   samples = _NUM_SAMPLES.value
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
+  knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value, min_pages=_MIN_PAGES.value)
   profiles = []
   for prompt_len in lens:
     for frac in fracs:
@@ -358,8 +369,8 @@ def main(argv):
         done = set()
         for batch in [int(x) for x in _PROFILE_BATCHES.value]:
           engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
-                               new_tokens=new_tokens, num_chunks=num_chunks, chunk=chunk,
-                               max_batch=batch, kv_piece=kv_piece)
+                               shared_frac=frac, new_tokens=new_tokens, num_chunks=num_chunks,
+                               chunk=chunk, max_batch=batch, kv_piece=kv_piece, **knobs)
           if engine.config.max_batch in done:  # capped by memory to a batch already profiled
             continue
           done.add(engine.config.max_batch)
@@ -385,8 +396,8 @@ def main(argv):
       engines = {}
       for sharing in _SHARING.value:  # both engines live at once: every rate gets both
         engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
-                             new_tokens=new_tokens, num_chunks=num_chunks, chunk=chunk,
-                             max_batch=max_batch, kv_piece=kv_piece)
+                             shared_frac=frac, new_tokens=new_tokens, num_chunks=num_chunks,
+                             chunk=chunk, max_batch=max_batch, kv_piece=kv_piece, **knobs)
         tw = time.perf_counter()
         warm_up(engine, prompt_len, frac, config.vocab_size, samples, _SYSTEM_PROMPTS.value)
         engines[sharing] = (engine, time.perf_counter() - tw, resolved_impl(engine, _IMPL.value))

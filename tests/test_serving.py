@@ -94,3 +94,31 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   assert '## Request rate at mean normalized latency <= 100 ms/token' in table
   assert '## Request rate at mean normalized latency <= 0.5 ms/token' in table
   assert '| host ms on | host % on |' in table and '| host ms | host % |' in table
+
+
+@pytest.mark.parametrize('shared_frac', [1.0, 0.5])
+def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac):
+  # A shape first seen during a point compiles there and inflates its latencies (on the H200,
+  # two page-table widths cost 22 s). The model is stubbed: shapes are the host's business.
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from experiments import serving
+  from models.config import get_config
+  from models.engine import SamplingParams
+  from models.llama import Llama
+
+  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
+  vocab = model.config.vocab_size
+  for sharing in (True, False):
+    engine = serving.make_engine(model, sharing=sharing, prompt_len=64, shared_frac=shared_frac,
+                                 new_tokens=80, num_chunks=160, chunk=16, max_batch=8,
+                                 kv_piece=32, impl='xla')
+    engine._model_step = lambda params, cache, *args, **kw: (jnp.zeros(args[-4].shape, jnp.int32),
+                                                              cache)
+    serving.warm_up(engine, 64, shared_frac, vocab, system_prompts=2)
+    workload = serving.make_workload(num_requests=24, prompt_len=64, shared_frac=shared_frac,
+                                     rate=1e4, system_prompts=2, vocab=vocab, seed=3)
+    metrics = serving.serve(engine, workload, SamplingParams(max_new_tokens=80), deadline_s=60)
+    assert metrics['completed'] == 24 and metrics['decode_steps'] > 80
+    assert metrics['new_shape_steps'] == 0, sharing
