@@ -67,7 +67,6 @@ _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
 _MAX_BATCH = flags.DEFINE_integer('max_batch', 64, 'most live sequences (the decode batch)')
 _KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
 _MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of a layout')
-_MIN_PAGES = flags.DEFINE_integer('min_private_pages', 4, 'smallest private page-table width')
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
 _LATENCY_BOUNDS = flags.DEFINE_list('latency_bounds_ms', ['20', '30', '50'],
                                     'normalized latency bounds, ms/token (a table each)')
@@ -161,27 +160,27 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
   )
 
 
-def make_engine(model: Llama, *, sharing: bool, prompt_len: int, shared_frac: float,
-                new_tokens: int, num_chunks: int, chunk: int, max_batch: int, kv_piece: int,
-                impl: str = 'auto', min_segments: int = 8, min_pages: int = 4) -> Engine:
+def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int,
+                num_chunks: int, chunk: int, max_batch: int, kv_piece: int,
+                impl: str = 'auto', min_segments: int = 8) -> Engine:
   """An engine of the sweep.
 
   Without sharing, memory bounds the batch: decode steps are padded to that bound,
-  not to max_batch. The page table is at least as wide as a sharing row's whole
-  life needs (its unshared prompt, the copied partial chunk, every new token), so
-  its width does not grow, and compile, in the middle of a point.
+  not to max_batch. The page table always has a column for every page a request
+  may hold (like a paged server's block table): a width that grows with the
+  tree would compile again in the middle of a point (12-22 s per width on the
+  H200). The Mosaic GPU kernels read only valid pages, so the width costs
+  nothing there; the XLA path gathers every column.
   """
   per_request = -(-(prompt_len + new_tokens) // chunk)
   batch = max_batch if sharing else max(1, min(max_batch, num_chunks // per_request))
-  unshared = prompt_len - int(round(prompt_len * shared_frac)) if sharing else prompt_len
-  min_pages = max(min_pages, -(-(unshared + chunk + new_tokens) // chunk))
   return Engine(model, EngineConfig(
       num_chunks=num_chunks, chunk_size=chunk, max_batch=batch,
       max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing,
       max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
       decode_buckets=(batch,), impl=impl, prefill_impl=impl,
       layout=LayoutPolicy(kv_piece=kv_piece, min_segments=min_segments, fixed_shapes=True,
-                          min_private_pages=min_pages),
+                          min_private_pages=per_request),
   ))
 
 
@@ -361,7 +360,7 @@ def main(argv):
   records = []
   samples = _NUM_SAMPLES.value
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
-  knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value, min_pages=_MIN_PAGES.value)
+  knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value)
   profiles = []
   for prompt_len in lens:
     for frac in fracs:
@@ -369,7 +368,7 @@ def main(argv):
         done = set()
         for batch in [int(x) for x in _PROFILE_BATCHES.value]:
           engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
-                               shared_frac=frac, new_tokens=new_tokens, num_chunks=num_chunks,
+                               new_tokens=new_tokens, num_chunks=num_chunks,
                                chunk=chunk, max_batch=batch, kv_piece=kv_piece, **knobs)
           if engine.config.max_batch in done:  # capped by memory to a batch already profiled
             continue
@@ -396,7 +395,7 @@ def main(argv):
       engines = {}
       for sharing in _SHARING.value:  # both engines live at once: every rate gets both
         engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
-                             shared_frac=frac, new_tokens=new_tokens, num_chunks=num_chunks,
+                             new_tokens=new_tokens, num_chunks=num_chunks,
                              chunk=chunk, max_batch=max_batch, kv_piece=kv_piece, **knobs)
         tw = time.perf_counter()
         warm_up(engine, prompt_len, frac, config.vocab_size, samples, _SYSTEM_PROMPTS.value)

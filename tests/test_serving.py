@@ -96,10 +96,14 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   assert '| host ms on | host % on |' in table and '| host ms | host % |' in table
 
 
+@pytest.mark.parametrize('size', ['small', 'h200_2k'])
 @pytest.mark.parametrize('shared_frac', [1.0, 0.5])
-def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac):
+def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac, size, monkeypatch):
   # A shape first seen during a point compiles there and inflates its latencies (on the H200,
-  # two page-table widths cost 22 s). The model is stubbed: shapes are the host's business.
+  # page-table widths new to a point cost 12-22 s). The model is stubbed (shapes are the host's
+  # business) and the clock simulated: each model call takes 22 ms, as a 2K point's steps did.
+  import dataclasses
+
   import jax.numpy as jnp
   from flax import nnx
 
@@ -108,17 +112,29 @@ def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac):
   from models.engine import SamplingParams
   from models.llama import Llama
 
-  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
-  vocab = model.config.vocab_size
+  prompt_len, chunk, new, num_chunks, batch, piece, rate, n = {
+      'small': (64, 16, 80, 160, 8, 32, 50.0, 24),
+      'h200_2k': (2048, 64, 512, 1024, 128, 1024, 6.0, 96),  # the H200 sweep's engines
+  }[size]
+  config = dataclasses.replace(get_config('tiny_gqa'), vocab_size=32000)
+  model = Llama(config, rngs=nnx.Rngs(0))
+  clock = [0.0]
+
+  def model_step(params, cache, *args, **kwargs):
+    clock[0] += 0.022
+    return jnp.zeros(args[-4].shape, jnp.int32), cache
+
+  monkeypatch.setattr(serving.time, 'sleep', lambda s: clock.__setitem__(0, clock[0] + s + 1e-6))
   for sharing in (True, False):
-    engine = serving.make_engine(model, sharing=sharing, prompt_len=64, shared_frac=shared_frac,
-                                 new_tokens=80, num_chunks=160, chunk=16, max_batch=8,
-                                 kv_piece=32, impl='xla')
-    engine._model_step = lambda params, cache, *args, **kw: (jnp.zeros(args[-4].shape, jnp.int32),
-                                                              cache)
-    serving.warm_up(engine, 64, shared_frac, vocab, system_prompts=2)
-    workload = serving.make_workload(num_requests=24, prompt_len=64, shared_frac=shared_frac,
-                                     rate=1e4, system_prompts=2, vocab=vocab, seed=3)
-    metrics = serving.serve(engine, workload, SamplingParams(max_new_tokens=80), deadline_s=60)
-    assert metrics['completed'] == 24 and metrics['decode_steps'] > 80
+    engine = serving.make_engine(model, sharing=sharing, prompt_len=prompt_len,
+                                 new_tokens=new, num_chunks=num_chunks,
+                                 chunk=chunk, max_batch=batch, kv_piece=piece, impl='xla')
+    engine.clock, engine._model_step = (lambda: clock[0]), model_step
+    serving.warm_up(engine, prompt_len, shared_frac, config.vocab_size, system_prompts=4)
+    serving.reset(engine)
+    workload = serving.make_workload(num_requests=n, prompt_len=prompt_len,
+                                     shared_frac=shared_frac, rate=rate, system_prompts=4,
+                                     vocab=config.vocab_size, seed=0)
+    metrics = serving.serve(engine, workload, SamplingParams(max_new_tokens=new), deadline_s=1e9)
+    assert metrics['completed'] == n and metrics['decode_steps'] > new
     assert metrics['new_shape_steps'] == 0, sharing
