@@ -5,9 +5,9 @@ Requests arrive as a Poisson process at a sweep of rates. Each prompt is
 prompts (the rest unique); each asks for `--new_tokens` tokens, in
 `--num_samples` samples (one prefill, then a fork; the rate counts prompts).
 Per point: normalized latency (end-to-end latency / output tokens, queueing
-included, per sample), throughput, peak KV memory, host overhead per decode
-step (ms and % of the step: the step's wall time minus its wait for the
-device). The same engine with `share_prefixes=False` is the baseline; the
+included, per sample), throughput, peak KV memory and KV per live sequence,
+host overhead per decode step (ms and % of the step: the step's wall time
+minus its wait for the device). The same engine with `share_prefixes=False` is the baseline; the
 sharing engine keeps finished prompts' chunks cached (`retain_prefixes`,
 emptied before each point, so every point starts cold).
 
@@ -16,16 +16,21 @@ highest rate whose mean normalized latency stays under each of `--latency_bounds
 the measured curve (linear interpolation between the two measured rates around
 the crossing; a bound outside the measured rates is reported as such), for
 each engine, and their ratio (sharing on / off) at that equal normalized
-latency. These are the `rate_at_bound` records of results.jsonl and the last
-table of table.md (computed in experiments/serving_report.py).
+latency; and each engine's most tokens/s over the points. Points that compiled
+(a decode shape first seen inside the point) are left out of these. These are
+the `rate_at_bound` records of results.jsonl and the last tables of table.md
+(computed in experiments/serving_report.py).
 
-The H200 run of experiments/results/serving/ (Llama-2-7B shape, random bf16
-weights, a reduced sweep; about 2 minutes; on the lent machine $OUT/serving):
+The H200 runs are in experiments/results/serving/ (its README). The main one
+(2K prompts, 100% shared; on the lent machine with --workdir=$OUT/f/sweep):
 
   PYTHONPATH=. python3 -m experiments.serving --model=llama2_7b --prompt_lens=2048 \
-      --shared_fracs=1.0 --rates=16,64,4 --num_requests=32 --new_tokens=128 --kv_gib=32 \
-      --impl=xla --attention_bench --bench_impls=xla,auto --deadline_s=90 \
-      --workdir=experiments/results/serving
+      --shared_fracs=1,0.5 --rates=6,12,24,48 --num_requests=96 --new_tokens=512 \
+      --kv_gib=32 --max_batch=128 --impl=auto --deadline_s=400
+
+`--profile_batches=32,128,256` first profiles decode steps of full batches
+(step, host and device time, the costliest kernels); `--report_from=results.jsonl`
+only rewrites a run's report.
 
 The full sweep of the issue: `--prompt_lens=1024,2048,4096 --shared_fracs=0,0.5,1
 --new_tokens=512` (long). `--smoke` runs a tiny model on CPU in under a minute.
@@ -45,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 import hydrajax as hj
-from experiments.serving_report import summarize
+from experiments.serving_report import profile_table, summarize
 from hydrajax.benchmarking import report, timing
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from hydrajax.layout import TreeLayout
@@ -79,6 +84,9 @@ _PROFILE_BATCHES = flags.DEFINE_list(
     'profile_batches', [], 'first profile decode steps of a full batch of each size, per setting '
     'and engine (the engine without sharing caps it by memory)')
 _PROFILE_STEPS = flags.DEFINE_integer('profile_steps', 32, 'decode steps timed per profile')
+_REPORT_FROM = flags.DEFINE_string(
+    'report_from', '', 'only write the report (table.md, plots) of this results.jsonl into '
+    '--workdir (with this code\'s report, e.g. other --latency_bounds_ms)')
 _SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/serving', 'output folder')
 _SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
@@ -330,8 +338,29 @@ def attention_bench(config, impls: list[str], writer) -> list[dict]:
   return records
 
 
+def write_report(records: list[dict], profiles: list[dict], writer=None) -> None:
+  """table.md and the plots of serving points and decode profiles, into --workdir."""
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  if records:
+    summarize(records, [float(b) for b in _LATENCY_BOUNDS.value], _WORKDIR.value, writer)
+  if profiles:
+    text = profile_table(profiles)
+    with open(os.path.join(_WORKDIR.value, 'table.md'), 'a' if records else 'w') as f:
+      f.write(text)
+    print(text)
+
+
 def main(argv):
   del argv
+  if _REPORT_FROM.value:  # only the report, from a run's results; bound rows: report.jsonl
+    rows = report.read_jsonl(_REPORT_FROM.value)
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    path = os.path.join(_WORKDIR.value, 'report.jsonl')
+    if os.path.exists(path):
+      os.remove(path)
+    write_report([r for r in rows if r.get('kind') == 'serving'],
+                 [r for r in rows if r.get('kind') == 'decode_profile'], report.JsonlWriter(path))
+    return
   if _SMOKE.value:
     model_name, lens, fracs, rates = 'tiny_gqa', [64], [1.0], [50.0, 400.0]
     num_requests, new_tokens, chunk, max_batch, kv_piece = 8, 16, 16, 8, 32
@@ -433,22 +462,7 @@ def main(argv):
       gc.collect()
   if point < total:
     logging.info('the deadline cut the sweep: %d of %d points ran', point, total)
-  if records:
-    summarize(records, [float(b) for b in _LATENCY_BOUNDS.value], _WORKDIR.value, writer)
-  if profiles:
-    text = ('\n## Decode steps of a full batch\n\nMean over the timed steps; device ms = the '
-            'kernels of one profiled step (CUPTI, GPU only); layout ms = building the step\'s '
-            'layout from the cache (cached metadata).\n\n'
-            + report.markdown_table(profiles, [
-                ('sharing', 'sharing'), ('P', 'prompt_len'), ('shared', 'shared_frac'),
-                ('batch', 'batch'), ('padded', 'padded_rows'), ('step ms', 'mean_decode_step_ms'),
-                ('host ms', 'mean_decode_host_ms'), ('prepare ms', 'mean_decode_prepare_ms'),
-                ('dispatch ms', 'mean_decode_dispatch_ms'), ('wait ms', 'mean_decode_wait_ms'),
-                ('device ms', lambda r: r.get('device_ms')), ('layout ms', 'layout_ms'),
-                ('KV/seq MB', 'kv_per_seq_mb'), ('attention', 'resolved_impl')]))
-    with open(os.path.join(_WORKDIR.value, 'table.md'), 'a') as f:
-      f.write(text)
-    print(text)
+  write_report(records, profiles, writer)
   if _ATTENTION_BENCH.value:  # last: a kernel failure cannot cost the sweep's results
     del model
     gc.collect()

@@ -89,12 +89,25 @@ def _ratio_cell(row):
           f'{row["ratio_bound"].replace(">=", "≥").replace("<=", "≤")} {row["ratio"]:.3g}')
 
 
+def _most_cell(row, sharing):
+  if row.get(f'most_tok_s_{sharing}') is None:
+    return ''
+  return (f'{row[f"most_tok_s_{sharing}"]:.0f} ({row[f"most_tok_s_batch_{sharing}"]:.0f}/'
+          f'{row.get(f"max_batch_{sharing}")})')
+
+
 def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
   """Per (prompt length, shared fraction, samples): each engine's rate at the latency bound.
 
-  Also the tokens/s there (interpolated like the rate), and each engine's host
+  Also the tokens/s there (interpolated like the rate), each engine's host
   overhead per decode step and KV per live sequence at its point of largest mean
-  batch.
+  batch, and its most tokens/s over the points that were not cut short (with that
+  point's mean batch: an
+  engine whose mean batch there is near its max_batch was saturated; the on/off
+  ratio of these is a lower bound on the ratio of sustainable rates when only
+  the engine without sharing was saturated). Points whose decode steps met a
+  shape for the first time (a compile inside the point) are left out; their
+  rates are listed in `compiled_rates_*`.
   """
   rows = []
 
@@ -108,6 +121,8 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
     for sharing in ('on', 'off'):
       pts = sorted((r for r in records if setting(r) == key and r['sharing'] == sharing),
                    key=lambda r: r['rate'])
+      compiled = [r['rate'] for r in pts if r.get('new_shape_steps')]
+      pts = [r for r in pts if not r.get('new_shape_steps')]  # their latency has a compile in it
       if not pts:
         continue
       curve = [(r['rate'], None if r['timed_out'] else r['mean_norm_latency_ms']) for r in pts]
@@ -118,7 +133,13 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
         tok_s = float(np.interp(rate, [r['rate'] for r in pts],
                                 [r['throughput_tok_s'] for r in pts]))
       busiest = max(pts, key=lambda r: r['mean_batch'])
+      whole = [r for r in pts if not r['timed_out']]  # a cut point's throughput is partial
+      fastest = max(whole, key=lambda r: r['throughput_tok_s'], default={})
       row.update({
+          f'compiled_rates_{sharing}': compiled,
+          f'most_tok_s_{sharing}': fastest.get('throughput_tok_s'),
+          f'most_tok_s_batch_{sharing}': fastest.get('mean_batch'),
+          f'max_batch_{sharing}': fastest.get('max_batch'),
           f'rate_{sharing}': rate, f'status_{sharing}': status, f'tok_s_{sharing}': tok_s,
           f'lowest_rate_{sharing}': pts[0]['rate'], f'highest_rate_{sharing}': pts[-1]['rate'],
           f'batch_{sharing}': busiest['mean_batch'],
@@ -128,9 +149,13 @@ def bound_summary(records: list[dict], bound_ms: float) -> list[dict]:
           f'peak_kv_{sharing}': max(r['peak_kv_gb'] for r in pts),
           f'kv_per_seq_{sharing}': busiest.get('kv_per_seq_mb'),
       })
+    if not results:  # every point of the setting had a compile in it
+      continue
     if len(results) == 2:
       row['ratio'], row['ratio_bound'] = rate_ratio(results['on'], results['off'],
                                                     (lowest['on'], lowest['off']))
+      if row['most_tok_s_on'] and row['most_tok_s_off']:
+        row['most_tok_s_ratio'] = row['most_tok_s_on'] / row['most_tok_s_off']
     rows.append(row)
   return rows
 
@@ -157,7 +182,8 @@ def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
           'Host = decode step wall time minus the wait for the device (tree, metadata, Python, '
           'dispatch). KV/seq = KV in use per live sequence, mean over decode steps (cached '
           'prefixes included). Decode steps with shapes new to the engine (maybe a compile: '
-          '"new shapes") are left out of the step and host figures, not of the latencies.\n\n'
+          '"new shapes") are left out of the step and host figures, not of the latencies; the '
+          'plots show only points without such a compile that were not cut short.\n\n'
           + report.markdown_table(records, columns))
   rows = []
   for bound_ms in bounds_ms:
@@ -167,7 +193,9 @@ def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
              'Highest rate whose mean normalized latency stays under the bound, interpolated '
              'linearly between the measured rates around the crossing; on/off is their ratio at '
              'that equal latency (≥ / ≤ where a rate is only bounded). Host ms and %, and KV per '
-             'sequence, at each engine\'s point of largest mean batch.\n\n'
+             'sequence, at each engine\'s point of largest mean batch. Most tok/s: the best '
+             'delivered throughput over the points, with its mean batch and the engine\'s '
+             'max batch. Points with a compile inside them are left out.\n\n'
              + report.markdown_table(best, [
                  ('P', 'prompt_len'), ('shared', 'shared_frac'), ('n', 'num_samples'),
                  ('rate on', lambda r: _rate_cell(r, 'on')),
@@ -178,18 +206,49 @@ def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
                  ('host % off', 'host_pct_off'), ('batch off', 'batch_off'),
                  ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off'),
                  ('KV/seq MB on', lambda r: r.get('kv_per_seq_on')),
-                 ('KV/seq MB off', lambda r: r.get('kv_per_seq_off'))]))
+                 ('KV/seq MB off', lambda r: r.get('kv_per_seq_off')),
+                 ('most tok/s on (batch/max)', lambda r: _most_cell(r, 'on')),
+                 ('most tok/s off (batch/max)', lambda r: _most_cell(r, 'off')),
+                 ('most tok/s on/off', lambda r: r.get('most_tok_s_ratio')),
+                 ('left out (compiled)', lambda r: ', '.join(
+                     f'{s} {r[f"compiled_rates_{s}"]}' for s in ('on', 'off')
+                     if r.get(f'compiled_rates_{s}')))]))
   if writer is not None:
     for row in rows:
       writer.append(row)
   with open(os.path.join(workdir, 'table.md'), 'w') as f:
     f.write(text)
   print(text)
-  report.plot_sweeps(records, x='rate', y='mean_norm_latency_ms', series='sharing',
+  clean = [r for r in records if not r.get('new_shape_steps') and not r['timed_out']]
+  if not clean:
+    return rows
+  report.plot_sweeps(clean, x='rate', y='throughput_tok_s', series='sharing',
+                     fixed=['prompt_len', 'shared_frac'], ylabel='output tokens / s',
+                     path=os.path.join(workdir, 'throughput.png'),
+                     title='Delivered throughput vs request rate')
+  report.plot_sweeps(clean, x='rate', y='mean_norm_latency_ms', series='sharing',
                      fixed=['prompt_len', 'shared_frac'], ylabel='ms per output token',
                      path=os.path.join(workdir, 'latency.png'),
                      title='Normalized latency vs request rate')
-  report.plot_sweeps(records, x='rate', y='peak_kv_gb', series='sharing',
+  report.plot_sweeps(clean, x='rate', y='peak_kv_gb', series='sharing',
                      fixed=['prompt_len', 'shared_frac'], ylabel='peak KV GB',
                      path=os.path.join(workdir, 'kv_memory.png'), title='Peak KV memory')
   return rows
+
+
+def profile_table(profiles: list[dict]) -> str:
+  """The decode profiles (`experiments.serving --profile_batches`) as a markdown section."""
+  return ('\n## Decode steps of a full batch\n\nMean over the timed steps. Host = prepare (the '
+          'tree, layout and batch arrays) + dispatch (the jitted call: arguments, uploads, '
+          'kernel launches) + handing out tokens; device ms = the kernels of one profiled step '
+          '(CUPTI, GPU only); layout ms = building the step\'s layout from the cache (cached '
+          'metadata).\n\n'
+          + report.markdown_table(profiles, [
+              ('sharing', 'sharing'), ('P', 'prompt_len'), ('shared', 'shared_frac'),
+              ('batch', 'batch'), ('padded', 'padded_rows'), ('step ms', 'mean_decode_step_ms'),
+              ('host ms', 'mean_decode_host_ms'),
+              ('prepare ms', lambda r: r.get('mean_decode_prepare_ms')),
+              ('dispatch ms', lambda r: r.get('mean_decode_dispatch_ms')),
+              ('wait ms', 'mean_decode_wait_ms'), ('device ms', lambda r: r.get('device_ms')),
+              ('layout ms', 'layout_ms'), ('KV/seq MB', 'kv_per_seq_mb'),
+              ('attention', 'resolved_impl')]))

@@ -151,6 +151,14 @@ def test_jsonl_markdown_and_plots(tmp_path):
     assert f.read(8) == PNG_MAGIC
 
 
+def test_run_metadata_takes_the_commit_from_the_environment(monkeypatch):
+  monkeypatch.setenv('HYDRAJAX_GIT_COMMIT', 'abc1234')
+  meta = report.run_metadata()
+  assert meta['git_commit'] == 'abc1234' and meta['backend'] == jax.default_backend()
+  monkeypatch.delenv('HYDRAJAX_GIT_COMMIT')
+  assert report.run_metadata()['git_commit'] != 'abc1234'
+
+
 def test_run_point_reports_wrong_without_timing():
   shape = workloads.Shape(4, 16, 1, 2, 1, head_dim=8, dtype='float32')
 

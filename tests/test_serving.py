@@ -60,6 +60,19 @@ def test_bound_summary_per_setting():
   assert row['ratio'] == pytest.approx(24 / 12) and row['ratio_bound'] == '='
   assert row['tok_s_on'] == pytest.approx(2400.0)  # interpolated like the rate
   assert (row['host_ms_on'], row['host_pct_on'], row['batch_on']) == (0.5, 2.5, 16)
+  assert row['most_tok_s_on'] == 3200.0 and row['most_tok_s_off'] == 1600.0  # not the cut one
+  assert row['most_tok_s_ratio'] == 2.0 and row['compiled_rates_on'] == []
+
+
+def test_bound_summary_leaves_out_points_with_a_compile():
+  records = [_point('on', 4, 90.0, new_shape_steps=2), _point('on', 8, 20.0),
+             _point('on', 16, 40.0, new_shape_steps=0), _point('off', 4, 50.0),
+             _point('off', 8, 150.0)]
+  (row,) = serving_report.bound_summary(records, 30.0)
+  assert row['compiled_rates_on'] == [4] and row['compiled_rates_off'] == []
+  assert row['lowest_rate_on'] == 8  # the 90 ms/token at rate 4 was the compile
+  assert row['rate_on'] == pytest.approx(8 + 10 / 20 * 8) and row['status_on'] == 'interpolated'
+  assert row['most_tok_s_on'] == 1600.0 and row['most_tok_s_ratio'] == 2.0
 
 
 def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):

@@ -39,6 +39,10 @@ def run_metadata() -> dict[str, Any]:
       'command': ' '.join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.orig_argv[1:]),
       'host': platform.node(),
   }
+  # A copied working tree (a lent machine) may carry stale git metadata: the caller can say.
+  if os.environ.get('HYDRAJAX_GIT_COMMIT'):
+    meta['git_commit'] = os.environ['HYDRAJAX_GIT_COMMIT']
+    return meta
   try:
     meta['git_commit'] = subprocess.run(
         ['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, timeout=5
