@@ -120,7 +120,7 @@ def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac, size, monkeyp
   import jax.numpy as jnp
   from flax import nnx
 
-  from experiments import serving
+  from experiments import serving_engine as serving
   from models.config import get_config
   from models.engine import SamplingParams
   from models.llama import Llama
