@@ -33,11 +33,12 @@ The H200 runs are in experiments/results/serving/ (its README). The main one
 only rewrites a run's report.
 
 The full sweep of the issue: `--prompt_lens=1024,2048,4096 --shared_fracs=0,0.5,1
---new_tokens=512` (long). `--smoke` runs a tiny model on CPU in under a minute.
+--new_tokens=512` (long: `--resume` continues a cut sweep in the same --workdir). `--smoke` runs a tiny model on CPU in under a minute.
 Writes results.jsonl, table.md and plots into --workdir.
 """
 
 import gc
+import json
 import os
 import time
 
@@ -89,6 +90,9 @@ _PROFILE_STEPS = flags.DEFINE_integer('profile_steps', 32, 'decode steps timed p
 _REPORT_FROM = flags.DEFINE_string(
     'report_from', '', 'only write the report (table.md, plots) of this results.jsonl into '
     '--workdir (with this code\'s report, e.g. other --latency_bounds_ms)')
+_RESUME = flags.DEFINE_boolean(
+    'resume', False, 'keep the points of --workdir/results.jsonl that ran to the end and run '
+    'only the missing ones (a long sweep over several device calls)')
 _SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/serving', 'output folder')
 _SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
@@ -193,15 +197,30 @@ def main(argv):
     num_chunks = int(_KV_GIB.value * 2**30 // (chunk * config.kv_bytes_per_token(2)))
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  if os.path.exists(path):
+  records, profiles = [], []
+  if _RESUME.value and os.path.exists(path):  # keep what ran (not cut short); run the rest
+    kept = [r for r in report.read_jsonl(path)
+            if r.get('kind') in ('serving', 'decode_profile') and not r.get('timed_out')]
+    records = [r for r in kept if r['kind'] == 'serving']
+    profiles = [r for r in kept if r['kind'] == 'decode_profile']
+    with open(path, 'w') as f:  # their own meta stays with them
+      f.writelines(json.dumps(r, sort_keys=True) + '\n' for r in kept)
+    logging.info('resuming: %d serving points already ran', len(records))
+  elif os.path.exists(path):
     os.remove(path)
   writer = report.JsonlWriter(path)
   start = time.perf_counter()
-  records = []
+
   samples = _NUM_SAMPLES.value
+
+  def point_key(sharing, prompt_len, frac, rate):
+    return sharing, int(prompt_len), float(frac), float(rate)
+
+  same_load = dict(num_requests=num_requests, num_samples=samples, new_tokens=new_tokens)
+  done_points = {point_key(r['sharing'], r['prompt_len'], r['shared_frac'], r['rate'])
+                 for r in records if all(r.get(k) == v for k, v in same_load.items())}
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
   knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value)
-  profiles = []
   for prompt_len in lens:
     for frac in fracs:
       for sharing in _SHARING.value:
@@ -233,7 +252,9 @@ def main(argv):
       if time.perf_counter() - start > _DEADLINE.value:
         break
       engines = {}
-      for sharing in _SHARING.value:  # both engines live at once: every rate gets both
+      todo = {sharing for sharing in _SHARING.value for rate in rates
+              if point_key(sharing, prompt_len, frac, rate) not in done_points}
+      for sharing in [x for x in _SHARING.value if x in todo]:  # both live: every rate gets both
         engine = make_engine(model, sharing=sharing == 'on', prompt_len=prompt_len,
                              new_tokens=new_tokens, num_chunks=num_chunks,
                              chunk=chunk, max_batch=max_batch, kv_piece=kv_piece, **knobs)
@@ -246,6 +267,8 @@ def main(argv):
           left = _DEADLINE.value - (time.perf_counter() - start)
           if left <= 0:
             break
+          if point_key(sharing, prompt_len, frac, rate) in done_points:
+            continue
           workload = make_workload(
               num_requests=num_requests, prompt_len=prompt_len, shared_frac=frac, rate=rate,
               system_prompts=_SYSTEM_PROMPTS.value, vocab=config.vocab_size, seed=_SEED.value)

@@ -151,3 +151,24 @@ def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac, size, monkeyp
     metrics = serving.serve(engine, workload, SamplingParams(max_new_tokens=new), deadline_s=1e9)
     assert metrics['completed'] == n and metrics['decode_steps'] > new
     assert metrics['new_shape_steps'] == 0, sharing
+
+
+def test_resume_runs_only_the_missing_points(tmp_path):
+  workdir = tmp_path / 'serving'
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+
+  def run(*flags):
+    cmd = [sys.executable, '-m', 'experiments.serving', '--smoke', f'--workdir={workdir}', *flags]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr, report.read_jsonl(str(workdir / 'results.jsonl'))
+
+  _, first = run('--sharing=on')
+  first_points = [r for r in first if r['kind'] == 'serving']
+  assert {r['sharing'] for r in first_points} == {'on'} and len(first_points) == 2
+  log, second = run('--resume')
+  points = [r for r in second if r['kind'] == 'serving']
+  assert 'resuming: 2 serving points already ran' in log
+  assert '[1/4] sharing=off' in log and 'sharing=on ready' not in log  # only the missing engine
+  assert len(points) == 4 and points[:2] == first_points  # kept as they were, meta included
+  assert len([r for r in second if r['kind'] == 'rate_at_bound']) == 3  # one per bound, anew
