@@ -76,6 +76,8 @@ _MAX_BATCH = flags.DEFINE_integer('max_batch', 64, 'most live sequences (the dec
 _KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
 _MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of a layout')
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
+_OVERLAP = flags.DEFINE_boolean('overlap_decode', False,
+                                'dispatch decode step k+1 before waiting for step k (EngineConfig)')
 _LATENCY_BOUNDS = flags.DEFINE_list('latency_bounds_ms', ['20', '30', '50'],
                                     'normalized latency bounds, ms/token (a table each)')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'stop starting points after this many seconds')
@@ -220,7 +222,8 @@ def main(argv):
   done_points = {point_key(r['sharing'], r['prompt_len'], r['shared_frac'], r['rate'])
                  for r in records if all(r.get(k) == v for k, v in same_load.items())}
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
-  knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value)
+  knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value,
+               overlap_decode=_OVERLAP.value)
   for prompt_len in lens:
     for frac in fracs:
       for sharing in _SHARING.value:
@@ -283,7 +286,8 @@ def main(argv):
                      new_tokens=new_tokens, chunk_size=chunk, max_batch=engine.config.max_batch,
                      kv_pool_gb=num_chunks * chunk * config.kv_bytes_per_token(2) / 1e9,
                      system_prompts=_SYSTEM_PROMPTS.value, impl=_IMPL.value,
-                     resolved_impl=impl_used, warmup_s=warm_s, **metrics)
+                     overlap_decode=_OVERLAP.value, resolved_impl=impl_used, warmup_s=warm_s,
+                     **metrics)
           writer.append(rec)
           records.append(rec)
           logging.info(

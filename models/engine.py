@@ -18,7 +18,9 @@ Each `step()` is one iteration:
    partial tail copied).
 3. Decode: one token for every live sequence in one jitted call, batch padded
    to a bucket (few compiles); attention over the pool through the cache's
-   `TreeLayout` (segment metadata rebuilt only when the tree changes).
+   `TreeLayout` (segment metadata rebuilt only when the tree changes). With
+   `overlap_decode`, step k+1 is dispatched before step k's tokens are read,
+   so the host's work overlaps the device's.
 4. Retirement: finished (stop token, `max_new_tokens`) or cancelled requests
    release their chunks; with `retain_prefixes` their full prompt chunks stay
    cached (a later request with the same prefix does not prefill it) until the
@@ -82,6 +84,11 @@ class EngineConfig:
     prefill_impl: attention implementation of prefill calls.
     cache_dtype: KV dtype (default: the model's).
     seed: sampling seed.
+    overlap_decode: dispatch decode step k+1 before waiting for step k, so that the host's work
+      (tree, layout, dispatch, handing out tokens) overlaps the device's. Step k+1 takes its
+      input tokens from step k's output on the device; the tree records them when they are
+      back. Outputs are the same. A request that hits a stop token runs one step more (its
+      extra token is dropped), and finishes one iteration later.
   """
 
   num_chunks: int
@@ -100,6 +107,7 @@ class EngineConfig:
   prefill_impl: AttentionImpl | str = AttentionImpl.AUTO
   cache_dtype: str | None = None
   seed: int = 0
+  overlap_decode: bool = False
 
   def __post_init__(self):
     for name in ('num_chunks', 'chunk_size', 'max_batch', 'max_sequence_length',
@@ -194,7 +202,10 @@ class EngineStats:
   and handing out the tokens) plus `decode_wait_s` (waiting for the device's
   result): step wall time minus the wait for the device. Of the host part,
   `decode_prepare_s` is the tree, layout and arrays, `decode_dispatch_s` the
-  jitted call's dispatch. A step whose shapes
+  jitted call's dispatch. With `overlap_decode` a step's prepare and dispatch
+  run while the device computes the step before it, so its host time is
+  hidden rather than added; its wait is what is left of the device's time.
+  A step whose shapes
   the engine runs for the first time (it may compile) is counted apart, in
   `new_shape_steps` and `new_shape_s`, not in the decode figures.
   """
@@ -235,6 +246,22 @@ class EngineStats:
     return out
 
 
+@dataclasses.dataclass
+class _DecodeStep:
+  """A decode step's inputs, and once dispatched its tokens on the device."""
+
+  model_args: tuple  # tokens, positions, slots [b, 1], layout
+  reqs: list  # Request of each live row, row order
+  b: int  # padded rows
+  ahead: np.ndarray  # [rows] 1 where the input token is the previous step's, still on the device
+  feed: tuple | None  # (previous step's tokens [b], src [b]) for overlapped steps
+  patch: tuple  # (seq ids, positions, rows of the previous step): placeholders to record
+  used_chunks: int
+  new_shape: bool = False
+  tokens_out: object = None  # [b] int32 on the device
+  host: tuple = (0.0, 0.0)  # prepare, dispatch seconds
+
+
 def _row_keys(key, request_ids, indices):
   return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(
       request_ids, indices)
@@ -250,13 +277,17 @@ def _sample(logits, key, request_ids, indices, temperature):
 
 
 def _model_step(graphdef, treedef, params, cache, tokens, positions, slots, layout, key,
-                request_ids, indices, temperature, sample_rows=None, *, impl):
+                request_ids, indices, temperature, sample_rows=None, feed=None, *, impl):
   """One model call: writes the new tokens' KV, samples next tokens from last positions.
 
   One token per row, or with `sample_rows` [S] one per entry, from that row's
   logits (request_ids, indices, temperature are then [S]). `params` are the
-  model's state leaves (`treedef` rebuilds the state).
+  model's state leaves (`treedef` rebuilds the state). `feed` = (previous
+  tokens [B], src [B]) replaces the tokens of rows with src >= 0.
   """
+  if feed is not None:  # rows with src >= 0 take the previous step's token, still on the device
+    previous, src = feed
+    tokens = jnp.where(src[:, None] >= 0, previous[jnp.maximum(src, 0)][:, None], tokens)
   model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
   h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
   logits = model.logits(h[:, -1])  # [B, V]
@@ -297,6 +328,8 @@ class Engine:
     self.requests: dict[int, Request] = {}
     self._next_id = 0
     self._seen_shapes: set = set()  # step shapes run so far (the first run may compile)
+    self._last_new_shape = False
+    self._inflight: _DecodeStep | None = None  # overlap_decode: the step on the device
     self.stats = EngineStats()
 
   # ---- the API ----------------------------------------------------------------------------
@@ -353,7 +386,7 @@ class Engine:
 
   @property
   def has_work(self) -> bool:
-    return bool(self._queue or self._by_seq)
+    return bool(self._queue or self._by_seq or self._inflight is not None)
 
   @property
   def num_running(self) -> int:
@@ -372,7 +405,9 @@ class Engine:
     admitted = self._admit()
     if admitted:
       self._prefill(admitted, events)
-    if self._by_seq:
+    if self.config.overlap_decode:
+      self._decode_overlapped(events)
+    elif self._by_seq:
       self._decode(events)
     for event in events:
       cb = self.requests[event.request_id].on_token
@@ -532,46 +567,116 @@ class Engine:
     return out
 
   def _decode(self, events):
-    c, cache = self.config, self.cache
+    """One decode step, waited for (the engine without `overlap_decode`)."""
     t0 = self.clock()
+    step = self._prepare_decode(None)
+    tp = self.clock()
+    new = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
+                          ahead=step.ahead, feed=step.feed)
+    step.new_shape = self._last_new_shape
+    t1 = self.clock()  # dispatched: what follows until the result is the device's
+    new = np.asarray(new)[: len(step.reqs)].tolist()
+    t2 = self.clock()
+    self._emit(step.reqs, new, events)
+    t3 = self.clock()
+    self._count_decode(step, host=(tp - t0, t1 - tp, t3 - t2), wait=t2 - t1)
+
+  def _decode_overlapped(self, events):
+    """Dispatches step k+1, then waits for step k (`overlap_decode`; see EngineConfig)."""
+    prev, self._inflight = self._inflight, None
+    if prev is not None:  # a row whose token in flight is its last is in no further step
+      for req in prev.reqs:
+        if (req.state == 'running' and self._by_seq.get(req.seq_id) is req
+            and len(req.output) + 1 >= req.params.max_new_tokens):
+          del self._by_seq[req.seq_id]
+          self.cache.remove(req.seq_id)  # its KV is written; the token comes at the collect
+      if self._by_seq and self.config.decode_rows(self.cache.num_rows) != prev.b:
+        self._collect(prev, events, None)  # a new batch size: feed this step from the host
+        prev = None
+    if not self._by_seq:
+      if prev is not None:
+        self._collect(prev, events, None)
+      return
+    t0 = self.clock()
+    step = self._prepare_decode(prev)
+    tp = self.clock()
+    step.tokens_out = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
+                                      ahead=step.ahead, feed=step.feed)
+    step.new_shape = self._last_new_shape
+    step.host = (tp - t0, self.clock() - tp)
+    self._inflight = step
+    if prev is not None:
+      self._collect(prev, events, step.patch)
+
+  def _collect(self, step: '_DecodeStep', events, patch) -> None:
+    """Waits for a dispatched step's tokens; records those a later step appended; emits."""
+    t1 = self.clock()
+    new = np.asarray(step.tokens_out)[: len(step.reqs)]
+    t2 = self.clock()
+    if patch is not None and patch[0]:
+      seq_ids, positions, rows = patch
+      self.cache.record_tokens(seq_ids, positions, new[rows])
+    live = [i for i, req in enumerate(step.reqs) if req.state == 'running']  # not cancelled
+    self._emit([step.reqs[i] for i in live], new[live].tolist(), events)
+    t3 = self.clock()
+    self._count_decode(step, host=(step.host[0], step.host[1], t3 - t2), wait=t2 - t1)
+
+  def _prepare_decode(self, prev: '_DecodeStep | None') -> '_DecodeStep':
+    """The next decode step's inputs; rows in `prev` take their token from its device output."""
+    cache = self.cache
     rows = cache.rows
     reqs = [self._by_seq[sid] for sid in rows]
     b = self.config.decode_rows(len(rows))
-    last = [r.output[-1] for r in reqs]
+    src = np.full(b, -1, np.int32)  # row of `prev` whose output is this row's input token
+    if prev is not None:
+      where = {id(req): i for i, req in enumerate(prev.reqs)}
+      src[: len(reqs)] = [where.get(id(req), -1) for req in reqs]
+    ahead = (src[: len(reqs)] >= 0).astype(np.int32)  # its newest token is still on the device
+    last = np.array([-1 if a else req.output[-1] for req, a in zip(reqs, ahead)], np.int64)
     slots = np.full((b, 1), cache.config.kv_tokens, np.int32)
-    slots[: len(rows), 0] = cache.append(last)
+    slots[: len(rows), 0] = cache.append(last)  # -1: a placeholder until the token is back
     tokens = np.zeros((b, 1), np.int32)
-    tokens[: len(rows), 0] = last
+    tokens[: len(rows), 0] = np.maximum(last, 0)
     positions = np.zeros((b, 1), np.int32)
-    positions[: len(rows), 0] = cache.lengths() - 1
+    lengths = cache.lengths()
+    positions[: len(rows), 0] = lengths - 1
     layout = cache.device_layout(num_rows=b)
     self._track_peak()
-    seen = len(self._seen_shapes)
-    tp = self.clock()
-    new = self._run_model(tokens, positions, slots, layout, reqs, b, c.impl)
-    t1 = self.clock()  # dispatched: what follows until the result is the device's
-    new = np.asarray(new)[: len(reqs)].tolist()
-    t2 = self.clock()
-    self._emit(reqs, new, events)
-    t3 = self.clock()
-    stats = self.stats
-    if len(self._seen_shapes) > seen:  # a first run of these shapes: maybe a compile
-      stats.new_shape_steps += 1
-      stats.new_shape_s += t3 - t0
-      return
-    stats.decode_host_s += (t1 - t0) + (t3 - t2)
-    stats.decode_prepare_s += tp - t0
-    stats.decode_dispatch_s += t1 - tp
-    stats.decode_wait_s += t2 - t1
-    stats.decode_s += t3 - t0
-    stats.decode_steps += 1
-    stats.decode_rows += len(rows)
-    stats.decode_chunks += cache.num_used_chunks
+    fed = np.flatnonzero(ahead)
+    feed = None
+    if self.config.overlap_decode:  # one input structure for every overlapped step
+      feed = (prev.tokens_out if prev is not None else np.zeros(b, np.int32), src)
+    return _DecodeStep(
+        model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
+        patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
+        used_chunks=cache.num_used_chunks)
 
-  def _run_model(self, tokens, positions, slots, layout, samples, b, impl, sample_rows=None):
+  def _count_decode(self, step: '_DecodeStep', *, host: tuple[float, float, float],
+                    wait: float) -> None:
+    stats = self.stats
+    prepare, dispatch, emit = host
+    total = prepare + dispatch + emit + wait
+    if step.new_shape:  # a first run of these shapes: maybe a compile
+      stats.new_shape_steps += 1
+      stats.new_shape_s += total
+      return
+    stats.decode_host_s += prepare + dispatch + emit
+    stats.decode_prepare_s += prepare
+    stats.decode_dispatch_s += dispatch
+    stats.decode_wait_s += wait
+    stats.decode_s += total
+    stats.decode_steps += 1
+    stats.decode_rows += len(step.reqs)
+    stats.decode_chunks += step.used_chunks
+
+  def _run_model(self, tokens, positions, slots, layout, samples, b, impl, sample_rows=None, *,
+                 ahead=None, feed=None):
     """Dispatches one model call; returns its sampled tokens (on the device, not waited for).
 
-    `samples` are the requests that sample (one per row, or one per entry of `sample_rows`).
+    `samples` are the requests that sample (one per row, or one per entry of
+    `sample_rows`); `ahead` [k] counts tokens of theirs not yet in their output
+    (sampling keys use the token's index); `feed` = (tokens [b] on the device,
+    src [b]) gives rows with src >= 0 their input token from there.
     """
     s, k = (b if sample_rows is None else sample_rows.size), len(samples)
     ids = np.zeros(s, np.int32)
@@ -579,16 +684,19 @@ class Engine:
     temp = np.zeros(s, np.float32)
     ids[:k] = [req.id for req in samples]
     index[:k] = [len(req.output) for req in samples]
+    if ahead is not None:
+      index[:k] += ahead
     temp[:k] = [req.params.temperature for req in samples]
-    shapes = (tokens.shape, s, jax.tree_util.tree_structure(layout),
+    shapes = (tokens.shape, s, feed is not None, jax.tree_util.tree_structure(layout),
               tuple(x.shape for x in jax.tree_util.tree_leaves(layout)))
     self.stats.shapes.add(shapes)
+    self._last_new_shape = shapes not in self._seen_shapes
     self._seen_shapes.add(shapes)
     # Host arrays go to the jitted call as they are: its dispatch uploads them faster than
     # one jnp.asarray each.
     new, self.kv = self._model_step(
         self._params, self.kv, tokens, positions, slots, layout, self._key, ids,
-        index, temp, sample_rows, impl=impl,
+        index, temp, sample_rows, feed=feed, impl=impl,
     )
     return new
 

@@ -42,10 +42,18 @@ class Model:
     self.prompts[a.seq_id] = list(tokens)
     return a
 
-  def append(self, new):
+  def append(self, new, deferred=()):
+    """Appends; rows in `deferred` first get a placeholder, then `record_tokens` (an engine
+    that overlaps decode steps)."""
     rows = self.cache.rows
     version = self.cache.structure_version
-    slots = self.cache.append(new)
+    held = np.array(new)
+    held[list(deferred)] = -1
+    slots = self.cache.append(held)
+    if len(deferred):
+      lengths = self.cache.lengths()
+      self.cache.record_tokens([rows[r] for r in deferred], lengths[deferred] - 1,
+                               np.asarray(new)[deferred])
     assert self.cache.rows == rows and self.cache.structure_version == version
     self.pool[slots] = new
     for sid, t in zip(rows, new):
@@ -168,7 +176,8 @@ def test_random_operations_match_brute_force(seed, chunk, share, retain, num_chu
           assert len(f.seq_ids) == samples and cache.reserved_chunks <= held
       elif op == 'append' and cache.num_rows:
         if cache.lengths().max() < config.max_sequence_length:
-          model.append(rng.integers(2000, 3000, cache.num_rows))
+          deferred = np.flatnonzero(rng.random(cache.num_rows) < 0.5)
+          model.append(rng.integers(2000, 3000, cache.num_rows), deferred)
       elif op == 'fork' and cache.num_rows:
         sid = cache.rows[rng.integers(cache.num_rows)]
         if cache.length(sid) + chunk <= config.max_sequence_length:
@@ -192,6 +201,24 @@ def test_random_operations_match_brute_force(seed, chunk, share, retain, num_chu
   model.cache.evict()
   model.verify()
   assert model.cache.num_used_chunks == 0 and model.cache.num_free_chunks == num_chunks
+
+
+def test_record_tokens_refuses_positions_it_does_not_own():
+  cache = ChunkCache(ChunkCacheConfig(num_chunks=16, chunk_size=4, max_sequence_length=32,
+                                      max_sequences=4))
+  a = cache.insert(list(range(8)), reserve_tokens=4)
+  cache.commit(a.seq_id)
+  b = cache.insert(list(range(8)) + [9], reserve_tokens=4)
+  cache.commit(b.seq_id)
+  cache.append([-1, -1])
+  with pytest.raises(ValueError, match='shared chunk'):
+    cache.record_tokens([a.seq_id], [0], [5])
+  with pytest.raises(ValueError, match='not held'):
+    cache.record_tokens([a.seq_id], [9], [5])
+  cache.record_tokens([a.seq_id, b.seq_id], [8, 9], [7, 8])
+  cache.check()
+  assert cache.tokens(a.seq_id).tolist() == list(range(8)) + [7]
+  assert cache.match(list(range(8)) + [7, 1]).shared_tokens == 8
 
 
 def test_partial_chunks_copy_on_write_and_full_chunks_shared():

@@ -63,11 +63,13 @@ def reference(model):
   return prompts, out.tokens.tolist()
 
 
+@pytest.mark.parametrize('overlap', [False, True], ids=['waited', 'overlapped'])
 @pytest.mark.parametrize('share,retain', [(True, True), (True, False), (False, True)],
                          ids=['sharing', 'sharing_no_retention', 'no_sharing'])
-def test_greedy_outputs_equal_independent_generation(model, reference, share, retain):
+def test_greedy_outputs_equal_independent_generation(model, reference, share, retain, overlap):
   prompts, expected = reference
-  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share, retain_prefixes=retain))
+  engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share, retain_prefixes=retain,
+                                             overlap_decode=overlap))
   outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW))
   assert outputs == expected
   reqs = list(engine.requests.values())
@@ -83,9 +85,10 @@ def test_greedy_outputs_equal_independent_generation(model, reference, share, re
     assert all(r.shared_tokens == 0 for r in reqs) and engine.stats.copied_tokens == 0
 
 
-def test_streaming_cancellation_and_stop_tokens(model, reference):
+@pytest.mark.parametrize('overlap', [False, True], ids=['waited', 'overlapped'])
+def test_streaming_cancellation_and_stop_tokens(model, reference, overlap):
   prompts, expected = reference
-  engine = Engine(model, CONFIG)
+  engine = Engine(model, dataclasses.replace(CONFIG, overlap_decode=overlap))
   seen: dict[int, list[int]] = {}
   ids = [
       engine.submit(p, SamplingParams(max_new_tokens=NEW), on_token=lambda e: seen.setdefault(
@@ -158,6 +161,25 @@ def test_greedy_samples_equal_the_single_request_output(model, reference, share)
   assert engine.stats.prefill_tokens <= len(prompts[0]) + len(prompts[1])  # each prompt once
   assert engine.generate([prompts[4]], params) == [expected[4]] * 3  # n outputs per prompt
   assert_no_leak(engine)
+
+
+@pytest.mark.parametrize('share', [True, False])
+def test_overlapped_decode_samples_like_waited_decode(model, share):
+  # Sampling keys use each token's index, also for the tokens still on the device.
+  prompts = _prompts(3)
+  params = SamplingParams(max_new_tokens=NEW, temperature=0.8, n=2, stop_tokens=(5, 17))
+  outputs, engines = [], []
+  for overlap in (False, True):
+    engine = Engine(model, dataclasses.replace(CONFIG, share_prefixes=share,
+                                               overlap_decode=overlap))
+    outputs.append(engine.generate(prompts, params))
+    engines.append(engine)
+    assert_no_leak(engine)
+  assert outputs[0] == outputs[1]
+  assert any(len(o) < NEW for o in outputs[0])  # some stopped early
+  waited, overlapped = (e.stats for e in engines)
+  assert overlapped.generated_tokens == waited.generated_tokens
+  assert overlapped.decode_steps + overlapped.new_shape_steps >= waited.decode_steps
 
 
 def test_samples_sample_like_independent_requests_and_are_deterministic(model):

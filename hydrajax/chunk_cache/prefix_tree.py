@@ -190,6 +190,9 @@ class _Node:
 
   def remove_child(self, child: '_Node') -> None:
     self.children.remove(child)
+    self.remove_child_key(child)
+
+  def remove_child_key(self, child: '_Node') -> None:
     same = self.by_first[child.first]
     same.remove(child)
     if not same:
@@ -453,6 +456,30 @@ class ChunkCache:
     self._fill[tail] = offset + 1
     self._len[:b] += 1
     return (tail * c + offset).astype(np.int32)
+
+  def record_tokens(self, seq_ids: Sequence[int], positions: Sequence[int],
+                    tokens: Sequence[int]) -> None:
+    """Sets the ids of tokens already appended (their KV slots are taken) with a placeholder.
+
+    For an engine that appends a token before its value is back from the
+    device (the step that computes it may still run): the tree must hold the
+    real ids before the next `match`, `insert` or `fork`. A position must be
+    one the sequence holds in a chunk of its own (its private tail).
+    """
+    c = self._c
+    for sid, pos, token in zip(seq_ids, positions, tokens):
+      s = self._seq(int(sid))
+      pos, token = int(pos), int(token)
+      if not 0 <= pos < int(self._len[s.row]):
+        raise ValueError(f'position {pos} is not held by sequence {sid}')
+      node = s.path[pos // c]
+      if len(node.holders) != 1:
+        raise ValueError(f'position {pos} of sequence {sid} is in a shared chunk')
+      self._tokens[node.chunk, pos % c] = token
+      if pos % c == 0 and node.first != token:  # the node's key in its parent changes
+        node.parent.remove_child_key(node)
+        node.first = token
+        node.parent.by_first.setdefault(token, []).append(node)
 
   def fork(self, seq_id: int, num_samples: int, *, reserve_tokens: int = 0) -> Fork:
     """Splits a sequence into `num_samples` sequences (itself first) with the same tokens.
