@@ -288,7 +288,7 @@ def main(argv):
         raise
   engine = Engine(model, EngineConfig(
       num_chunks=_NUM_CHUNKS.value, chunk_size=_CHUNK.value, max_batch=_MAX_BATCH.value,
-      max_sequence_length=_MAX_LEN.value))
+      max_sequence_length=_MAX_LEN.value, overlap_decode=_OVERLAP.value))
   server, loop = make_server(engine, host=_HOST.value, port=_PORT.value, tokenizer=tokenizer)
   print(f'serving {_CHECKPOINT.value or _MODEL.value} on http://{_HOST.value}:{_PORT.value} '
         f'(POST /v1/generate, GET /v1/health)', flush=True)
@@ -311,4 +311,5 @@ if __name__ == '__main__':
   _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
   _MAX_BATCH = flags.DEFINE_integer('max_batch', 64, 'most live sequences')
   _MAX_LEN = flags.DEFINE_integer('max_sequence_length', 4096, 'longest prompt + generation')
+  _OVERLAP = flags.DEFINE_boolean('overlap_decode', False, 'see EngineConfig.overlap_decode')
   app.run(main)
