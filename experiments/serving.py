@@ -33,7 +33,8 @@ The H200 runs are in experiments/results/serving/ (its README). The main one
 only rewrites a run's report.
 
 The full sweep of the issue: `--prompt_lens=1024,2048,4096 --shared_fracs=0,0.5,1
---new_tokens=512` (long: `--resume` continues a cut sweep in the same --workdir). `--smoke` runs a tiny model on CPU in under a minute.
+--new_tokens=512` (long: `--resume` continues a cut sweep in the same --workdir).
+`--smoke` runs a tiny model on CPU in under a minute.
 Writes results.jsonl, table.md and plots into --workdir.
 """
 
@@ -159,7 +160,8 @@ def write_report(records: list[dict], profiles: list[dict], writer=None) -> None
   """table.md and the plots of serving points and decode profiles, into --workdir."""
   os.makedirs(_WORKDIR.value, exist_ok=True)
   if records:
-    summarize(records, [float(b) for b in _LATENCY_BOUNDS.value], _WORKDIR.value, writer)
+    bounds = _positive_numbers('latency_bounds_ms', _LATENCY_BOUNDS.value)
+    summarize(records, bounds, _WORKDIR.value, writer)
   if profiles:
     text = profile_table(profiles)
     with open(os.path.join(_WORKDIR.value, 'table.md'), 'a' if records else 'w') as f:
@@ -167,8 +169,20 @@ def write_report(records: list[dict], profiles: list[dict], writer=None) -> None
     print(text)
 
 
+def _positive_numbers(name: str, values: list[str]) -> list[float]:
+  """A list flag as numbers > 0, or a clear error before any work starts."""
+  try:
+    out = [float(v) for v in values]
+  except ValueError:
+    raise app.UsageError(f'--{name} must be numbers, got {values}') from None
+  if any(v <= 0 for v in out):
+    raise app.UsageError(f'--{name} must be > 0, got {values}')
+  return out
+
+
 def main(argv):
   del argv
+  _positive_numbers('latency_bounds_ms', _LATENCY_BOUNDS.value)
   if _REPORT_FROM.value:  # only the report, from a run's results; bound rows: report.jsonl
     rows = report.read_jsonl(_REPORT_FROM.value)
     os.makedirs(_WORKDIR.value, exist_ok=True)
@@ -186,7 +200,7 @@ def main(argv):
     model_name = _MODEL.value
     lens = [int(x) for x in _PROMPT_LENS.value]
     fracs = [float(x) for x in _SHARED.value]
-    rates = [float(x) for x in _RATES.value]
+    rates = _positive_numbers('rates', _RATES.value)
     num_requests, new_tokens, chunk = _NUM_REQUESTS.value, _NEW_TOKENS.value, _CHUNK.value
     max_batch, kv_piece, num_chunks = _MAX_BATCH.value, _KV_PIECE.value, None
   config = get_config(model_name)

@@ -102,9 +102,9 @@ def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int
   Without sharing, memory bounds the batch: decode steps are padded to that bound,
   not to max_batch. The page table always has a column for every page a request
   may hold (like a paged server's block table): a width that grows with the
-  tree would compile again in the middle of a point (12-22 s per width on the
-  H200). The Mosaic GPU kernels read only valid pages, so the width costs
-  nothing there; the XLA path gathers every column.
+  tree would compile again in the middle of a point (about 12 s per new width
+  on the H200). The Mosaic GPU kernels read only valid pages, so the width
+  costs nothing there; the XLA path gathers every column.
   """
   per_request = -(-(prompt_len + new_tokens) // chunk)
   batch = max_batch if sharing else max(1, min(max_batch, num_chunks // per_request))

@@ -316,7 +316,7 @@ class Engine:
     self._prefill_policy = config.prefill_layout or LayoutPolicy(
         kv_piece=config.layout.kv_piece, min_private_pages=config.layout.min_private_pages)
     # Bound once: hashing the graph definition and flattening the model's state on every
-    # call (as a static and a pytree argument) would cost about 1 ms per step of dispatch.
+    # call (as a static and a pytree argument) would cost host time on every step.
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     self._params = tuple(leaves)
@@ -568,18 +568,7 @@ class Engine:
 
   def _decode(self, events):
     """One decode step, waited for (the engine without `overlap_decode`)."""
-    t0 = self.clock()
-    step = self._prepare_decode(None)
-    tp = self.clock()
-    new = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
-                          ahead=step.ahead, feed=step.feed)
-    step.new_shape = self._last_new_shape
-    t1 = self.clock()  # dispatched: what follows until the result is the device's
-    new = np.asarray(new)[: len(step.reqs)].tolist()
-    t2 = self.clock()
-    self._emit(step.reqs, new, events)
-    t3 = self.clock()
-    self._count_decode(step, host=(tp - t0, t1 - tp, t3 - t2), wait=t2 - t1)
+    self._collect(self._dispatch(None), events, None)
 
   def _decode_overlapped(self, events):
     """Dispatches step k+1, then waits for step k (`overlap_decode`; see EngineConfig)."""
@@ -597,6 +586,12 @@ class Engine:
       if prev is not None:
         self._collect(prev, events, None)
       return
+    self._inflight = self._dispatch(prev)
+    if prev is not None:
+      self._collect(prev, events, self._inflight.patch)
+
+  def _dispatch(self, prev: '_DecodeStep | None') -> '_DecodeStep':
+    """Prepares and dispatches a decode step (not waited for)."""
     t0 = self.clock()
     step = self._prepare_decode(prev)
     tp = self.clock()
@@ -604,9 +599,7 @@ class Engine:
                                       ahead=step.ahead, feed=step.feed)
     step.new_shape = self._last_new_shape
     step.host = (tp - t0, self.clock() - tp)
-    self._inflight = step
-    if prev is not None:
-      self._collect(prev, events, step.patch)
+    return step
 
   def _collect(self, step: '_DecodeStep', events, patch) -> None:
     """Waits for a dispatched step's tokens; records those a later step appended; emits."""

@@ -113,8 +113,9 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
 @pytest.mark.parametrize('shared_frac', [1.0, 0.5])
 def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac, size, monkeypatch):
   # A shape first seen during a point compiles there and inflates its latencies (on the H200,
-  # page-table widths new to a point cost 12-22 s). The model is stubbed (shapes are the host's
-  # business) and the clock simulated: each model call takes 22 ms, as a 2K point's steps did.
+  # a new page-table width cost about 12 s inside a point). The model is stubbed (shapes are
+  # the host's business) and the clock simulated: each model call takes 22 ms, as a 2K point's
+  # steps did.
   import dataclasses
 
   import jax.numpy as jnp
@@ -172,3 +173,14 @@ def test_resume_runs_only_the_missing_points(tmp_path):
   assert '[1/4] sharing=off' in log and 'sharing=on ready' not in log  # only the missing engine
   assert len(points) == 4 and points[:2] == first_points  # kept as they were, meta included
   assert len([r for r in second if r['kind'] == 'rate_at_bound']) == 3  # one per bound, anew
+
+
+def test_bad_sweep_flags_fail_before_any_work(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  for flag, words in (('--rates=4,-1', '--rates must be > 0'),
+                      ('--latency_bounds_ms=fast', '--latency_bounds_ms must be numbers')):
+    done = subprocess.run([sys.executable, '-m', 'experiments.serving', flag,
+                           f'--workdir={tmp_path}'], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and words in done.stderr + done.stdout
+    assert not list(tmp_path.iterdir())  # nothing was written

@@ -195,11 +195,17 @@ def kernel_times(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[list]]:
   arguments or changes state (a decode step, an engine iteration), so it
   cannot run twice.
   """
-  # Private on purpose: the public `jax.experimental.mosaic.gpu.profiler.measure` runs its
-  # function once more as a warm-up, which a call that donates its state cannot allow.
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+  # Private on purpose: the public `jax.experimental.mosaic.gpu.profiler.measure` (its CUPTI
+  # mode uses this same extension) runs its function once more as a warm-up and jits it, which
+  # a call that donates its state, or an engine iteration, cannot allow.
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
-  ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(
+        f'kernel_times needs the CUPTI hooks of jax {jax.__version__}\'s Mosaic GPU extension '
+        '(a GPU jaxlib); they were not found') from e
   ext._cupti_init()
   try:
     result = jax.block_until_ready(fn(*args))

@@ -44,7 +44,9 @@ class LayoutPolicy:
     fixed_shapes: R = all rows and S = kv_piece for every piece (see the module docstring).
     min_private_pages: smallest width of the private page table; the width is the
       next power of two of the widest row's pages (at most the cache's maximum),
-      since the XLA path reads every row's table to its full width.
+      since the XLA path reads every row's table to its full width. Set to the
+      cache's `max_pages` for one width whatever rows hold (a serving engine then
+      never compiles as rows grow; the Mosaic GPU kernels read only valid pages).
   """
 
   kv_piece: int = 1024
