@@ -6,7 +6,9 @@ head), one warpgroup: flash-decoding over the row's own pages (T query tokens,
 causal inside the private region: query token t sees private positions
 `< length - T + t + 1`), streaming 64-token blocks through two shared-memory
 slots; each block is read as rungs of 8/8/16/32 rows, only those holding valid
-tokens (V slots are zeroed once, so rows never loaded are finite where P = 0).
+tokens. A partial block's V rows past its valid tokens (never loaded, or
+unwritten slots of the page) are zeroed before `p @ V`, so 0 * inf never
+reaches the output; full blocks skip that.
 
 Many programs each streaming one long row keep the copy engines busy; the
 packed kernel (`private_attention`), which walks several rows per program, is
@@ -29,8 +31,10 @@ from jax import lax
 
 import numpy as np
 
+from pallas_kernels.mosaic_gpu import online_softmax as osm
+from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PRIVATE_BLOCK, WG_M, cdiv, frame_pad, round_up
-from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, floor_div
+from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand
 
 _BLK = PRIVATE_BLOCK
 _RUNGS = ((0, 8), (8, 16), (16, 32), (32, 64))  # row ranges of a private block's copies
@@ -44,7 +48,6 @@ class PagedProblem:
   query_tokens: int  # T
   group_size: int  # G
   page_size: int  # C
-  scale: float
 
   @property
   def rows_per_query(self) -> int:
@@ -82,12 +85,16 @@ def paged_attention(
     private_lengths: jax.Array,  # [B] int32
     problem: PagedProblem,
     *,
+    scale: float,
+    kv_offset: jax.Array | int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Final states in folded form: out [K, B*T*G, H] (q dtype) and lse tiles [K, B*tiles*64] f32.
 
   lse row r of tile `(b, tile)` is at `(b * tiles + tile) * 64 + r` and belongs
-  to folded query row `round_down(b*T*G, 8) + tile*64 + r`.
+  to folded query row `round_down(b*T*G, 8) + tile*64 + r` (`lse_index`).
+  `kv_offset` (int32 scalar, a multiple of the page size) is added to every kv
+  token index: the pages index one layer's buffer that starts there in k_cache.
   """
   kh, _, h = qf.shape
   dtype = qf.dtype
@@ -99,11 +106,11 @@ def paged_attention(
   m = b_rows * tg
   tiles = private_row_tiles(tg)
   blocks_per_page = -(-c // _BLK)
-  qk_scale = problem.scale * LOG2E
+  qk_scale = scale * LOG2E
   win = window_rows(tg)
 
-  def paged_kernel(q_ref, k_ref, v_ref, pages_ref, lengths_ref, out_ref, lse_out_ref, smem,
-                   barriers):
+  def paged_kernel(q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref, out_ref, lse_out_ref,
+                   smem, barriers):
     q_smem, kv_smem, p_smem, o_smem, lse_smem = smem
     q_bar, k_bars, v_bars = barriers
     row = lax.axis_index('row')
@@ -112,6 +119,7 @@ def paged_attention(
     first = row * tg  # the row's first folded query row
     frame = _align_down(first) + tile * WG_M  # F0
     length = lengths_ref[row]
+    kv_offset = offset_ref[0]
 
     # Only the window's rows (this row's T*G rows, 8-aligned); the rest of the tile is
     # stale and its rows are never stored.
@@ -119,17 +127,19 @@ def paged_attention(
         q_ref.at[kv_head, pl.ds(pl.multiple_of(frame, ALIGN), win)], q_smem.at[pl.ds(0, win)],
         q_bar.at[0],
     )
-    # V rows past a block's loaded rows meet P = 0; zero them once so they are finite.
-    for slot in range(2):
-      kv_smem.at[1, slot][...] = plgpu.layout_cast(
-          jnp.zeros((_BLK, h), dtype), plgpu.Layout.WGMMA
-      )
-    plgpu.commit_smem()
-
     # Private flash-decoding: step i reads page i // blocks_per_page, block i % blocks_per_page.
     full_pages = lax.div(length, jnp.int32(c))
     rest = lax.rem(length, jnp.int32(c))
     num_steps = full_pages * blocks_per_page + lax.div(rest + (_BLK - 1), jnp.int32(_BLK))
+
+    def block_valid(step):
+      """(page, block in the page, valid tokens of the step's block)."""
+      page = lax.div(step, jnp.int32(blocks_per_page))
+      sub = lax.rem(step, jnp.int32(blocks_per_page))
+      valid = jnp.minimum(length - (page * c + sub * _BLK), min(_BLK, c))
+      if c % _BLK:
+        valid = jnp.minimum(valid, c - sub * _BLK)
+      return page, sub, valid
 
     def issue(step, slot):
       """Loads the rungs of the block that hold valid tokens: rows [0,8) [8,16) [16,32) [32,64).
@@ -137,12 +147,8 @@ def paged_attention(
       Every rung arrives on the slot's barriers once (a copy, or a plain arrival
       when the rung holds no valid token), so the barriers expect len(_RUNGS).
       """
-      page = lax.div(step, jnp.int32(blocks_per_page))
-      sub = lax.rem(step, jnp.int32(blocks_per_page))
-      tok = pl.multiple_of(pages_ref[row, page] * c + sub * _BLK, ALIGN)
-      valid = jnp.minimum(length - (page * c + sub * _BLK), min(_BLK, c))
-      if c % _BLK:
-        valid = jnp.minimum(valid, c - sub * _BLK)
+      page, sub, valid = block_valid(step)
+      tok = pl.multiple_of(kv_offset + pages_ref[row, page] * c + sub * _BLK, ALIGN)
       for begin, end in _RUNGS:
         def copy(begin=begin, end=end):
           src = pl.ds(pl.multiple_of(tok + begin, ALIGN), end - begin)
@@ -173,41 +179,13 @@ def paged_attention(
       tq = floor_div(rel, g_size)
       limit = jnp.minimum(length - t_tok + 1 + tq, length)
 
-    m_i = plgpu.layout_cast(jnp.full((WG_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((WG_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((WG_M, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    acc, m_i, l_i = osm.init(WG_M, h)
     plgpu.barrier_wait(q_bar.at[0])
 
-    def update(carry, s2, v_tile):
-      """Online-softmax step on base-2 scores s2 [64, BLK] (-inf where masked)."""
-      acc, m_i, l_i = carry
-      m_new = jnp.maximum(m_i, s2.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_safe)
-      p = jnp.exp2(s2 - lax.broadcast_in_dim(m_safe, s2.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(dtype)
-      if p_smem is None:
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_tile)
-
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      else:  # interpret mode: wgmma operands from shared memory only
-        p_smem[...] = p16
-        plgpu.commit_smem()
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_tile)
-          return acc_ref[...]
-
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((WG_M, h), jnp.float32))
-      return acc, m_new, l_i
-
     def private_step(step, carry):
+      acc, m_i, l_i = carry
       slot = lax.rem(step, jnp.int32(2))
-      page = lax.div(step, jnp.int32(blocks_per_page))
-      sub = lax.rem(step, jnp.int32(blocks_per_page))
+      page, sub, valid = block_valid(step)
       plgpu.barrier_wait(k_bars.at[slot])
 
       def qk(acc_ref):
@@ -219,9 +197,13 @@ def paged_attention(
       visible = in_page + page * c < limit
       if c % _BLK:
         visible = visible & (in_page < c)
-      s2 = jnp.where(visible, s * qk_scale, -jnp.inf)
+      acc, m_i, l_i, p16 = osm.step(
+          s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
+      )
       plgpu.barrier_wait(v_bars.at[slot])
-      carry = update(carry, s2, kv_smem.at[1, slot])
+      # A partial block: rows past `valid` hold unwritten slots or an older block's rows.
+      osm.zero_rows(kv_smem.at[1, slot], lambda r: r < valid, lambda first: valid < _BLK)
+      carry = (osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem), m_i, l_i)
 
       @pl.when(step + 2 < num_steps)
       def _():
@@ -231,12 +213,7 @@ def paged_attention(
 
     carry = lax.fori_loop(0, num_steps, private_step, (acc, m_i, l_i))
 
-    acc, m_i, l_i = carry
-    nonempty = l_i > 0
-    l_safe = jnp.where(nonempty, l_i, 1.0)
-    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    lse_smem[...] = jnp.where(nonempty, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
-    plgpu.commit_smem()
+    osm.finish(*carry, o_smem, lse_smem, dtype)
     # Exact rows [r0, r1) of the tile that are this row's: a ladder of power-of-two copies.
     r0 = jnp.maximum(first - frame, 0)
     r1 = jnp.minimum(first + tg - frame, WG_M)
@@ -269,7 +246,7 @@ def paged_attention(
       plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
       plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
   )
-  operands = [qf, k_cache, v_cache, private_pages, private_lengths]
+  operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   return plgpu.kernel(
       paged_kernel,
       out_type=(
@@ -284,3 +261,59 @@ def paged_attention(
       ),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
+
+
+def private_states_reference(
+    q: jax.Array,  # [K, B, I, H]: folded query index i = t*G + g (rows i >= T*G are padding)
+    k_cache: jax.Array,  # [S_total, K, H]
+    v_cache: jax.Array,  # [S_total, K, H]
+    private_pages: jax.Array,  # [B, P] int32
+    private_lengths: jax.Array,  # [B] int32
+    *,
+    query_tokens: int,
+    group_size: int,
+    page_size: int,
+    scale: float,
+    kv_offset=0,
+) -> tuple[jax.Array, jax.Array]:
+  """Causal attention of each row over its own pages in jnp (float32): out [K, B, I, H], lse
+  [K, B, I]. V at tokens past a row's length is never used (it may be garbage)."""
+  kh, b, rows, h = q.shape
+  tokens = (private_pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(b, -1)
+  tokens = jnp.minimum(tokens + kv_offset, k_cache.shape[0] - 1)  # [B, S]
+  pos = jnp.arange(tokens.shape[1])
+  lengths = private_lengths[:, None]
+  tq = jnp.minimum(jnp.arange(rows) // group_size, query_tokens - 1)
+  limit = jnp.minimum(lengths - query_tokens + 1 + tq[None, :], lengths)  # [B, I]
+  visible = pos[None, None, :] < limit[..., None]  # [B, I, S]
+  k = k_cache[tokens].astype(jnp.float32)  # [B, S, K, H]
+  v = jnp.where((pos[None, :] < lengths)[..., None, None], v_cache[tokens].astype(jnp.float32), 0.0)
+  hi = jax.lax.Precision.HIGHEST
+  s = jnp.einsum('kbih,bskh->kbis', q.astype(jnp.float32), k, precision=hi) * scale
+  s = jnp.where(visible[None], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m[..., None])
+  l = p.sum(-1)
+  o = jnp.einsum('kbis,bskh->kbih', p, v, precision=hi)
+  l_safe = jnp.where(l > 0, l, 1.0)
+  return o / l_safe[..., None], jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+
+
+def paged_attention_reference(
+    qf, k_cache, v_cache, private_pages, private_lengths, problem: PagedProblem, *,
+    scale: float, kv_offset=0, interpret: bool = False,
+):
+  """`paged_attention` in jnp (float32 math): same arguments, same output layout."""
+  del interpret
+  kh, _, h = qf.shape
+  b, tg = problem.num_rows, problem.rows_per_query
+  out, lse = private_states_reference(
+      qf[:, : b * tg].reshape(kh, b, tg, h), k_cache, v_cache, private_pages, private_lengths,
+      query_tokens=problem.query_tokens, group_size=problem.group_size,
+      page_size=problem.page_size, scale=scale, kv_offset=kv_offset,
+  )
+  tiles = private_row_tiles(tg)
+  lse_tiles = jnp.full((kh, b * tiles * WG_M), -jnp.inf, jnp.float32)
+  lse_tiles = lse_tiles.at[:, lse_index(b, tg)].set(lse.reshape(kh, b * tg))
+  return out.reshape(kh, b * tg, h).astype(qf.dtype), lse_tiles

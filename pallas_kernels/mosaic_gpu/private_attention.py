@@ -33,12 +33,16 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import online_softmax as osm
+from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import (
     ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
 )
-from pallas_kernels.mosaic_gpu.segment_attention import LN2, LOG2E, floor_div, segment_fields
+from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
+from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand, segment_fields
 
 _BLK = PRIVATE_BLOCK
 _LANES = PRIVATE_BLOCK // CHUNK  # chunks per step
@@ -54,7 +58,6 @@ class PrivateProblem:
   rows_per_query: int  # TGp >= T*G, `schedule.padded_rows_per_query`
   frame_rows: int  # F, `schedule.private_frame_rows`
   page_size: int  # C, a multiple of CHUNK
-  scale: float
   slots: int = 2  # K/V steps in flight
 
   @property
@@ -79,9 +82,15 @@ def private_attention(
     partial_lse: jax.Array | None,  # [K, PAD + W*TILE_M + PAD] float32
     problem: PrivateProblem,
     *,
+    scale: float,
+    kv_offset: jax.Array | int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Final states of every folded query row; layouts in the module docstring."""
+  """Final states of every folded query row; layouts in the module docstring.
+
+  `kv_offset` (int32 scalar, a multiple of the page size) is added to every kv
+  token index: the pages index one layer's buffer that starts there in k_cache.
+  """
   kh, _, h = qf.shape
   dtype = qf.dtype
   b_rows = problem.num_rows
@@ -93,15 +102,15 @@ def private_attention(
   c = problem.page_size
   slots = problem.slots
   max_pages = private_pages.shape[1]
-  qk_scale = problem.scale * LOG2E
+  qk_scale = scale * LOG2E
   merging = sched is not None and sched.num_items > 0 and row_segments is not None
   depth_cap = row_segments.shape[1] if merging else 0
   splits = sched.num_splits if merging else 0
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
 
   def private_merge_kernel(*refs):
-    q_ref, k_ref, v_ref, pages_ref, lengths_ref = refs[:5]
-    refs = refs[5:]
+    q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
+    refs = refs[6:]
     if merging:
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
@@ -118,6 +127,7 @@ def private_attention(
       row0 = lax.div(frame, jnp.int32(tiles_per_row))
       q0 = lax.rem(frame, jnp.int32(tiles_per_row)) * WG_M
     rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
+    kv_offset = offset_ref[0]
 
     plgpu.copy_gmem_to_smem(
         q_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), WG_M)], q_smem, q_bar.at[0]
@@ -171,14 +181,14 @@ def private_attention(
       return lanes, cursor
 
     def tokens(lanes):
-      """First KV token of each lane's chunk ([0, 8) for a lane with none) and whether the
-      8 chunks are 64 contiguous tokens."""
+      """First KV token of each lane's chunk (the layer's first 8 for a lane with none) and
+      whether the 8 chunks are 64 contiguous tokens."""
       toks, contiguous = [], lanes[0][2]
       for j, (r, pos, real) in enumerate(lanes):
         page = lax.div(pos, jnp.int32(c))
         row = jnp.minimum(row0 + jnp.minimum(r, r_rows - 1), b_rows - 1)
         page_id = pages_ref[row, jnp.minimum(page, max_pages - 1)]
-        toks.append(jnp.where(real, page_id * c + (pos - page * c), 0))
+        toks.append(kv_offset + jnp.where(real, page_id * c + (pos - page * c), 0))
         if j:
           contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
       return toks, contiguous
@@ -239,7 +249,8 @@ def private_attention(
       t_of = floor_div(within, g_size)
 
     def step_mask(cursor):
-      """Visibility [64, BLK] of the next 8 lanes, and the cursor after them.
+      """Visibility [64, BLK] of the next 8 lanes, their valid tokens (8 scalars in 0..8)
+      and the cursor after them.
 
       Per lane, key = 16 * row + valid tokens (0..8): a score is visible iff
       sub < key - 16 * its own row < 16, i.e. the chunk is its row's and the
@@ -247,9 +258,11 @@ def private_attention(
       """
       key = jnp.zeros_like(cols)
       causal = jnp.zeros_like(cols) if t_tok > 1 else None
+      valids = []
       for j in range(_LANES):
         (r, pos, real, length), cursor = lane_at(cursor)
         valid = jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)
+        valids.append(valid)
         key = jnp.where(lane == j, r * 16 + valid, key)
         if causal is not None:
           causal = jnp.where(lane == j, length - t_tok + 1 - pos, causal)
@@ -257,7 +270,22 @@ def private_attention(
       visible = (sub < x) & (x < 16)
       if causal is not None:
         visible = visible & (sub < causal + t_of)
-      return visible, cursor
+      return visible, valids, cursor
+
+    def zero_unseen(v_smem, valids):
+      """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
+      lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
+      def keep(r):
+        lane_r = floor_div(r, CHUNK)
+        count = jnp.zeros_like(r)
+        for j, valid in enumerate(valids):
+          count = jnp.where(lane_r == j, valid, count)
+        return r - lane_r * CHUNK < count
+
+      partial = valids[0] < CHUNK
+      for valid in valids[1:]:
+        partial = partial | (valid < CHUNK)
+      osm.zero_rows(v_smem, keep, lambda first: partial)
 
     # ---- merge setup: depth of each row, the first window loaded now ----
     if merging:
@@ -304,31 +332,13 @@ def private_attention(
       first_window = load_window(first[1])
 
     # ---- private phase ----
-    m_i = plgpu.layout_cast(jnp.full((WG_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((WG_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((WG_M, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    acc, m_i, l_i = osm.init(WG_M, h)
     plgpu.barrier_wait(q_bar.at[0])
-
-    def pv(acc, p, v_tile):
-      p16 = p.astype(dtype)
-      if p_smem is None:
-        def run(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_tile)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-      p_smem[...] = p16  # interpret mode: wgmma operands from shared memory only
-      plgpu.commit_smem()
-
-      def run(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_tile)
-        return acc_ref[...]
-
-      return acc + pl.run_scoped(run, plgpu.ACC((WG_M, h), jnp.float32))
 
     def private_step(step, carry):
       acc, m_i, l_i, issue_at, consume_at = carry
       slot = lax.rem(step, jnp.int32(slots))
-      visible, consume_at = step_mask(consume_at)
+      visible, valids, consume_at = step_mask(consume_at)
       plgpu.barrier_wait(k_bars.at[slot])
 
       def qk(acc_ref):
@@ -336,15 +346,12 @@ def private_attention(
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
-      s2 = jnp.where(visible, s * qk_scale, -jnp.inf)
-      m_new = jnp.maximum(m_i, s2.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_safe)
-      p = jnp.exp2(s2 - lax.broadcast_in_dim(m_safe, s2.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc, m_new, l_i, p16 = osm.step(
+          s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
+      )
       plgpu.barrier_wait(v_bars.at[slot])
-      acc = pv(acc, p, kv_smem.at[1, slot])
+      zero_unseen(kv_smem.at[1, slot], valids)
+      acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
       issue_at = issue(slot, issue_at, step + slots < num_steps)
       return acc, m_new, l_i, issue_at, consume_at
@@ -384,26 +391,14 @@ def private_attention(
         if frame_row is not None:
           in_run = (frame_row >= r.astype(jnp.float32)) & (frame_row < run_end.astype(jnp.float32))
           lse2 = jnp.where(in_run, lse2, -jnp.inf)
-        m_new = jnp.maximum(m_i, lse2)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        beta = jnp.exp2(lse2 - m_safe)
-        beta_b = lax.broadcast_in_dim(beta, acc.shape, [0])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + jnp.where(
-            beta_b > 0, o.astype(jnp.float32) * beta_b, 0.0
-        )
-        l_i = l_i * alpha + beta
-        return nxt, next_run, next_window, acc, m_new, l_i
+        acc, m_i, l_i = osm.merge(acc, m_i, l_i, o, lse2)
+        return nxt, next_run, next_window, acc, m_i, l_i
 
       zero = jnp.int32(0)
       carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
       *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
 
-    nonempty = l_i > 0
-    l_safe = jnp.where(nonempty, l_i, 1.0)
-    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    lse_smem[...] = jnp.where(nonempty, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
-    plgpu.commit_smem()
+    osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
     plgpu.copy_smem_to_gmem(
         o_smem.at[pl.ds(0, f_rows)], out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)]
     )
@@ -426,7 +421,7 @@ def private_attention(
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
   )
-  operands = [qf, k_cache, v_cache, private_pages, private_lengths]
+  operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if merging:
     operands += [row_segments, segments, partial_out, partial_lse]
   frames = problem.num_frames
@@ -444,3 +439,56 @@ def private_attention(
       ),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
+
+
+def private_attention_reference(
+    qf, k_cache, v_cache, private_pages, private_lengths, row_segments, segments,
+    sched: SharedSchedule | None, partial_out, partial_lse, problem: PrivateProblem, *,
+    scale: float, kv_offset=0, interpret: bool = False,
+):
+  """`private_attention` in jnp (float32 math): same arguments, same output layout.
+
+  The merge reads the shared partial states at the places the module docstring of
+  `schedule` gives, so this checks the kernel's indexing too. `row_segments` and
+  `segments` must be concrete (for tests). Rows past the batch get (0, -inf).
+  """
+  del interpret
+  kh, _, h = qf.shape
+  b, tgp, f = problem.num_rows, problem.rows_per_query, problem.frame_rows
+  out, lse = private_states_reference(
+      qf[:, : b * tgp].reshape(kh, b, tgp, h), k_cache, v_cache, private_pages, private_lengths,
+      query_tokens=problem.query_tokens, group_size=problem.group_size,
+      page_size=problem.page_size, scale=scale, kv_offset=kv_offset,
+  )
+  if sched is not None and sched.num_items > 0 and row_segments is not None:
+    table, segs = np.asarray(row_segments), np.asarray(segments)
+    starts = np.full(table.shape + (sched.num_splits,), -1, np.int64)  # [B, D, splits]
+    for row, col in zip(*np.nonzero(table >= 0)):
+      index = int(table[row, col])
+      gs = next(g for g in sched.groups if 0 <= index - g.segment_offset < g.num_segments)
+      item = gs.item_offset + (index - gs.segment_offset) * gs.num_splits * gs.row_tiles
+      first = int(segs[2, index]) * tgp
+      base = PARTIAL_PAD + item * TILE_M + row * tgp - (first - first % ALIGN)
+      starts[row, col] = base + np.arange(gs.num_splits) * gs.row_tiles * TILE_M
+    rows = np.maximum(starts, 0)[..., None] + np.arange(tgp)  # [B, D, splits, TGp]
+    windows = partial_out[:, rows].astype(jnp.float32).reshape(kh, b, -1, tgp, h)
+    window_lse = partial_lse[:, rows].reshape(kh, b, -1, tgp)
+    window_lse = jnp.where(jnp.asarray(starts >= 0).reshape(1, b, -1, 1), window_lse, -jnp.inf)
+    out = jnp.concatenate([out[..., None, :], windows.transpose(0, 1, 3, 2, 4)], axis=3)
+    lse = jnp.concatenate([lse[..., None], window_lse.transpose(0, 1, 3, 2)], axis=3)
+    m = jnp.max(lse, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m[..., None])
+    den = w.sum(-1)
+    acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * out, 0.0), axis=3)
+    den_safe = jnp.where(den > 0, den, 1.0)
+    out = acc / den_safe[..., None]
+    lse = jnp.where(den > 0, m + jnp.log(den_safe), -jnp.inf)
+  frames = problem.num_frames
+  folded = jnp.zeros((kh, frames * f, h), jnp.float32).at[:, : b * tgp].set(
+      out.reshape(kh, b * tgp, h)
+  )
+  where = (np.arange(b * tgp) // f) * WG_M + np.arange(b * tgp) % f
+  lse_tiles = jnp.full((kh, frames * WG_M), -jnp.inf, jnp.float32)
+  lse_tiles = lse_tiles.at[:, where].set(lse.reshape(kh, b * tgp))
+  return folded.astype(qf.dtype), lse_tiles

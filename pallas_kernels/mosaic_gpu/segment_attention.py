@@ -17,20 +17,21 @@ segment's rows write nothing (nobody reads them).
 """
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from hydrajax.layout import SegmentGroup
+from pallas_kernels.mosaic_gpu import online_softmax as osm
+from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+SEGMENT_FIELDS = ('kv_start', 'kv_length', 'row_begin', 'row_count')  # rows of pack_segments
 
 
 def floor_div(x, d: int):
@@ -71,11 +72,19 @@ class SegmentFields:
 
 
 def pack_segments(groups: Sequence[SegmentGroup]) -> jax.Array:
-  """[4, J] int32 (kv_start, kv_length, row_begin, row_count) over the concatenated groups."""
-  return jnp.stack([
-      jnp.concatenate([getattr(g, f) for g in groups])
-      for f in ('kv_start', 'kv_length', 'row_begin', 'row_count')
-  ]).astype(jnp.int32)
+  """[4, J] int32 (kv_start, kv_length, row_begin, row_count) over the concatenated groups.
+
+  Packed on the host when the group arrays are concrete (a layout built by
+  `SharingPlan.to_device`), so the result is one transfer; traced arrays (a layout
+  made inside jit) are packed on the device.
+  """
+  try:
+    host = [np.concatenate([np.asarray(getattr(g, f)) for g in groups]) for f in SEGMENT_FIELDS]
+  except jax.errors.TracerArrayConversionError:
+    return jnp.stack([
+        jnp.concatenate([getattr(g, f) for g in groups]) for f in SEGMENT_FIELDS
+    ]).astype(jnp.int32)
+  return jnp.asarray(np.stack(host).astype(np.int32))
 
 
 def segment_fields(sched: SharedSchedule, seg_ref, index) -> SegmentFields:
@@ -130,7 +139,7 @@ class _Item:
   num_tail: jax.Array  # 1 if the last (other) block needs the hi mask
 
 
-def _decode_item(sched: SharedSchedule, seg_ref, item, bk: int) -> _Item:
+def _decode_item(sched: SharedSchedule, seg_ref, item, bk: int, kv_offset) -> _Item:
   index, split, tile = _item_segment(sched, item)
   seg = segment_fields(sched, seg_ref, index)
   tg = sched.rows_per_query
@@ -146,42 +155,34 @@ def _decode_item(sched: SharedSchedule, seg_ref, item, bk: int) -> _Item:
   return _Item(
       active=tile * TILE_M < (first_row - frame_row) + seg.row_count * tg,
       tile_row=frame_row + tile * TILE_M,
-      split_tok=frame_tok + split * seg.split_tokens,
+      split_tok=kv_offset + frame_tok + split * seg.split_tokens,
       lo=lo, hi=hi, num_blocks=num_blocks, num_head=num_head, num_tail=num_tail,
   )
 
 
-def _masked(qk, it: _Item, step, bk: int):
-  cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA) + step * bk
-  return jnp.where((cols >= it.lo) & (cols < it.hi), qk, -jnp.inf)
+def _visible(shape, it: _Item, step, bk: int):
+  """[M, bk] bool: the block's columns inside the segment (a boundary block's mask)."""
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + step * bk
+  return (cols >= it.lo) & (cols < it.hi)
 
 
-def _softmax(qk, m_i, l_i, acc, qk_scale: float, dtype):
-  """One online-softmax step on raw scores qk (every row has a finite score in the block)."""
-  m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-  alpha = jnp.exp2(m_i - m_ij)
-  p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-  acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-  l_i *= alpha
-  p16 = p.astype(dtype)
-  l_i += p.sum(axis=1)
-  return m_ij, l_i, acc, p16
+def _zero_outside(v_smem, it: _Item, step, bk: int):
+  """Zeroes the boundary block's V rows outside the segment (no 0 * inf in p @ V)."""
+  first_tok = step * bk
+  osm.zero_rows(
+      v_smem,
+      lambda r: (r + first_tok >= it.lo) & (r + first_tok < it.hi),
+      lambda first: (first_tok + first < it.lo) | (first_tok + first + WG_M > it.hi),
+  )
 
 
-def _finish(acc, m_i, l_i, o_smem, lse_smem, dtype):
-  """Normalised out and natural-log lse into shared memory; (0, -inf) for an empty split."""
-  nonempty = l_i > 0
-  l_safe = jnp.where(nonempty, l_i, 1.0)
-  o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-  lse_smem[...] = jnp.where(nonempty, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
-  plgpu.commit_smem()
-
-
-def _init_state(rows: int, h: int):
-  m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  acc = plgpu.layout_cast(jnp.full((rows, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-  return acc, m_i, l_i
+def _softmax_step(qk, carry, it: _Item, step, bk: int, masked: bool, qk_scale: float, dtype):
+  acc, m_i, l_i = carry
+  visible = _visible(qk.shape, it, step, bk) if masked else None
+  # Every row of a tile sees the block's visible columns: no row is empty.
+  return osm.step(
+      qk, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible, may_be_empty=False
+  )
 
 
 def _three_sections(step_fn, it: _Item, carry):
@@ -204,9 +205,13 @@ def segment_attention(
     *,
     scale: float,
     config: SegmentKernelConfig = SegmentKernelConfig(),
+    kv_offset: jax.Array | int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Partial states of every (segment, split, row tile), rows as in the module docstring.
+
+  `kv_offset` (int32 scalar, a multiple of ALIGN) is added to every kv token
+  index: the segments index one layer's buffer that starts there in k_cache.
 
   On the GPU this is the warp-specialised kernel. With `interpret=True` it is
   the single-warpgroup kernel: the same items, masks, softmax and epilogue,
@@ -233,7 +238,12 @@ def segment_attention(
       ),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **mesh,
-  )(segments, qf, k_cache, v_cache)
+  )(segments, offset_operand(kv_offset), qf, k_cache, v_cache)
+
+
+def offset_operand(kv_offset) -> jax.Array:
+  """kv_offset as the kernels' [1] int32 operand (read once per program)."""
+  return jnp.asarray(kv_offset, jnp.int32).reshape(1)
 
 
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -247,15 +257,15 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
   steps = config.max_concurrent_steps
   qk_scale = scale * LOG2E  # scores in base 2
 
-  def shared_segment_kernel(seg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers,
-                            consumed, schedule_barrier):
+  def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
+                            barriers, consumed, schedule_barrier):
     qo_smem2, k_smem, v_smem, lse_smem2 = smem
     k_barriers, v_barriers, q_barriers = barriers
     k_consumed, v_consumed = consumed
     item = lax.axis_index('item')
     kv_head = lax.axis_index('kv_head')
     wg = lax.axis_index('wg')
-    it = _decode_item(sched, seg_ref, item, bk)
+    it = _decode_item(sched, seg_ref, item, bk, offset_ref[0])
 
     def schedule():
       plgpu.barrier_arrive(schedule_barrier)
@@ -268,7 +278,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
       q_row = pl.multiple_of(it.tile_row + wg * WG_M, ALIGN)
       plgpu.copy_gmem_to_smem(q_ref.at[kv_head, pl.ds(q_row, WG_M)], qo_smem, q_barriers.at[wg])
       plgpu.barrier_wait(q_barriers.at[wg])
-      carry = _init_state(WG_M, h)
+      carry = osm.init(WG_M, h)
 
       @pl.when(it.num_blocks > 0)
       def _():
@@ -277,7 +287,6 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
       pl.when(wg == 1)(schedule)
 
       def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i = carry
         slot = lax.rem(step, jnp.int32(steps))
 
         def compute_qk(acc_ref):
@@ -287,13 +296,13 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        if masked:
-          qk = _masked(qk, it, step, bk)
-        m_i, l_i, acc, p16 = _softmax(qk, m_i, l_i, acc, qk_scale, dtype)
+        acc, m_i, l_i, p16 = _softmax_step(qk, carry, it, step, bk, masked, qk_scale, dtype)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(v_barriers.at[slot])
         plgpu.barrier_wait(schedule_barrier)
+        if masked:  # both warpgroups zero the same rows: their writes agree
+          _zero_outside(v_smem.at[slot], it, step, bk)
 
         def wait_next_k():
           nxt = step + 1
@@ -312,7 +321,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
 
       acc, m_i, l_i = _three_sections(kv_step, it, carry)
       pl.when(wg == 0)(schedule)
-      _finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
+      osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
       out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M + wg * WG_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[kv_head, pl.ds(out_row, WG_M)])
@@ -365,12 +374,13 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
   bk = config.block_kv
   qk_scale = scale * LOG2E
 
-  def shared_segment_kernel(seg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem, barriers):
+  def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
+                            barriers):
     qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
     q_bar, k_bars, v_bars = barriers
     item = lax.axis_index('item')
     kv_head = lax.axis_index('kv_head')
-    it = _decode_item(sched, seg_ref, item, bk)
+    it = _decode_item(sched, seg_ref, item, bk, offset_ref[0])
 
     @pl.when(it.active)
     def _():
@@ -388,7 +398,6 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
       plgpu.barrier_wait(q_bar.at[0])
 
       def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i = carry
         slot = lax.rem(step, jnp.int32(2))
         plgpu.barrier_wait(k_bars.at[slot])
 
@@ -397,18 +406,11 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
           return acc_ref[...]
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((TILE_M, bk), jnp.float32))
-        if masked:
-          qk = _masked(qk, it, step, bk)
-        m_i, l_i, acc, p16 = _softmax(qk, m_i, l_i, acc, qk_scale, dtype)
+        acc, m_i, l_i, p16 = _softmax_step(qk, carry, it, step, bk, masked, qk_scale, dtype)
         plgpu.barrier_wait(v_bars.at[slot])
-        p_smem[...] = p16
-        plgpu.commit_smem()
-
-        def compute_pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-          return acc_ref[...]
-
-        acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((TILE_M, h), jnp.float32))
+        if masked:
+          _zero_outside(v_smem.at[slot], it, step, bk)
+        acc = osm.add_pv(acc, p16, v_smem.at[slot], p_smem)
 
         @pl.when(step + 2 < it.num_blocks)
         def _():
@@ -416,8 +418,8 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
 
         return acc, m_i, l_i
 
-      acc, m_i, l_i = _three_sections(kv_step, it, _init_state(TILE_M, h))
-      _finish(acc, m_i, l_i, qo_smem, lse_smem, dtype)
+      acc, m_i, l_i = _three_sections(kv_step, it, osm.init(TILE_M, h))
+      osm.finish(acc, m_i, l_i, qo_smem, lse_smem, dtype)
       out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, TILE_M)])
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[kv_head, pl.ds(out_row, TILE_M)])
@@ -436,11 +438,20 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
   return shared_segment_kernel, scratch, {}
 
 
-def segment_attention_reference(qf, k_cache, v_cache, segments, sched: SharedSchedule, *, scale):
-  """The kernel's outputs in jnp (float32 math), item by item (not jitted: for tests)."""
+def segment_attention_reference(
+    qf, k_cache, v_cache, segments, sched: SharedSchedule, *, scale: float,
+    config: SegmentKernelConfig = SegmentKernelConfig(), kv_offset=0, interpret: bool = False,
+):
+  """`segment_attention` in jnp (float32 math), item by item; same arguments and outputs.
+
+  Not jitted, and `segments` must be concrete (it loops over them): for tests.
+  `config` and `interpret` are accepted so that a test swaps one for the other.
+  """
+  del config, interpret
   _, m_pad, _ = qf.shape
   tg = sched.rows_per_query
   outs, lses = [], []
+  segments = np.asarray(segments)
   for gs in sched.groups:
     for j in range(gs.num_segments):
       kv_start, kv_length, row_begin, _ = (int(x) for x in segments[:, gs.segment_offset + j])
@@ -454,9 +465,10 @@ def segment_attention_reference(qf, k_cache, v_cache, segments, sched: SharedSch
           pos = s * gs.split_tokens + jnp.arange(gs.split_tokens)
           tok = frame + pos
           visible = (tok >= kv_start) & (tok < kv_start + kv_length)
-          tok = jnp.minimum(tok, k_cache.shape[0] - 1)
+          tok = jnp.minimum(tok + kv_offset, k_cache.shape[0] - 1)
           k = k_cache[tok].astype(jnp.float32).transpose(1, 0, 2)
           v = v_cache[tok].astype(jnp.float32).transpose(1, 0, 2)
+          v = jnp.where(visible[None, :, None], v, 0.0)  # what no row sees may be garbage
           sc = jnp.einsum('kmh,ksh->kms', q, k, precision=jax.lax.Precision.HIGHEST) * scale
           sc = jnp.where(visible[None, None, :], sc, -jnp.inf)
           mx = jnp.max(sc, axis=-1, keepdims=True)

@@ -13,10 +13,18 @@ One call is two kernel launches whatever the tree's depth or width:
    (out, lse).
 
 plus XLA's fold of the queries to `[K, B*TGp, H]` (T*G rows per query row,
-padded to TGp: `schedule.padded_rows_per_query`) and the unfold of the result,
-and one concatenation of the segment arrays. A layout with no shared segment
-(plain paged decode) is one launch of `paged_decode` instead, one program per
-row. Same contract as `hydrajax.tree_attention_xla`, which is the reference.
+padded to TGp: `schedule.padded_rows_per_query`) and the unfold of the result.
+A layout with no shared segment (plain paged decode) is one launch of
+`paged_decode` instead, one program per row. Same contract as
+`hydrajax.tree_attention_xla`, which is the reference.
+
+The backend protocol of `hydrajax.attention_plan`: `prepare` runs once per tree
+change (packed segment table, schedule, frame sizes: host work), `attend` once
+per layer with `kv_offset`, the token where this layer's buffer starts in a
+flat `[layers * L, K, H]` cache; the offset is a kernel operand added where
+TMA indices are formed, so no per-layer op rebuilds the layout's arrays.
+K/V that no row attends (padding, unwritten private slots, stale chunks) may
+hold NaN or inf: no output depends on it (`online_softmax.zero_rows`).
 
 Limits (`unsupported_reason` says which, and AUTO then uses XLA): Hopper only;
 bfloat16/float16 (same dtype for q and the caches); head dim 64 or 128; the
@@ -28,6 +36,7 @@ is its single-warpgroup variant (see `segment_attention`).
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +48,8 @@ from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, lse_index, paged_attention
 from pallas_kernels.mosaic_gpu.private_attention import PrivateProblem, private_attention
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, TILE_M, WG_M, padded_rows_per_query, private_frame_rows, round_up, shared_schedule,
+    ALIGN, TILE_M, WG_M, SharedSchedule, padded_rows_per_query, private_frame_rows, round_up,
+    shared_schedule,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
     SegmentKernelConfig, pack_segments, segment_attention,
@@ -50,22 +60,90 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
 
 
-def _shape_reason(q, k_cache, v_cache, layout: TreeLayout) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuConfig:
+  """Tuning knobs of the Mosaic GPU kernels (static under jit).
+
+  Attributes:
+    block_kv: kv tokens per step of the shared kernel (multiple of 64; 64 was slower on
+      every H200 shape measured).
+    max_concurrent_steps: shared-memory slots of the shared kernel's K/V pipeline (>= 2).
+    max_splits: most kv splits per shared segment (8 measured best at B=32, P=2K on an
+      H200: 25.9 us against 29.8 with 16 and 26.1 with 4; larger batches use 1-2).
+    num_sms: multiprocessors to fill (None: the device's; 132 off the GPU).
+  """
+
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+  max_splits: int = 8
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
+    if self.max_splits < 1:
+      raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f'num_sms must be >= 1 or None, got {self.num_sms}')
+
+  @property
+  def segment_kernel(self) -> SegmentKernelConfig:
+    return SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)
+
+
+DEFAULT_CONFIG = MosaicGpuConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+  """The static facts of one call that the kernels need (the fields of
+  `hydrajax.attention_plan.AttentionShapes`; any object with them will do)."""
+
+  num_rows: int  # B
+  query_tokens: int  # T
+  num_heads: int  # N
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  kv_tokens: int  # L, one layer's buffer
+  dtype: Any
+
+  @classmethod
+  def of(cls, q, k_cache) -> 'KernelShapes':
+    b, t, n, h = q.shape
+    return cls(b, t, n, k_cache.shape[1], h, k_cache.shape[0], jnp.dtype(q.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What `attend` needs of a layout, computed once per tree change (a jit pytree).
+
+  `problem` is a `PrivateProblem` when the layout has shared segments (then
+  `schedule` and `segments` are set), else a `PagedProblem` (plain paged decode).
+  """
+
+  private_pages: jax.Array  # [B, P] int32
+  private_lengths: jax.Array  # [B] int32
+  row_segments: jax.Array | None  # [B, D] int32 (TreeLayout.row_segments)
+  segments: jax.Array | None  # [4, J] int32, pack_segments(layout.groups)
+  schedule: SharedSchedule | None = dataclasses.field(metadata=dict(static=True))
+  problem: PrivateProblem | PagedProblem = dataclasses.field(metadata=dict(static=True))
+
+
+def _shape_reason(shapes, layout: TreeLayout) -> str | None:
   """Why these shapes/dtypes are outside what the kernels handle, or None."""
-  if q.dtype not in SUPPORTED_DTYPES:
-    return f'q dtype {q.dtype} is not bfloat16 or float16'
-  if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-    return f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
-  if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-    return f'head dim {q.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}'
-  if k_cache.shape[0] % ALIGN:
-    return f'KV buffer length L={k_cache.shape[0]} is not a multiple of {ALIGN} (TMA tiling)'
+  dtype = jnp.dtype(shapes.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    return f'dtype {dtype} is not bfloat16 or float16'
+  if shapes.head_dim not in SUPPORTED_HEAD_DIMS:
+    return f'head dim {shapes.head_dim} is not one of {SUPPORTED_HEAD_DIMS}'
+  if shapes.kv_tokens % ALIGN:
+    return f'KV buffer length L={shapes.kv_tokens} is not a multiple of {ALIGN} (TMA tiling)'
   if layout.page_size % ALIGN:
     return f'page size {layout.page_size} is not a multiple of {ALIGN} (TMA tiling)'
   if layout.row_segments is None:
     return 'layout.row_segments is None (the kernels merge along each row\'s path)'
-  if layout.row_segments.shape[0] != q.shape[0]:
-    return f'layout.row_segments has {layout.row_segments.shape[0]} rows, q has {q.shape[0]}'
+  if layout.row_segments.shape[0] != shapes.num_rows:
+    return f'layout.row_segments has {layout.row_segments.shape[0]} rows, q has {shapes.num_rows}'
   return None
 
 
@@ -86,15 +164,64 @@ def _hopper_reason() -> str | None:
   return None
 
 
-def unsupported_reason(q, k_cache, v_cache, layout: TreeLayout) -> str | None:
-  """None when these kernels run the inputs on this machine, else why not (AUTO then uses XLA)."""
-  return _hopper_reason() or _shape_reason(q, k_cache, v_cache, layout)
+def unsupported_reason(shapes, layout, *legacy, interpret: bool = False) -> str | None:
+  """None when the kernels handle these shapes and layout, else why not (dtype/shape limits
+  only: the device check is the dispatcher's).
+
+  Transitional: the dispatcher that predates the prepared plan calls
+  `unsupported_reason(q, k_cache, v_cache, layout)`; that form also checks for Hopper.
+  """
+  del interpret  # interpret mode has the same limits
+  if legacy:
+    q, k_cache, (v_cache, layout) = shapes, layout, legacy
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+      return f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
+    return _hopper_reason() or _shape_reason(KernelShapes.of(q, k_cache), layout)
+  return _shape_reason(shapes, layout)
 
 
-def _num_sms() -> int:
-  if jax.default_backend() == 'gpu':
+def _num_sms(config: MosaicGpuConfig, interpret: bool) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  if not interpret and jax.default_backend() == 'gpu':
     return int(getattr(jax.devices()[0], 'core_count', DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
   return DEFAULT_NUM_SMS
+
+
+def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG, *,
+            interpret: bool = False) -> Prepared:
+  """Everything layer-independent, once per tree change: the schedule and frame sizes
+  (static), the packed segment table (packed on the host when the layout is concrete)."""
+  reason = _shape_reason(shapes, layout)
+  if reason is not None:
+    raise ValueError(f'Mosaic GPU tree attention does not support these inputs: {reason}')
+  if layout.num_rows != shapes.num_rows:
+    raise ValueError(f'layout has {layout.num_rows} rows, shapes.num_rows={shapes.num_rows}')
+  b, t, kh = shapes.num_rows, shapes.query_tokens, shapes.num_kv_heads
+  g = shapes.num_heads // kh
+  tg = t * g
+  if not layout.groups:  # no shared segment: plain paged decode, one program per row
+    return Prepared(
+        layout.private_pages, layout.private_lengths, None, None, None,
+        PagedProblem(b, t, g, layout.page_size),
+    )
+  num_sms = _num_sms(config, interpret)
+  tgp = padded_rows_per_query(tg)
+  frame = private_frame_rows(b, tgp, kh, num_sms)
+  problem = PrivateProblem(
+      num_rows=b, query_tokens=t, group_size=g, rows_per_query=tgp, frame_rows=frame,
+      page_size=layout.page_size,
+  )
+  # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
+  problem = dataclasses.replace(problem, slots=3 if problem.num_frames * kh <= num_sms else 2)
+  sched = shared_schedule(
+      layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
+      max_splits=config.max_splits,
+  )
+  return Prepared(
+      layout.private_pages, layout.private_lengths, layout.row_segments,
+      pack_segments(layout.groups), sched, problem,
+  )
 
 
 def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
@@ -106,39 +233,109 @@ def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
   return jnp.pad(qf, ((0, 0), (0, rows - b * tgp), (0, 0)))
 
 
-def _unfold(out_f, lse_f, lse_rows: np.ndarray, q_shape, tgp: int):
-  """Folded outputs back to out [B, T, N, H] and lse [B, T, N].
-
-  out_f [K, >= B*TGp, H] holds folded row b*TGp + t*G + g at that index;
-  `lse_rows` [B*T*G] is where each unpadded folded row's lse is in lse_f [K, ...].
-  """
+def _unfold_out(out_f, q_shape, tgp: int):
+  """out_f [K, >= B*TGp, H] (folded row b*TGp + t*G + g) -> out [B, T, N, H]."""
   b, t, n, h = q_shape
   kh = out_f.shape[0]
   g = n // kh
   out = out_f[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
-  out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
-  lse = lse_f[:, lse_rows].reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, n)
-  return out, lse
+  return out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
 
 
-def _frame_lse_rows(b: int, tg: int, problem: PrivateProblem) -> np.ndarray:
-  """Place of each unpadded folded row's lse in the private kernel's per-frame lse tiles."""
-  tgp, f = problem.rows_per_query, problem.frame_rows
-  rows = np.arange(b * tgp).reshape(b, tgp)[:, :tg].reshape(-1)
-  return (rows // f) * WG_M + rows % f
+def _unfold_lse(lse_rows, q_shape, kh: int):
+  """lse_rows [K, B*T*G] in folded order -> lse [B, T, N]."""
+  b, t, n, _ = q_shape
+  return lse_rows.reshape(kh, b, t, n // kh).transpose(1, 2, 0, 3).reshape(b, t, n)
 
 
-def _paged_decode(q, k_cache, v_cache, layout: TreeLayout, *, scale: float, interpret: bool):
-  b, t, n, _ = q.shape
-  kh = k_cache.shape[1]
-  tg = t * (n // kh)
-  problem = PagedProblem(b, t, n // kh, layout.page_size, scale)
-  qf = _fold_queries(q, kh, tg, round_up(b * tg + TILE_M, ALIGN))
-  out_f, lse_tiles = paged_attention(
-      qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, problem,
-      interpret=interpret,
+def _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset):
+  want_q = (shapes.num_rows, shapes.query_tokens, shapes.num_heads, shapes.head_dim)
+  if tuple(q.shape) != want_q:
+    raise ValueError(f'q must be [B, T, N, H] = {want_q} (the prepared shapes), got {q.shape}')
+  for name, x in (('k_cache', k_cache), ('v_cache', v_cache)):
+    if x.ndim != 3 or tuple(x.shape[1:]) != (shapes.num_kv_heads, shapes.head_dim):
+      raise ValueError(
+          f'{name} must be [S, K={shapes.num_kv_heads}, H={shapes.head_dim}], got {x.shape}'
+      )
+    if x.dtype != q.dtype:
+      raise ValueError(f'{name} dtype {x.dtype} differs from q dtype {q.dtype}')
+  total = k_cache.shape[0]
+  if v_cache.shape[0] != total or total % ALIGN:
+    raise ValueError(
+        f'k_cache and v_cache must hold the same number of tokens, a multiple of {ALIGN}; got '
+        f'{total} and {v_cache.shape[0]}'
+    )
+  if total < shapes.kv_tokens:
+    raise ValueError(
+        f'the KV buffer holds {total} tokens, fewer than the layout\'s L={shapes.kv_tokens}'
+    )
+  if isinstance(kv_offset, (int, np.integer)):
+    page = prepared.problem.page_size
+    if kv_offset < 0 or kv_offset % page or kv_offset + shapes.kv_tokens > total:
+      raise ValueError(
+          f'kv_offset must be a multiple of the page size {page} in [0, {total - shapes.kv_tokens}]'
+          f' (the KV buffer holds {total} tokens, a layer L={shapes.kv_tokens}), got {kv_offset}'
+      )
+
+
+@functools.partial(jax.jit, static_argnames=('shapes', 'config', 'scale', 'interpret'))
+def attend(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [S, K, H], e.g. the flat [layers * L, K, H] buffer
+    v_cache: jax.Array,  # [S, K, H]
+    prepared: Prepared,
+    *,
+    shapes,
+    config: MosaicGpuConfig = DEFAULT_CONFIG,
+    kv_offset: jax.Array | int = 0,
+    scale: float | None = None,
+    interpret: bool = False,
+) -> PartialState:
+  """Exact attention of every row over its tree path and private KV, for one layer.
+
+  Args:
+    q, k_cache, v_cache, scale: as `hydrajax.tree_attention_xla`, except that the
+      caches may hold several layers' buffers of L = shapes.kv_tokens tokens.
+    prepared: `prepare(layout, shapes, config)`.
+    shapes, config: the ones `prepared` was made with.
+    kv_offset: int32 scalar (python int or array), a multiple of the page size: the
+      token where this layer's buffer starts. A traced value is not range-checked.
+    interpret: run the kernels in Mosaic GPU interpret mode (CPU tests).
+
+  Returns:
+    (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+  """
+  _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset)
+  b, t, n, h = q.shape
+  kh = shapes.num_kv_heads
+  scale = h**-0.5 if scale is None else float(scale)
+  if not scale > 0:
+    raise ValueError(f'scale must be a finite number > 0, got {scale}')
+  problem = prepared.problem
+  if isinstance(problem, PagedProblem):
+    tg = problem.rows_per_query
+    qf = _fold_queries(q, kh, tg, round_up(b * tg + TILE_M, ALIGN))
+    out_f, lse_tiles = paged_attention(
+        qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths, problem,
+        scale=scale, kv_offset=kv_offset, interpret=interpret,
+    )
+    lse_rows = lse_tiles[:, lse_index(b, tg)]
+    return PartialState(_unfold_out(out_f, q.shape, tg), _unfold_lse(lse_rows, q.shape, kh))
+  tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
+  qf = _fold_queries(q, kh, tgp, round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN))
+  partial_out, partial_lse = segment_attention(
+      qf, k_cache, v_cache, prepared.segments, prepared.schedule, scale=scale,
+      config=config.segment_kernel, kv_offset=kv_offset, interpret=interpret,
   )
-  return PartialState(*_unfold(out_f, lse_tiles, lse_index(b, tg), q.shape, tg))
+  out_f, lse_f = private_attention(
+      qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths,
+      prepared.row_segments, prepared.segments, prepared.schedule, partial_out, partial_lse,
+      problem, scale=scale, kv_offset=kv_offset, interpret=interpret,
+  )
+  # Frame p's lse rows are p*64 + [0, F): a slice, then folded order.
+  lse_rows = lse_f.reshape(kh, frames, WG_M)[:, :, :frame].reshape(kh, frames * frame)
+  lse_rows = lse_rows[:, : b * tgp].reshape(kh, b, tgp)[:, :, : t * (n // kh)]
+  return PartialState(_unfold_out(out_f, q.shape, tgp), _unfold_lse(lse_rows, q.shape, kh))
 
 
 @functools.partial(
@@ -160,58 +357,21 @@ def tree_attention(
     num_sms: int | None = None,
     interpret: bool = False,
 ) -> PartialState:
-  """Exact attention of every row over its tree path and private KV (see the module docstring).
-
-  Args:
-    q, k_cache, v_cache, layout, scale: as `hydrajax.tree_attention_xla`.
-    block_kv: kv tokens per step of the shared kernel (multiple of 64).
-    max_concurrent_steps: shared-memory slots of the shared kernel's K/V pipeline.
-    max_splits: most kv splits per shared segment (8 measured best at B=32, P=2K on an
-      H200: 25.9 us against 29.8 with 16 and 26.1 with 4; larger batches use 1-2).
-    num_sms: multiprocessors to fill (default: the device's; 132 on CPU).
-    interpret: run both kernels in Mosaic GPU interpret mode (CPU tests).
+  """`attend(q, k, v, prepare(layout, ...))` in one call (see `MosaicGpuConfig` for the knobs).
 
   Returns:
     (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
-  reason = _shape_reason(q, k_cache, v_cache, layout)
+  shapes = KernelShapes.of(q, k_cache)
+  reason = _shape_reason(shapes, layout)
+  if reason is None and k_cache.dtype != q.dtype:
+    reason = f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
   if reason is not None:
     raise ValueError(f'Mosaic GPU tree attention does not support these inputs: {reason}')
-  b, t, n, h = q.shape
-  kh = k_cache.shape[1]
-  g = n // kh
-  tg = t * g
-  scale = h**-0.5 if scale is None else float(scale)
-  if scale <= 0:
-    raise ValueError(f'scale must be > 0, got {scale}')
-  config = SegmentKernelConfig(block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  num_sms = num_sms or _num_sms()
-  if not layout.groups:  # no shared segment: plain paged decode, one program per row
-    return _paged_decode(q, k_cache, v_cache, layout, scale=scale, interpret=interpret)
-  tgp = padded_rows_per_query(tg)
-  frame = private_frame_rows(b, tgp, kh, num_sms)
-  problem = PrivateProblem(
-      num_rows=b, query_tokens=t, group_size=g, rows_per_query=tgp, frame_rows=frame,
-      page_size=layout.page_size, scale=scale,
+  config = MosaicGpuConfig(block_kv, max_concurrent_steps, max_splits, num_sms)
+  prepared = prepare(layout, shapes, config, interpret=interpret)
+  return attend(
+      q, k_cache, v_cache, prepared, shapes=shapes, config=config, scale=scale,
+      interpret=interpret,
   )
-  frames = problem.num_frames
-  # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
-  problem = dataclasses.replace(problem, slots=3 if frames * kh <= num_sms else 2)
-  qf = _fold_queries(q, kh, tgp, round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN))
-
-  sched = partial_out = partial_lse = segments = None
-  if layout.groups:
-    sched = shared_schedule(
-        layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=block_kv, num_sms=num_sms,
-        max_splits=max_splits,
-    )
-    segments = pack_segments(layout.groups)
-    partial_out, partial_lse = segment_attention(
-        qf, k_cache, v_cache, segments, sched, scale=scale, config=config, interpret=interpret
-    )
-  out_f, lse_f = private_attention(
-      qf, k_cache, v_cache, layout.private_pages, layout.private_lengths, layout.row_segments,
-      segments, sched, partial_out, partial_lse, problem, interpret=interpret,
-  )
-  return PartialState(*_unfold(out_f, lse_f, _frame_lse_rows(b, tg, problem), q.shape, tgp))
