@@ -3,7 +3,8 @@
 `TestMosaicGpuKernels` runs every case compiled on a Hopper GPU (skipped
 elsewhere); `TestMosaicGpuKernelsInterpret` runs the same cases on CPU in
 Mosaic GPU interpret mode with small shapes (what CI runs). Both compare with
-`tree_attention_xla` and with the naive oracle. Interpret mode cannot feed
+`tree_attention_xla` and with the naive oracle, and each kernel with its jnp
+`*_reference` (same arguments). Interpret mode cannot feed
 wgmma from registers, so there the kernels stage P through shared memory;
 everything else (TMA, barriers, warp specialisation, masking, merges) is the
 code that runs on the GPU.
@@ -20,6 +21,12 @@ import hydrajax
 from hydrajax import PromptNode
 from pallas_kernels.mosaic_gpu import schedule
 from pallas_kernels.mosaic_gpu import tree_attention as mosaic
+from pallas_kernels.mosaic_gpu.paged_decode import (
+    lse_index, paged_attention, paged_attention_reference,
+)
+from pallas_kernels.mosaic_gpu.private_attention import (
+    private_attention, private_attention_reference,
+)
 from pallas_kernels.mosaic_gpu.segment_attention import (
     pack_segments, segment_attention, segment_attention_reference,
 )
@@ -102,6 +109,36 @@ PACKED_CASES = [
 ]
 
 
+def _flat_buffer(plan, kc, vc, *, layers: int, layer: int, dirty: bool):
+  """The layer's caches at `layer` of a flat [layers * L', K, H] buffer (L' = L rounded up to
+  a page), and its offset. `dirty`: every slot no row attends (the other layers, padding,
+  unwritten private slots, gaps) holds NaN, inf or -inf; else zeros."""
+  stride = schedule.round_up(plan.kv_tokens, plan.page_size)
+  offset = layer * stride
+  attended = np.zeros(plan.kv_tokens, bool)
+  indices, lengths = plan.row_token_indices()
+  for row, n in enumerate(lengths):
+    attended[indices[row, :n]] = True
+  tokens = np.nonzero(attended)[0]
+  flat = []
+  for cache in (kc, vc):
+    if dirty:
+      junk = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(layers * stride) % 3]
+      base = np.broadcast_to(junk[:, None, None], (layers * stride,) + cache.shape[1:])
+    else:
+      base = np.zeros((layers * stride,) + cache.shape[1:], np.float32)
+    buf = jnp.asarray(base, cache.dtype).at[offset + tokens].set(cache[tokens])
+    flat.append(buf)
+  return (*flat, offset)
+
+
+def _real_rows(out_f, lse_rows, num_rows: int, tgp: int, tg: int):
+  """Folded kernel outputs [K, >= B*TGp, H], [K, >= B*TGp] at the real query rows."""
+  kh = out_f.shape[0]
+  keep = (np.arange(num_rows)[:, None] * tgp + np.arange(tg)).reshape(-1)
+  return hydrajax.PartialState(out_f[:, keep], lse_rows.reshape(kh, -1)[:, keep])
+
+
 def _case_id(case):
   tree, t, n, k, _ = case
   return f'{tree}_T={t}_heads={n}/{k}'
@@ -121,6 +158,32 @@ class TestMosaicGpuKernels:
 
   def _run(self, q, kc, vc, layout, **kw):
     return mosaic.tree_attention(q, kc, vc, layout, interpret=self.interpret, block_kv=64, **kw)
+
+  def _attend(self, q, kc, vc, layout, *, kv_offset, num_sms=None):
+    shapes = mosaic.KernelShapes.of(q, kc)
+    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=num_sms)
+    prepared = mosaic.prepare(layout, shapes, config, interpret=self.interpret)
+    return mosaic.attend(
+        q, kc, vc, prepared, shapes=shapes, config=config, kv_offset=kv_offset,
+        interpret=self.interpret,
+    )
+
+  @pytest.mark.parametrize('tree', ['deep', 'private_only'])
+  def test_layer_offset_and_garbage_elsewhere(self, tree):
+    """prepare once, attend at a layer's offset in a flat 3-layer buffer: the same result as
+    the layer alone, also when every slot no row attends holds NaN, inf or -inf (partial
+    blocks and chunks, unwritten private slots, the other layers)."""
+    t = 2
+    lengths = [min(x + t - 1, self.capacity) for x in (4, 16, 9, 70, 5)]
+    plan = _tree(tree, self.capacity, lengths)
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=21)
+    want = self._run(q, kc, vc, layout)
+    _assert_states_close(want, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=3, layer=1, dirty=True)
+    got = self._attend(q, fk, fv, layout, kv_offset=jnp.int32(offset))  # traced offset
+    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
   @pytest.mark.parametrize('case', CASES, ids=_case_id)
   def test_matches_xla_and_oracle(self, case):
@@ -185,10 +248,11 @@ class TestMosaicGpuKernels:
     scale = self.head_dim**-0.5
     config = mosaic.SegmentKernelConfig(block_kv=64)
     segments = pack_segments(layout.groups)
-    out, lse = segment_attention(
-        qf, kc, vc, segments, sched, scale=scale, config=config, interpret=self.interpret
-    )
-    want_out, want_lse = segment_attention_reference(qf, kc, vc, segments, sched, scale=scale)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    args = (qf, fk, fv, segments, sched)
+    kw = dict(scale=scale, config=config, kv_offset=offset, interpret=self.interpret)
+    out, lse = segment_attention(*args, **kw)
+    want_out, want_lse = segment_attention_reference(*args, **kw)
     for group, gs in zip(layout.groups, sched.groups):
       for j in range(gs.num_segments):
         first = int(group.row_begin[j]) * tg
@@ -201,6 +265,61 @@ class TestMosaicGpuKernels:
               hydrajax.PartialState(want_out[:, rows], want_lse[:, rows]),
               jnp.bfloat16,
           )
+
+
+  def test_private_kernel_matches_reference(self):
+    """The private+merge kernel alone against its jnp reference, on the shared kernel's
+    partial states: several rows per frame, segment boundaries inside frames, an offset."""
+    t, n, k = 1, 4, 2
+    plan = _tree('wide', self.capacity, (1, 3, 9, 0, 2, 16, 5))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=15)
+    shapes = mosaic.KernelShapes.of(q, kc)
+    prepared = mosaic.prepare(layout, shapes, mosaic.MosaicGpuConfig(block_kv=64, num_sms=1))
+    problem = prepared.problem
+    assert problem.rows_per_frame > 1
+    tgp = problem.rows_per_query
+    rows = schedule.round_up(problem.num_frames * problem.frame_rows + schedule.TILE_M, 8)
+    qf = mosaic._fold_queries(q, k, tgp, rows)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=False)
+    scale = self.head_dim**-0.5
+    partial = segment_attention(
+        qf, fk, fv, prepared.segments, prepared.schedule, scale=scale,
+        config=mosaic.SegmentKernelConfig(block_kv=64), kv_offset=offset, interpret=self.interpret,
+    )
+    args = (qf, fk, fv, layout.private_pages, layout.private_lengths, layout.row_segments,
+            prepared.segments, prepared.schedule, *partial, problem)
+    kw = dict(scale=scale, kv_offset=offset, interpret=self.interpret)
+    out, lse = private_attention(*args, **kw)
+    want_out, want_lse = private_attention_reference(*args, **kw)
+    f = problem.frame_rows
+    to_rows = lambda x: x.reshape(k, -1, 64)[:, :, :f]  # frame p's lse at p*64 + [0, F)
+    tg = t * n // k
+    _assert_states_close(
+        _real_rows(out, to_rows(lse), plan.num_rows, tgp, tg),
+        _real_rows(want_out, to_rows(want_lse), plan.num_rows, tgp, tg), jnp.bfloat16,
+    )
+
+  def test_paged_kernel_matches_reference(self):
+    """The paged-decode kernel alone against its jnp reference (T = 3, causal), at an offset."""
+    t, n, k = 3, 4, 2
+    plan = _tree('private_only', self.capacity, (3, 72, 40))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=16)
+    prepared = mosaic.prepare(layout, mosaic.KernelShapes.of(q, kc))
+    problem = prepared.problem
+    tg = problem.rows_per_query
+    qf = mosaic._fold_queries(q, k, tg, schedule.round_up(plan.num_rows * tg + schedule.TILE_M, 8))
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=False)
+    args = (qf, fk, fv, layout.private_pages, layout.private_lengths, problem)
+    kw = dict(scale=0.1, kv_offset=offset, interpret=self.interpret)
+    out, lse = paged_attention(*args, **kw)
+    want_out, want_lse = paged_attention_reference(*args, **kw)
+    where = lse_index(plan.num_rows, tg)
+    _assert_states_close(
+        hydrajax.PartialState(out, lse[:, where]),
+        hydrajax.PartialState(want_out, want_lse[:, where]), jnp.bfloat16,
+    )
 
 
 class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
@@ -218,17 +337,59 @@ class TestSupportAndSchedule:
     q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=h, dtype=dtype, seed=0)
     return q, kc, vc, plan.to_device()
 
+  def _reason(self, q, kc, vc, layout):
+    return mosaic.unsupported_reason(mosaic.KernelShapes.of(q, kc), layout, interpret=True)
+
   def test_unsupported_reasons(self):
     q, kc, vc, layout = self._args()
-    assert mosaic._shape_reason(q, kc, vc, layout) is None
+    assert self._reason(q, kc, vc, layout) is None
     no_paths = dataclasses.replace(layout, row_segments=None)
-    assert 'row_segments' in mosaic._shape_reason(q, kc, vc, no_paths)
-    assert 'float32' in mosaic._shape_reason(*self._args(dtype=jnp.float32))
-    assert 'head dim 96' in mosaic._shape_reason(*self._args(h=96))
-    assert 'page size 20' in mosaic._shape_reason(*self._args(capacity=20))
-    assert 'L=204' in mosaic._shape_reason(*self._args(capacity=12))
+    assert 'row_segments' in self._reason(q, kc, vc, no_paths)
+    assert 'float32' in self._reason(*self._args(dtype=jnp.float32))
+    assert 'head dim 96' in self._reason(*self._args(h=96))
+    assert 'page size 20' in self._reason(*self._args(capacity=20))
+    assert 'L=204' in self._reason(*self._args(capacity=12))
+    # The form of the dispatcher that predates the prepared plan also checks the device.
     if not ON_HOPPER:
       assert 'Hopper' in mosaic.unsupported_reason(q, kc, vc, layout)
+    assert 'share one dtype' in mosaic.unsupported_reason(q, kc.astype(jnp.float16), vc, layout)
+
+  def test_prepare_packs_on_the_host_once(self):
+    """The segment table is one concrete array and the schedule static: nothing of the
+    layout is left to compute per layer."""
+    q, kc, vc, layout = self._args()
+    prepared = mosaic.prepare(layout, mosaic.KernelShapes.of(q, kc))
+    np.testing.assert_array_equal(
+        np.asarray(prepared.segments),
+        np.stack([np.concatenate([np.asarray(getattr(g, f)) for g in layout.groups])
+                  for f in ('kv_start', 'kv_length', 'row_begin', 'row_count')]),
+    )
+    leaves = jax.tree_util.tree_leaves(prepared)
+    assert all(isinstance(x, jax.Array) for x in leaves) and len(leaves) == 4
+    assert prepared.schedule.num_splits >= 1 and prepared.problem.frame_rows % 8 == 0
+
+  def test_attend_errors_name_the_argument(self):
+    q, kc, vc, layout = self._args()
+    shapes = mosaic.KernelShapes.of(q, kc)
+    prepared = mosaic.prepare(layout, shapes)
+    attend = lambda q, k, v, **kw: mosaic.attend(
+        q, k, v, prepared, shapes=shapes, interpret=True, **kw
+    )
+    with pytest.raises(ValueError, match='kv_offset'):
+      attend(q, kc, vc, kv_offset=8)  # past the buffer's end
+    with pytest.raises(ValueError, match='fewer than'):
+      attend(q, kc[:8], vc[:8])
+    with pytest.raises(ValueError, match='scale'):
+      attend(q, kc, vc, scale=float('nan'))
+    with pytest.raises(ValueError, match='q must be'):
+      attend(q[:, :, :2], kc, vc)
+
+  def test_config_checks(self):
+    assert mosaic.DEFAULT_CONFIG == mosaic.MosaicGpuConfig(128, 2, 8, None)
+    for bad in (dict(block_kv=96), dict(max_concurrent_steps=1), dict(max_splits=0),
+                dict(num_sms=0)):
+      with pytest.raises(ValueError, match=next(iter(bad))):
+        mosaic.MosaicGpuConfig(**bad)
 
   def test_float32_raises_value_error(self):
     with pytest.raises(ValueError, match='float32'):

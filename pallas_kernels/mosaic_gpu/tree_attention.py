@@ -269,7 +269,7 @@ def _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset):
     raise ValueError(
         f'the KV buffer holds {total} tokens, fewer than the layout\'s L={shapes.kv_tokens}'
     )
-  if isinstance(kv_offset, (int, np.integer)):
+  if isinstance(kv_offset, (int, np.integer)):  # a traced offset is the caller's to check
     page = prepared.problem.page_size
     if kv_offset < 0 or kv_offset % page or kv_offset + shapes.kv_tokens > total:
       raise ValueError(
@@ -278,7 +278,6 @@ def _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset):
       )
 
 
-@functools.partial(jax.jit, static_argnames=('shapes', 'config', 'scale', 'interpret'))
 def attend(
     q: jax.Array,  # [B, T, N, H]
     k_cache: jax.Array,  # [S, K, H], e.g. the flat [layers * L, K, H] buffer
@@ -306,11 +305,20 @@ def attend(
     (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
   _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset)
-  b, t, n, h = q.shape
-  kh = shapes.num_kv_heads
-  scale = h**-0.5 if scale is None else float(scale)
-  if not scale > 0:
+  scale = shapes.head_dim**-0.5 if scale is None else float(scale)
+  if not 0 < scale < float('inf'):
     raise ValueError(f'scale must be a finite number > 0, got {scale}')
+  return _attend(
+      q, k_cache, v_cache, prepared, jnp.asarray(kv_offset, jnp.int32), shapes=shapes,
+      config=config, scale=scale, interpret=interpret,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=('shapes', 'config', 'scale', 'interpret'))
+def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, config, scale,
+            interpret) -> PartialState:
+  b, t, n, _ = q.shape
+  kh = shapes.num_kv_heads
   problem = prepared.problem
   if isinstance(problem, PagedProblem):
     tg = problem.rows_per_query
