@@ -18,6 +18,13 @@ What it does on the GPU:
    turn so that each call starts with its KV out of L2 (R * bytes >= 256 MiB);
 4. prints a table: time, floor = max(bytes / bandwidth, FLOPs / matmul rate),
    time / floor. Results also go to `--out/results.jsonl`.
+5. (not with `--legacy`) the per-layer path: `prepare` once, then `attend` at
+   layer 1 of a flat 2-layer buffer whose every slot that no row attends holds
+   NaN, inf or -inf (`garbage` records: bitwise equality with the clean call);
+   timed as `mosaic attend` (no packing per call) next to `tree_attention`.
+
+`--legacy` runs only steps 1-4 through `tree_attention`, so the same command
+times a tree that predates `prepare`/`attend` (the "before" of a change).
 
 `--variants all` adds the block_kv=64 variants (slower on every shape on the
 H200); batches <= 64 also time smaller `max_splits`.
@@ -115,6 +122,35 @@ def errors(got, want):
   return dict(out_rel_l2=rel, lse_max_abs=lse, inf_agree=same_inf, nan=bool(np.isnan(o).any()))
 
 
+def attended_mask(plan) -> np.ndarray:
+  """[L] bool: the tokens some row attends."""
+  mask = np.zeros(plan.kv_tokens, bool)
+  indices, lengths = plan.row_token_indices()
+  for row, n in enumerate(lengths):
+    mask[indices[row, :n]] = True
+  return mask
+
+
+def dirty_layer(plan, mask, cache):
+  """(buffer [2 * L', K, H] holding `cache` at layer 1 and NaN/inf/-inf wherever no row
+  attends, L' = L rounded up to a page; the layer's offset L')."""
+  stride = -(-plan.kv_tokens // plan.page_size) * plan.page_size
+  junk = jnp.array([np.nan, np.inf, -np.inf], cache.dtype)[jnp.arange(2 * stride) % 3]
+  buf = jnp.broadcast_to(junk[:, None, None], (2 * stride,) + cache.shape[1:])
+  layer = jnp.where(jnp.asarray(mask)[:, None, None], cache, buf[stride : stride + plan.kv_tokens])
+  return buf.at[stride : stride + plan.kv_tokens].set(layer), stride
+
+
+def attend_fn(q, kc, layout, variant):
+  """jit(q, k, v, prepared, offset) -> attend, and the prepared plan."""
+  config = mosaic.MosaicGpuConfig(**variant)
+  shapes = mosaic.KernelShapes.of(q, kc)
+  prepared = mosaic.prepare(layout, shapes, config)
+  fn = jax.jit(lambda q, k, v, p, off: mosaic.attend(
+      q, k, v, p, shapes=shapes, config=config, kv_offset=off))
+  return fn, prepared
+
+
 def lower_only():
   for shape in SHAPES:
     plan, layout, q, kc, vc = problem(*shape)
@@ -130,6 +166,7 @@ def main():
   parser.add_argument('--out', default=os.environ.get('OUT', '/tmp'))
   parser.add_argument('--lower_only', action='store_true')
   parser.add_argument('--shapes', default='all', help='comma-separated indices into SHAPES')
+  parser.add_argument('--legacy', action='store_true', help='tree_attention only (see above)')
   parser.add_argument(
       '--variants', default='0', help="comma-separated indices into VARIANTS, or 'all'"
   )
@@ -177,6 +214,30 @@ def main():
         err = errors(got, want)
         us, kernels = cupti_us(fn, sets)
         record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels, **err)
+        row[name] = (us, err['out_rel_l2'])
+      except Exception as e:
+        trace = ''.join(traceback.format_exception(e))[-3000:]
+        record(kind='error', shape=shape, impl=name, error=trace)
+        continue
+      if args.legacy:
+        continue
+      name = name.replace('mosaic ', 'mosaic attend ')
+      try:
+        fn_a, prepared = attend_fn(q, kc, layout, variant)
+        mask = attended_mask(plan)
+        dk, offset = dirty_layer(plan, mask, kc)
+        dv, _ = dirty_layer(plan, mask, vc)
+        dirty = fn_a(q, dk, dv, prepared, jnp.int32(offset))
+        same = bool(
+            np.array_equal(np.asarray(dirty.out), np.asarray(got.out))
+            and np.array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
+        )
+        record(kind='garbage', shape=shape, impl=name, bitwise_equal=same, **errors(dirty, got))
+        del dk, dv, dirty
+        us, kernels = cupti_us(
+            lambda q, k, v, l: fn_a(q, k, v, prepared, jnp.int32(0)), sets
+        )
+        record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels)
         row[name] = (us, err['out_rel_l2'])
       except Exception as e:
         trace = ''.join(traceback.format_exception(e))[-3000:]
