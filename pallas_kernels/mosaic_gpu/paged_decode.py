@@ -187,9 +187,13 @@ def paged_attention(
       slot = lax.rem(step, jnp.int32(2))
       page, sub, valid = block_valid(step)
       plgpu.barrier_wait(k_bars.at[slot])
+      plgpu.barrier_wait(v_bars.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
+        # A partial block, while the wgmma runs: rows past `valid` hold unwritten slots or
+        # an older block's rows.
+        osm.zero_rows(kv_smem.at[1, slot], lambda r: r < valid, lambda first: valid < _BLK)
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
@@ -200,9 +204,6 @@ def paged_attention(
       acc, m_i, l_i, p16 = osm.step(
           s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
       )
-      plgpu.barrier_wait(v_bars.at[slot])
-      # A partial block: rows past `valid` hold unwritten slots or an older block's rows.
-      osm.zero_rows(kv_smem.at[1, slot], lambda r: r < valid, lambda first: valid < _BLK)
       carry = (osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem), m_i, l_i)
 
       @pl.when(step + 2 < num_steps)

@@ -13,7 +13,11 @@ row after row, 8 chunks to a 64-token step: one TMA copy per chunk into one of
 64 query rows against a step's tokens are masked block-diagonally (a query row
 sees only its own row's chunks) and, for T > 1, causally (query token t sees
 private positions `< length - T + t + 1`). At decode, with a few private tokens
-per row, 8 rows share one step instead of taking one each.
+per row, 8 rows share one step instead of taking one each. A step with a chunk
+that is not 8 valid tokens (a row's last chunk, or a lane with no chunk) zeroes
+those V rows in shared memory while its QK wgmma runs, so unwritten or stale
+slots never reach an output through 0 * inf. Token indices are `kv_offset` (an
+operand) plus the page's.
 
 Merge phase: the rows' shared partial states are read from the shared kernel's
 item buffers straight into registers, one 64-row window per (path column, kv
@@ -340,17 +344,17 @@ def private_attention(
       slot = lax.rem(step, jnp.int32(slots))
       visible, valids, consume_at = step_mask(consume_at)
       plgpu.barrier_wait(k_bars.at[slot])
+      plgpu.barrier_wait(v_bars.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
+        zero_unseen(kv_smem.at[1, slot], valids)  # while the wgmma runs
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
       acc, m_new, l_i, p16 = osm.step(
           s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
       )
-      plgpu.barrier_wait(v_bars.at[slot])
-      zero_unseen(kv_smem.at[1, slot], valids)
       acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
       issue_at = issue(slot, issue_at, step + slots < num_steps)

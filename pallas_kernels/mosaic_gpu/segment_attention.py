@@ -14,6 +14,12 @@ in the input dtype and lse `[K, PAD + W*TILE_M + PAD]` float32 (item w at rows
 so that the private kernel's 64-row windows never leave the buffer), with
 (0, -inf) for a split that holds no tokens. Items whose row tile lies past the
 segment's rows write nothing (nobody reads them).
+
+Token indices are `kv_offset` (an operand: the layer's first token in a flat
+multi-layer buffer) plus the segment's. Blocks that are all inside the segment
+run unmasked; the first and last (boundary) blocks mask the scores and zero the
+V rows outside the segment in shared memory (`online_softmax.zero_rows`), so
+NaN or inf in neighbouring tokens never reaches an output.
 """
 
 import dataclasses
