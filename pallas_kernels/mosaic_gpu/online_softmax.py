@@ -20,7 +20,6 @@ memory, before that product; kernels call it only for blocks that hold such
 rows (boundary blocks), so the fast path is unchanged.
 """
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp

@@ -30,7 +30,8 @@ Limits (`unsupported_reason` says which, and AUTO then uses XLA): Hopper only;
 bfloat16/float16 (same dtype for q and the caches); head dim 64 or 128; the
 KV buffer length and the page size multiples of 8 (TMA into tiled shared
 memory reads 8-row tiles); `layout.row_segments` present (every builder fills
-it). Segment starts and lengths, row ranges and private lengths are arbitrary. `interpret=True` runs on CPU; there the shared kernel
+it). Segment starts and lengths, row ranges and private lengths are arbitrary.
+`interpret=True` runs on CPU; there the shared kernel
 is its single-warpgroup variant (see `segment_attention`).
 """
 
@@ -228,7 +229,8 @@ def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
   """q [B, T, N, H] -> qf [K, rows, H]: row b*TGp + t*G + g = q[b, t, k*G + g], zero padded."""
   b, t, n, h = q.shape
   g = n // num_kv_heads
-  qf = q.reshape(b, t, num_kv_heads, g, h).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, b, t * g, h)
+  qf = q.reshape(b, t, num_kv_heads, g, h).transpose(2, 0, 1, 3, 4)
+  qf = qf.reshape(num_kv_heads, b, t * g, h)
   qf = jnp.pad(qf, ((0, 0), (0, 0), (0, tgp - t * g), (0, 0))).reshape(num_kv_heads, b * tgp, h)
   return jnp.pad(qf, ((0, 0), (0, rows - b * tgp), (0, 0)))
 
