@@ -1,5 +1,8 @@
-"""The HTTP server over the engine: outputs equal the engine's, streaming, bad input, disconnects."""
+"""The HTTP server over the engine: outputs equal the engine's, streaming, OpenAI completions,
+bad input and bad transport get JSON errors naming the field, disconnects cancel, the engine
+thread survives requests and says when it stops. Traffic goes to 127.0.0.1 only."""
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -11,11 +14,29 @@ import numpy as np
 import pytest
 from flax import nnx
 
+pytest.importorskip('uvicorn', reason='the server needs the serve extra: pip install .[serve]')
+pytest.importorskip('starlette', reason='the server needs the serve extra: pip install .[serve]')
+
+from hydrajax.chunk_cache import LayoutPolicy
 from models.config import get_config
-from models.engine import Engine, SamplingParams
+from models.engine import Engine, EngineConfig, SamplingParams
 from models.llama import Llama
-from models.server import BadRequest, make_server, parse_request
-from tests.test_engine import CONFIG, assert_no_leak
+from models.server import ServerConfig, make_server
+from models.server_api import (
+    BadRequest, Limits, parse_completion, parse_generate, supported_params,
+)
+from models.tokenizer import Tokenizer
+from tests.test_engine import assert_no_leak
+
+CONFIG = EngineConfig(
+    num_chunks=28, chunk_size=4, max_batch=4, max_sequence_length=48, decode_buckets=(8,),
+    min_prefill_len=32, max_prefill_rows=1, impl='xla', prefill_impl='xla',
+    layout=LayoutPolicy(kv_piece=16, min_segments=8, fixed_shapes=True, min_private_pages=12),
+    prefill_layout=LayoutPolicy(kv_piece=16, min_segments=8, fixed_shapes=True,
+                                min_private_pages=12),
+)
+LIMITS = Limits(vocab_size=97, max_sequence_length=48, max_batch=4)
+HANG_GUARD_S = 120  # generous: only so that a broken server fails instead of hanging
 
 
 @pytest.fixture(scope='module')
@@ -23,25 +44,97 @@ def model():
   return Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
 
 
+# Engines are shared by the tests of the module (each new engine compiles its steps again);
+# servers are not. Greedy outputs do not depend on request ids, so a shared engine's equal a
+# fresh one's.
+@pytest.fixture(scope='module')
+def engine(model):
+  return Engine(model, CONFIG)
+
+
+@pytest.fixture(scope='module')
+def reference(model):
+  return Engine(model, CONFIG)
+
+
+@pytest.fixture(scope='module')
+def long_engine(model):
+  return Engine(model, dataclasses.replace(CONFIG, num_chunks=64, max_sequence_length=240))
+
+
+def char_tokenizer(folder) -> Tokenizer:
+  """A character tokenizer with the tiny models' 97 ids: <unk> <s> </s>, then ' ' .. '}'."""
+  from tokenizers import Tokenizer as HFTokenizer
+  from tokenizers import decoders, models
+
+  vocab = {'<unk>': 0, '<s>': 1, '</s>': 2} | {chr(c): 3 + i for i, c in enumerate(range(32, 126))}
+  tok = HFTokenizer(models.BPE(vocab, merges=[], unk_token='<unk>'))
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(['<unk>', '<s>', '</s>'])
+  tok.save(str(folder / 'tokenizer.json'))
+  (folder / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
+  return Tokenizer.from_file(folder)
+
+
+class Served:
+  """A started server on 127.0.0.1 and a few clients of it."""
+
+  def __init__(self, engine, **kwargs):
+    self.engine = engine
+    self.server = make_server(engine, port=0, **kwargs).start()
+    self.port = self.server.port
+
+  def post(self, path, payload=None, *, raw=None, headers=None):
+    conn = http.client.HTTPConnection('127.0.0.1', self.port, timeout=HANG_GUARD_S)
+    body = raw if raw is not None else json.dumps(payload).encode()
+    conn.request('POST', path, body=body, headers=headers or {'Content-Type': 'application/json'})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+  def get(self, path):
+    conn = http.client.HTTPConnection('127.0.0.1', self.port, timeout=HANG_GUARD_S)
+    conn.request('GET', path)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data)
+
+  def raw(self, data: bytes) -> bytes:
+    """Sends bytes on a fresh connection; returns all it gets back until the server closes."""
+    with socket.create_connection(('127.0.0.1', self.port), timeout=HANG_GUARD_S) as s:
+      s.sendall(data)
+      return _read_all(s)
+
+  def wait_idle(self):
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline and (self.engine.has_work or self.server.loop.stats[
+        'running'] or self.server.loop.stats['queued']):
+      time.sleep(0.02)
+    assert not self.engine.has_work
+
+  def close(self):
+    self.server.shutdown()
+
+
+def _read_all(s) -> bytes:
+  out = b''
+  while chunk := s.recv(65536):
+    out += chunk
+  return out
+
+
+def _json_body(raw: bytes) -> tuple[int, dict]:
+  head, _, body = raw.partition(b'\r\n\r\n')
+  return int(head.split()[1]), json.loads(body)
+
+
 @pytest.fixture()
-def served(model):
-  engine = Engine(model, CONFIG)
-  server, loop = make_server(engine, port=0)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  yield engine, server.server_address[1], loop
-  server.shutdown()
-  loop.stop()
-
-
-def _post(port, payload, *, raw=None):
-  conn = http.client.HTTPConnection('127.0.0.1', port, timeout=120)
-  body = raw if raw is not None else json.dumps(payload).encode()
-  conn.request('POST', '/v1/generate', body=body, headers={'Content-Type': 'application/json'})
-  resp = conn.getresponse()
-  data = resp.read()
-  conn.close()
-  return resp.status, data
+def served(engine):
+  s = Served(engine)
+  yield s
+  s.close()
 
 
 def _prompts(seed, n):
@@ -50,31 +143,95 @@ def _prompts(seed, n):
   return [system + rng.integers(0, 97, int(rng.integers(1, 6))).tolist() for _ in range(n)]
 
 
-def test_parse_request_names_the_bad_field():
-  prompt, params, stream = parse_request(b'{"prompt": [1, 2], "n": 2, "temperature": 0.5}', None)
-  assert (prompt, params.n, params.temperature, stream) == ([1, 2], 2, 0.5, False)
+# ---- parsing ----------------------------------------------------------------------------------
+
+
+def test_parse_generate_names_the_bad_field(tmp_path):
+  work = parse_generate(b'{"prompt": [1, 2], "n": 2, "temperature": 0.5}', None, LIMITS)
+  assert (work.prompts, work.params.n, work.params.temperature, work.stream) == (
+      ((1, 2),), 2, 0.5, False)
   bad = {
-      b'not json': 'JSON', b'[1]': 'JSON object', b'{}': 'exactly one',
-      b'{"prompt": [1], "text": "a"}': 'exactly one', b'{"text": "hi"}': 'tokenizer',
-      b'{"prompt": []}': '"prompt"', b'{"prompt": [1.5]}': '"prompt"',
-      b'{"prompt": [1], "max_new_tokens": 0}': '"max_new_tokens"',
-      b'{"prompt": [1], "n": true}': '"n"', b'{"prompt": [1], "temperature": -1}': '"temperature"',
-      b'{"prompt": [1], "stream": 1}': '"stream"', b'{"prompt": [1], "top_k": 5}': 'unknown',
-      b'{"prompt": [1], "stop_tokens": 3}': '"stop_tokens"',
+      b'not json': 'body', b'[1]': 'body', b'{}': 'prompt', b'[' * 100_000: 'body',
+      b'\xff\xfe{': 'body', b'{"prompt": [1], "text": "a"}': 'prompt', b'{"text": "hi"}': 'text',
+      b'{"prompt": []}': 'prompt', b'{"prompt": [1.5]}': 'prompt', b'{"prompt": [[1]]}': 'prompt',
+      b'{"prompt": [true]}': 'prompt', b'{"prompt": [9223372036854775808]}': 'prompt',
+      b'{"prompt": [-1]}': 'prompt', b'{"prompt": [97]}': 'prompt',
+      b'{"prompt": [1], "max_new_tokens": 0}': 'max_new_tokens',
+      b'{"prompt": [1], "max_new_tokens": 2.5}': 'max_new_tokens',
+      b'{"prompt": [1], "max_new_tokens": 48}': 'max_new_tokens',
+      b'{"prompt": [1], "n": true}': 'n', b'{"prompt": [1], "n": 2.0}': 'n',
+      b'{"prompt": [1], "n": 5}': 'n', b'{"prompt": [1], "temperature": -1}': 'temperature',
+      b'{"prompt": [1], "temperature": NaN}': 'temperature',
+      b'{"prompt": [1], "temperature": Infinity}': 'temperature',
+      b'{"prompt": [1], "temperature": 1e400}': 'temperature',
+      b'{"prompt": [1], "temperature": "0.5"}': 'temperature',
+      b'{"prompt": [1], "stream": 1}': 'stream', b'{"prompt": [1], "foo": 5}': 'foo',
+      b'{"prompt": [1], "stop_tokens": 3}': 'stop_tokens',
+      b'{"prompt": [1], "stop_tokens": [1.5]}': 'stop_tokens',
+      b'{"prompt": [1], "stop_tokens": ["a"]}': 'stop_tokens',
+      b'{"prompt": [1], "stop_tokens": [1e3]}': 'stop_tokens',
+      b'{"prompt": [1], "top_p": 0}': 'top_p', b'{"prompt": [1], "seed": 0.5}': 'seed',
   }
-  for body, words in bad.items():
-    with pytest.raises(BadRequest, match=words):
-      parse_request(body, None)
+  for body, field in bad.items():
+    with pytest.raises(BadRequest) as info:
+      parse_generate(body, None, LIMITS)
+    assert info.value.field == field and info.value.status == 400, (body[:40], info.value)
+    assert f'"{field}"' in str(info.value) or field == 'body', str(info.value)
+  tok = char_tokenizer(tmp_path)
+  assert parse_generate(b'{"text": "hi"}', tok, LIMITS).prompts == ((1, 75, 76),)
+  with pytest.raises(BadRequest, match='surrogate') as info:
+    parse_generate(b'{"text": "a\\ud800"}', tok, LIMITS)
+  assert info.value.field == 'text'
+  # The tokenizer's EOS ids are stop tokens.
+  assert parse_generate(b'{"text": "hi"}', tok, LIMITS).params.stop_tokens == (2,)
 
 
-def test_concurrent_requests_equal_the_engine_alone(model, served):
-  engine, port, _ = served
+def test_parse_completion_maps_openai_fields(tmp_path):
+  tok = char_tokenizer(tmp_path)
+  work = parse_completion(json.dumps({
+      'model': 'm', 'prompt': ['ab', [5, 6]], 'max_tokens': 7, 'n': 2, 'temperature': 0,
+      'stop': ['\n', 'xy'], 'stream': True, 'stream_options': {'include_usage': True},
+      'user': 'u', 'echo': False, 'presence_penalty': 0, 'best_of': 2, 'suffix': None,
+  }).encode(), tok, LIMITS)
+  assert work.prompts == ((1, 68, 69), (5, 6))
+  assert (work.params.max_new_tokens, work.params.n, work.params.temperature) == (7, 2, 0.0)
+  assert work.stop_texts == ('\n', 'xy') and work.stream and work.include_usage
+  assert work.params.stop_tokens == (2,) and work.model == 'm'
+  assert parse_completion(b'{"prompt": [3, 4]}', None, LIMITS).params.temperature == 1.0  # OpenAI
+  assert parse_completion(b'{"prompt": [3], "stop": [7, 8]}', None, LIMITS).stop_ids == ((7, 8),)
+  assert parse_completion(b'{"prompt": [3], "stop": [[7], [8, 9]]}', None,
+                          LIMITS).stop_ids == ((7,), (8, 9))
+  bad = {
+      b'{}': 'prompt', b'{"prompt": "hi"}': 'prompt', b'{"prompt": []}': 'prompt',
+      b'{"prompt": [[]]}': 'prompt', b'{"prompt": [1], "stop": "x"}': 'stop',
+      b'{"prompt": [1], "stop": [[1.5]]}': 'stop', b'{"prompt": [1], "echo": true}': 'echo',
+      b'{"prompt": [1], "best_of": 3}': 'best_of', b'{"prompt": [1], "logprobs": 6}': 'logprobs',
+      b'{"prompt": [1], "max_tokens": 100}': 'max_tokens', b'{"prompt": [1], "n": 0}': 'n',
+      b'{"prompt": [1], "stream_options": {"include_usage": true}}': 'stream_options',
+      b'{"prompt": [1], "temperature": -Infinity}': 'temperature',
+      b'{"prompt": [1], "logit_bias": {"1": 5}}': 'logit_bias', b'{"prompt": [1], "x": 1}': 'x',
+      b'{"prompt": [1], "seed": "1"}': 'seed', b'{"prompt": [1], "model": 3}': 'model',
+      b'{"prompt": [[1]] }'.replace(b'[[1]]', json.dumps([[1]] * 65).encode()): 'prompt',
+  }
+  for body, field in bad.items():
+    with pytest.raises(BadRequest) as info:
+      parse_completion(body, None, LIMITS)
+    assert info.value.field == field, (body[:40], info.value)
+  with pytest.raises(BadRequest) as info:
+    parse_completion(b'{"prompt": "x", "stop": "\\udc00"}', tok, LIMITS)
+  assert info.value.field == 'stop'
+
+
+# ---- /v1/generate -----------------------------------------------------------------------------
+
+
+def test_concurrent_requests_equal_the_engine_alone(reference, served):
   prompts = _prompts(0, 5)
-  expected = Engine(model, CONFIG).generate(prompts, SamplingParams(max_new_tokens=5))
+  expected = reference.generate(prompts, SamplingParams(max_new_tokens=5))
   results = [None] * len(prompts)
 
   def client(i):
-    results[i] = _post(port, {'prompt': prompts[i], 'max_new_tokens': 5})
+    results[i] = served.post('/v1/generate', {'prompt': prompts[i], 'max_new_tokens': 5})
 
   threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
   for t in threads:
@@ -86,66 +243,296 @@ def test_concurrent_requests_equal_the_engine_alone(model, served):
     reply = json.loads(data)
     assert reply['outputs'] == [want] and reply['finish_reasons'] == ['length']
   assert max(json.loads(d)['shared_tokens'] for _, d in results) > 0  # the system prompt
+  served.wait_idle()
+  assert_no_leak(served.engine)
 
 
-def test_streaming_samples_and_health(model, served):
-  engine, port, _ = served
+def test_streaming_samples_and_health(reference, served):
   prompt = _prompts(1, 1)[0]
-  params = SamplingParams(max_new_tokens=4, temperature=0.7, n=2)
-  conn = http.client.HTTPConnection('127.0.0.1', port, timeout=120)
+  params = SamplingParams(max_new_tokens=4, n=2)
+  before = served.server.loop.finished_requests
+  conn = http.client.HTTPConnection('127.0.0.1', served.port, timeout=HANG_GUARD_S)
   conn.request('POST', '/v1/generate', body=json.dumps(
-      {'prompt': prompt, 'max_new_tokens': 4, 'temperature': 0.7, 'n': 2, 'stream': True}))
+      {'prompt': prompt, 'max_new_tokens': 4, 'n': 2, 'stream': True}))
   resp = conn.getresponse()
   assert resp.status == 200 and resp.getheader('Content-Type') == 'application/x-ndjson'
+  assert resp.getheader('Transfer-Encoding') == 'chunked'
   lines = [json.loads(line) for line in resp.read().splitlines()]
   conn.close()
   streamed = [[e['token'] for e in lines if e['sample'] == i] for i in range(2)]
   assert all(e['index'] == k for i in range(2)
              for k, e in enumerate(e for e in lines if e['sample'] == i))
   assert [e['reason'] for e in lines if e['finished']] == ['length', 'length']
-  # Samples draw with keys of (seed, request id, index): the same request ids, the same tokens.
-  alone = Engine(model, CONFIG)
-  assert streamed == alone.generate([prompt], params)
-  conn = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
-  conn.request('GET', '/v1/health')
-  health = json.loads(conn.getresponse().read())
-  assert health['running'] == 0 and health['queued'] == 0
-  assert_no_leak(engine)
+  assert streamed == reference.generate([prompt], params)
+  served.wait_idle()
+  status, health = served.get('/v1/health')
+  assert status == 200 and health['status'] == 'ok'
+  assert health['running'] == 0 and health['queued'] == 0 and health['finished_requests'] == before + 2
+  assert not served.engine.requests  # finished requests are forgotten (a server runs for days)
+  assert_no_leak(served.engine)
 
 
-def test_bad_requests_get_400_and_the_engine_never_sees_them(served):
-  engine, port, _ = served
-  status, data = _post(port, None, raw=b'{"prompt": "hello"}')
-  assert status == 400 and '"prompt"' in json.loads(data)['error']
-  status, data = _post(port, {'prompt': [1, 2, 100000]})  # out of the vocabulary
-  assert status == 400 and 'token ids' in json.loads(data)['error']
-  status, data = _post(port, {'prompt': [1] * 40, 'max_new_tokens': 40})  # longer than allowed
-  assert status == 400 and 'max_sequence_length' in json.loads(data)['error']
-  conn = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
-  conn.request('GET', '/v1/nothing')
-  assert conn.getresponse().status == 404
-  assert not engine.requests  # refused before reaching the engine, or at its door
+def test_bad_requests_get_json_errors_naming_the_field(served):
+  cases = [
+      ({'prompt': 'hello'}, 400, 'prompt'), ({'prompt': [1, 2, 100000]}, 400, 'prompt'),
+      ({'prompt': [2**63]}, 400, 'prompt'), ({'prompt': [1] * 40, 'max_new_tokens': 40}, 400,
+                                             'max_new_tokens'),
+      ({'prompt': [1], 'stop_tokens': [1, 'a']}, 400, 'stop_tokens'),
+  ]
+  for payload, status, field in cases:
+    got, data = served.post('/v1/generate', payload)
+    assert (got, json.loads(data)['field']) == (status, field), data
+  raw = {b'{"prompt": [1], "temperature": NaN}': 'temperature', b'[' * 50_000: 'body',
+         b'{"text": "\\ud800"}': 'text', b'\xff': 'body'}
+  for body, field in raw.items():
+    got, data = served.post('/v1/generate', raw=body)
+    assert (got, json.loads(data)['field']) == (400, field), data
+  status, body = served.get('/v1/nothing')
+  assert status == 404 and body['field'] == 'path'
+  head = b'POST /v1/generate HTTP/1.1\r\nHost: x\r\n'
+  for header in (b'Content-Length: abc', b'Content-Length: -5', b'Content-Length: 1, 2'):
+    status, body = _json_body(served.raw(head + header + b'\r\n\r\n'))
+    assert status == 400 and body['field'] == 'Content-Length', body
+  assert not served.engine.requests  # refused before reaching the engine
+  status, health = served.get('/v1/health')
+  assert status == 200 and health['status'] == 'ok'
 
 
-def test_a_client_that_disconnects_cancels_its_request(model):
-  config = dataclasses.replace(CONFIG, num_chunks=64, max_sequence_length=240)
-  engine = Engine(model, config)
-  server, loop = make_server(engine, port=0)
-  threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_transport_chunked_body_limits_and_timeouts(engine):
+  s = Served(engine, config=ServerConfig(
+      max_body_bytes=200, body_timeout_s=0.5, header_timeout_s=0.5, max_connections=3))
   try:
-    conn = http.client.HTTPConnection('127.0.0.1', server.server_address[1], timeout=120)
-    conn.request('POST', '/v1/generate', body=json.dumps(
-        {'prompt': _prompts(2, 1)[0], 'max_new_tokens': 200, 'stream': True}))
-    resp = conn.getresponse()
-    assert json.loads(resp.readline())['index'] == 0
-    conn.sock.shutdown(socket.SHUT_RDWR)  # gone after the first token
-    conn.close()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (engine.has_work or not engine.requests):
-      time.sleep(0.05)
-    (req,) = engine.requests.values()
-    assert req.state == 'cancelled' and len(req.output) < 200
-    assert_no_leak(engine)
+    body = json.dumps({'prompt': [3, 4, 5], 'max_new_tokens': 2}).encode()
+    chunks = b''.join(b'%x\r\n%s\r\n' % (len(body[i:i + 7]), body[i:i + 7])
+                      for i in range(0, len(body), 7))
+    raw = s.raw(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n'
+                b'Connection: close\r\n\r\n' + chunks + b'0\r\n\r\n')
+    status, reply = _json_body(raw)
+    assert status == 200 and reply['finish_reasons'] == ['length'], reply
+    assert s.post('/v1/generate', raw=b' ' * 201)[0] == 413
+    raw = s.raw(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n'
+                + (b'64\r\n' + b' ' * 100 + b'\r\n') * 3 + b'0\r\n\r\n')
+    assert _json_body(raw)[0] == 413
+    # A body shorter than its Content-Length: 408 once the body deadline passes.
+    status, reply = _json_body(s.raw(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\n'
+                                     b'Content-Length: 100\r\n\r\n{"prompt"'))
+    assert status == 408 and reply['field'] == 'body'
+    # Headers that never end: 408, and the connection is closed.
+    status, reply = _json_body(s.raw(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\n'))
+    assert status == 408 and reply['field'] == 'headers'
+    # A connection cap: past it, 503 naming the connection, at once.
+    idle = [socket.create_connection(('127.0.0.1', s.port)) for _ in range(3)]
+    try:
+      status, reply = _json_body(s.raw(b'GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n'))
+      assert status == 503 and reply['field'] == 'connection'
+    finally:
+      for c in idle:
+        c.close()
+    assert s.get('/v1/health')[0] == 200  # under the cap again
   finally:
-    server.shutdown()
-    loop.stop()
+    s.close()
+
+
+def test_fifty_parallel_clients_are_all_answered(served):
+  results = []
+
+  def client(i):  # a listen backlog of 5 reset 15-20 of them
+    results.append(served.post('/v1/generate', {'prompt': [i % 97, 5], 'max_new_tokens': 1})[0])
+
+  threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert results == [200] * 50
+
+
+
+# ---- disconnects ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _hold_steps_until_cancel(server, free_steps: int):
+  """The engine runs `free_steps` iterations, then none until the server asks for a cancel.
+
+  Makes disconnect tests independent of speed: the request cannot finish first.
+  """
+  loop = server.loop
+  engine = loop.engine
+  cancelled = threading.Event()
+  cancel = loop.cancel
+  count = [0]
+
+  def gated_step():
+    count[0] += 1
+    if count[0] > free_steps:
+      assert cancelled.wait(HANG_GUARD_S)
+    return type(engine).step(engine)
+
+  def recording_cancel(*args, **kwargs):
+    cancel(*args, **kwargs)
+    cancelled.set()
+
+  engine.step = gated_step
+  loop.cancel = recording_cancel
+  try:
+    yield
+  finally:
+    del engine.step
+
+@pytest.mark.parametrize('when', ['streaming_after_first_token', 'streaming_before_first_token',
+                                  'not_streaming'])
+def test_a_client_that_leaves_cancels_its_request(long_engine, when):
+  s = Served(long_engine)
+  try:
+    with _hold_steps_until_cancel(s.server, 1 if when == 'streaming_after_first_token' else 0):
+      conn = http.client.HTTPConnection('127.0.0.1', s.port, timeout=HANG_GUARD_S)
+      conn.request('POST', '/v1/generate', body=json.dumps({
+          'prompt': _prompts(2, 1)[0], 'max_new_tokens': 200, 'stream': when != 'not_streaming'}))
+      if when == 'streaming_after_first_token':
+        resp = conn.getresponse()
+        assert json.loads(resp.readline())['index'] == 0
+      conn.sock.shutdown(socket.SHUT_RDWR)
+      conn.close()
+      deadline = time.monotonic() + HANG_GUARD_S
+      while time.monotonic() < deadline and not s.server.loop.recent:
+        time.sleep(0.02)
+    (req,) = s.server.loop.recent
+    assert req.state == 'cancelled' and len(req.output) < 5
+    s.wait_idle()
+    assert_no_leak(s.engine)
+  finally:
+    s.close()
+
+
+# ---- the engine thread ------------------------------------------------------------------------
+
+
+def test_the_engine_thread_survives_requests_and_says_when_it_stops(engine):
+  s = Served(engine)
+  submit = engine.submit
+  try:
+
+    def faulty_submit(prompt, params, **kwargs):  # one request that breaks the engine's submit
+      if list(prompt) == [6, 6, 6]:
+        raise RuntimeError('boom')
+      return submit(prompt, params, **kwargs)
+
+    engine.submit = faulty_submit
+    status, data = s.post('/v1/generate', {'prompt': [6, 6, 6]})
+    assert status == 500 and 'boom' in json.loads(data)['error']
+    status, data = s.post('/v1/generate', {'prompt': [7, 7], 'max_new_tokens': 2})
+    assert status == 200 and json.loads(data)['finish_reasons'] == ['length']
+    # An engine that fails in a step stops the loop: the client hears 503, health says so,
+    # and later requests fail at once.
+    engine.step = lambda: 1 / 0
+    status, data = s.post('/v1/generate', {'prompt': [7, 7], 'max_new_tokens': 2})
+    assert status == 503 and 'ZeroDivisionError' in json.loads(data)['error']
+    status, health = s.get('/v1/health')
+    assert status == 503 and health['status'] == 'error' and 'ZeroDivision' in health['error']
+    for path in ('/v1/generate', '/v1/completions'):
+      status, data = s.post(path, {'prompt': [7, 7]})
+      assert status == 503, data
+  finally:
+    s.close()
+    del engine.submit, engine.step
+    engine.run()  # what the broken loop left queued
+    assert_no_leak(engine)
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+def _sse(data: bytes) -> list:
+  events = data.decode().split('\n\n')
+  assert events[-1] == '' and events[-2] == 'data: [DONE]', data[-200:]
+  assert all(e.startswith('data: ') for e in events[:-1])
+  return [json.loads(e[len('data: '):]) for e in events[:-2]]
+
+
+def test_completions_raw_http_equal_the_engine(reference, served):
+  prompts = _prompts(3, 2)
+  expected = reference.generate(prompts, SamplingParams(max_new_tokens=6, n=2))
+  status, data = served.post('/v1/completions', {
+      'model': 'tiny', 'prompt': prompts, 'max_tokens': 6, 'n': 2, 'temperature': 0})
+  assert status == 200, data
+  reply = json.loads(data)
+  assert reply['object'] == 'text_completion' and reply['id'].startswith('cmpl-')
+  assert reply['model'] == 'tiny'
+  assert [c['index'] for c in reply['choices']] == [0, 1, 2, 3]
+  assert [c['token_ids'] for c in reply['choices']] == expected
+  assert [c['finish_reason'] for c in reply['choices']] == ['length'] * 4
+  assert reply['usage'] == {'prompt_tokens': sum(map(len, prompts)), 'completion_tokens': 24,
+                            'total_tokens': sum(map(len, prompts)) + 24}
+  # A stop sequence of token ids is cut from the output, and the sample stops there.
+  stop = expected[0][2:4]
+  status, data = served.post('/v1/completions', {'prompt': prompts[0], 'max_tokens': 6,
+                                                  'temperature': 0, 'stop': [stop]})
+  (choice,) = json.loads(data)['choices']
+  assert choice['token_ids'] == expected[0][:2] and choice['finish_reason'] == 'stop'
+  # Streamed: the same tokens, SSE chunks, one choice each, usage at the end when asked.
+  status, data = served.post('/v1/completions', {
+      'prompt': prompts, 'max_tokens': 6, 'n': 2, 'temperature': 0, 'stream': True,
+      'stream_options': {'include_usage': True}})
+  chunks = _sse(data)
+  assert chunks[-1]['usage']['completion_tokens'] == 24 and chunks[-1]['choices'] == []
+  got = [[t for c in chunks[:-1] for ch in c['choices'] if ch['index'] == k
+          for t in ch['token_ids']] for k in range(4)]
+  assert got == expected
+  reasons = [ch['finish_reason'] for c in chunks for ch in c['choices'] if ch['finish_reason']]
+  assert reasons == ['length'] * 4
+  status, data = served.post('/v1/completions', {'prompt': [1], 'temperature': float('nan')})
+  error = json.loads(data)['error']
+  assert status == 400 and error['param'] == 'temperature' and 'temperature' in error['message']
+  served.wait_idle()
+  assert_no_leak(served.engine)
+
+
+def test_completions_with_the_openai_client_and_text(engine, reference, tmp_path):
+  openai = pytest.importorskip('openai')
+  tok = char_tokenizer(tmp_path)
+  s = Served(engine, tokenizer=tok, model_name='tiny')
+  try:
+    client = openai.OpenAI(base_url=f'http://127.0.0.1:{s.port}/v1', api_key='unused',
+                           max_retries=0, timeout=HANG_GUARD_S)
+    assert [m.id for m in client.models.list()] == ['tiny']
+    prompt = 'shared prefix, then'
+    ids = tok.encode(prompt)
+    want = reference.generate([ids], SamplingParams(max_new_tokens=8,
+                                                    stop_tokens=tok.eos_ids))[0]
+    reply = client.completions.create(model='tiny', prompt=prompt, max_tokens=8, temperature=0)
+    (choice,) = reply.choices
+    assert choice.model_extra['token_ids'] == want
+    assert choice.text == tok.decode(want)
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(want)
+    # Streamed text equals the whole text; a stop string cuts it, and is not in it.
+    stream = client.completions.create(model='tiny', prompt=prompt, max_tokens=8, temperature=0,
+                                       stream=True)
+    assert ''.join(c.choices[0].text for c in stream) == choice.text
+    text = choice.text
+    cut = next((i for i in range(1, len(text)) if text[i] not in text[:i]), None)
+    if cut is not None:  # a character that first appears at `cut`
+      for streamed in (False, True):
+        got = client.completions.create(model='tiny', prompt=prompt, max_tokens=8, temperature=0,
+                                        stop=[text[cut]], stream=streamed)
+        got_text = ''.join(c.choices[0].text for c in got) if streamed else got.choices[0].text
+        assert got_text == text[:cut]
+    with pytest.raises(openai.BadRequestError, match='temperature'):
+      client.completions.create(model='tiny', prompt=prompt, temperature=-1)
+    s.wait_idle()
+    assert_no_leak(s.engine)
+  finally:
+    s.close()
+
+
+@pytest.mark.skipif('logprobs' not in supported_params() or 'seed' not in supported_params(),
+                    reason='SamplingParams has no logprobs/seed yet (helper engine, INTERFACES B)')
+def test_completions_logprobs_and_seed(model, served):
+  payload = {'prompt': [5, 6, 7], 'max_tokens': 4, 'temperature': 0.9, 'seed': 11, 'logprobs': 2}
+  first = json.loads(served.post('/v1/completions', payload)[1])['choices'][0]
+  again = json.loads(served.post('/v1/completions', payload)[1])['choices'][0]
+  assert first['token_ids'] == again['token_ids']  # the request's seed, not its id
+  lp = first['logprobs']
+  assert len(lp['token_logprobs']) == 4 and all(x <= 0 for x in lp['token_logprobs'])
+  assert all(len(t) == 2 for t in lp['top_logprobs'])
+  assert lp['tokens'] == [f'token_id:{t}' for t in first['token_ids']]

@@ -1,0 +1,458 @@
+"""The server's requests and answers, framework-free: `/v1/generate` and OpenAI's `/v1/completions`.
+
+Parsing turns a request body into `Work` (prompts as token ids, `SamplingParams`,
+what to stream and where to stop) or raises `BadRequest` naming the field.
+Everything the engine would refuse later (ids outside the vocabulary, a prompt
+that can never fit, a non-finite number) is refused here, so a request reaches
+the engine only when it is well formed.
+
+`Choice` follows one sample's tokens into what a client sees: text deltas
+(held back while they might be the start of a stop string, or an incomplete
+UTF-8 character), stops that the server applies (OpenAI `stop` strings and
+token sequences), log-probs, and the finish reason.
+
+Sampling fields map onto `SamplingParams` (see INTERFACES B). A field the
+installed `SamplingParams` does not have yet is refused with a 400 naming it
+when a request sets it to anything but its default.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from models.engine import SamplingParams
+from models.tokenizer import Tokenizer
+
+# Defaults of the agreed SamplingParams fields; a field missing from the installed class is
+# accepted only at its default.
+_AGREED_DEFAULTS = {'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': None, 'stop_sequences': (),
+                    'logprobs': False, 'top_logprobs': 0}
+_SEED_MODULUS = 2**32  # seeds are taken modulo this (jax keys take 32-bit seeds everywhere)
+MAX_TOP_LOGPROBS = 5  # OpenAI's limit on `logprobs`
+_MAX_STOPS = 16
+_INF_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def supported_params() -> frozenset[str]:
+  """Fields of the installed `SamplingParams`."""
+  return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class BadRequest(ValueError):
+  """A request the server refuses: its status (400 unless said) and the field at fault."""
+
+  def __init__(self, field: str, message: str, status: int = 400):
+    super().__init__(message)
+    self.field = field
+    self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the engine behind the server can take (checked before it sees a request)."""
+
+  vocab_size: int
+  max_sequence_length: int
+  max_batch: int
+  max_prompts: int = 64  # prompts in one /v1/completions request
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+  """One HTTP request's work: a request to the engine per prompt, and how to answer."""
+
+  prompts: tuple[tuple[int, ...], ...]
+  params: SamplingParams
+  stream: bool
+  stop_texts: tuple[str, ...] = ()  # applied by the server on the decoded text
+  stop_ids: tuple[tuple[int, ...], ...] = ()  # applied by the server on token ids
+  top_logprobs: int | None = None  # OpenAI `logprobs` (None: not asked)
+  include_usage: bool = False  # OpenAI stream_options.include_usage
+  model: str | None = None
+
+
+# ---- JSON and field checks --------------------------------------------------------------------
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+  """The body as a JSON object; BadRequest naming `body` otherwise (never another exception)."""
+  try:
+    req = json.loads(body)
+  except RecursionError:
+    raise BadRequest('body', 'the body is JSON nested too deeply') from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise BadRequest('body', f'the body must be JSON: {e}') from None
+  if not isinstance(req, dict):
+    raise BadRequest('body', 'the body must be a JSON object')
+  return req
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(req, name, default, low, high) -> int:
+  value = req.get(name, default)
+  if not _is_int(value) or not low <= value <= high:
+    raise BadRequest(name, f'"{name}" must be an integer in [{low}, {high}], got {_show(value)}')
+  return value
+
+
+def _number(req, name, default, low, high, *, open_low=False) -> float:
+  value = req.get(name, default)
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and (low < value if open_low else low <= value) and value <= high)
+  if not ok:
+    interval = f'{"(" if open_low else "["}{low}, {high}]'
+    raise BadRequest(name, f'"{name}" must be a finite number in {interval}, got {_show(value)}')
+  return float(value)
+
+
+def _boolean(req, name, default) -> bool:
+  value = req.get(name, default)
+  if not isinstance(value, bool):
+    raise BadRequest(name, f'"{name}" must be true or false, got {_show(value)}')
+  return value
+
+
+def _show(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _text(value, name) -> str:
+  if not isinstance(value, str) or not value:
+    raise BadRequest(name, f'"{name}" must be a non-empty string')
+  try:
+    value.encode('utf-8')
+  except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON)
+    raise BadRequest(name, f'"{name}" holds a lone UTF-16 surrogate: not text') from None
+  return value
+
+
+def _token_ids(value, name, vocab_size) -> tuple[int, ...]:
+  if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
+    raise BadRequest(name, f'"{name}" must be a non-empty list of integer token ids')
+  bad = next((t for t in value if not 0 <= t < vocab_size), None)
+  if bad is not None:
+    raise BadRequest(name, f'"{name}" token ids must be in [0, {vocab_size}), got {_show(bad)}')
+  return tuple(value)
+
+
+def _check_fits(prompts, max_new_tokens, n, limits, *, length_field, n_field):
+  room = limits.max_sequence_length - max(len(p) for p in prompts)
+  if room < 1:
+    raise BadRequest('prompt', f'a prompt of {max(len(p) for p in prompts)} tokens leaves no room '
+                     f'under max_sequence_length={limits.max_sequence_length}')
+  if max_new_tokens > room:
+    raise BadRequest(length_field, f'prompt ({limits.max_sequence_length - room}) + '
+                     f'"{length_field}" ({max_new_tokens}) exceed max_sequence_length='
+                     f'{limits.max_sequence_length}')
+  if n > limits.max_batch:
+    raise BadRequest(n_field, f'"{n_field}" ({n}) exceeds the engine\'s max_batch='
+                     f'{limits.max_batch}')
+
+
+def make_params(names: dict[str, str], **values) -> SamplingParams:
+  """SamplingParams from engine-field values; `names` maps each engine field to its request field."""
+  have = supported_params()
+  kwargs = {}
+  for key, value in values.items():
+    if key in have:
+      kwargs[key] = value
+    elif value != _AGREED_DEFAULTS.get(key, value):
+      field = names.get(key, key)
+      raise BadRequest(field, f'"{field}" is not supported by this engine build yet')
+  try:
+    return SamplingParams(**kwargs)
+  except (ValueError, TypeError, OverflowError) as e:  # the engine's own checks
+    field = next((names.get(k, k) for k in kwargs if k in str(e)), 'body')
+    raise BadRequest(field, f'"{field}": {e}') from None
+
+
+def _eos_stops(stop_tokens, tokenizer) -> tuple[int, ...]:
+  if tokenizer is None:
+    return tuple(stop_tokens)
+  return tuple(stop_tokens) + tuple(t for t in tokenizer.eos_ids if t not in stop_tokens)
+
+
+# ---- /v1/generate -----------------------------------------------------------------------------
+
+GENERATE_FIELDS = frozenset({
+    'prompt', 'text', 'max_new_tokens', 'temperature', 'top_k', 'top_p', 'min_p', 'seed', 'n',
+    'stop_tokens', 'stop_sequences', 'logprobs', 'top_logprobs', 'stream'})
+
+
+def parse_generate(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -> Work:
+  """A /v1/generate body -> Work (one prompt); raises BadRequest naming the field."""
+  req = load_json_object(body or b'{}')
+  unknown = sorted(set(req) - GENERATE_FIELDS)
+  if unknown:
+    raise BadRequest(unknown[0], f'unknown field "{unknown[0]}" (of {unknown}); expected some of '
+                     f'{sorted(GENERATE_FIELDS)}')
+  if ('prompt' in req) == ('text' in req):
+    raise BadRequest('prompt', 'give exactly one of "prompt" (token ids) and "text"')
+  if 'text' in req:
+    if tokenizer is None:
+      raise BadRequest('text', '"text" needs a server started with a tokenizer; send "prompt" ids')
+    prompt = _encode(_text(req['text'], 'text'), tokenizer, 'text', limits)
+  else:
+    prompt = _token_ids(req['prompt'], 'prompt', limits.vocab_size)
+  max_new_tokens = _integer(req, 'max_new_tokens', 16, 1, limits.max_sequence_length)
+  n = _integer(req, 'n', 1, 1, limits.max_batch)
+  _check_fits([prompt], max_new_tokens, n, limits, length_field='max_new_tokens', n_field='n')
+  stops = req.get('stop_tokens', [])
+  if (not isinstance(stops, list) or len(stops) > 1024
+      or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in stops)):
+    raise BadRequest('stop_tokens', f'"stop_tokens" must be a list of token ids in '
+                     f'[0, {limits.vocab_size})')
+  sequences = _stop_id_lists(req.get('stop_sequences', []), 'stop_sequences', limits.vocab_size)
+  seed = req.get('seed')
+  if seed is not None:
+    seed = _integer(req, 'seed', None, -2**63, 2**63 - 1) % _SEED_MODULUS
+  params = make_params(
+      {}, max_new_tokens=max_new_tokens, n=n,
+      temperature=_number(req, 'temperature', 0.0, 0, 1e6),
+      top_k=_integer(req, 'top_k', 0, 0, limits.vocab_size),
+      top_p=_number(req, 'top_p', 1.0, 0, 1, open_low=True),
+      min_p=_number(req, 'min_p', 0.0, 0, 1), seed=seed,
+      stop_tokens=_eos_stops(stops, tokenizer), stop_sequences=sequences,
+      logprobs=_boolean(req, 'logprobs', False),
+      top_logprobs=_integer(req, 'top_logprobs', 0, 0, MAX_TOP_LOGPROBS))
+  return Work(prompts=(prompt,), params=params, stream=_boolean(req, 'stream', False))
+
+
+def _encode(text, tokenizer, field, limits) -> tuple[int, ...]:
+  ids = tuple(tokenizer.encode(text))
+  if not ids:
+    raise BadRequest(field, f'"{field}" encodes to no tokens')
+  if max(ids) >= limits.vocab_size:  # a tokenizer larger than the model
+    raise BadRequest(field, f'"{field}" encodes to token ids outside the model\'s vocabulary '
+                     f'[0, {limits.vocab_size})')
+  return ids
+
+
+def _stop_id_lists(value, name, vocab_size) -> tuple[tuple[int, ...], ...]:
+  if not isinstance(value, list) or len(value) > _MAX_STOPS:
+    raise BadRequest(name, f'"{name}" must be a list of at most {_MAX_STOPS} token-id lists')
+  return tuple(_token_ids(s, name, vocab_size) for s in value)
+
+
+# ---- /v1/completions (OpenAI) -----------------------------------------------------------------
+
+COMPLETION_FIELDS = frozenset({
+    'model', 'prompt', 'max_tokens', 'temperature', 'top_p', 'top_k', 'min_p', 'n', 'stream',
+    'stream_options', 'logprobs', 'echo', 'stop', 'seed', 'best_of', 'presence_penalty',
+    'frequency_penalty', 'logit_bias', 'suffix', 'user'})
+# Fields accepted only at their OpenAI default (null counts as the default).
+_UNSUPPORTED = {'echo': False, 'presence_penalty': 0, 'frequency_penalty': 0, 'logit_bias': {},
+                'suffix': None}
+
+
+def parse_completion(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -> Work:
+  """An OpenAI /v1/completions body -> Work; raises BadRequest naming the field."""
+  req = load_json_object(body)
+  unknown = sorted(set(req) - COMPLETION_FIELDS)
+  if unknown:
+    raise BadRequest(unknown[0], f'unknown field "{unknown[0]}" (of {unknown}); this server '
+                     f'takes {sorted(COMPLETION_FIELDS)}')
+  req = {k: v for k, v in req.items() if v is not None}  # OpenAI clients send null for unset
+  for name, default in _UNSUPPORTED.items():
+    if name in req and req[name] != default:
+      raise BadRequest(name, f'"{name}" is not supported (only {json.dumps(default)})')
+  model = req.get('model')
+  if model is not None and not isinstance(model, str):
+    raise BadRequest('model', '"model" must be a string')
+  if 'prompt' not in req:
+    raise BadRequest('prompt', '"prompt" is required: text, token ids, or a list of either')
+  prompts = _completion_prompts(req['prompt'], tokenizer, limits)
+  n = _integer(req, 'n', 1, 1, limits.max_batch)
+  if 'best_of' in req and _integer(req, 'best_of', n, n, n) != n:
+    raise BadRequest('best_of', '"best_of" must equal "n"')
+  room = limits.max_sequence_length - max(len(p) for p in prompts)
+  max_tokens = _integer(req, 'max_tokens', 16, 1, max(room, 1))
+  _check_fits(prompts, max_tokens, n, limits, length_field='max_tokens', n_field='n')
+  stop_texts, stop_ids = _completion_stops(req.get('stop', []), tokenizer, limits)
+  seed = req.get('seed')
+  if seed is not None:
+    seed = _integer(req, 'seed', None, -2**63, 2**63 - 1) % _SEED_MODULUS
+  top = req.get('logprobs')
+  if top is not None:
+    top = _integer(req, 'logprobs', 0, 0, MAX_TOP_LOGPROBS)
+  stream = _boolean(req, 'stream', False)
+  include_usage = False
+  if 'stream_options' in req:
+    options = req['stream_options']
+    if not stream or not isinstance(options, dict) or set(options) - {'include_usage'}:
+      raise BadRequest('stream_options', '"stream_options" goes with "stream": true and takes '
+                       '{"include_usage": bool}')
+    include_usage = _boolean(options, 'include_usage', False)
+  params = make_params(
+      {'max_new_tokens': 'max_tokens', 'top_logprobs': 'logprobs', 'logprobs': 'logprobs'},
+      max_new_tokens=max_tokens, n=n,
+      temperature=_number(req, 'temperature', 1.0, 0, 1e6),
+      top_p=_number(req, 'top_p', 1.0, 0, 1, open_low=True),
+      top_k=_integer(req, 'top_k', 0, 0, limits.vocab_size),
+      min_p=_number(req, 'min_p', 0.0, 0, 1), seed=seed,
+      stop_tokens=_eos_stops((), tokenizer), logprobs=top is not None, top_logprobs=top or 0,
+      # The server applies `stop` itself (`Choice`); the engine also stops early where it can.
+      **({'stop_sequences': stop_ids} if 'stop_sequences' in supported_params() else {}))
+  return Work(prompts=prompts, params=params, stream=stream, stop_texts=stop_texts,
+              stop_ids=stop_ids, top_logprobs=top, include_usage=include_usage, model=model)
+
+
+def _completion_prompts(value, tokenizer, limits) -> tuple[tuple[int, ...], ...]:
+  def one(p):
+    if isinstance(p, str):
+      if tokenizer is None:
+        raise BadRequest('prompt', 'text prompts need a server started with a tokenizer; send '
+                         'token ids')
+      return _encode(_text(p, 'prompt'), tokenizer, 'prompt', limits)
+    return _token_ids(p, 'prompt', limits.vocab_size)
+
+  if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])):
+    return (one(value),)
+  if not isinstance(value, list) or not value:
+    raise BadRequest('prompt', '"prompt" must be text, token ids, or a non-empty list of either')
+  if len(value) > limits.max_prompts:
+    raise BadRequest('prompt', f'at most {limits.max_prompts} prompts per request, got '
+                     f'{len(value)}')
+  return tuple(one(p) for p in value)
+
+
+def _completion_stops(value, tokenizer, limits):
+  """OpenAI `stop`: a string, strings, token ids (one sequence) or token-id lists."""
+  if isinstance(value, str):
+    value = [value]
+  if not isinstance(value, list) or len(value) > _MAX_STOPS:
+    raise BadRequest('stop', f'"stop" must be a string or a list of at most {_MAX_STOPS}')
+  if value and all(_is_int(t) for t in value):
+    value = [value]
+  texts, ids = [], []
+  for s in value:
+    if isinstance(s, str):
+      if tokenizer is None:
+        raise BadRequest('stop', '"stop" strings need a server started with a tokenizer; send '
+                         'token-id lists')
+      texts.append(_text(s, 'stop'))
+    else:
+      ids.append(_token_ids(s, 'stop', limits.vocab_size))
+  return tuple(texts), tuple(ids)
+
+
+# ---- following a sample -----------------------------------------------------------------------
+
+
+def finite(x: float | None) -> float | None:
+  """A log-prob JSON can hold (-inf -> -9999.0)."""
+  if x is None:
+    return None
+  x = float(x)
+  return x if math.isfinite(x) else _INF_LOGPROB
+
+
+class Choice:
+  """One sample as a client sees it: tokens, text, log-probs, finish reason.
+
+  `add` takes the sample's engine events in order and returns True when a stop
+  that the server applies ends the sample early (the caller then cancels it in
+  the engine; later events are ignored). Stop strings and stop sequences are
+  cut from the output, as OpenAI does; the engine's stop tokens (EOS) stay in
+  `tokens` (decoding skips special tokens).
+  """
+
+  def __init__(self, tokenizer: Tokenizer | None, *, stop_texts: Sequence[str] = (),
+               stop_ids: Sequence[Sequence[int]] = ()):
+    self.tokenizer = tokenizer
+    self.stop_texts = tuple(stop_texts)
+    self.stop_ids = tuple(tuple(s) for s in stop_ids)
+    self.tokens: list[int] = []
+    self.logprobs: list[float | None] = []
+    self.top_logprobs: list[tuple[tuple[int, float], ...] | None] = []
+    self.finish_reason: str | None = None
+    self._cut: str | None = None  # the text up to a stop string, once found
+    self._sent = 0  # characters of text already handed out by `delta`
+    self._sent_tokens = 0
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  def add(self, event) -> bool:
+    if self.finished:
+      return False
+    if event.token >= 0 and event.reason != 'cancelled':
+      self.tokens.append(int(event.token))
+      self.logprobs.append(getattr(event, 'logprob', None))
+      self.top_logprobs.append(getattr(event, 'top_logprobs', None))
+      if self._hits_stop():
+        self.finish_reason = 'stop'
+        return not event.finished
+    if event.finished:
+      self.finish_reason = event.reason or 'stop'
+    return False
+
+  def _hits_stop(self) -> bool:
+    for seq in self.stop_ids:
+      if len(self.tokens) >= len(seq) and tuple(self.tokens[-len(seq):]) == seq:
+        del self.tokens[-len(seq):], self.logprobs[-len(seq):], self.top_logprobs[-len(seq):]
+        return True
+    if self.stop_texts and self.tokenizer is not None:
+      full = self.tokenizer.decode(self.tokens)
+      found = [i for i in (full.find(s) for s in self.stop_texts) if i >= 0]
+      if found:
+        self._cut = full[:min(found)]
+        return True
+    return False
+
+  @property
+  def text(self) -> str:
+    if self._cut is not None:
+      return self._cut
+    return self.tokenizer.decode(self.tokens) if self.tokenizer is not None else ''
+
+  def delta(self) -> tuple[str, int, int]:
+    """(new text that is safe to send, first and end index of the tokens not yet handed out)."""
+    text = self.text
+    if not self.finished:
+      text = text.rstrip('\ufffd')  # an incomplete UTF-8 character
+      held = max((k for s in self.stop_texts for k in range(1, len(s))
+                  if text.endswith(s[:k])), default=0)
+      text = text[:len(text) - held]
+    new = text[self._sent:] if len(text) > self._sent else ''
+    self._sent = max(self._sent, len(text))
+    start, self._sent_tokens = self._sent_tokens, len(self.tokens)
+    return new, start, len(self.tokens)
+
+  def token_text(self, token: int) -> str:
+    if self.tokenizer is None:
+      return f'token_id:{token}'
+    return self.tokenizer.decode([token], skip_special_tokens=False)
+
+  def logprobs_json(self, start: int = 0, end: int | None = None, *, offset: int = 0,
+                    top: int = 0) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` object for tokens [start, end)."""
+    end = len(self.tokens) if end is None else end
+    tokens = [self.token_text(t) for t in self.tokens[start:end]]
+    offsets, at = [], offset
+    for t in tokens:
+      offsets.append(at)
+      at += len(t)
+    tops = None
+    if top:
+      tops = []
+      for entry in self.top_logprobs[start:end]:
+        tops.append({self.token_text(t): finite(lp) for t, lp in (entry or ())[:top]})
+    return {'tokens': tokens, 'token_logprobs': [finite(x) for x in self.logprobs[start:end]],
+            'top_logprobs': tops, 'text_offset': offsets}
+
+
+def openai_error(err: BadRequest) -> dict[str, Any]:
+  kind = 'invalid_request_error' if err.status < 500 else 'server_error'
+  return {'error': {'message': str(err), 'type': kind, 'param': err.field, 'code': err.status}}
+
+
+def plain_error(err: BadRequest) -> dict[str, Any]:
+  return {'error': str(err), 'field': err.field}
