@@ -58,10 +58,6 @@ from models.server_api import (
 from models.server_engine import EngineDown, EngineLoop, Job, JobDone, JobFailed
 from models.tokenizer import Tokenizer
 
-# Kept for callers of the standard-library server's names.
-parse_request = parse_generate
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
   """Transport limits.
