@@ -591,6 +591,9 @@ def main(argv):
       num_chunks=_NUM_CHUNKS.value, chunk_size=_CHUNK.value, max_batch=_MAX_BATCH.value,
       max_sequence_length=_MAX_LEN.value, overlap_decode=_OVERLAP.value))
   name = _CHECKPOINT.value.rstrip('/').split('/')[-1] if _CHECKPOINT.value else _MODEL.value
+  if _WARMUP.value and hasattr(engine, 'warmup'):  # every compiled shape before the first request
+    print(f'compiling {engine.compiled_shape_budget()}', flush=True)
+    engine.warmup()
   server = make_server(engine, host=_HOST.value, port=_PORT.value, tokenizer=tokenizer,
                        model_name=name, config=ServerConfig(
                            max_connections=_MAX_CONNECTIONS.value, backlog=_BACKLOG.value))
@@ -615,4 +618,5 @@ if __name__ == '__main__':
   _OVERLAP = flags.DEFINE_boolean('overlap_decode', False, 'see EngineConfig.overlap_decode')
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _BACKLOG = flags.DEFINE_integer('backlog', 2048, 'listen backlog')
+  _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape before serving')
   app.run(main)

@@ -25,8 +25,8 @@ from models.server import ServerConfig, make_server
 from models.server_api import (
     BadRequest, Limits, parse_completion, parse_generate, supported_params,
 )
-from models.tokenizer import Tokenizer
 from tests.test_engine import assert_no_leak
+from tests.test_generate_cli import char_tokenizer
 
 CONFIG = EngineConfig(
     num_chunks=28, chunk_size=4, max_batch=4, max_sequence_length=48, decode_buckets=(8,),
@@ -60,20 +60,6 @@ def reference(model):
 @pytest.fixture(scope='module')
 def long_engine(model):
   return Engine(model, dataclasses.replace(CONFIG, num_chunks=64, max_sequence_length=240))
-
-
-def char_tokenizer(folder) -> Tokenizer:
-  """A character tokenizer with the tiny models' 97 ids: <unk> <s> </s>, then ' ' .. '}'."""
-  from tokenizers import Tokenizer as HFTokenizer
-  from tokenizers import decoders, models
-
-  vocab = {'<unk>': 0, '<s>': 1, '</s>': 2} | {chr(c): 3 + i for i, c in enumerate(range(32, 126))}
-  tok = HFTokenizer(models.BPE(vocab, merges=[], unk_token='<unk>'))
-  tok.decoder = decoders.Fuse()
-  tok.add_special_tokens(['<unk>', '<s>', '</s>'])
-  tok.save(str(folder / 'tokenizer.json'))
-  (folder / 'config.json').write_text(json.dumps({'bos_token_id': 1, 'eos_token_id': 2}))
-  return Tokenizer.from_file(folder)
 
 
 class Served:

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip('uvicorn', reason='the server needs the serve extra: pip install .[serve]')
 
-from models.engine import Engine  # noqa: E402
-from models.server import ServerConfig  # noqa: E402
-from models.server_api import (  # noqa: E402
+from models.engine import Engine
+from models.server import ServerConfig
+from models.server_api import (
     BadRequest, Work, parse_completion, parse_generate,
 )
-from tests.test_engine import assert_no_leak  # noqa: E402
-from tests.test_server import (  # noqa: E402
+from tests.test_engine import assert_no_leak
+from tests.test_server import (
     CONFIG, HANG_GUARD_S, LIMITS, Served, char_tokenizer, model,  # noqa: F401 (fixture)
 )
 
