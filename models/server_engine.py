@@ -5,8 +5,9 @@ the thread admits them between iterations, runs `Engine.step()`, and hands each
 job what concerns it through the job's `deliver` callable (which must not
 block): a list of `TokenEvent`s per iteration, then `JobDone`, or a `JobFailed`.
 
-The thread never dies from one request: a request the engine refuses, or a
-`deliver` that raises (its client's event loop is gone), ends only that job.
+The thread never dies from one request: a request the engine refuses or fails
+(reason 'error'), or a `deliver` that raises (its client's event loop is gone),
+ends only that job.
 An exception from `Engine.step()` is the engine's, not a request's, and may
 have left it inconsistent: the loop then stops, every job in flight and every
 later `submit` fails with 503, and `stats` says why (`/v1/health` shows it).
@@ -163,11 +164,14 @@ class EngineLoop:
       self._send(job, job_events)
       for event in job_events:
         if event.finished:
-          self._retire(job, event.request_id)
+          request = self._retire(job, event.request_id)
+          if event.reason == 'error':  # the engine failed this request alone: a 500 for it
+            why = getattr(request, 'error', None) or 'unknown'
+            self._send(job, JobFailed(500, 'engine', f'the engine failed this request: {why}'))
       if job.first_id is not None and not job.live:
         self._send(job, JobDone(job.shared_tokens))
 
-  def _retire(self, job: Job, rid: int) -> None:
+  def _retire(self, job: Job, rid: int):
     job.live.discard(rid)
     self._jobs.pop(rid, None)
     request = self.engine.requests.pop(rid, None)
@@ -175,6 +179,7 @@ class EngineLoop:
       job.shared_tokens = request.shared_tokens
       self.recent.append(request)
     self.finished_requests += 1
+    return request
 
   def _send(self, job: Job, item) -> None:
     try:

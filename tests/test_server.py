@@ -19,7 +19,7 @@ pytest.importorskip('starlette', reason='the server needs the serve extra: pip i
 
 from hydrajax.chunk_cache import LayoutPolicy
 from models.config import get_config
-from models.engine import Engine, EngineConfig, SamplingParams
+from models.engine import Engine, EngineConfig, Request, SamplingParams
 from models.llama import Llama
 from models.server import ServerConfig, make_server
 from models.server_api import (
@@ -424,6 +424,33 @@ def test_the_engine_thread_survives_requests_and_says_when_it_stops(engine):
     del engine.submit, engine.step
     engine.run()  # what the broken loop left queued
     assert_no_leak(engine)
+
+
+@pytest.mark.skipif('error' not in {f.name for f in dataclasses.fields(Request)},
+                    reason='this engine does not fail a request alone (helper engine, issue 13)')
+def test_a_request_the_engine_fails_gets_a_500_and_the_others_go_on(engine):
+  s = Served(engine)
+  submit = engine.submit
+
+  def submit_with_a_failing_callback(prompt, params, **kwargs):
+    if list(prompt) == [6, 6, 6]:
+      kwargs['on_token'] = lambda event: 1 / 0
+    return submit(prompt, params, **kwargs)
+
+  engine.submit = submit_with_a_failing_callback
+  try:
+    status, data = s.post('/v1/generate', {'prompt': [6, 6, 6], 'max_new_tokens': 3})
+    assert status == 500 and 'ZeroDivisionError' in json.loads(data)['error'], data
+    status, data = s.post('/v1/completions', {'prompt': [6, 6, 6], 'max_tokens': 3,
+                                              'stream': True})
+    assert status == 200 and b'ZeroDivisionError' in data and data.endswith(b'data: [DONE]\n\n')
+    status, data = s.post('/v1/generate', {'prompt': [7, 7], 'max_new_tokens': 2})
+    assert status == 200 and s.server.loop.alive
+    s.wait_idle()
+    assert_no_leak(engine)
+  finally:
+    del engine.submit
+    s.close()
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
