@@ -4,8 +4,9 @@ leave early). Asserts: every request that stays is answered in full, the engine 
 set of compiled shapes (its budget), memory is steady (RSS and memory-map growth after the first
 third bounded), nothing leaks, and the engine thread is alive at the end.
 
-In CI it runs HYDRAJAX_SOAK_SECONDS (default 30) of traffic on the tiny model. The long form, by
-hand (prints the shape count, RSS and maps over time):
+In CI it runs HYDRAJAX_SOAK_SECONDS (default 30) of traffic on the tiny model, after compiling
+every shape of the engine's budget (as the server's main does). The long form, by hand (prints the
+shape count, RSS and maps over time):
 
   PYTHONPATH=. python -m tests.test_server_soak --soak_minutes=15
 
@@ -33,12 +34,13 @@ SOAK_S = float(os.environ.get('HYDRAJAX_SOAK_SECONDS', '30'))
 MAX_REQUESTS = 100_000  # a bound on the traffic whatever the duration
 CLIENTS = 8
 MAX_PROMPT = 300
-# Few compiled shapes (one decode bucket, one prefill length: warm-up stays short on a CPU);
-# the segment-slot counts still vary with the traffic's sharing.
+# Few compiled shapes, so that warming them all up stays short on a CPU: one decode bucket, one
+# prefill length, and segment slots from 256 (a budget of 3 model-step shapes; at min_segments=8
+# it is 11, and a warm-up takes minutes on a loaded machine).
 SOAK_CONFIG = EngineConfig(
     num_chunks=384, chunk_size=16, max_batch=CLIENTS * 4, max_sequence_length=MAX_PROMPT + 20,
     decode_buckets=(CLIENTS * 4,), min_prefill_len=512, max_prefill_rows=1, impl='xla',
-    prefill_impl='xla', layout=LayoutPolicy(kv_piece=16, min_segments=8, fixed_shapes=True),
+    prefill_impl='xla', layout=LayoutPolicy(kv_piece=16, min_segments=256, fixed_shapes=True),
 )
 RSS_GROWTH_BYTES = 192 * 2**20  # after the first third: generous, a leak of compiles is GBs
 MAPS_GROWTH = 256  # memory maps after the first third (the crash ran out of them)
@@ -84,12 +86,12 @@ def _check(path, body, n, status, ctype, data) -> None:
     assert len(reply['choices']) == n and all(c['finish_reason'] for c in reply['choices'])
 
 
-def soak(llama, seconds: float, *, seed: int = 0, log=None) -> dict:
+def soak(llama, seconds: float, *, seed: int = 0, warmup: bool = True, log=None) -> dict:
   """Runs the traffic for `seconds`; returns what it saw (asserting every answer on the way)."""
   engine = Engine(llama, SOAK_CONFIG)
   budget = getattr(engine, 'compiled_shape_budget', None)
-  if hasattr(engine, 'warmup'):
-    engine.warmup()  # every shape of the budget, before the traffic
+  if warmup:
+    engine.warmup()  # every shape of the budget before the traffic, as the server's main does
   served = Served(engine)
   start = time.monotonic()
   deadline = start + seconds
@@ -185,11 +187,13 @@ if __name__ == '__main__':
 
   _MINUTES = flags.DEFINE_float('soak_minutes', 15.0, 'traffic duration')
   _SEED = flags.DEFINE_integer('seed', 0, 'traffic seed')
+  _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every shape of the budget first')
 
   def main(argv):
     del argv
     llama = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
-    result = soak(llama, 60 * _MINUTES.value, seed=_SEED.value, log=lambda m: print(m, flush=True))
+    result = soak(llama, 60 * _MINUTES.value, seed=_SEED.value, warmup=_WARMUP.value,
+                  log=lambda m: print(m, flush=True))
     print({k: v for k, v in result.items() if k != 'samples'})
     _check_soak(result)
     print('soak passed')
