@@ -1,4 +1,4 @@
-"""An HTTP server over the continuous-batching `Engine`: uvicorn + starlette (`pip install hydrajax[serve]`).
+"""An HTTP server over the continuous-batching `Engine`, on uvicorn + starlette (the `serve` extra).
 
 One thread owns the engine (`models.server_engine.EngineLoop`); request
 handlers run on uvicorn's event loop and talk to it through a queue.

@@ -156,7 +156,7 @@ def _check_fits(prompts, max_new_tokens, n, limits, *, length_field, n_field):
 
 
 def make_params(names: dict[str, str], **values) -> SamplingParams:
-  """SamplingParams from engine-field values; `names` maps each engine field to its request field."""
+  """SamplingParams of engine-field values (`names`: engine field -> request field, in errors)."""
   have = supported_params()
   kwargs = {}
   for key, value in values.items():

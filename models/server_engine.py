@@ -73,6 +73,8 @@ class EngineLoop:
     self.error: str | None = None  # why the loop stopped, if it did on its own
     self.recent: collections.deque = collections.deque(maxlen=keep_finished)  # finished Requests
     self.finished_requests = 0
+    budget = getattr(engine, 'compiled_shape_budget', None)  # engines with a fixed shape set
+    self._budget = budget().num_steps if budget is not None else None
     self.stats: dict[str, Any] = self._stats()
 
   @property
@@ -215,6 +217,7 @@ class EngineLoop:
         'finished_requests': self.finished_requests,
         'iterations': engine.stats.iterations,
         'distinct_step_shapes': len(engine.stats.shapes),
+        **({'step_shape_budget': self._budget} if self._budget is not None else {}),
         **({'error': self.error} if self.error is not None else {}),
     }
 

@@ -253,7 +253,7 @@ def test_streaming_samples_and_health(reference, served):
   served.wait_idle()
   status, health = served.get('/v1/health')
   assert status == 200 and health['status'] == 'ok'
-  assert health['running'] == 0 and health['queued'] == 0 and health['finished_requests'] == before + 2
+  assert (health['running'], health['queued'], health['finished_requests']) == (0, 0, before + 2)
   assert not served.engine.requests  # finished requests are forgotten (a server runs for days)
   assert_no_leak(served.engine)
 
