@@ -540,12 +540,27 @@ def test_completions_with_the_openai_client_and_text(engine, reference, tmp_path
 
 @pytest.mark.skipif('logprobs' not in supported_params() or 'seed' not in supported_params(),
                     reason='SamplingParams has no logprobs/seed yet (helper engine, INTERFACES B)')
-def test_completions_logprobs_and_seed(model, served):
-  payload = {'prompt': [5, 6, 7], 'max_tokens': 4, 'temperature': 0.9, 'seed': 11, 'logprobs': 2}
+def test_completions_map_seed_top_p_and_logprobs_onto_the_engine(reference, served):
+  prompt = [5, 6, 7]
+  rid = reference.submit(prompt, SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.9,
+                                                seed=11, logprobs=True, top_logprobs=2))
+  reference.run()
+  want = reference.requests[rid]
+  payload = {'prompt': prompt, 'max_tokens': 4, 'temperature': 0.9, 'top_p': 0.9, 'seed': 11,
+             'logprobs': 2}
   first = json.loads(served.post('/v1/completions', payload)[1])['choices'][0]
-  again = json.loads(served.post('/v1/completions', payload)[1])['choices'][0]
-  assert first['token_ids'] == again['token_ids']  # the request's seed, not its id
+  assert first['token_ids'] == want.output  # the request's seed: any engine, any batch
   lp = first['logprobs']
-  assert len(lp['token_logprobs']) == 4 and all(x <= 0 for x in lp['token_logprobs'])
+  np.testing.assert_allclose(lp['token_logprobs'], want.logprobs, rtol=1e-5, atol=1e-5)
   assert all(len(t) == 2 for t in lp['top_logprobs'])
   assert lp['tokens'] == [f'token_id:{t}' for t in first['token_ids']]
+  chunks = _sse(served.post('/v1/completions', {**payload, 'stream': True})[1])
+  streamed = [x for c in chunks for x in c['choices'][0]['logprobs']['token_logprobs']]
+  assert [t for c in chunks for t in c['choices'][0]['token_ids']] == want.output
+  np.testing.assert_allclose(streamed, want.logprobs, rtol=1e-5, atol=1e-5)
+  status, data = served.post('/v1/generate', {'prompt': prompt, 'max_new_tokens': 4,
+                                              'temperature': 0.9, 'top_p': 0.9, 'seed': 11,
+                                              'logprobs': True})
+  reply = json.loads(data)
+  assert reply['outputs'] == [want.output]
+  np.testing.assert_allclose(reply['logprobs'][0], want.logprobs, rtol=1e-5, atol=1e-5)
