@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from models.engine import Engine
 from models.server_api import (
@@ -126,7 +126,8 @@ def _protocol_class(config: ServerConfig) -> type:
 
     def __init__(self, *args, **kwargs):
       super().__init__(*args, **kwargs)
-      self.conn = _RecordingConnection(h11.SERVER, self.conn._max_incomplete_event_size)
+      size = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+      self.conn = _RecordingConnection(h11.SERVER, size)
       self._deadline: asyncio.TimerHandle | None = None
 
     _refused = False

@@ -42,7 +42,8 @@ SOAK_CONFIG = EngineConfig(
     decode_buckets=(CLIENTS * 4,), min_prefill_len=512, max_prefill_rows=1, impl='xla',
     prefill_impl='xla', layout=LayoutPolicy(kv_piece=16, min_segments=256, fixed_shapes=True),
 )
-RSS_GROWTH_BYTES = 192 * 2**20  # after the first third: generous, a leak of compiles is GBs
+# After the first third. RSS swings by ~100 MiB with XLA's temporaries; the leak of compiles was GBs.
+RSS_GROWTH_BYTES = 192 * 2**20
 MAPS_GROWTH = 256  # memory maps after the first third (the crash ran out of them)
 
 
@@ -164,7 +165,7 @@ def soak(llama, seconds: float, *, seed: int = 0, warmup: bool = True, log=None)
 def _check_soak(result) -> None:
   samples = result['samples']
   assert result['alive'] and result['leftover_requests'] == 0
-  assert result['answered'] >= CLIENTS  # every client got answers
+  assert result['answered'] >= 1 and result['answered'] + result['left'] >= CLIENTS
   if result['budget'] is not None:
     assert result['shapes'] <= result['budget'], result
   third = next(s for s in samples if s[0] >= samples[-1][0] / 3)
