@@ -1,0 +1,246 @@
+"""Tree attention differentiable in q, k and v (`jax.custom_vjp`), the XLA path.
+
+The forward pass is Hydragen's algorithm over a `TreeLayout` (as in
+`hydrajax.tree_attention`): every shared segment is one GEMM whose M dimension
+is its rows x T query tokens x the GQA group G, each row's private KV is
+masked causal attention, and the partial states are LSE-merged into the rows.
+It saves only (out, lse).
+
+The backward pass recomputes the probabilities from the merged lse, as flash
+attention does. Since a row's key sets are disjoint, the row's global
+probabilities over one part (a segment or its private KV) are
+`P = exp(S - lse)` on that part alone, and with `delta = rowsum(dO * O) - dlse`:
+
+    dV_part = P^T dO        dS = P * (dO V^T - delta)
+    dK_part = scale * dS^T Q      dQ += scale * dS K
+
+A shared segment's dK and dV contract the M = rows x T x G dimension away in one
+matmul per kv block: the prompt's gradient is accumulated once, never per row.
+Both passes walk long segments in kv blocks (a scan), so memory is bounded by
+one block of scores.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hydrajax.layout import TreeLayout
+from hydrajax.partial_state import PartialState
+from hydrajax.tree_attention import merge_into_rows
+from hydrajax.validation import check_tree_attention_inputs
+
+
+def _precision(dtype):
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+class _Part(NamedTuple):
+  """Queries of Z items (R rows each) against S kv tokens each, walked in blocks of `block`.
+
+  rows [Z, R] int32 (B is the dump row), tokens [Z, S] int32 (indices into the buffer,
+  S a multiple of `block`), limit [Z, M or 1] int32 (key position p is visible to query
+  row m when p < limit[z, m]; M = R * T).
+  """
+
+  rows: jax.Array
+  tokens: jax.Array
+  limit: jax.Array
+  block: int
+
+
+def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> list[_Part]:
+  parts = []
+  c = layout.page_size
+  pages = layout.private_pages.shape[1]
+  if pages * c > 0:
+    # Private KV: one item per row, causal (the T queries are the last T tokens).
+    tokens = (layout.private_pages[:, :, None] * c + jnp.arange(c)).reshape(b, -1)
+    n = layout.private_lengths[:, None]
+    limit = jnp.minimum(n - t + jnp.arange(t)[None, :] + 1, n)  # [B, T]
+    parts.append(_blocked(jnp.arange(b)[:, None], tokens, limit, kv_block, length))
+  for group in layout.groups:
+    r = group.row_capacity
+    rows = group.row_begin[:, None] + jnp.arange(r)[None, :]
+    rows = jnp.where(jnp.arange(r)[None, :] < group.row_count[:, None], rows, b)  # [J, R]
+    tokens = group.kv_start[:, None] + jnp.arange(group.kv_capacity)[None, :]
+    parts.append(_blocked(rows, tokens, group.kv_length[:, None], kv_block, length))
+  return parts
+
+
+def _blocked(rows, tokens, limit, kv_block, length) -> _Part:
+  s = tokens.shape[1]
+  block = min(kv_block, s)
+  padded = -(-s // block) * block
+  tokens = jnp.pad(tokens, ((0, 0), (0, padded - s)))  # padding positions are >= limit
+  return _Part(rows, jnp.clip(tokens, 0, length - 1), limit, block)
+
+
+def _fold(x, rows, kh):
+  """x [B + 1, T, N, ...] at rows [Z, R] -> [Z, R * T, K, G, ...]."""
+  y = x[rows]
+  z, r, t, n = y.shape[:4]
+  return y.reshape((z, r * t, kh, n // kh) + y.shape[4:])
+
+
+def _scores(qz, k, limit, pos, scale):
+  s = jnp.einsum('zmkgh,zskh->zmkgs', qz, k, preferred_element_type=jnp.float32,
+                 precision=_precision(qz.dtype)) * scale
+  visible = pos[None, None, :] < limit[..., None]  # [Z, M or 1, S_b]
+  return s, visible[:, :, None, None, :]
+
+
+def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
+  """(out [Z, M, K, G, H] f32, lse [Z, M, K, G]) of one part, merged over its kv blocks."""
+  kh = k_cache.shape[1]
+  qz = _fold(q_pad, part.rows, kh)
+  num_blocks = part.tokens.shape[1] // part.block
+
+  def block(carry, i):
+    out_a, lse_a = carry
+    tok = jax.lax.dynamic_slice_in_dim(part.tokens, i * part.block, part.block, axis=1)
+    s, visible = _scores(qz, k_cache[tok], part.limit, i * part.block + jnp.arange(part.block),
+                         scale)
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=-1), lse_a)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m[..., None])
+    l = jnp.sum(p, axis=-1) + jnp.exp(lse_a - m)
+    o = jnp.einsum('zmkgs,zskh->zmkgh', p.astype(v_cache.dtype), v_cache[tok],
+                   preferred_element_type=jnp.float32, precision=_precision(v_cache.dtype))
+    o = o + jnp.exp(lse_a - m)[..., None] * out_a
+    out = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return (out, lse), None
+
+  init = (jnp.zeros(qz.shape, jnp.float32), jnp.full(qz.shape[:-1], -jnp.inf, jnp.float32))
+  if num_blocks == 1:
+    (out, lse), _ = block(init, 0)
+  else:
+    (out, lse), _ = jax.lax.scan(block, init, jnp.arange(num_blocks))
+  return out, lse
+
+
+def _forward(q, k_cache, v_cache, layout, scale, kv_block):
+  b, t, n, h = q.shape
+  q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
+  rows, outs, lses = [], [], []
+  for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
+    out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
+    z, r = part.rows.shape
+    rows.append(jnp.broadcast_to(part.rows.reshape(-1), (z * r,)))
+    outs.append(out.reshape(z * r, t, n, h))
+    lses.append(lse.reshape(z * r, t, n))
+  if not rows:  # no keys at all
+    return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
+  merged = merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs), jnp.concatenate(lses))
+  return PartialState(merged.out.astype(q.dtype), merged.lse)
+
+
+def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part, scale,
+                   dk, dv):
+  """dQ [Z, M, K, G, H] f32 of one part; adds the part's dK, dV into dk, dv [L, K, H] f32."""
+  kh = k_cache.shape[1]
+  qz = _fold(q_pad, part.rows, kh)
+  doz = _fold(do_pad, part.rows, kh)
+  lsez = _fold(lse_pad, part.rows, kh)  # [Z, M, K, G]
+  deltaz = _fold(delta_pad, part.rows, kh)
+  num_blocks = part.tokens.shape[1] // part.block
+  prec = _precision(q_pad.dtype)
+
+  def block(carry, i):
+    dq, dk, dv = carry
+    tok = jax.lax.dynamic_slice_in_dim(part.tokens, i * part.block, part.block, axis=1)
+    k, v = k_cache[tok], v_cache[tok]  # [Z, S_b, K, H]
+    s, visible = _scores(qz, k, part.limit, i * part.block + jnp.arange(part.block), scale)
+    # Rows without keys have lse = -inf and no visible key; the dump row has lse = +inf.
+    p = jnp.where(visible, jnp.exp(s - lsez[..., None]), 0.0)  # [Z, M, K, G, S_b]
+    dp = jnp.einsum('zmkgh,zskh->zmkgs', doz, v, preferred_element_type=jnp.float32,
+                    precision=prec)
+    ds = p * (dp - deltaz[..., None])
+    # One matmul per part and block: M (rows x T) and G are contracted away.
+    dv_b = jnp.einsum('zmkgs,zmkgh->zskh', p.astype(doz.dtype), doz,
+                      preferred_element_type=jnp.float32, precision=prec)
+    dk_b = jnp.einsum('zmkgs,zmkgh->zskh', ds.astype(qz.dtype), qz,
+                      preferred_element_type=jnp.float32, precision=prec) * scale
+    dq = dq + jnp.einsum('zmkgs,zskh->zmkgh', ds.astype(k.dtype), k,
+                         preferred_element_type=jnp.float32, precision=prec) * scale
+    # Padding positions carry zero gradient (p = 0), so their clamped indices add nothing.
+    dk = dk.at[tok].add(dk_b)
+    dv = dv.at[tok].add(dv_b)
+    return (dq, dk, dv), None
+
+  init = (jnp.zeros(qz.shape, jnp.float32), dk, dv)
+  if num_blocks == 1:
+    (dq, dk, dv), _ = block(init, 0)
+  else:
+    (dq, dk, dv), _ = jax.lax.scan(block, init, jnp.arange(num_blocks))
+  return dq, dk, dv
+
+
+def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block):
+  b, t, n, h = q.shape
+  pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  if d_lse is not None:
+    delta = delta - d_lse
+  q_pad, do_pad = pad(q, 0), pad(d_out.astype(q.dtype), 0)
+  lse_pad, delta_pad = pad(lse, jnp.inf), pad(delta, 0)
+  dq = jnp.zeros((b + 1, t, n, h), jnp.float32)
+  dk = jnp.zeros(k_cache.shape, jnp.float32)
+  dv = jnp.zeros(v_cache.shape, jnp.float32)
+  for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
+    dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
+                                  scale, dk, dv)
+    z, r = part.rows.shape
+    dq = dq.at[part.rows.reshape(-1)].add(dq_z.reshape(z * r, t, n, h))
+  return dq[:b].astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k_cache, v_cache, layout, scale, kv_block):
+  return _forward(q, k_cache, v_cache, layout, scale, kv_block)
+
+
+def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block):
+  state = _forward(q, k_cache, v_cache, layout, scale, kv_block)
+  return state, (q, k_cache, v_cache, layout, state.out, state.lse)
+
+
+def _zero_cotangent(x):
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _attention_bwd(scale, kv_block, residuals, cotangent):
+  q, k_cache, v_cache, layout, out, lse = residuals
+  d_out, d_lse = cotangent
+  dq, dk, dv = _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block)
+  return dq, dk, dv, jax.tree.map(_zero_cotangent, layout)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def tree_attention_differentiable(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    scale: float | None = None,
+    kv_block: int = 1024,
+) -> PartialState:
+  """`hydrajax.tree_attention` (same semantics, XLA path) with a flash-style custom VJP.
+
+  Differentiable in q, k_cache, v_cache (and through both outputs: out and lse).
+  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+  kv_block: kv tokens per block of scores in both passes (bounds memory).
+  """
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  if kv_block < 1:
+    raise ValueError(f'kv_block must be >= 1, got {kv_block}')
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  return _attention(q, k_cache, v_cache, layout, scale, kv_block)

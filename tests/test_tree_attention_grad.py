@@ -1,0 +1,112 @@
+"""Gradients of the differentiable tree attention (custom VJP) against jax.grad of the oracle."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hydrajax as hj
+from hydrajax.training import tree_attention_differentiable
+from tests.conftest import TOLERANCES, assert_states_close, random_inputs, random_tree
+
+GRAD_TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5),
+    # bf16: P and dS are rounded to bf16 before their matmuls; the oracle runs in float32.
+    jnp.dtype(jnp.bfloat16): dict(rtol=3e-2, atol=3e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  seed: int
+  heads: tuple[int, int]  # (N, K)
+  t: int
+  dtype: object
+  kv_block: int = 1024
+  empty: bool = False  # an empty root and rows without any key
+
+  @property
+  def id(self) -> str:
+    n, k = self.heads
+    empty = 'empty_' if self.empty else ''
+    return (f'{empty}N={n}_K={k}_T={self.t}_{jnp.dtype(self.dtype).name}'
+            f'_kv_block={self.kv_block}_seed={self.seed}')
+
+
+CASES = [
+    Case(0, (4, 4), 1, jnp.float32),  # MHA, decode
+    Case(1, (4, 2), 3, jnp.float32, kv_block=8),  # GQA, several kv blocks per segment
+    Case(2, (4, 1), 2, jnp.bfloat16),  # MQA
+    Case(3, (4, 2), 2, jnp.float32, empty=True),
+]
+
+
+def _case_inputs(case: Case):
+  n, k = case.heads
+  rng = np.random.default_rng(case.seed)
+  rows = 5
+  if case.empty:  # root of length 0; rows 0 and 1 have no key at all
+    tree = hj.PromptNode(0, children=(hj.PromptNode(0, num_samples=2),
+                                      hj.PromptNode(13, num_samples=3)))
+    lengths = [0, 0, 1, 2, 5]
+  else:
+    tree = random_tree(rng, 3, rows, max_len=40)
+    lengths = [int(x) for x in rng.integers(case.t, case.t + 4, rows)]
+  plan = hj.plan_tree(tree, private_capacity=case.t + 3, private_lengths=lengths)
+  return plan, random_inputs(case.seed, plan, case.t, n, k, 8, case.dtype)
+
+
+def _loss(attention, weights):
+  """A scalar that depends on every output and on the lse (finite entries)."""
+  w_out, w_lse = weights
+
+  def loss(q, k, v):
+    state = attention(q, k, v)
+    lse = jnp.where(jnp.isfinite(state.lse), state.lse, 0.0)
+    return jnp.sum(state.out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
+
+  return loss
+
+
+def _weights(q):
+  return (jax.random.normal(jax.random.key(1), q.shape, jnp.float32),
+          jax.random.normal(jax.random.key(2), q.shape[:-1], jnp.float32))
+
+
+def _assert_grads_close(actual, expected, dtype):
+  for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    assert not np.isnan(a).any(), f'NaN in {name}'
+    assert np.abs(e).max() > 0.1, f'{name}: the case exercises no gradient'
+    np.testing.assert_allclose(a, e, err_msg=name, **GRAD_TOLERANCES[jnp.dtype(dtype)])
+
+
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.id)
+def test_grad_matches_oracle(case):
+  plan, (q, k, v) = _case_inputs(case)
+  layout = plan.to_device()
+  weights = _weights(q)
+  ours = lambda q, k, v: tree_attention_differentiable(q, k, v, layout, kv_block=case.kv_block)
+  oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
+  state = jax.jit(ours)(q, k, v)
+  assert_states_close(state, oracle(q, k, v))
+  actual = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(q, k, v)
+  expected = jax.grad(_loss(oracle, weights), argnums=(0, 1, 2))(q, k, v)
+  _assert_grads_close(actual, expected, case.dtype)
+
+
+def test_forward_matches_xla_path():
+  """Same numbers as the inference XLA path (another oracle, same layout)."""
+  case = CASES[1]
+  plan, (q, k, v) = _case_inputs(case)
+  layout = plan.to_device()
+  state = tree_attention_differentiable(q, k, v, layout, kv_block=case.kv_block)
+  assert_states_close(state, hj.tree_attention(q, k, v, layout, impl=hj.AttentionImpl.XLA))
+
+
+def test_bad_kv_block_is_named():
+  plan, (q, k, v) = _case_inputs(CASES[0])
+  with pytest.raises(ValueError, match='kv_block'):
+    tree_attention_differentiable(q, k, v, plan.to_device(), kv_block=0)
