@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
+from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_attention_differentiable
 from tests.conftest import TOLERANCES, assert_states_close, random_inputs, random_tree
 
@@ -110,3 +111,64 @@ def test_bad_kv_block_is_named():
   plan, (q, k, v) = _case_inputs(CASES[0])
   with pytest.raises(ValueError, match='kv_block'):
     tree_attention_differentiable(q, k, v, plan.to_device(), kv_block=0)
+
+
+# The causal prefill (training) form: prompts shared by G completions of T tokens each.
+
+def _prefill_oracle(q_p, q_c, k_p, k_c, v_p, v_c, lengths, group_size):
+  """Every sample's own sequence (prompt + completion), naive causal attention."""
+  p, t = k_p.shape[1], k_c.shape[1]
+  prompt = hj.naive_attention(q_p, k_p, v_p, jnp.full((k_p.shape[0],), p, jnp.int32))
+  k_seq = pl.unshared_sequences(k_p, k_c, lengths, group_size)
+  v_seq = pl.unshared_sequences(v_p, v_c, lengths, group_size)
+  completion = hj.naive_attention(q_c, k_seq, v_seq, jnp.repeat(lengths, group_size) + t)
+  return prompt, completion
+
+
+@pytest.mark.parametrize('dtype', (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_prefill_attention_matches_causal_oracle(dtype):
+  lengths, g, t, p, n, k, h = (5, 11), 3, 6, 12, 4, 2, 8
+  plan = pl.plan_prefill(lengths, g, t, prompt_capacity=p)
+  layout = plan.to_device()
+  rng = np.random.default_rng(7)
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+  bp, b = len(lengths), len(lengths) * g
+  args = (draw(bp, p, n, h), draw(b, t, n, h), draw(bp, p, k, h), draw(b, t, k, h),
+          draw(bp, p, k, h), draw(b, t, k, h))
+  w_p = jax.random.normal(jax.random.key(3), (bp, p, n, h))
+  w_c = jax.random.normal(jax.random.key(4), (b, t, n, h))
+
+  def ours(q_p, q_c, k_p, k_c, v_p, v_c):
+    kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
+    return pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=8)
+
+  oracle = lambda *a: _prefill_oracle(*a, layout.prompt_lengths, g)
+
+  def loss(fn):
+    def f(*a):
+      prompt, completion = fn(*a)
+      return (jnp.sum(prompt.out.astype(jnp.float32) * w_p)
+              + jnp.sum(completion.out.astype(jnp.float32) * w_c))
+    return f
+
+  for actual, expected in zip(jax.jit(ours)(*args), oracle(*args)):
+    assert_states_close(actual, expected)
+  argnums = tuple(range(6))
+  actual = jax.jit(jax.grad(loss(ours), argnums))(*args)
+  expected = jax.grad(loss(oracle), argnums)(*args)
+  tol = GRAD_TOLERANCES[jnp.dtype(dtype)]
+  for name, a, e in zip(('dq_p', 'dq_c', 'dk_p', 'dk_c', 'dv_p', 'dv_c'), actual, expected):
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    np.testing.assert_allclose(a, e, err_msg=name, **tol)
+  # The prompts' padding tokens (after the real ones) reach no completion.
+  assert np.abs(np.asarray(actual[2], np.float32)[0, lengths[0]:]).max() > 0  # prompt causal
+  assert plan.completion_plan.segments[0].kv_length == lengths[0]
+
+
+def test_plan_prefill_checks_arguments():
+  with pytest.raises(ValueError, match='prompt_lengths'):
+    pl.plan_prefill([], 2, 3)
+  with pytest.raises(ValueError, match='prompt_capacity'):
+    pl.plan_prefill([4], 2, 3, prompt_capacity=2)
+  with pytest.raises(ValueError, match='group_size'):
+    pl.plan_prefill([4], 0, 3)
