@@ -1,0 +1,90 @@
+"""Llama training forwards over groups of completions that share a prompt.
+
+Without editing `models.llama`, these reuse a `Llama`'s parameters and its
+per-layer helpers (`_qkv`, `_mlp`, `rms_norm`):
+
+* `shared_forward`: each prompt goes through the layers once (causal over
+  itself) and its K/V is attended by all G completions through the prefill
+  layout (`hydrajax.training`); the prompt's dK/dV is reduced over all of them
+  in one matmul per kv block.
+* `unshared_forward`: the ground truth, every sample's own sequence (prompt
+  copied G times) through the model's dense naive forward.
+
+Both return the log-probabilities [Bp * G, T] float32 of the completion tokens:
+token j is scored from the hidden state of the token before it (the last
+prompt token for j = 0).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from hydrajax.training import prefill_layout as pl
+from models.kv_cache import DenseKVCache
+from models.llama import Llama, _mlp, _qkv, rms_norm
+
+
+def _check(prompts, completions, layout: pl.PrefillLayout):
+  if prompts.shape != layout.prompt_slots.shape:
+    raise ValueError(f'prompts must be [Bp, P] = {layout.prompt_slots.shape}, got {prompts.shape}')
+  if completions.shape != layout.completion_slots.shape:
+    raise ValueError(f'completions must be [Bp * G, T] = {layout.completion_slots.shape}, '
+                     f'got {completions.shape}')
+
+
+def _token_logprobs(model: Llama, h_prev, completions):
+  """h_prev [B, T, D] (final-norm hidden of the preceding tokens) -> log p(completions) [B, T]."""
+  logits = model.logits(h_prev)  # [B, T, V] float32
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return jnp.take_along_axis(logp, completions[..., None], axis=-1)[..., 0]
+
+
+def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
+                  kv_block: int = 1024):
+  """Final-norm hidden states of the prompts [Bp, P, D] and completions [Bp * G, T, D]."""
+  c = model.config
+  _check(prompts, completions, layout)
+  bp, p = prompts.shape
+  inv_freq = model.inv_freq()
+  embed = model.embed.get_value()
+  x_p, x_c = embed[prompts], embed[completions]
+  pos_p = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (bp, p))
+  pos_c = layout.completion_positions
+  for layer in model.layers:
+    w = layer.arrays()
+    q_p, k_p, v_p = _qkv(w, x_p, pos_p, inv_freq, c.norm_eps)
+    q_c, k_c, v_c = _qkv(w, x_c, pos_c, inv_freq, c.norm_eps)
+    k_buf, v_buf = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
+    a_p, a_c = pl.prefill_attention(q_p, q_c, k_buf, v_buf, layout, kv_block=kv_block)
+    x_p = _mlp(w, x_p + jnp.einsum('btnh,nhd->btd', a_p.out.astype(x_p.dtype), w['wo']),
+               c.norm_eps)
+    x_c = _mlp(w, x_c + jnp.einsum('btnh,nhd->btd', a_c.out.astype(x_c.dtype), w['wo']),
+               c.norm_eps)
+  norm = model.final_norm.get_value()
+  return rms_norm(x_p, norm, c.norm_eps), rms_norm(x_c, norm, c.norm_eps)
+
+
+def shared_forward(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
+                   kv_block: int = 1024) -> jax.Array:
+  """log p(completion tokens) [Bp * G, T] float32, each prompt computed once.
+
+  prompts [Bp, P] int32 (right-padded), completions [Bp * G, T] int32 (row r
+  continues prompt r // G), layout from `plan_prefill(...).to_device()`.
+  """
+  h_p, h_c = shared_hidden(model, prompts, completions, layout, kv_block=kv_block)
+  g = layout.group_size
+  last = h_p[jnp.arange(prompts.shape[0]), layout.prompt_lengths - 1]  # [Bp, D]
+  h_prev = jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], h_c[:, :-1]], axis=1)
+  return _token_logprobs(model, h_prev, completions)
+
+
+def unshared_forward(model: Llama, prompts, completions, prompt_lengths, group_size: int):
+  """The ground truth of `shared_forward`: each sample's own sequence through `forward_naive`."""
+  b, t = completions.shape
+  tokens = pl.unshared_sequences(prompts, completions, prompt_lengths, group_size)
+  s = tokens.shape[1]
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+  cache = DenseKVCache.zeros(model.config, b, s, dtype=model.dtype)
+  logits, _ = model.forward_naive(tokens, positions, cache)  # [B, S, V]
+  prev = jnp.repeat(prompt_lengths, group_size)[:, None] - 1 + jnp.arange(t)[None, :]  # [B, T]
+  logp = jax.nn.log_softmax(logits[jnp.arange(b)[:, None], prev], axis=-1)
+  return jnp.take_along_axis(logp, completions[..., None], axis=-1)[..., 0]

@@ -1,0 +1,117 @@
+"""A GRPO-style policy-gradient step (group-relative advantages, clipped ratio, KL to a reference).
+
+For each prompt, G completions are sampled and scored; the advantage of a
+completion is its reward standardised within its group. The loss per token is
+(DeepSeekMath, GRPO):
+
+    ratio = exp(logp - old_logp)
+    pg    = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+    kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1        (the k3 estimator)
+    loss  = mean over samples of (sum over valid tokens of pg + beta * kl) / valid tokens
+
+`old_logp` and `ref_logp` come from the rollout (constants here). The forward
+is either `shared_forward` (each prompt once; hydrajax tree attention) or
+`unshared_forward` (the per-sample ground truth): same loss, same gradients.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hydrajax.training import PrefillLayout
+from models.training.forward import shared_forward, unshared_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+  """clip_eps: ratio clip range; kl_coef: beta; adv_eps: added to the group std."""
+
+  clip_eps: float = 0.2
+  kl_coef: float = 0.04
+  adv_eps: float = 1e-4
+
+  def __post_init__(self):
+    if not 0 < self.clip_eps < 1:
+      raise ValueError(f'GrpoConfig.clip_eps must be in (0, 1), got {self.clip_eps}')
+    if self.kl_coef < 0:
+      raise ValueError(f'GrpoConfig.kl_coef must be >= 0, got {self.kl_coef}')
+    if self.adv_eps <= 0:
+      raise ValueError(f'GrpoConfig.adv_eps must be > 0, got {self.adv_eps}')
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrpoBatch:
+  """One step's data; B = Bp * G rows, row r continues prompt r // G."""
+
+  prompts: jax.Array  # [Bp, P] int32, right-padded
+  completions: jax.Array  # [B, T] int32, right-padded
+  mask: jax.Array  # [B, T] float32: 1 on the tokens that count
+  advantages: jax.Array  # [B] float32
+  old_logp: jax.Array  # [B, T] float32: the sampling policy's log-probs
+  ref_logp: jax.Array  # [B, T] float32: the reference policy's log-probs
+
+
+def group_advantages(rewards: jax.Array, config: GrpoConfig = GrpoConfig()) -> jax.Array:
+  """rewards [Bp, G] -> advantages [Bp * G]: standardised within each group."""
+  if rewards.ndim != 2:
+    raise ValueError(f'rewards must be [Bp, G], got shape {rewards.shape}')
+  mean = jnp.mean(rewards, axis=1, keepdims=True)
+  std = jnp.std(rewards, axis=1, keepdims=True)
+  return ((rewards - mean) / (std + config.adv_eps)).reshape(-1)
+
+
+def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, dict[str, Any]]:
+  """logp [B, T] of the trained policy -> (scalar loss, metrics)."""
+  ratio = jnp.exp(logp - batch.old_logp)
+  adv = batch.advantages[:, None]
+  pg = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv)
+  log_ref_ratio = batch.ref_logp - logp
+  kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1
+  tokens = jnp.maximum(jnp.sum(batch.mask, axis=1), 1.0)
+  per_sample = lambda x: jnp.sum(x * batch.mask, axis=1) / tokens
+  loss = jnp.mean(per_sample(pg + config.kl_coef * kl))
+  clipped = (jnp.abs(ratio - 1) > config.clip_eps).astype(jnp.float32)
+  metrics = dict(loss=loss, kl=jnp.mean(per_sample(kl)), clip_fraction=jnp.mean(per_sample(clipped)))
+  return loss, metrics
+
+
+def policy_logprobs(model, batch: GrpoBatch, layout: PrefillLayout, *, shared: bool = True,
+                    kv_block: int = 1024) -> jax.Array:
+  """log p(batch.completions) [B, T] under `model`, shared or per-sample forward."""
+  if shared:
+    return shared_forward(model, batch.prompts, batch.completions, layout, kv_block=kv_block)
+  return unshared_forward(model, batch.prompts, batch.completions, layout.prompt_lengths,
+                          layout.group_size)
+
+
+def loss_and_grads(graphdef, params, batch: GrpoBatch, layout: PrefillLayout,
+                   config: GrpoConfig, *, shared: bool = True, kv_block: int = 1024):
+  """((loss, metrics), grads) with respect to the parameter state `params`."""
+
+  def loss(params):
+    model = nnx.merge(graphdef, params)
+    logp = policy_logprobs(model, batch, layout, shared=shared, kv_block=kv_block)
+    return grpo_loss(logp, batch, config)
+
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig, *,
+                    shared: bool = True, kv_block: int = 1024):
+  """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics)."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch: GrpoBatch, layout: PrefillLayout):
+    (_, metrics), grads = loss_and_grads(graphdef, params, batch, layout, config, shared=shared,
+                                         kv_block=kv_block)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics['grad_norm'] = optax.tree.norm(grads)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  return step
