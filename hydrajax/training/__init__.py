@@ -9,3 +9,4 @@ from hydrajax.training.prefill_layout import (
     write_kv,
 )
 from hydrajax.training.tree_attention_vjp import tree_attention_differentiable
+from hydrajax.training.costs import training_attention_cost

@@ -88,3 +88,28 @@ def unshared_forward(model: Llama, prompts, completions, prompt_lengths, group_s
   prev = jnp.repeat(prompt_lengths, group_size)[:, None] - 1 + jnp.arange(t)[None, :]  # [B, T]
   logp = jax.nn.log_softmax(logits[jnp.arange(b)[:, None], prev], axis=-1)
   return jnp.take_along_axis(logp, completions[..., None], axis=-1)[..., 0]
+
+
+def per_sequence_forward(model: Llama, prompts, completions, prompt_lengths, group_size: int,
+                         attention) -> jax.Array:
+  """Like `unshared_forward` with a pluggable causal attention (the benchmark baselines).
+
+  attention(q [B, S, N, H], k [B, S, K, H], v [B, S, K, H]) -> out [B, S, N, H], causal
+  over each row's own sequence, e.g. `jax.nn.dot_product_attention(..., is_causal=True)`.
+  Only the completions' preceding positions reach the output head.
+  """
+  c = model.config
+  b, t = completions.shape
+  tokens = pl.unshared_sequences(prompts, completions, prompt_lengths, group_size)
+  s = tokens.shape[1]
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+  inv_freq = model.inv_freq()
+  x = model.embed.get_value()[tokens]
+  for layer in model.layers:
+    w = layer.arrays()
+    q, k, v = _qkv(w, x, positions, inv_freq, c.norm_eps)
+    out = attention(q, k, v).astype(x.dtype)
+    x = _mlp(w, x + jnp.einsum('btnh,nhd->btd', out, w['wo']), c.norm_eps)
+  prev = jnp.repeat(prompt_lengths, group_size)[:, None] - 1 + jnp.arange(t)[None, :]  # [B, T]
+  h = rms_norm(x[jnp.arange(b)[:, None], prev], model.final_norm.get_value(), c.norm_eps)
+  return _token_logprobs(model, h, completions)

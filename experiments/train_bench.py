@@ -1,0 +1,292 @@
+r"""Training benchmark: forward + backward of shared-prompt attention and of a GRPO step.
+
+Per point (G completions of T tokens sharing one P-token prompt):
+
+* attention: forward + backward (the VJP of all outputs into q, k, v) of
+  `hydrajax.training.prefill_attention` (`shared_xla`: the prompt causal once,
+  completions over it through tree attention with its custom VJP) against
+  per-sequence causal attention over every sample's own P + T tokens,
+  `jax.nn.dot_product_attention` with implementation 'cudnn' (`per_seq_cudnn`,
+  GPU only) and 'xla' (`per_seq_xla`, skipped where its score matrix passes
+  --max_scores_gb). Outputs are checked against the first per-sequence
+  baseline that ran before timing. floor_s: the roofline of the shared
+  computation (`hydrajax.training.costs`, measured ceilings).
+* step: value and gradient of the GRPO loss of a Llama (`--step_preset` with
+  `--step_layers` layers) over the same shapes, with `shared_forward` against
+  `per_sequence_forward` (cuDNN / XLA attention). floor_s: dense matmul FLOPs
+  + attention FLOPs over the measured matmul rate.
+
+CPU smoke (the default, seconds to minutes on a laptop):
+
+  PYTHONPATH=. python -m experiments.train_bench --workdir=/tmp/train_bench
+
+The H200 command (one GPU, sized to finish in under 5 minutes):
+
+  PYTHONPATH=. python -m experiments.train_bench --nosmoke \
+      --workdir=experiments/results/train_bench
+
+(--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024,16:8192:2048 at 32/8 heads,
+d=128, bf16; --step_points=32:8192:1024 with llama3_8b at 2 layers.)
+Writes, into --workdir: results.jsonl (one record per implementation and point,
+plus the ceilings), table.md, time.png.
+"""
+
+import gc
+import os
+import time
+import traceback
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hydrajax.benchmarking import report, roofline, timing
+from hydrajax.training import costs
+from hydrajax.training import prefill_layout as pl
+from models.config import get_config
+from models.llama import Llama
+from models.training import grpo
+from models.training.forward import per_sequence_forward, shared_forward
+
+_SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 grid')
+_POINTS = flags.DEFINE_list('points', None, 'attention points G:P:T (default by --smoke)')
+_STEP_POINTS = flags.DEFINE_list('step_points', None, 'training-step points G:P:T')
+_HEADS = flags.DEFINE_string('heads', None, 'query heads : kv heads (default 32:8; smoke 4:2)')
+_HEAD_DIM = flags.DEFINE_integer('head_dim', None, 'head dim (default 128; smoke 16)')
+_STEP_PRESET = flags.DEFINE_string('step_preset', None, 'model of the step (llama3_8b; smoke tiny_gqa)')
+_STEP_LAYERS = flags.DEFINE_integer('step_layers', 2, 'layers of the step model (reduced to fit)')
+_IMPLS = flags.DEFINE_list('impls', ['shared_xla', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
+_KV_BLOCK = flags.DEFINE_integer('kv_block', 1024, 'kv tokens per score block of shared_xla')
+_MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0, 'skip per_seq_xla above this f32 score size')
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
+_TARGET_MS = flags.DEFINE_float('target_ms', 50.0, 'length of one timed loop, ms')
+_SEED = flags.DEFINE_integer('seed', 0, 'input seed')
+_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_bench', 'output folder')
+
+SMOKE = dict(points=['2:32:16', '4:64:32'], step_points=['4:32:16'], heads='4:2', head_dim=16,
+             step_preset='tiny_gqa', dtype=jnp.float32)
+H200 = dict(points=['8:1024:256', '16:4096:512', '64:8192:1024', '16:8192:2048'],
+            step_points=['32:8192:1024'], heads='32:8', head_dim=128, step_preset='llama3_8b',
+            dtype=jnp.bfloat16)
+
+
+def _settings():
+  base = SMOKE if _SMOKE.value else H200
+  pick = lambda flag, key: base[key] if flag.value is None else flag.value
+  parse = lambda pts: [tuple(int(x) for x in p.split(':')) for p in pts]
+  n, k = (int(x) for x in pick(_HEADS, 'heads').split(':'))
+  return dict(points=parse(pick(_POINTS, 'points')), step_points=parse(pick(_STEP_POINTS, 'step_points')),
+              heads=(n, k), head_dim=pick(_HEAD_DIM, 'head_dim'),
+              step_preset=pick(_STEP_PRESET, 'step_preset'), dtype=base['dtype'])
+
+
+def _per_seq_attention(impl):
+  name = impl.removeprefix('per_seq_')
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
+
+
+def _unsupported(impl):
+  if impl == 'per_seq_cudnn' and jax.default_backend() != 'gpu':
+    return 'cuDNN needs a GPU'
+  return None
+
+
+def _time(fn, *args):
+  t = timing.device_time(fn, *args, repeats=_REPEATS.value, target_s=_TARGET_MS.value / 1e3,
+                         min_iters=1)
+  return t.median_s
+
+
+def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
+  """Records of every implementation at one point."""
+  n, kh = heads
+  layout = pl.plan_prefill([p], g, t).to_device()
+  keys = iter(jax.random.split(jax.random.key(seed), 8))
+  draw = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
+  shared_args = (draw(1, p, n, head_dim), draw(g, t, n, head_dim), draw(1, p, kh, head_dim),
+                 draw(g, t, kh, head_dim), draw(1, p, kh, head_dim), draw(g, t, kh, head_dim))
+  lengths = layout.prompt_lengths
+  seq = lambda a, b: pl.unshared_sequences(a, b, lengths, g)
+  q_p, q_c, k_p, k_c, v_p, v_c = shared_args
+  seq_args = (seq(q_p, q_c), seq(k_p, k_c), seq(v_p, v_c))  # [G, P + T, ...]
+
+  def shared(*a):
+    q_p, q_c, k_p, k_c, v_p, v_c = a
+    kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
+    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value)
+    return prompt.out, completion.out
+
+  def fwd_bwd(fn, args):
+    def run(*a):
+      out, vjp = jax.vjp(fn, *a)
+      return vjp(jax.tree.map(jnp.ones_like, out))
+    return jax.jit(run), args
+
+  cost = dict(shared=costs.training_attention_cost(1, g, p, t, n, kh, head_dim, shared=True,
+                                                   dtype_bytes=jnp.dtype(dtype).itemsize),
+              per_seq=costs.training_attention_cost(1, g, p, t, n, kh, head_dim, shared=False,
+                                                    dtype_bytes=jnp.dtype(dtype).itemsize))
+  records, reference = [], None
+  order = sorted(_IMPLS.value, key=lambda i: i == 'shared_xla')  # baselines first: the check
+  for impl in order:
+    rec = dict(kind='attention', impl=impl, G=g, P=p, T=t, N=n, K=kh, H=head_dim,
+               dtype=jnp.dtype(dtype).name)
+    kind = 'shared' if impl == 'shared_xla' else 'per_seq'
+    rec['floor_s'] = cost[kind].floor_s(ceilings)
+    rec['flops'] = cost[kind].flops
+    reason = _unsupported(impl)
+    scores_gb = g * n * (p + t) ** 2 * 4 / 1e9
+    if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
+      reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
+    if reason:
+      records.append(dict(rec, status='unsupported', reason=reason))
+      continue
+    try:
+      if impl == 'shared_xla':
+        fn, args = fwd_bwd(shared, shared_args)
+        prompt_out, completion_out = jax.jit(shared)(*args)
+        out = jnp.concatenate([prompt_out[0], completion_out.reshape(-1, n, head_dim)])
+      else:
+        fn, args = fwd_bwd(_per_seq_attention(impl), seq_args)
+        full = jax.jit(_per_seq_attention(impl))(*args)  # [G, P + T, N, H]
+        out = jnp.concatenate([full[0, :p], full[:, p:].reshape(-1, n, head_dim)])
+      if reference is None:
+        reference = np.asarray(out, np.float32)
+      else:
+        diff = np.abs(np.asarray(out, np.float32) - reference).max()
+        rec['rel_err'] = float(diff / max(np.abs(reference).max(), 1e-30))
+      del out
+      rec['time_s'] = _time(fn, *args)
+      rec['time_over_floor'] = rec['time_s'] / rec['floor_s']
+      rec['status'] = 'ok'
+    except Exception as e:  # one failing variant must not end the sweep
+      logging.error('%s at G=%d P=%d T=%d: %s', impl, g, p, t, traceback.format_exc(limit=3))
+      rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
+    records.append(rec)
+    gc.collect()
+  return records
+
+
+def step_point(g, p, t, preset, layers, dtype, ceilings, seed):
+  """Value and gradient of the GRPO loss: shared forward against the per-sequence model."""
+  config = get_config(preset, num_layers=layers)
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(seed), dtype=dtype))
+  layout = pl.plan_prefill([p], g, t).to_device()
+  rng = np.random.default_rng(seed)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  base = -float(np.log(config.vocab_size))
+  batch = grpo.GrpoBatch(
+      prompts=jnp.asarray(rng.integers(0, config.vocab_size, (1, p)), jnp.int32),
+      completions=jnp.asarray(rng.integers(0, config.vocab_size, (g, t)), jnp.int32),
+      mask=jnp.ones((g, t)), advantages=f32(rng.standard_normal(g)),
+      old_logp=jnp.full((g, t), base), ref_logp=jnp.full((g, t), base))
+  cfg = grpo.GrpoConfig()
+  per_layer = config.num_params() - config.vocab_size * config.dim * (
+      1 if config.tie_embeddings else 2)
+  head_flops = 6 * g * t * config.dim * config.vocab_size
+  records = []
+  for impl in _IMPLS.value:
+    shared = impl == 'shared_xla'
+    tokens = p + g * t if shared else g * (p + t)
+    attn = costs.training_attention_cost(1, g, p, t, config.num_heads, config.num_kv_heads,
+                                         config.head_dim, shared=shared)
+    flops = 6 * tokens * per_layer + head_flops + layers * attn.flops
+    rec = dict(kind='step', impl=impl, G=g, P=p, T=t, preset=preset, layers=layers,
+               dtype=jnp.dtype(dtype).name, flops=float(flops),
+               floor_s=flops / ceilings.matmul_rate)
+    reason = _unsupported(impl)
+    scores_gb = g * config.num_heads * (p + t) ** 2 * 4 / 1e9
+    if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
+      reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
+    if reason:
+      records.append(dict(rec, status='unsupported', reason=reason))
+      continue
+
+    def loss(params, batch, layout, shared=shared, impl=impl):
+      model = nnx.merge(graphdef, params)
+      if shared:
+        logp = shared_forward(model, batch.prompts, batch.completions, layout,
+                              kv_block=_KV_BLOCK.value)
+      else:
+        logp = per_sequence_forward(model, batch.prompts, batch.completions,
+                                    layout.prompt_lengths, g, _per_seq_attention(impl))
+      return grpo.grpo_loss(logp, batch, cfg)[0]
+
+    try:
+      fn = jax.jit(jax.value_and_grad(loss))
+      rec['loss'] = float(fn(params, batch, layout)[0])
+      rec['time_s'] = _time(fn, params, batch, layout)
+      rec['time_over_floor'] = rec['time_s'] / rec['floor_s']
+      rec['status'] = 'ok'
+    except Exception as e:
+      logging.error('step %s: %s', impl, traceback.format_exc(limit=3))
+      rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
+    records.append(rec)
+    gc.collect()
+  return records
+
+
+def _speedups(records):
+  by_point = {}
+  for r in records:
+    by_point.setdefault((r['kind'], r['G'], r['P'], r['T']), {})[r['impl']] = r
+  for impls in by_point.values():
+    ours = impls.get('shared_xla', {}).get('time_s')
+    for name in ('per_seq_cudnn', 'per_seq_xla'):
+      base = impls.get(name, {}).get('time_s')
+      if ours and base:
+        impls['shared_xla'][f'speedup_vs_{name}'] = base / ours
+
+
+def main(argv):
+  del argv
+  s = _settings()
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  path = os.path.join(_WORKDIR.value, 'results.jsonl')
+  if os.path.exists(path):
+    os.remove(path)
+  writer = report.JsonlWriter(path)
+  start = time.perf_counter()
+  if jax.default_backend() == 'cpu':
+    ceilings = roofline.measure_ceilings(copy_bytes=2**24, matmul_size=512, repeats=1)
+  else:
+    ceilings = roofline.measure_ceilings()
+  writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
+                     matmul_rate=ceilings.matmul_rate, details=ceilings.details))
+  records = []
+  for g, p, t in s['points']:
+    logging.info('attention G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
+    records += attention_point(g, p, t, s['heads'], s['head_dim'], s['dtype'], ceilings,
+                               _SEED.value)
+  for g, p, t in s['step_points']:
+    logging.info('step G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
+    records += step_point(g, p, t, s['step_preset'], _STEP_LAYERS.value, s['dtype'], ceilings,
+                          _SEED.value)
+  _speedups(records)
+  for r in records:
+    writer.append(r)
+  table = report.markdown_table(records, [
+      ('kind', 'kind'), ('impl', 'impl'), ('G', 'G'), ('P', 'P'), ('T', 'T'),
+      ('time ms', lambda r: r.get('time_s') and 1e3 * r['time_s']),
+      ('floor ms', lambda r: 1e3 * r['floor_s']),
+      ('time / floor', 'time_over_floor'),
+      ('x vs cuDNN', 'speedup_vs_per_seq_cudnn'), ('x vs XLA', 'speedup_vs_per_seq_xla'),
+      ('rel err', 'rel_err'), ('status', lambda r: r['status'] if r['status'] == 'ok'
+                               else f"{r['status']}: {r.get('reason', '')}"),
+  ])
+  with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
+    f.write(f'Backend {jax.default_backend()}, ceilings: copy {ceilings.copy_bandwidth / 1e9:.0f} '
+            f'GB/s, matmul {ceilings.matmul_rate / 1e12:.1f} TFLOP/s.\n\n' + table)
+  labels = [f"{r['kind']} G={r['G']} P={r['P']} T={r['T']}" for r in records
+            if r['impl'] == _IMPLS.value[0]]
+  values = {impl: [r.get('time_s') for r in records if r['impl'] == impl] for impl in _IMPLS.value}
+  report.plot_bars(labels, values, path=os.path.join(_WORKDIR.value, 'time.png'),
+                   ylabel='forward + backward, s', title='training attention and GRPO step')
+  print(table)
+  logging.info('done in %.0f s', time.perf_counter() - start)
+
+
+if __name__ == '__main__':
+  app.run(main)
