@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from hydrajax.training import plan_prefill
+from hydrajax.training import costs, plan_prefill
 from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw
-from models.training import grpo
+from models.training import grpo, rollout
 
 
 def _batch(config, lengths, g, t, seed):
@@ -100,3 +100,45 @@ def test_train_step_matches_unshared():
   np.testing.assert_allclose(m_s['grad_norm'], m_u['grad_norm'], rtol=1e-4)
   for a, e in zip(p_s, p_u):
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_per_sequence_forward_matches_unshared():
+  """The benchmark's per-sequence model (jax.nn attention) is the ground truth's numbers."""
+  config = get_config('tiny_mha')
+  model = Llama(config, rngs=nnx.Rngs(4))
+  lengths, g, t = (3, 6), 2, 4
+  layout = plan_prefill(lengths, g, t).to_device()
+  batch = _batch(config, lengths, g, t, seed=5)
+  attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  actual = fw.per_sequence_forward(model, batch.prompts, batch.completions,
+                                   layout.prompt_lengths, g, attention)
+  expected = fw.unshared_forward(model, batch.prompts, batch.completions, layout.prompt_lengths, g)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_arithmetic_rewards_and_mask_by_hand():
+  task = rollout.ArithmeticTask(max_operand=9, completion_length=3)
+  d = lambda x: rollout.DIGIT0 + x
+  ops = np.array([[7, 5]])  # 12: target [1, 2, eos]
+  completions = np.array([
+      [d(1), d(2), rollout.EOS],  # exact: 1 + 1
+      [d(1), d(3), rollout.EOS],  # 2 of 3
+      [d(2), d(1), d(0)],  # nothing
+  ])
+  np.testing.assert_allclose(task.rewards(completions, ops, 3), [[2.0, 2 / 3, 0.0]], rtol=1e-6)
+  mask = rollout.completion_mask(np.array([[d(1), rollout.EOS, d(3)], [d(1), d(2), d(3)]]))
+  np.testing.assert_array_equal(mask, [[1, 1, 0], [1, 1, 1]])
+  prompts, ops = task.prompts(np.random.default_rng(0), 2)
+  assert (prompts[:, 1] - rollout.DIGIT0 == ops[:, 0]).all() and (prompts[:, 4] == rollout.EQUALS).all()
+
+
+def test_training_attention_cost_by_hand():
+  # 1 prompt of 3 tokens, G = 2 completions of 2, N = K = H = 1. Pairs: shared 6 + 2 * (2 * 3 + 3)
+  # = 24; per-sequence 2 * (5 * 6 / 2) = 30. FLOPs = 6 matmuls * 2 * pairs.
+  shared = costs.training_attention_cost(1, 2, 3, 2, 1, 1, 1, shared=True, dtype_bytes=1)
+  unshared = costs.training_attention_cost(1, 2, 3, 2, 1, 1, 1, shared=False, dtype_bytes=1)
+  assert (shared.flops, unshared.flops) == (288.0, 360.0)
+  # q tokens: 3 + 4 = 7 (shared), 10 (per-sequence); bytes = 6 q + 3 * 2 kv per token.
+  assert (shared.bytes, unshared.bytes) == (7 * 12.0, 10 * 12.0)
+  with pytest.raises(ValueError, match='num_q_heads'):
+    costs.training_attention_cost(1, 2, 3, 2, 3, 2, 1, shared=True)
