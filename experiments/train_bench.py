@@ -25,8 +25,9 @@ The H200 command (one GPU, sized to finish in under 5 minutes):
   PYTHONPATH=. python -m experiments.train_bench --nosmoke \
       --workdir=experiments/results/train_bench
 
-(--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024,16:8192:2048 at 32/8 heads,
-d=128, bf16; --step_points=32:8192:1024 with llama3_8b at 2 layers.)
+(--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024 at 32/8 heads, d=128, bf16;
+--step_points=32:8192:1024 with llama3_8b at 2 layers. The whole issue grid, G in
+{8, 16, 64} x prompt 1K-8K x completion 256-2K, is --points=... over several calls.)
 Writes, into --workdir: results.jsonl (one record per implementation and point,
 plus the ceilings), table.md, time.png.
 """
@@ -57,6 +58,7 @@ _HEADS = flags.DEFINE_string('heads', None, 'query heads : kv heads (default 32:
 _HEAD_DIM = flags.DEFINE_integer('head_dim', None, 'head dim (default 128; smoke 16)')
 _STEP_PRESET = flags.DEFINE_string('step_preset', None, 'model of the step (llama3_8b; smoke tiny_gqa)')
 _STEP_LAYERS = flags.DEFINE_integer('step_layers', 2, 'layers of the step model (reduced to fit)')
+_STEP_VOCAB = flags.DEFINE_integer('step_vocab', None, 'vocabulary of the step model (preset\'s)')
 _IMPLS = flags.DEFINE_list('impls', ['shared_xla', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
 _KV_BLOCK = flags.DEFINE_integer('kv_block', 1024, 'kv tokens per score block of shared_xla')
 _MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0, 'skip per_seq_xla above this f32 score size')
@@ -67,7 +69,7 @@ _WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_bench', 'ou
 
 SMOKE = dict(points=['2:32:16', '4:64:32'], step_points=['4:32:16'], heads='4:2', head_dim=16,
              step_preset='tiny_gqa', dtype=jnp.float32)
-H200 = dict(points=['8:1024:256', '16:4096:512', '64:8192:1024', '16:8192:2048'],
+H200 = dict(points=['8:1024:256', '16:4096:512', '64:8192:1024'],
             step_points=['32:8192:1024'], heads='32:8', head_dim=128, step_preset='llama3_8b',
             dtype=jnp.bfloat16)
 
@@ -172,6 +174,8 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
 def step_point(g, p, t, preset, layers, dtype, ceilings, seed):
   """Value and gradient of the GRPO loss: shared forward against the per-sequence model."""
   config = get_config(preset, num_layers=layers)
+  if _STEP_VOCAB.value:
+    config = get_config(preset, num_layers=layers, vocab_size=_STEP_VOCAB.value)
   graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(seed), dtype=dtype))
   layout = pl.plan_prefill([p], g, t).to_device()
   rng = np.random.default_rng(seed)
@@ -216,7 +220,7 @@ def step_point(g, p, t, preset, layers, dtype, ceilings, seed):
 
     try:
       fn = jax.jit(jax.value_and_grad(loss))
-      rec['loss'] = float(fn(params, batch, layout)[0])
+      rec['loss'] = float(fn(params, batch, layout)[0])  # equal across variants
       rec['time_s'] = _time(fn, params, batch, layout)
       rec['time_over_floor'] = rec['time_s'] / rec['floor_s']
       rec['status'] = 'ok'
@@ -273,7 +277,7 @@ def main(argv):
       ('floor ms', lambda r: 1e3 * r['floor_s']),
       ('time / floor', 'time_over_floor'),
       ('x vs cuDNN', 'speedup_vs_per_seq_cudnn'), ('x vs XLA', 'speedup_vs_per_seq_xla'),
-      ('rel err', 'rel_err'), ('status', lambda r: r['status'] if r['status'] == 'ok'
+      ('rel err', 'rel_err'), ('loss', 'loss'), ('status', lambda r: r['status'] if r['status'] == 'ok'
                                else f"{r['status']}: {r.get('reason', '')}"),
   ])
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:

@@ -30,11 +30,11 @@ from models.llama import Llama
 from models.training import grpo, rollout
 from models.training.forward import shared_forward
 
-_STEPS = flags.DEFINE_integer('steps', 150, 'GRPO steps')
+_STEPS = flags.DEFINE_integer('steps', 800, 'GRPO steps')
 _PROMPTS = flags.DEFINE_integer('prompts', 16, 'prompts per step (Bp)')
 _GROUP = flags.DEFINE_integer('group_size', 8, 'completions per prompt (G)')
 _MAX_OPERAND = flags.DEFINE_integer('max_operand', 9, 'operands are digits in [0, max_operand]')
-_LR = flags.DEFINE_float('learning_rate', 3e-3, 'Adam learning rate')
+_LR = flags.DEFINE_float('learning_rate', 1e-3, 'Adam learning rate')
 _KL = flags.DEFINE_float('kl_coef', 0.01, 'KL coefficient beta')
 _CLIP = flags.DEFINE_float('clip_eps', 0.2, 'ratio clip range')
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (vocab replaced by the task\'s)')
@@ -71,7 +71,8 @@ def main(argv):
   start = time.perf_counter()
   if os.path.exists(path):
     os.remove(path)
-  writer = report.JsonlWriter(path)
+  writer = report.JsonlWriter(path, meta={})  # the run metadata once, not on every step
+  writer.append(dict(kind='meta', **report.run_metadata()))
   for step in range(_STEPS.value):
     prompts, ops = task.prompts(rng, _PROMPTS.value)
     completions, old, ref = rollout_fn(params, ref_params, jnp.asarray(prompts),

@@ -27,18 +27,20 @@ class Case:
   dtype: object
   kv_block: int = 1024
   empty: bool = False  # an empty root and rows without any key
+  nan_padding: bool = False  # NaN in every buffer token no row attends
 
   @property
   def id(self) -> str:
     n, k = self.heads
     empty = 'empty_' if self.empty else ''
+    empty += 'nan_padding_' if self.nan_padding else ''
     return (f'{empty}N={n}_K={k}_T={self.t}_{jnp.dtype(self.dtype).name}'
             f'_kv_block={self.kv_block}_seed={self.seed}')
 
 
 CASES = [
     Case(0, (4, 4), 1, jnp.float32),  # MHA, decode
-    Case(1, (4, 2), 3, jnp.float32, kv_block=8),  # GQA, several kv blocks per segment
+    Case(1, (4, 2), 3, jnp.float32, kv_block=8, nan_padding=True),  # GQA, several kv blocks
     Case(2, (4, 1), 2, jnp.bfloat16),  # MQA
     Case(3, (4, 2), 2, jnp.float32, empty=True),
 ]
@@ -56,7 +58,16 @@ def _case_inputs(case: Case):
     tree = random_tree(rng, 3, rows, max_len=40)
     lengths = [int(x) for x in rng.integers(case.t, case.t + 4, rows)]
   plan = hj.plan_tree(tree, private_capacity=case.t + 3, private_lengths=lengths)
-  return plan, random_inputs(case.seed, plan, case.t, n, k, 8, case.dtype)
+  q, k, v = random_inputs(case.seed, plan, case.t, n, k, 8, case.dtype)
+  if case.nan_padding:
+    indices, lengths = plan.row_token_indices()
+    attended = np.zeros(k.shape[0], bool)
+    for row, n_tokens in zip(indices, lengths):
+      attended[row[:n_tokens]] = True
+    assert not attended.all()
+    poison = jnp.asarray(~attended)[:, None, None]
+    k, v = (jnp.where(poison, jnp.nan, x) for x in (k, v))
+  return plan, (q, k, v)
 
 
 def _loss(attention, weights):
@@ -100,7 +111,7 @@ def test_grad_matches_oracle(case):
 
 def test_forward_matches_xla_path():
   """Same numbers as the inference XLA path (another oracle, same layout)."""
-  case = CASES[1]
+  case = dataclasses.replace(CASES[1], nan_padding=False)
   plan, (q, k, v) = _case_inputs(case)
   layout = plan.to_device()
   state = tree_attention_differentiable(q, k, v, layout, kv_block=case.kv_block)

@@ -86,11 +86,23 @@ def _fold(x, rows, kh):
   return y.reshape((z, r * t, kh, n // kh) + y.shape[4:])
 
 
-def _scores(qz, k, limit, pos, scale):
-  s = jnp.einsum('zmkgh,zskh->zmkgs', qz, k, preferred_element_type=jnp.float32,
-                 precision=_precision(qz.dtype)) * scale
-  visible = pos[None, None, :] < limit[..., None]  # [Z, M or 1, S_b]
-  return s, visible[:, :, None, None, :]
+def _block_kv(k_cache, v_cache, part: _Part, i):
+  """Block i of a part: k, v [Z, S_b, K, H], tokens [Z, S_b], visible [Z, M or 1, 1, 1, S_b].
+
+  Keys / values no query of the block sees are zeroed: padding may hold anything,
+  NaN included, and 0 * NaN = NaN.
+  """
+  tok = jax.lax.dynamic_slice_in_dim(part.tokens, i * part.block, part.block, axis=1)
+  pos = i * part.block + jnp.arange(part.block)
+  visible = pos[None, None, :] < part.limit[..., None]  # [Z, M or 1, S_b]
+  seen = jnp.any(visible, axis=1)[:, :, None, None]  # [Z, S_b, 1, 1]
+  zero = lambda x: jnp.where(seen, x, jnp.zeros((), x.dtype))
+  return zero(k_cache[tok]), zero(v_cache[tok]), tok, visible[:, :, None, None, :]
+
+
+def _scores(qz, k, scale):
+  return jnp.einsum('zmkgh,zskh->zmkgs', qz, k, preferred_element_type=jnp.float32,
+                    precision=_precision(qz.dtype)) * scale
 
 
 def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
@@ -101,15 +113,13 @@ def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
 
   def block(carry, i):
     out_a, lse_a = carry
-    tok = jax.lax.dynamic_slice_in_dim(part.tokens, i * part.block, part.block, axis=1)
-    s, visible = _scores(qz, k_cache[tok], part.limit, i * part.block + jnp.arange(part.block),
-                         scale)
-    s = jnp.where(visible, s, -jnp.inf)
+    k, v, _, visible = _block_kv(k_cache, v_cache, part, i)
+    s = jnp.where(visible, _scores(qz, k, scale), -jnp.inf)
     m = jnp.maximum(jnp.max(s, axis=-1), lse_a)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m[..., None])
     l = jnp.sum(p, axis=-1) + jnp.exp(lse_a - m)
-    o = jnp.einsum('zmkgs,zskh->zmkgh', p.astype(v_cache.dtype), v_cache[tok],
+    o = jnp.einsum('zmkgs,zskh->zmkgh', p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32, precision=_precision(v_cache.dtype))
     o = o + jnp.exp(lse_a - m)[..., None] * out_a
     out = o / jnp.where(l > 0, l, 1.0)[..., None]
@@ -153,9 +163,8 @@ def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _P
 
   def block(carry, i):
     dq, dk, dv = carry
-    tok = jax.lax.dynamic_slice_in_dim(part.tokens, i * part.block, part.block, axis=1)
-    k, v = k_cache[tok], v_cache[tok]  # [Z, S_b, K, H]
-    s, visible = _scores(qz, k, part.limit, i * part.block + jnp.arange(part.block), scale)
+    k, v, tok, visible = _block_kv(k_cache, v_cache, part, i)
+    s = _scores(qz, k, scale)
     # Rows without keys have lse = -inf and no visible key; the dump row has lse = +inf.
     p = jnp.where(visible, jnp.exp(s - lsez[..., None]), 0.0)  # [Z, M, K, G, S_b]
     dp = jnp.einsum('zmkgh,zskh->zmkgs', doz, v, preferred_element_type=jnp.float32,
