@@ -56,12 +56,14 @@ _POINTS = flags.DEFINE_list('points', None, 'attention points G:P:T (default by 
 _STEP_POINTS = flags.DEFINE_list('step_points', None, 'training-step points G:P:T')
 _HEADS = flags.DEFINE_string('heads', None, 'query heads : kv heads (default 32:8; smoke 4:2)')
 _HEAD_DIM = flags.DEFINE_integer('head_dim', None, 'head dim (default 128; smoke 16)')
-_STEP_PRESET = flags.DEFINE_string('step_preset', None, 'model of the step (llama3_8b; smoke tiny_gqa)')
+_STEP_PRESET = flags.DEFINE_string('step_preset', None,
+                                   'model of the step (llama3_8b; smoke tiny_gqa)')
 _STEP_LAYERS = flags.DEFINE_integer('step_layers', 2, 'layers of the step model (reduced to fit)')
 _STEP_VOCAB = flags.DEFINE_integer('step_vocab', None, 'vocabulary of the step model (preset\'s)')
 _IMPLS = flags.DEFINE_list('impls', ['shared_xla', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
 _KV_BLOCK = flags.DEFINE_integer('kv_block', 1024, 'kv tokens per score block of shared_xla')
-_MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0, 'skip per_seq_xla above this f32 score size')
+_MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0,
+                                    'skip per_seq_xla above this f32 score size, GB')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
 _TARGET_MS = flags.DEFINE_float('target_ms', 50.0, 'length of one timed loop, ms')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
@@ -79,7 +81,8 @@ def _settings():
   pick = lambda flag, key: base[key] if flag.value is None else flag.value
   parse = lambda pts: [tuple(int(x) for x in p.split(':')) for p in pts]
   n, k = (int(x) for x in pick(_HEADS, 'heads').split(':'))
-  return dict(points=parse(pick(_POINTS, 'points')), step_points=parse(pick(_STEP_POINTS, 'step_points')),
+  return dict(points=parse(pick(_POINTS, 'points')),
+              step_points=parse(pick(_STEP_POINTS, 'step_points')),
               heads=(n, k), head_dim=pick(_HEAD_DIM, 'head_dim'),
               step_preset=pick(_STEP_PRESET, 'step_preset'), dtype=base['dtype'])
 
@@ -277,8 +280,9 @@ def main(argv):
       ('floor ms', lambda r: 1e3 * r['floor_s']),
       ('time / floor', 'time_over_floor'),
       ('x vs cuDNN', 'speedup_vs_per_seq_cudnn'), ('x vs XLA', 'speedup_vs_per_seq_xla'),
-      ('rel err', 'rel_err'), ('loss', 'loss'), ('status', lambda r: r['status'] if r['status'] == 'ok'
-                               else f"{r['status']}: {r.get('reason', '')}"),
+      ('rel err', 'rel_err'), ('loss', 'loss'),
+      ('status', lambda r: r['status'] if r['status'] == 'ok'
+       else f"{r['status']}: {r.get('reason', '')}"),
   ])
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
     f.write(f'Backend {jax.default_backend()}, ceilings: copy {ceilings.copy_bandwidth / 1e9:.0f} '

@@ -129,7 +129,8 @@ def test_arithmetic_rewards_and_mask_by_hand():
   mask = rollout.completion_mask(np.array([[d(1), rollout.EOS, d(3)], [d(1), d(2), d(3)]]))
   np.testing.assert_array_equal(mask, [[1, 1, 0], [1, 1, 1]])
   prompts, ops = task.prompts(np.random.default_rng(0), 2)
-  assert (prompts[:, 1] - rollout.DIGIT0 == ops[:, 0]).all() and (prompts[:, 4] == rollout.EQUALS).all()
+  assert (prompts[:, 1] - rollout.DIGIT0 == ops[:, 0]).all()
+  assert (prompts[:, 4] == rollout.EQUALS).all()
 
 
 def test_training_attention_cost_by_hand():

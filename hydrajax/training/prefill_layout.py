@@ -67,7 +67,8 @@ class PrefillPlan:
     return self.completion_plan.kv_tokens
 
   def to_device(self) -> PrefillLayout:
-    bp, p, g, t = len(self.prompt_lengths), self.prompt_capacity, self.group_size, self.completion_length
+    bp, p = len(self.prompt_lengths), self.prompt_capacity
+    g, t = self.group_size, self.completion_length
     first_page = -(-bp * p // t)
     prompt_slots = np.arange(bp * p, dtype=np.int32).reshape(bp, p)
     completion_slots = (first_page * t + np.arange(bp * g * t, dtype=np.int32)).reshape(bp * g, t)

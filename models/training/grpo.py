@@ -77,7 +77,8 @@ def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, di
   per_sample = lambda x: jnp.sum(x * batch.mask, axis=1) / tokens
   loss = jnp.mean(per_sample(pg + config.kl_coef * kl))
   clipped = (jnp.abs(ratio - 1) > config.clip_eps).astype(jnp.float32)
-  metrics = dict(loss=loss, kl=jnp.mean(per_sample(kl)), clip_fraction=jnp.mean(per_sample(clipped)))
+  metrics = dict(loss=loss, kl=jnp.mean(per_sample(kl)),
+                 clip_fraction=jnp.mean(per_sample(clipped)))
   return loss, metrics
 
 
