@@ -183,3 +183,65 @@ def test_plan_prefill_checks_arguments():
     pl.plan_prefill([4], 2, 3, prompt_capacity=2)
   with pytest.raises(ValueError, match='group_size'):
     pl.plan_prefill([4], 0, 3)
+
+
+# The Mosaic TPU backward kernels of one shared segment (TPU interpret mode on CPU).
+
+def test_shared_segment_bwd_kernel_matches_oracle_grad():
+  from jax.experimental.pallas import tpu as pltpu
+  from pallas_kernels.tpu import shared_segment_bwd as kernel
+
+  b, t, n, kh, h, s, length = 3, 2, 4, 2, 8, 40, 37
+  g = n // kh
+  rng = np.random.default_rng(11)
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  q, k, v, w = draw(b, t, n, h), draw(s, kh, h), draw(s, kh, h), draw(b, t, n, h)
+  # Tokens past the segment's length hold NaN: the kernels must keep them out.
+  k, v = (x.at[length:].set(jnp.nan) for x in (k, v))
+
+  def oracle(q, k, v):  # every row attends the segment's first `length` tokens
+    rows = lambda x: jnp.broadcast_to(x[:length], (b, length) + x.shape[1:])
+    return hj.naive_attention(q, rows(k), rows(v), jnp.full((b,), length + t, jnp.int32))
+
+  def loss(q, k, v):
+    return jnp.sum(oracle(q, k, v).out * w)
+
+  # Fold [B, T, N, ...] -> [M = B * T * G, K, ...] per kv head.
+  fold = lambda x: jnp.moveaxis(x.reshape((b, t, kh, g) + x.shape[3:]), 2, 3).reshape(
+      (b * t * g, kh) + x.shape[3:])
+  unfold = lambda x: jnp.moveaxis(x.reshape((b, t, g, kh) + x.shape[2:]), 2, 3).reshape(
+      (b, t, n) + x.shape[2:])
+  state = oracle(q, k[:length], v[:length])
+  delta = jnp.sum(w * state.out, axis=-1)
+  args = (fold(q), k, v, fold(w), fold(state.lse), fold(delta), jnp.int32(length))
+  dq, dk, dv = kernel.shared_segment_bwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
+                                         interpret=pltpu.InterpretParams())
+  reference = kernel.shared_segment_bwd_reference(*args, scale=h**-0.5)
+  expected = jax.grad(loss, argnums=(0, 1, 2))(q, k[:length], v[:length])
+  for name, a, r, e in zip(('dq', 'dk', 'dv'), (unfold(dq), dk, dv), (unfold(reference[0]),)
+                           + reference[1:], expected):
+    a, r = np.asarray(a), np.asarray(r)
+    if name != 'dq':
+      np.testing.assert_array_equal(a[length:], 0.0, err_msg=name)
+      a, r = a[:length], r[:length]
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(r, e, rtol=1e-5, atol=1e-5, err_msg=f'{name} reference')
+
+
+def test_grad_with_mosaic_tpu_shared_backward_matches_oracle():
+  """The custom VJP with the shared segments' backward in the TPU kernels (interpret mode)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  case = dataclasses.replace(CASES[1], kv_block=1024)
+  plan, (q, k, v) = _case_inputs(case)
+  layout = plan.to_device()
+  assert layout.groups, 'the case needs shared segments'
+  weights = _weights(q)
+  ours = lambda q, k, v: tree_attention_differentiable(
+      q, k, v, layout, shared_backward='mosaic_tpu', interpret=pltpu.InterpretParams())
+  oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
+  actual = jax.grad(_loss(ours, weights), argnums=(0, 1, 2))(q, k, v)
+  expected = jax.grad(_loss(oracle, weights), argnums=(0, 1, 2))(q, k, v)
+  _assert_grads_close(actual, expected, case.dtype)
+  with pytest.raises(ValueError, match='shared_backward'):
+    tree_attention_differentiable(q, k, v, layout, shared_backward='cuda')

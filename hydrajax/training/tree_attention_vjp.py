@@ -50,6 +50,7 @@ class _Part(NamedTuple):
   tokens: jax.Array
   limit: jax.Array
   block: int
+  shared: bool  # a segment group (limit [Z, 1]: the segments' lengths)
 
 
 def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> list[_Part]:
@@ -61,22 +62,22 @@ def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> li
     tokens = (layout.private_pages[:, :, None] * c + jnp.arange(c)).reshape(b, -1)
     n = layout.private_lengths[:, None]
     limit = jnp.minimum(n - t + jnp.arange(t)[None, :] + 1, n)  # [B, T]
-    parts.append(_blocked(jnp.arange(b)[:, None], tokens, limit, kv_block, length))
+    parts.append(_blocked(jnp.arange(b)[:, None], tokens, limit, kv_block, length, False))
   for group in layout.groups:
     r = group.row_capacity
     rows = group.row_begin[:, None] + jnp.arange(r)[None, :]
     rows = jnp.where(jnp.arange(r)[None, :] < group.row_count[:, None], rows, b)  # [J, R]
     tokens = group.kv_start[:, None] + jnp.arange(group.kv_capacity)[None, :]
-    parts.append(_blocked(rows, tokens, group.kv_length[:, None], kv_block, length))
+    parts.append(_blocked(rows, tokens, group.kv_length[:, None], kv_block, length, True))
   return parts
 
 
-def _blocked(rows, tokens, limit, kv_block, length) -> _Part:
+def _blocked(rows, tokens, limit, kv_block, length, shared) -> _Part:
   s = tokens.shape[1]
   block = min(kv_block, s)
   padded = -(-s // block) * block
   tokens = jnp.pad(tokens, ((0, 0), (0, padded - s)))  # padding positions are >= limit
-  return _Part(rows, jnp.clip(tokens, 0, length - 1), limit, block)
+  return _Part(rows, jnp.clip(tokens, 0, length - 1), limit, block, shared)
 
 
 def _fold(x, rows, kh):
@@ -190,7 +191,30 @@ def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _P
   return dq, dk, dv
 
 
-def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block):
+def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
+                          scale, dk, dv, interpret):
+  """`_part_backward` of a segment group with the Mosaic TPU kernels, one call per segment."""
+  from pallas_kernels.tpu.shared_segment_bwd import shared_segment_bwd  # kernels import hydrajax
+
+  kh = k_cache.shape[1]
+  qz, doz = _fold(q_pad, part.rows, kh), _fold(do_pad, part.rows, kh)  # [Z, M, K, G, H]
+  lsez, deltaz = _fold(lse_pad, part.rows, kh), _fold(delta_pad, part.rows, kh)  # [Z, M, K, G]
+  z, m, _, g = lsez.shape
+  rows_first = lambda x: jnp.swapaxes(x, 1, 2).reshape((m * g, kh) + x.shape[3:])  # [M*G, K, ..]
+  dqs = []
+  for j in range(z):  # segments of one group: few; each call reduces its rows in the kernel
+    dq, dk_j, dv_j = shared_segment_bwd(
+        rows_first(qz[j]), k_cache[part.tokens[j]], v_cache[part.tokens[j]], rows_first(doz[j]),
+        rows_first(lsez[j]), rows_first(deltaz[j]), part.limit[j, 0], scale=scale,
+        interpret=interpret)
+    dqs.append(jnp.swapaxes(dq.reshape(m, g, kh, -1), 1, 2))
+    dk = dk.at[part.tokens[j]].add(dk_j)
+    dv = dv.at[part.tokens[j]].add(dv_j)
+  return jnp.stack(dqs), dk, dv
+
+
+def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
+              kernel_interpret):
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
@@ -202,19 +226,23 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
   dk = jnp.zeros(k_cache.shape, jnp.float32)
   dv = jnp.zeros(v_cache.shape, jnp.float32)
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
-    dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
-                                  scale, dk, dv)
+    if part.shared and kernel_interpret is not None:
+      dq_z, dk, dv = _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
+                                           part, scale, dk, dv, kernel_interpret)
+    else:
+      dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
+                                    scale, dk, dv)
     z, r = part.rows.shape
     dq = dq.at[part.rows.reshape(-1)].add(dq_z.reshape(z * r, t, n, h))
   return dq[:b].astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k_cache, v_cache, layout, scale, kv_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret):
   return _forward(q, k_cache, v_cache, layout, scale, kv_block)
 
 
-def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block):
+def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret):
   state = _forward(q, k_cache, v_cache, layout, scale, kv_block)
   return state, (q, k_cache, v_cache, layout, state.out, state.lse)
 
@@ -223,10 +251,11 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attention_bwd(scale, kv_block, residuals, cotangent):
+def _attention_bwd(scale, kv_block, kernel_interpret, residuals, cotangent):
   q, k_cache, v_cache, layout, out, lse = residuals
   d_out, d_lse = cotangent
-  dq, dk, dv = _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block)
+  dq, dk, dv = _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
+                         kernel_interpret)
   return dq, dk, dv, jax.tree.map(_zero_cotangent, layout)
 
 
@@ -241,15 +270,23 @@ def tree_attention_differentiable(
     *,
     scale: float | None = None,
     kv_block: int = 1024,
+    shared_backward: str = 'xla',
+    interpret=False,
 ) -> PartialState:
   """`hydrajax.tree_attention` (same semantics, XLA path) with a flash-style custom VJP.
 
   Differentiable in q, k_cache, v_cache (and through both outputs: out and lse).
   Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   kv_block: kv tokens per block of scores in both passes (bounds memory).
+  shared_backward: 'xla' (jnp) or 'mosaic_tpu': the shared segments' dQ, dK, dV by the
+    Mosaic TPU kernels of `pallas_kernels.tpu.shared_segment_bwd` (`interpret`: their
+    interpret mode, e.g. `pltpu.InterpretParams()` on CPU).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   if kv_block < 1:
     raise ValueError(f'kv_block must be >= 1, got {kv_block}')
+  if shared_backward not in ('xla', 'mosaic_tpu'):
+    raise ValueError(f"shared_backward must be 'xla' or 'mosaic_tpu', got {shared_backward!r}")
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  return _attention(q, k_cache, v_cache, layout, scale, kv_block)
+  kernel_interpret = interpret if shared_backward == 'mosaic_tpu' else None
+  return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret)
