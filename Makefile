@@ -2,13 +2,15 @@
 # Python >= 3.12 (found even where `python3` is older) and install the package with
 # the GPU image's exact JAX stack (requirements/gpu-image.txt, pip constraints).
 # `make test-newest` runs the CPU suite in .venv-newest on the newest versions that
-# pyproject.toml allows (kernels in interpret mode).
+# pyproject.toml allows (kernels in interpret mode). TESTS picks files
+# (`make test TESTS=tests/test_readme.py`).
 VENV ?= .venv
 VENV_NEWEST ?= .venv-newest
 LOCK := requirements/gpu-image.txt
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PYTEST_ARGS ?= -q -n 2
+TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
@@ -45,13 +47,13 @@ demo: $(STAMP)
 	$(PY) -m experiments.demo
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 # Always upgrades: "newest" means newest today. CPU only, so the kernels run in interpret mode.
 test-newest: $(PY_NEWEST)
 	$(PY_NEWEST) -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
-	@$(PY_NEWEST) -c 'import importlib.metadata as m; print("newest:", ", ".join(f"{p} {m.version(p)}" for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")))'
-	JAX_PLATFORMS=cpu $(PY_NEWEST) -m pytest $(PYTEST_ARGS) tests
+	@$(PY_NEWEST) -m pip list 2>/dev/null | grep -E '^(jax|jaxlib|flax|optax|orbax-checkpoint) '
+	JAX_PLATFORMS=cpu $(PY_NEWEST) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST)

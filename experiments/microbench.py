@@ -11,9 +11,9 @@ Defaults: the Hydragen figure-5 grid and the ChunkAttention table-3 grid
 shapes on CPU in a minute or two, with small settings for whatever flag is not given
 (SMOKE_SETTINGS: a 16 MB copy and a 256 matmul for the ceilings, short timed loops).
 A point whose median time is <= 0 (below the timer's noise, e.g. on a loaded
-laptop) is recorded as `untimeable`, not as a time. `--impls` picks implementations (default: all; the
-ones that cannot run a point, e.g. PyTorch without CUDA, are recorded as
-unsupported with the reason). Writes, into --workdir: results.jsonl (one record
+laptop) is recorded as `untimeable`, not as a time. `--impls` picks
+implementations (default: all; the ones that cannot run a point, e.g. PyTorch
+without CUDA, are recorded as unsupported with the reason). Writes, into --workdir: results.jsonl (one record
 per implementation and point, plus the measured ceilings), table.md, and plots.
 """
 
@@ -75,7 +75,8 @@ def main(argv):
     os.remove(path)
   writer = report.JsonlWriter(path)
 
-  ceilings = roofline.measure_ceilings(int(chosen['copy_gb'] * 1e9), chosen['matmul_size'], **timing)
+  ceilings = roofline.measure_ceilings(int(chosen['copy_gb'] * 1e9), chosen['matmul_size'],
+                                       **timing)
   if any(i.startswith('torch') for i in builders):
     torch_bw = baselines.torch_copy_bandwidth()
     if torch_bw is not None:

@@ -213,7 +213,8 @@ def test_run_point_reports_a_non_positive_time_as_untimeable():
     def build(problem, options):
       fn = lambda: np.asarray(hydrajax.tree_attention_xla(
           problem.q, problem.k_cache, problem.v_cache, problem.layout).out, np.float32)
-      return sweep.Candidate(run=fn, time=lambda: timing.Timing(median_s, (median_s,), 3, 'fake', 0))
+      given = timing.Timing(median_s, (median_s,), 3, 'fake', 0)
+      return sweep.Candidate(run=fn, time=lambda: given)
     return build
 
   records = sweep.run_point(shape, dict(zero=timed_at(0.0), negative=timed_at(-2e-6),

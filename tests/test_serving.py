@@ -184,3 +184,22 @@ def test_bad_sweep_flags_fail_before_any_work(tmp_path):
                           text=True, timeout=120)
     assert done.returncode != 0 and words in done.stderr + done.stdout
     assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_summarize_writes_one_table_per_bound_and_says_when_two_are_the_same(tmp_path):
+  # Latencies cross 20, 30 and 50 ms/token between the measured rates, but none lies between
+  # 100 and 200 (every rate is under both): the 200 table would repeat the 100 one.
+  records = [_point('on', 8, 10.0), _point('on', 16, 25.0),
+             _point('off', 8, 15.0), _point('off', 16, 60.0)]
+  rows = serving_report.summarize(records, [20.0, 30.0, 50.0, 100.0, 200.0], str(tmp_path))
+  by = {r['latency_bound_ms']: r for r in rows}
+  assert by[20.0]['rate_on'] == pytest.approx(8 + 10 / 15 * 8)  # interpolated
+  assert by[30.0]['status_on'] == 'above_range' and by[30.0]['status_off'] == 'interpolated'
+  assert by[50.0]['rate_off'] == pytest.approx(8 + 35 / 45 * 8)
+  assert by[100.0]['status_off'] == by[200.0]['status_off'] == 'above_range'
+  table = (tmp_path / 'table.md').read_text()
+  sections = table.split('\n## Request rate at mean normalized latency <= ')[1:]
+  assert [s.split(' ', 1)[0] for s in sections] == ['20', '30', '50', '100', '200']
+  assert all('| P | shared |' in s for s in sections[:4])
+  assert 'Same table as at <= 100 ms/token' in sections[4] and '| P |' not in sections[4]
+  assert serving_report.bound_table([by[100.0]]) == serving_report.bound_table([by[200.0]])
