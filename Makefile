@@ -13,7 +13,6 @@ PYTEST_ARGS ?= -q -n 2
 TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
-STAMP_NEWEST := $(VENV_NEWEST)/.installed
 
 .PHONY: demo test test-newest venv clean
 
