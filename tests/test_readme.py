@@ -49,7 +49,7 @@ def test_readme_python_blocks_run_in_order():
 
 def test_readme_commands_name_modules_that_exist():
   """`python -m <module>` in a README bash block or table names a module of this repository."""
-  modules = set(re.findall(r'python3? -m ([\w.]+)', README.read_text()))
+  modules = set(re.findall(r'python3? -m (\w+(?:\.\w+)*)', README.read_text()))
   assert modules, 'README.md should show how to run the experiments'
   missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
   assert not missing, f'README.md names modules that do not exist: {missing}'
