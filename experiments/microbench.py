@@ -33,11 +33,14 @@ _IMPLS = flags.DEFINE_list('impls', list(baselines.IMPLEMENTATIONS), 'implementa
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/microbench', 'output folder')
 _MAX_COPY_GB = flags.DEFINE_float('max_copy_gb', 24.0, 'cap on per-sequence KV copies (K+V), GB')
 _PAGE_SIZE = flags.DEFINE_integer('page_size', 16, 'tokens per page of the paged baselines')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median reported)')
-_TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median '
+                                'reported; smoke: 3)')
+_TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms (smoke: 5)')
 _ROWS_CHECKED = flags.DEFINE_integer('rows_checked', 8, 'rows compared with the oracle per point')
-_COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures bandwidth, GB')
-_MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the rate')
+_COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures bandwidth, GB '
+                              '(smoke: 0.016)')
+_MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the '
+                                    'rate (smoke: 256)')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
 
 # What `--grid=smoke` uses for each of these flags that the command line does not give: the
