@@ -87,7 +87,7 @@ def main(argv):
       ceilings = ceilings.with_copy_bandwidth(torch_bw, 'torch device-to-device copy')
   writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
                      matmul_rate=ceilings.matmul_rate, details=ceilings.details))
-  logging.info('ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
+  logging.info('ceilings: copy %.3g TB/s, matmul %.3g TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
                ceilings.matmul_rate / 1e12, ceilings.details)
 
   records = []
