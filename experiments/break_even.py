@@ -26,13 +26,17 @@ head dim 128, bf16, impl auto = Mosaic GPU):
       --write_thresholds=hydrajax/data/break_even_h200.json
 
 On CPU in seconds (XLA): --lengths=64,128 --rows=1,2 --batches=8 --heads=4:2 --head_dim=64
-Writes, into --workdir: results.jsonl (one record per point), table.md, ratio.png.
+Writes, into --workdir (default: the scratch folder workdir/break_even; the committed results
+are only written when asked for, as above): results.jsonl (one record per point), table.md,
+ratio.png. A point where a median time is <= 0 (below the timer's noise, e.g. on a loaded
+machine) is recorded as `untimeable` and left out of the thresholds.
 """
 
 import gc
 import json
 import os
 import traceback
+from typing import Callable
 
 from absl import app, flags, logging
 import jax
@@ -57,7 +61,7 @@ _TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms
 _ROWS_CHECKED = flags.DEFINE_integer('rows_checked', 8, 'rows compared with the oracle per point')
 _SLACK = flags.DEFINE_float('slack', 0.02, 'batched counts as not slower at ratio <= 1 + slack')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/break_even', 'output folder')
+_WORKDIR = flags.DEFINE_string('workdir', 'workdir/break_even', 'output folder (scratch)')
 _WRITE_THRESHOLDS = flags.DEFINE_string(
     'write_thresholds', '', 'also write the derived thresholds JSON here (SharingPolicy.load)'
 )
@@ -81,8 +85,13 @@ def make_plan(batch: int, length: int, rows: int, suffix: int, page_size: int) -
   return hj.plan_tree(roots, private_capacity=page_size, private_lengths=suffix)
 
 
-def run_point(batch: int, length: int, rows: int, config: dict) -> dict:
-  """Checks both variants against the oracle, then times them; returns the point's record."""
+def run_point(batch: int, length: int, rows: int, config: dict, *,
+              time_fn: Callable[..., timing.Timing] = timing.device_time) -> dict:
+  """Checks both variants against the oracle, then times them; returns the point's record.
+
+  `time_fn(fn, *args, **config['timing'])` times one variant (`timing.device_time`; tests pass
+  given timings).
+  """
   n_heads, kv_heads = config['heads']
   rec = dict(
       kind='point', length=length, rows=rows, batch=batch, groups=batch // rows,
@@ -117,7 +126,7 @@ def run_point(batch: int, length: int, rows: int, config: dict) -> dict:
     if not all(rec[f'rel_error_{name}'] <= rec['tolerance'] for name in VARIANTS):
       return dict(rec, status='wrong')
     for name in VARIANTS:
-      t = timing.device_time(fn, q, k_cache, v_cache, layouts[name], **config['timing'])
+      t = time_fn(fn, q, k_cache, v_cache, layouts[name], **config['timing'])
       rec.update({
           f'time_{name}_us': t.median_us,
           f'samples_{name}_us': [s * 1e6 for s in t.samples_s],
@@ -125,7 +134,7 @@ def run_point(batch: int, length: int, rows: int, config: dict) -> dict:
       })
     rec['timing_method'] = t.method
     if min(rec['time_batched_us'], rec['time_per_sequence_us']) <= 0:
-      return dict(rec, status='untimeable', reason='a time <= 0: below the timer noise')
+      return dict(rec, status='untimeable', reason=sweep.UNTIMEABLE)
     rec['ratio'] = rec['time_batched_us'] / rec['time_per_sequence_us']
     rec['status'] = 'ok'
   except Exception as e:  # a failing point is a result, not a crash
@@ -244,64 +253,87 @@ def write_table(records, thresholds: dict | None, path: str) -> None:
     f.write('\n'.join(lines))
 
 
-def main(argv):
-  del argv
-  lengths, rows_list, batches = (_ints(f.name, f.value) for f in (_LENGTHS, _ROWS, _BATCHES))
+def check_config(lengths, rows_list, batches, heads_spec: str, page: int, query_len: int,
+                 suffix: int) -> tuple[int, int]:
+  """Checks the grid's flags before any work; returns (query heads, kv heads)."""
   try:
-    heads = tuple(int(x) for x in _HEADS.value.split(':'))
+    heads = tuple(int(x) for x in heads_spec.split(':'))
   except ValueError:
     heads = ()
   if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
-    raise app.UsageError(f'--heads must be N:K with N a multiple of K, got {_HEADS.value!r}')
-  page = _PAGE_SIZE.value
+    raise app.UsageError(f'--heads must be N:K with N a multiple of K, got {heads_spec!r}')
   if page < 1 or any(n % page for n in lengths):
     raise app.UsageError(f'--lengths {lengths} must be multiples of --page_size={page}')
-  if not 1 <= _QUERY_LEN.value <= _SUFFIX.value <= page:
+  if not 1 <= query_len <= suffix <= page:
     raise app.UsageError('need 1 <= --query_len <= --suffix <= --page_size')
   if any(b % r for b in batches for r in rows_list):
     raise app.UsageError(f'every --batches {batches} must be a multiple of each --rows {rows_list}')
-  config = dict(
-      heads=heads, head_dim=_HEAD_DIM.value, dtype=_DTYPE.value, query_len=_QUERY_LEN.value,
-      suffix=_SUFFIX.value, page_size=page, impl=_IMPL.value, rows_checked=_ROWS_CHECKED.value,
-      seed=_SEED.value, timing=dict(repeats=_REPEATS.value, target_s=_TARGET_MS.value * 1e-3),
-  )
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  path = os.path.join(_WORKDIR.value, 'results.jsonl')
+  return heads
+
+
+def run(grid, config: dict, workdir: str, *, slack: float,
+        time_fn: Callable[..., timing.Timing] = timing.device_time):
+  """Runs the (batch, length, rows) points into workdir; returns (records, thresholds or None).
+
+  Writes results.jsonl (replaced), table.md and ratio.png (when a point was timed).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, 'results.jsonl')
   if os.path.exists(path):
     os.remove(path)
   writer = report.JsonlWriter(path)
-  grid = [(b, n, r) for b in batches for n in lengths for r in rows_list]
   records = []
   for b, n, r in report.progress(grid, total=len(grid), desc='break_even'):
-    rec = writer.append(run_point(b, n, r, config))
+    rec = writer.append(run_point(b, n, r, config, time_fn=time_fn))
     records.append(rec)
     logging.info('B=%d n=%d r=%d: %s %s', b, n, r, rec['status'],
                  f'ratio {rec["ratio"]:.3f}' if 'ratio' in rec else rec.get('reason', ''))
     gc.collect()
-  thresholds = derive_thresholds(records, _SLACK.value)
-  table = os.path.join(_WORKDIR.value, 'table.md')
-  write_table(records, thresholds, table)
-  plot_ratio(records, os.path.join(_WORKDIR.value, 'ratio.png'))
-  with open(table) as f:
+  thresholds = derive_thresholds(records, slack)
+  write_table(records, thresholds, os.path.join(workdir, 'table.md'))
+  plot_ratio(records, os.path.join(workdir, 'ratio.png'))
+  logging.info('wrote %s, table.md', path)
+  return records, thresholds
+
+
+def write_thresholds(thresholds: dict, records, config: dict, path: str) -> None:
+  """The thresholds JSON with where they come from, checked to load as a `SharingPolicy`."""
+  meta = records[-1]['meta']
+  thresholds = dict(
+      thresholds, device=meta['device'], command=meta['command'],
+      git_commit=meta.get('git_commit'), timestamp=records[-1]['timestamp'],
+      impl=sorted({r['impl'] for r in records if 'impl' in r}),
+      workload={k: config[k] for k in ('heads', 'head_dim', 'dtype', 'query_len', 'suffix',
+                                       'page_size')},
+  )
+  hj.SharingPolicy.from_dict(thresholds)  # what default() will load must load
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(thresholds, f, indent=2)
+    f.write('\n')
+  logging.info('wrote thresholds %s', path)
+
+
+def main(argv):
+  del argv
+  lengths, rows_list, batches = (_ints(f.name, f.value) for f in (_LENGTHS, _ROWS, _BATCHES))
+  heads = check_config(lengths, rows_list, batches, _HEADS.value, _PAGE_SIZE.value,
+                       _QUERY_LEN.value, _SUFFIX.value)
+  config = dict(
+      heads=heads, head_dim=_HEAD_DIM.value, dtype=_DTYPE.value, query_len=_QUERY_LEN.value,
+      suffix=_SUFFIX.value, page_size=_PAGE_SIZE.value, impl=_IMPL.value,
+      rows_checked=_ROWS_CHECKED.value, seed=_SEED.value,
+      timing=dict(repeats=_REPEATS.value, target_s=_TARGET_MS.value * 1e-3),
+  )
+  grid = [(b, n, r) for b in batches for n in lengths for r in rows_list]
+  records, thresholds = run(grid, config, _WORKDIR.value, slack=_SLACK.value)
+  with open(os.path.join(_WORKDIR.value, 'table.md')) as f:
     print(f.read())
   if _WRITE_THRESHOLDS.value:
     if thresholds is None:
-      raise app.Error('no point was measured: no thresholds written')
-    meta = writer.meta
-    thresholds.update(
-        device=meta['device'], command=meta['command'], git_commit=meta.get('git_commit'),
-        timestamp=records[-1]['timestamp'],
-        impl=sorted({r['impl'] for r in records if 'impl' in r}),
-        workload={k: config[k] for k in ('heads', 'head_dim', 'dtype', 'query_len', 'suffix',
-                                         'page_size')},
-    )
-    hj.SharingPolicy.from_dict(thresholds)  # what default() will load must load
-    os.makedirs(os.path.dirname(os.path.abspath(_WRITE_THRESHOLDS.value)), exist_ok=True)
-    with open(_WRITE_THRESHOLDS.value, 'w') as f:
-      json.dump(thresholds, f, indent=2)
-      f.write('\n')
-    logging.info('wrote thresholds %s', _WRITE_THRESHOLDS.value)
-  logging.info('wrote %s, %s', path, table)
+      raise app.Error('no point was timed (each failed, was wrong or untimeable): no thresholds '
+                      'written')
+    write_thresholds(thresholds, records, config, _WRITE_THRESHOLDS.value)
 
 
 if __name__ == '__main__':

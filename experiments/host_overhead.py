@@ -21,6 +21,11 @@ serving run (`--chunk_size=64`, `--batch=256`, `--system_prompts=4` of
 the host work, so the engine runs the tiny config's (stubbed) model.
 
   PYTHONPATH=. python3 -m experiments.host_overhead
+
+Flags are checked before any work: without churn every sequence appends
+`WARMUP_STEPS + --steps` tokens, which must fit in the `--new_tokens` it reserved.
+On a laptop in seconds: --batch=8 --system_len=64 --user_len=8 --new_tokens=48 --steps=20
+--chunk_size=16 --kv_piece=64
 """
 
 import statistics
@@ -46,6 +51,20 @@ _NEW = flags.DEFINE_integer('new_tokens', 512, 'tokens generated per request')
 _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
 _STEPS = flags.DEFINE_integer('steps', 300, 'timed decode steps per measurement')
 _KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
+
+WARMUP_STEPS = 20  # untimed first steps of the cache measurements (numpy/JAX caches warm up)
+
+
+def check_flags() -> None:
+  """Every flag in range, before any work (a clear error instead of a crash minutes in)."""
+  for holder in (_BATCH, _SYSTEMS, _SYSTEM_LEN, _USER_LEN, _NEW, _CHUNK, _STEPS, _KV_PIECE):
+    if holder.value < 1:
+      raise app.UsageError(f'--{holder.name} must be >= 1, got {holder.value}')
+  if _STEPS.value + WARMUP_STEPS > _NEW.value:
+    raise app.UsageError(
+        f'need --steps + {WARMUP_STEPS} warm-up steps <= --new_tokens (without churn every '
+        f'sequence appends that many tokens to the --new_tokens it reserved), got --steps='
+        f'{_STEPS.value}, --new_tokens={_NEW.value}')
 
 
 def _layout_policy() -> LayoutPolicy:
@@ -85,7 +104,7 @@ def measure_cache(churn: bool) -> dict:
     cache.commit(a.seq_id)
     budget[a.seq_id] = int(rng.integers(1, new + 1))  # finishes staggered over `new` steps
   times = {'churn': [], 'append': [], 'layout': [], 'step': []}
-  changes, next_i, warm, last = 0, b, 20, cache.structure_version
+  changes, next_i, warm, last = 0, b, WARMUP_STEPS, cache.structure_version
   for step in range(_STEPS.value + warm):
     tokens = rng.integers(0, 32000, b)
     t0 = time.perf_counter()
@@ -205,6 +224,7 @@ def measure_engine() -> dict:
 
 def main(argv):
   del argv
+  check_flags()
   print(f'batch {_BATCH.value}, {_SYSTEMS.value} system prompts x {_SYSTEM_LEN.value} tokens '
         f'+ {_USER_LEN.value} unique, {_NEW.value} new tokens, chunk {_CHUNK.value}, '
         f'{jax.default_backend()}')

@@ -8,9 +8,12 @@ the lent machine write to $OUT/microbench and copy the files back):
 
 Defaults: the Hydragen figure-5 grid and the ChunkAttention table-3 grid
 (`--grid=hydragen,chunkattention`, long). `--grid=smoke` runs tiny float32
-shapes on CPU in seconds. `--impls` picks implementations (default: all; the
-ones that cannot run a point, e.g. PyTorch without CUDA, are recorded as
-unsupported with the reason). Writes, into --workdir: results.jsonl (one record
+shapes on CPU in a minute or two, with small settings for whatever flag is not given
+(SMOKE_SETTINGS: a 16 MB copy and a 256 matmul for the ceilings, short timed loops).
+A point whose median time is <= 0 (below the timer's noise, e.g. on a loaded
+laptop) is recorded as `untimeable`, not as a time. `--impls` picks
+implementations (default: all; the ones that cannot run a point, e.g. PyTorch
+without CUDA, are recorded as unsupported with the reason). Writes, into --workdir: results.jsonl (one record
 per implementation and point, plus the measured ceilings), table.md, and plots.
 """
 
@@ -30,12 +33,27 @@ _IMPLS = flags.DEFINE_list('impls', list(baselines.IMPLEMENTATIONS), 'implementa
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/microbench', 'output folder')
 _MAX_COPY_GB = flags.DEFINE_float('max_copy_gb', 24.0, 'cap on per-sequence KV copies (K+V), GB')
 _PAGE_SIZE = flags.DEFINE_integer('page_size', 16, 'tokens per page of the paged baselines')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median reported)')
-_TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median '
+                                'reported; smoke: 3)')
+_TARGET_MS = flags.DEFINE_float('target_ms', 20.0, 'length of one timed loop, ms (smoke: 5)')
 _ROWS_CHECKED = flags.DEFINE_integer('rows_checked', 8, 'rows compared with the oracle per point')
-_COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures bandwidth, GB')
-_MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the rate')
+_COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures bandwidth, GB '
+                              '(smoke: 0.016)')
+_MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the '
+                                    'rate (smoke: 256)')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
+
+# What `--grid=smoke` uses for each of these flags that the command line does not give: the
+# defaults above size the ceilings for an H200 (a 2 GB copy, an 8192 matmul: minutes on a CPU).
+SMOKE_SETTINGS = dict(copy_gb=0.016, matmul_size=256, repeats=3, target_ms=5.0)
+
+
+def settings() -> dict:
+  """The value of each SMOKE_SETTINGS flag: the command line's, else smoke's or the default."""
+  smoke = _GRID.value == ['smoke']
+  holders = dict(copy_gb=_COPY_GB, matmul_size=_MATMUL_SIZE, repeats=_REPEATS, target_ms=_TARGET_MS)
+  return {name: SMOKE_SETTINGS[name] if smoke and not flag.present else flag.value
+          for name, flag in holders.items()}
 
 
 def main(argv):
@@ -43,9 +61,16 @@ def main(argv):
   unknown = [i for i in _IMPLS.value if i not in baselines.IMPLEMENTATIONS]
   if unknown:
     raise app.UsageError(f'unknown --impls {unknown}; expected from {list(baselines.IMPLEMENTATIONS)}')
-  shapes = workloads.grid(_GRID.value)
+  try:
+    shapes = workloads.grid(_GRID.value)
+  except ValueError as e:
+    raise app.UsageError(f'--grid: {e}') from None
+  chosen = settings()
+  if chosen['copy_gb'] <= 0 or chosen['matmul_size'] < 1 or chosen['repeats'] < 1:
+    raise app.UsageError(f'need --copy_gb > 0, --matmul_size >= 1, --repeats >= 1; got {chosen}')
+  logging.info('settings: %s', chosen)
   builders = {i: baselines.IMPLEMENTATIONS[i] for i in _IMPLS.value}
-  timing = dict(repeats=_REPEATS.value, target_s=_TARGET_MS.value * 1e-3)
+  timing = dict(repeats=chosen['repeats'], target_s=chosen['target_ms'] * 1e-3)
   options = baselines.Options(_MAX_COPY_GB.value * 1e9, _PAGE_SIZE.value, timing)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
@@ -53,7 +78,8 @@ def main(argv):
     os.remove(path)
   writer = report.JsonlWriter(path)
 
-  ceilings = roofline.measure_ceilings(int(_COPY_GB.value * 1e9), _MATMUL_SIZE.value, **timing)
+  ceilings = roofline.measure_ceilings(int(chosen['copy_gb'] * 1e9), chosen['matmul_size'],
+                                       **timing)
   if any(i.startswith('torch') for i in builders):
     torch_bw = baselines.torch_copy_bandwidth()
     if torch_bw is not None:
@@ -61,7 +87,7 @@ def main(argv):
       ceilings = ceilings.with_copy_bandwidth(torch_bw, 'torch device-to-device copy')
   writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
                      matmul_rate=ceilings.matmul_rate, details=ceilings.details))
-  logging.info('ceilings: copy %.2f TB/s, matmul %.0f TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
+  logging.info('ceilings: copy %.3g TB/s, matmul %.3g TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
                ceilings.matmul_rate / 1e12, ceilings.details)
 
   records = []

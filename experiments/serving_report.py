@@ -186,33 +186,24 @@ def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
           'plots show only points without such a compile that were not cut short.\n\n'
           + report.markdown_table(records, columns))
   rows = []
+  previous = None  # (bound, table) of the bound before
   for bound_ms in bounds_ms:
     best = bound_summary(records, bound_ms)
     rows += best
-    text += (f'\n## Request rate at mean normalized latency <= {bound_ms:g} ms/token\n\n'
-             'Highest rate whose mean normalized latency stays under the bound, interpolated '
+    table = bound_table(best)
+    text += f'\n## Request rate at mean normalized latency <= {bound_ms:g} ms/token\n\n'
+    if previous is not None and table == previous[1]:
+      # E.g. a CPU smoke run: every latency is far under bounds sized for a 7B model on an H200.
+      text += (f'Same table as at <= {previous[0]:g} ms/token: no measured mean normalized '
+               'latency lies between the two bounds (the rows are in results.jsonl).\n')
+      continue
+    previous = (bound_ms, table)
+    text += ('Highest rate whose mean normalized latency stays under the bound, interpolated '
              'linearly between the measured rates around the crossing; on/off is their ratio at '
              'that equal latency (≥ / ≤ where a rate is only bounded). Host ms and %, and KV per '
              'sequence, at each engine\'s point of largest mean batch. Most tok/s: the best '
              'delivered throughput over the points, with its mean batch and the engine\'s '
-             'max batch. Points with a compile inside them are left out.\n\n'
-             + report.markdown_table(best, [
-                 ('P', 'prompt_len'), ('shared', 'shared_frac'), ('n', 'num_samples'),
-                 ('rate on', lambda r: _rate_cell(r, 'on')),
-                 ('rate off', lambda r: _rate_cell(r, 'off')), ('on/off', _ratio_cell),
-                 ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
-                 ('host ms on', 'host_ms_on'), ('host % on', 'host_pct_on'),
-                 ('batch on', 'batch_on'), ('host ms off', 'host_ms_off'),
-                 ('host % off', 'host_pct_off'), ('batch off', 'batch_off'),
-                 ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off'),
-                 ('KV/seq MB on', lambda r: r.get('kv_per_seq_on')),
-                 ('KV/seq MB off', lambda r: r.get('kv_per_seq_off')),
-                 ('most tok/s on (batch/max)', lambda r: _most_cell(r, 'on')),
-                 ('most tok/s off (batch/max)', lambda r: _most_cell(r, 'off')),
-                 ('most tok/s on/off', lambda r: r.get('most_tok_s_ratio')),
-                 ('left out (compiled)', lambda r: ', '.join(
-                     f'{s} {r[f"compiled_rates_{s}"]}' for s in ('on', 'off')
-                     if r.get(f'compiled_rates_{s}')))]))
+             'max batch. Points with a compile inside them are left out.\n\n' + table)
   if writer is not None:
     for row in rows:
       writer.append(row)
@@ -234,6 +225,27 @@ def summarize(records: list[dict], bounds_ms: list[float], workdir: str,
                      fixed=['prompt_len', 'shared_frac'], ylabel='peak KV GB',
                      path=os.path.join(workdir, 'kv_memory.png'), title='Peak KV memory')
   return rows
+
+
+def bound_table(best: list[dict]) -> str:
+  """The markdown table of one latency bound's `bound_summary` rows."""
+  return report.markdown_table(best, [
+        ('P', 'prompt_len'), ('shared', 'shared_frac'), ('n', 'num_samples'),
+        ('rate on', lambda r: _rate_cell(r, 'on')),
+        ('rate off', lambda r: _rate_cell(r, 'off')), ('on/off', _ratio_cell),
+        ('tok/s on', 'tok_s_on'), ('tok/s off', 'tok_s_off'),
+        ('host ms on', 'host_ms_on'), ('host % on', 'host_pct_on'),
+        ('batch on', 'batch_on'), ('host ms off', 'host_ms_off'),
+        ('host % off', 'host_pct_off'), ('batch off', 'batch_off'),
+        ('peak KV GB on', 'peak_kv_on'), ('peak KV GB off', 'peak_kv_off'),
+        ('KV/seq MB on', lambda r: r.get('kv_per_seq_on')),
+        ('KV/seq MB off', lambda r: r.get('kv_per_seq_off')),
+        ('most tok/s on (batch/max)', lambda r: _most_cell(r, 'on')),
+        ('most tok/s off (batch/max)', lambda r: _most_cell(r, 'off')),
+        ('most tok/s on/off', lambda r: r.get('most_tok_s_ratio')),
+        ('left out (compiled)', lambda r: ', '.join(
+            f'{s} {r[f"compiled_rates_{s}"]}' for s in ('on', 'off')
+            if r.get(f'compiled_rates_{s}')))])
 
 
 def profile_table(profiles: list[dict]) -> str:

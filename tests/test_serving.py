@@ -78,7 +78,7 @@ def test_bound_summary_leaves_out_points_with_a_compile():
 def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   workdir = tmp_path / 'serving'
   cmd = [sys.executable, '-m', 'experiments.serving', '--smoke', '--num_samples=2',
-         '--latency_bounds_ms=100,0.5', f'--workdir={workdir}']
+         '--latency_bounds_ms=100,1e-6', f'--workdir={workdir}']
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
   done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -96,8 +96,9 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   on = [r for r in points if r['sharing'] == 'on']
   assert all(r['prefill_tokens'] < r['num_requests'] * r['prompt_len'] for r in on)
   bound, tight = [r for r in records if r['kind'] == 'rate_at_bound']  # one per bound
-  assert (bound['latency_bound_ms'], tight['latency_bound_ms']) == (100, 0.5)
-  assert tight['status_on'] == 'below_range' and tight['rate_on'] is None  # nothing is that fast
+  assert (bound['latency_bound_ms'], tight['latency_bound_ms']) == (100, 1e-6)
+  # 1 ns per token: no machine is that fast (0.5 ms/token, the bound before, was within reach).
+  assert tight['status_on'] == 'below_range' and tight['rate_on'] is None
   for key in ('rate_on', 'status_on', 'rate_off', 'status_off', 'ratio', 'ratio_bound',
               'host_ms_on', 'host_pct_on', 'host_ms_off', 'host_pct_off', 'latency_bound_ms',
               'kv_per_seq_on', 'kv_per_seq_off'):
@@ -105,7 +106,7 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   assert bound['status_on'] in ('interpolated', 'at_least', 'above_range', 'below_range')
   table = (workdir / 'table.md').read_text()
   assert '## Request rate at mean normalized latency <= 100 ms/token' in table
-  assert '## Request rate at mean normalized latency <= 0.5 ms/token' in table
+  assert '## Request rate at mean normalized latency <= 1e-06 ms/token' in table
   assert '| host ms on | host % on |' in table and '| host ms | host % |' in table
 
 
@@ -184,3 +185,22 @@ def test_bad_sweep_flags_fail_before_any_work(tmp_path):
                           text=True, timeout=120)
     assert done.returncode != 0 and words in done.stderr + done.stdout
     assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_summarize_writes_one_table_per_bound_and_says_when_two_are_the_same(tmp_path):
+  # Latencies cross 20, 30 and 50 ms/token between the measured rates, but none lies between
+  # 100 and 200 (every rate is under both): the 200 table would repeat the 100 one.
+  records = [_point('on', 8, 10.0), _point('on', 16, 25.0),
+             _point('off', 8, 15.0), _point('off', 16, 60.0)]
+  rows = serving_report.summarize(records, [20.0, 30.0, 50.0, 100.0, 200.0], str(tmp_path))
+  by = {r['latency_bound_ms']: r for r in rows}
+  assert by[20.0]['rate_on'] == pytest.approx(8 + 10 / 15 * 8)  # interpolated
+  assert by[30.0]['status_on'] == 'above_range' and by[30.0]['status_off'] == 'interpolated'
+  assert by[50.0]['rate_off'] == pytest.approx(8 + 35 / 45 * 8)
+  assert by[100.0]['status_off'] == by[200.0]['status_off'] == 'above_range'
+  table = (tmp_path / 'table.md').read_text()
+  sections = table.split('\n## Request rate at mean normalized latency <= ')[1:]
+  assert [s.split(' ', 1)[0] for s in sections] == ['20', '30', '50', '100', '200']
+  assert all('| P | shared |' in s for s in sections[:4])
+  assert 'Same table as at <= 100 ms/token' in sections[4] and '| P |' not in sections[4]
+  assert serving_report.bound_table([by[100.0]]) == serving_report.bound_table([by[200.0]])

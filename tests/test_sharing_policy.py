@@ -305,33 +305,74 @@ def test_derive_thresholds():
   assert break_even.derive_thresholds([rec(64, 32, 1, 1.0, status='failed')], 0.02) is None
 
 
-def test_break_even_smoke_end_to_end(tmp_path):
+def test_break_even_pipeline_from_given_timings(tmp_path):
+  """Records, table, plot and thresholds from given times: nothing depends on the machine."""
+  from experiments import break_even
+  from hydrajax.benchmarking import timing
+
+  # Grid order: batch, then n, then r; each point times batched, then per-sequence (µs).
+  given = iter([3.0, 2.0,    # n=64 r=1: ratio 1.5, batched loses
+                1.0, 2.0,    # n=64 r=2: 0.5, wins -> r_min(64) = 2
+                2.0, 2.0,    # n=128 r=1: 1.0, within the slack -> r_min(128) = 1
+                0.0, 4.0])   # n=128 r=2: a time <= 0 -> untimeable, left out of the thresholds
+  calls = []
+
+  def fake_time(fn, q, k, v, layout, **kw):
+    calls.append(kw)
+    us = next(given)
+    return timing.Timing(us * 1e-6, (us * 1e-6,), 7, 'given', 0)
+
+  config = dict(heads=(4, 2), head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
+                impl='auto', rows_checked=4, seed=0, timing=dict(repeats=2, target_s=1e-3))
+  grid = [(8, n, r) for n in (64, 128) for r in (1, 2)]
   workdir = tmp_path / 'be'
-  thresholds = tmp_path / 'th' / 'thresholds.json'
-  cmd = [sys.executable, '-m', 'experiments.break_even', '--lengths=64,128', '--rows=1,2',
-         '--batches=8', '--heads=4:2', '--head_dim=64', '--repeats=3', '--target_ms=30',
-         f'--workdir={workdir}', f'--write_thresholds={thresholds}']
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
-  done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  records = report.read_jsonl(str(workdir / 'results.jsonl'))
-  assert {(r['length'], r['rows'], r['batch']) for r in records} == {
-      (n, r, 8) for n in (64, 128) for r in (1, 2)}
+  records, thresholds = break_even.run(grid, config, str(workdir), slack=0.02, time_fn=fake_time)
+  assert calls == [config['timing']] * 8
+  assert records == break_even.report.read_jsonl(str(workdir / 'results.jsonl'))
+  by = {(r['length'], r['rows']): r for r in records}
+  assert [by[64, 1]['ratio'], by[64, 2]['ratio'], by[128, 1]['ratio']] == [1.5, 0.5, 1.0]
+  assert by[128, 2]['status'] == 'untimeable' and 'ratio' not in by[128, 2]
   for r in records:
-    assert r['status'] == 'ok' and r['impl'] == 'xla' and r['impl_requested'] == 'auto'
-    assert r['groups'] == 8 // r['rows'] and r['meta']['device']
-    assert 'experiments.break_even' in r['meta']['command']
-    assert r['rel_error_batched'] < 2e-2 and r['rel_error_per_sequence'] < 2e-2
-    assert r['time_batched_us'] > 0 and r['time_per_sequence_us'] > 0
-    assert r['ratio'] == pytest.approx(r['time_batched_us'] / r['time_per_sequence_us'])
+    assert r['impl'] == 'xla' and r['impl_requested'] == 'auto' and r['groups'] == 8 // r['rows']
+    assert r['rel_error_batched'] < 1e-5 and r['rel_error_per_sequence'] < 1e-5  # checked first
+    assert r['iterations_batched'] == 7 and r['meta']['device']
+  assert thresholds['steps'] == [[64, 2], [128, 1]] and thresholds['min_rows'] == 2
+  assert thresholds['ratios'] == {'64': {'8': {'1': 1.5, '2': 0.5}}, '128': {'8': {'1': 1.0}}}
   table = (workdir / 'table.md').read_text()
-  assert '| 128 | 2 | 8 | xla | ok |' in table and 'r_min' in table
+  assert '| 64 | 2 | 8 | xla | ok | 1.0 | 2.0 | 0.500 |' in table
+  assert '| 128 | 2 | 8 | xla | untimeable |' in table and 'r_min' in table
   assert (workdir / 'ratio.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-  data = json.loads(thresholds.read_text())
-  assert data['status'] == 'measured' and [n for n, _ in data['steps']] == [64, 128]
-  assert data['device'] == records[0]['meta']['device']
-  policy = hj.SharingPolicy.load(str(thresholds))
-  assert all(1 <= r <= 3 for _, r in policy.steps)
+
+  path = tmp_path / 'th' / 'thresholds.json'
+  break_even.write_thresholds(thresholds, records, config, str(path))
+  data = json.loads(path.read_text())
+  assert data['status'] == 'measured' and data['impl'] == ['xla']
+  assert data['device'] == records[0]['meta']['device'] and data['workload']['heads'] == [4, 2]
+  policy = hj.SharingPolicy.load(str(path))
+  assert (policy.rows_needed(64), policy.rows_needed(100), policy.rows_needed(5000)) == (2, 2, 1)
+
+
+def test_break_even_cli_writes_to_a_scratch_folder_by_default(tmp_path):
+  """The command line end to end, from a folder outside the repository and without --workdir.
+
+  Times on a loaded machine may be noise: a point is 'ok' or 'untimeable', either is fine.
+  """
+  cmd = [sys.executable, '-m', 'experiments.break_even', '--lengths=64', '--rows=1,2',
+         '--batches=4', '--heads=2:1', '--head_dim=16', '--dtype=float32', '--repeats=1',
+         '--target_ms=1']
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
+  done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  workdir = tmp_path / 'workdir' / 'break_even'
+  records = report.read_jsonl(str(workdir / 'results.jsonl'))
+  assert [(r['length'], r['rows'], r['batch']) for r in records] == [(64, 1, 4), (64, 2, 4)]
+  for r in records:
+    assert r['status'] in ('ok', 'untimeable'), r
+    assert r['rel_error_batched'] < 1e-5 and r['rel_error_per_sequence'] < 1e-5
+    assert 'experiments.break_even' in r['meta']['command']
+    if r['status'] == 'ok':
+      assert r['ratio'] == pytest.approx(r['time_batched_us'] / r['time_per_sequence_us'])
+  assert '| 64 | 2 | 4 | xla |' in (workdir / 'table.md').read_text()
 
 
 def test_break_even_rejects_unaligned_lengths(tmp_path):

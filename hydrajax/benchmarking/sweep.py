@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 TOLERANCE = {'bfloat16': 2e-2, 'float16': 5e-3, 'float32': 2e-3}
 
 
+# The reason of a point whose median time is <= 0 (status 'untimeable').
+UNTIMEABLE = 'a time <= 0: below the timer noise'
+
+
 class Unsupported(Exception):
   """This implementation does not run this point; the message says why."""
 
@@ -104,16 +108,18 @@ def run_point(
         rec['status'] = 'wrong'
       else:
         timing = candidate.time()
-        rec.update(
-            status='ok',
-            time_us=timing.median_us,
-            samples_us=[t * 1e6 for t in timing.samples_s],
-            iterations=timing.iterations,
-            timing_method=timing.method,
-            time_over_floor=timing.median_s / floor_s,
-            achieved_bandwidth=cost.bytes / timing.median_s if timing.median_s > 0 else None,
-            achieved_flops=cost.flops / timing.median_s if timing.median_s > 0 else None,
-        )
+        rec.update(samples_us=[t * 1e6 for t in timing.samples_s], iterations=timing.iterations,
+                   timing_method=timing.method)
+        if timing.median_s <= 0:  # below the timer's noise (a loaded or tiny machine): no time
+          rec.update(status='untimeable', reason=UNTIMEABLE)
+        else:
+          rec.update(
+              status='ok',
+              time_us=timing.median_us,
+              time_over_floor=timing.median_s / floor_s,
+              achieved_bandwidth=cost.bytes / timing.median_s,
+              achieved_flops=cost.flops / timing.median_s,
+          )
     except Unsupported as e:
       rec.update(status='unsupported', reason=str(e))
     except Exception as e:  # a failing implementation is a result, not a crash
@@ -147,7 +153,7 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f'{r["time_us"]:.0f} ({r["time_over_floor"]:.1f}x)'
   if r.get('status') == 'wrong':
     return f'wrong (err {r["rel_error"]:.2g})'
-  return 'n/a' if r.get('status') == 'unsupported' else 'failed'
+  return {'unsupported': 'n/a', 'untimeable': 'untimeable'}.get(r.get('status'), 'failed')
 
 
 def summarize(
@@ -181,7 +187,7 @@ def summarize(
   speed_table = report.markdown_table(ours_rows, speed_cols)
 
   reasons = sorted({(r['impl'], r.get('status'), r.get('reason', '')) for r in points
-                    if r.get('status') in ('unsupported', 'failed', 'wrong')})
+                    if r.get('status') in ('unsupported', 'failed', 'wrong', 'untimeable')})
   notes = sorted({(r['impl'], r['note']) for r in points if r.get('note')})
   meta = points[0]['meta'] if points else {}
   lines = [
@@ -195,7 +201,8 @@ def summarize(
       'floor = max(bytes moved once / copy bandwidth, FLOPs / matmul rate), with the prefix '
       'read once; mem/com says which term binds.', '',
       'Times: device time per call in µs, median; (x floor) = time / floor. Each output was '
-      'checked against the naive float32 oracle before timing; a wrong one is not timed.', '',
+      'checked against the naive float32 oracle before timing; a wrong one is not timed. '
+      'untimeable: the median time was <= 0 (below the timer noise), so no time is reported.', '',
       '## Times', '', table, '',
       '## Speedup of hydrajax over each baseline (baseline time / ours)', '', speed_table, '',
   ]
