@@ -40,9 +40,20 @@ class Segment:
   position: int = 0  # sequence position of the segment's first token (for RoPE)
   label: str = ''
 
+  def __post_init__(self):
+    for name in ('kv_start', 'kv_length', 'row_begin', 'row_end', 'parent', 'position'):
+      object.__setattr__(self, name, as_int(getattr(self, name), f'Segment.{name}'))
+
   @property
   def num_rows(self) -> int:
     return self.row_end - self.row_begin
+
+
+def as_int(value, name: str) -> int:
+  """`value` as a Python int (ints and numpy integers), else ValueError naming `name`."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
+  return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +77,12 @@ class SharingPlan:
   kv_tokens: int
 
   def __post_init__(self):
+    for name in ('num_rows', 'page_size', 'kv_tokens'):
+      object.__setattr__(self, name, as_int(getattr(self, name), f'SharingPlan.{name}'))
+    object.__setattr__(self, 'segments', tuple(self.segments))
+    object.__setattr__(self, 'private_lengths', _ints(self.private_lengths, 'private_lengths'))
+    object.__setattr__(self, 'private_pages', tuple(
+        _ints(pages, f'private_pages[{b}]') for b, pages in enumerate(self.private_pages)))
     _check_plan(self)
 
   def path(self, row: int) -> list[int]:
@@ -109,6 +126,13 @@ class SharingPlan:
   def to_device(self, *, bucket: bool = True, max_private_pages: int | None = None) -> 'TreeLayout':
     """Padded device arrays; capacities bucketed so that similar trees share a compile."""
     return _to_device(self, bucket=bucket, max_private_pages=max_private_pages)
+
+
+def _ints(values, name: str) -> tuple[int, ...]:
+  values = tuple(values)
+  if all(type(v) is int for v in values):  # the common case, cheap for large page tables
+    return values
+  return tuple(as_int(v, f'SharingPlan.{name}[{i}]') for i, v in enumerate(values))
 
 
 def _check_plan(plan: SharingPlan) -> None:
@@ -195,7 +219,20 @@ class SegmentGroup:
     return self.kv_start.shape[0]
 
 
-@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostFacts:
+  """What the host plan knew when it built a layout, for checks that need concrete values.
+
+  Attributes:
+    kv_tokens: L, the buffer length the plan indexes (a K/V buffer must hold at least this).
+    min_private_length: the shortest non-zero private length of a row (rows of length 0 are
+      padding); T query tokens need at least T private tokens.
+  """
+
+  kv_tokens: int
+  min_private_length: int
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeLayout:
   """Device form of a `SharingPlan`: a jit-friendly pytree of int32 arrays."""
@@ -211,10 +248,26 @@ class TreeLayout:
   # deepest path rounded up to a multiple of 4. Host metadata for kernels that
   # merge per row (the Mosaic GPU kernels need it).
   row_segments: jax.Array | None = None
+  # Host-only facts of the plan it came from (not a pytree field: None once the layout has
+  # been through a transformation, e.g. under jit, or `dataclasses.replace`d).
+  host: HostFacts | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
   @property
   def max_private_tokens(self) -> int:
     return self.private_pages.shape[1] * self.page_size
+
+  def with_host_facts(self, plan: 'SharingPlan') -> 'TreeLayout':
+    """Records `plan`'s kv_tokens and shortest private length (see `HostFacts`); returns self."""
+    nonzero = [n for n in plan.private_lengths if n > 0]
+    object.__setattr__(self, 'host', HostFacts(plan.kv_tokens, min(nonzero, default=0)))
+    return self
+
+
+jax.tree_util.register_dataclass(
+    TreeLayout,
+    data_fields=['groups', 'private_pages', 'private_lengths', 'row_segments'],
+    meta_fields=['page_size', 'num_rows'],
+)
 
 
 def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None) -> TreeLayout:
@@ -254,7 +307,7 @@ def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None
       page_size=plan.page_size,
       num_rows=plan.num_rows,
       row_segments=jnp.asarray(_row_segments(plan, global_id)),
-  )
+  ).with_host_facts(plan)
 
 
 def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
