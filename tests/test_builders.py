@@ -97,7 +97,8 @@ def check_radix_plan(seqs, tp: hj.TokenPlan, max_new_tokens: int = 0):
   for row in range(plan.num_rows):  # each row spells its own sequence
     assert _materialise(tp, row) == seqs[tp.order[row]], f'row {row}'
     assert plan.private_lengths[row] == len(tp.private_tokens[row])
-  assert plan.page_size == max(1, max(len(t) for t in tp.private_tokens) + max_new_tokens)
+  capacity = max(1, max(len(t) for t in tp.private_tokens) + max_new_tokens)
+  assert plan.page_size == -(-capacity // 8) * 8  # rounded up to 8 tokens (Mosaic GPU tiles)
   for j, s in enumerate(plan.segments):
     assert s.kv_length == len(tp.segment_tokens[j]) >= 1
     assert s.num_rows >= 2, f'segment {j} is not shared'
