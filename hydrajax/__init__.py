@@ -8,7 +8,9 @@ from hydrajax.attention_plan import (
 )
 from hydrajax.builders import PromptNode, TokenPlan, plan_from_tokens, plan_tree
 from hydrajax.dispatch import AttentionFallbackWarning, AttentionImpl, resolve
-from hydrajax.layout import Segment, SegmentGroup, SharingPlan, TreeLayout, bucket_size
+from hydrajax.layout import (
+    LayoutPolicy, Segment, SegmentGroup, SharingPlan, TreeLayout, bucket_size,
+)
 from hydrajax.parallel import tree_attention_sharded
 from hydrajax.partial_state import PartialState, empty_state, merge, merge_many
 from hydrajax.reference import naive_attention, naive_tree_attention
@@ -22,6 +24,7 @@ __all__ = [
     'AttentionImpl',
     'AttentionPlan',
     'AttentionShapes',
+    'LayoutPolicy',
     'PartialState',
     'PromptNode',
     'Segment',
