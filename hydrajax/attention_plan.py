@@ -20,7 +20,9 @@ Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_atte
     unsupported_reason(shapes, layout, *, interpret) -> str | None
     prepare(layout, shapes, config, *, interpret) -> pytree
     attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)
-    with_private_lengths(prepared, lengths) -> pytree    # optional; else re-prepared
+    with_private_lengths(prepared, lengths) -> pytree    # optional: else a dataclass field
+                                                         # `private_lengths` is replaced, else
+                                                         # the layout is re-prepared
 """
 
 import dataclasses
@@ -119,6 +121,8 @@ class AttentionPlan:
     module = dispatch.backend(self.impl)
     if hasattr(module, 'with_private_lengths'):
       prepared = module.with_private_lengths(self.prepared, lengths)
+    elif 'private_lengths' in {f.name for f in dataclasses.fields(self.prepared)}:
+      prepared = dataclasses.replace(self.prepared, private_lengths=lengths)  # the convention
     else:
       prepared = module.prepare(layout, self.shapes, self.config, interpret=self.interpret)
     return dataclasses.replace(self, layout=layout, prepared=prepared)

@@ -13,7 +13,6 @@ A backend is a module (or object) with the protocol of `hydrajax.attention_plan`
 `attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)`.
 """
 
-import dataclasses
 import enum
 import importlib
 import logging
@@ -124,51 +123,7 @@ def backend(impl: AttentionImpl) -> Any:
     module = importlib.import_module(_BACKEND_MODULES[impl])
   except ImportError as e:
     return e
-  if impl is AttentionImpl.MOSAIC_GPU and not hasattr(module, 'prepare'):
-    return _MosaicGpuShim(module)
   return module
-
-
-class _MosaicGpuShim:
-  """The plan protocol over the Mosaic GPU entry point `tree_attention(q, k, v, layout, ...)`.
-
-  Its `prepare` keeps the layout; `attend` shifts it by `kv_offset` (per call) and runs the
-  whole entry point. Until the Mosaic GPU backend implements the protocol itself.
-  """
-
-  DEFAULT_CONFIG = None
-
-  def __init__(self, module):
-    self.module = module
-
-  def unsupported_reason(self, shapes, layout: TreeLayout, *, interpret: bool) -> str | None:
-    q, kv = shapes.query_struct(), shapes.kv_struct()
-    return self.module._shape_reason(q, kv, kv, layout)
-
-  def prepare(self, layout, shapes, config, *, interpret):
-    del shapes, config, interpret
-    return layout
-
-  def with_private_lengths(self, prepared, lengths):
-    return dataclasses.replace(prepared, private_lengths=lengths)
-
-  def attend(self, q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret):
-    del shapes
-    layout = shift_layout(prepared, kv_offset)
-    kwargs = dict(config) if isinstance(config, dict) else {}
-    return self.module.tree_attention(
-        q, k_cache, v_cache, layout, scale=scale, interpret=bool(interpret), **kwargs
-    )
-
-
-def shift_layout(layout: TreeLayout, kv_offset) -> TreeLayout:
-  """The same layout over a buffer whose token 0 is at `kv_offset` (a multiple of page_size)."""
-  if isinstance(kv_offset, int) and kv_offset == 0:
-    return layout
-  groups = tuple(dataclasses.replace(g, kv_start=g.kv_start + kv_offset) for g in layout.groups)
-  return dataclasses.replace(
-      layout, groups=groups, private_pages=layout.private_pages + kv_offset // layout.page_size
-  )
 
 
 # ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class Case:
   heads: tuple[int, int]  # (N, K)
   t: int  # query tokens per row
   dtype_index: int = 0  # into the class's dtypes
-  max_len: int = 40  # longest shared segment
+  max_len: int = 40  # longest shared segment (>= 21: see conftest.random_length)
   max_rows: int = 5  # rows per tree
   max_trees: int = 2
 
