@@ -1,4 +1,6 @@
 """hydrajax: exact shared-prefix attention (Hydragen, ChunkAttention) in JAX."""
+# isort: skip_file
+# (the import order below is load-bearing: see the first import)
 
 # The XLA backend module first: `hydrajax.tree_attention` is then the function imported below,
 # not the submodule of the same name.

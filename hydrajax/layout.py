@@ -20,7 +20,6 @@ changes.
 """
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax

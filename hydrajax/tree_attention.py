@@ -173,7 +173,7 @@ def with_private_lengths(prepared: XlaPrepared, lengths: jax.Array) -> XlaPrepar
 
 def _group_partials(q, k_cache, v_cache, group: XlaGroup, kv_offset, scale):
   """Partial states of one group: out [J, R, T, N, H], lse [J, R, T, N]."""
-  b, t, n, h = q.shape
+  _, t, n, h = q.shape
   kh = k_cache.shape[1]
   j, r = group.rows.shape
   qj = q[group.q_rows].reshape(j, r * t, kh, n // kh, h)  # [J, R*T, K, G, H]

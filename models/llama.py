@@ -55,7 +55,6 @@ from models.kv_cache import DenseKVCache, KVCache
 from models.rope import apply_rope, inverse_frequencies
 
 
-
 class ModelMode(enum.Enum):
   """How the model runs attention (see the module docstring)."""
 
