@@ -57,7 +57,7 @@ from experiments.serving_engine import (
 from experiments.serving_report import profile_table, summarize
 from hydrajax.benchmarking import report, timing
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
-from hydrajax.layout import TreeLayout
+from hydrajax.layout import SharingPlan
 from models.config import get_config
 from models.engine import SamplingParams
 from models.llama import Llama
@@ -120,13 +120,10 @@ def attention_bench(config, impls: list[str], writer) -> list[dict]:
       cache.append(np.arange(b))
     layouts = {'two_phase' if share else 'no_sharing': cache.device_layout()}
     if share:  # PagedAttention with physically shared pages: every row pages over all its chunks
-      pages = np.zeros((b, cache.config.max_pages), np.int32)
-      for r, sid in enumerate(cache.rows):
-        ch = cache.chunks(sid)
-        pages[r, : len(ch)] = ch
-      layouts['paged_shared_pages'] = TreeLayout((), jnp.asarray(pages),
-                                                 jnp.asarray(cache.lengths().astype(np.int32)),
-                                                 chunk, b)
+      paged = SharingPlan(b, (), chunk, tuple(tuple(cache.chunks(sid)) for sid in cache.rows),
+                          tuple(int(n) for n in cache.lengths()), cache.config.kv_tokens)
+      layouts['paged_shared_pages'] = paged.to_device(
+          policy=cache.config.layout, max_private_pages=cache.config.max_pages)
     kk, kv, kq, key = jax.random.split(key, 4)
     length = cache.config.kv_tokens
     k = jax.random.normal(kk, (length, kh, h), jnp.bfloat16)

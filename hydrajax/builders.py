@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hydrajax.layout import Segment, SharingPlan
+from hydrajax.layout import Segment, SharingPlan, as_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class PromptNode:
   tokens: tuple[int, ...] | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, 'length', as_int(self.length, 'PromptNode.length'))
+    object.__setattr__(self, 'num_samples', as_int(self.num_samples, 'PromptNode.num_samples'))
+    object.__setattr__(self, 'children', tuple(self.children))
     if self.length < 0:
       raise ValueError(f'PromptNode.length must be >= 0, got {self.length}')
     if self.tokens is not None:
@@ -44,13 +47,17 @@ class PromptNode:
       raise ValueError('num_samples applies to leaves only; give inner nodes children instead')
 
 
-def _private_region(num_rows: int, first_token: int, capacity: int, lengths):
+def _private_region(num_rows: int, first_token: int, capacity: int, lengths, align: int = 1):
+  """(page size, pages, lengths, kv_tokens): one page of `capacity` tokens (rounded up to a
+  multiple of `align`) per row after the shared tokens."""
+  capacity = as_int(capacity, 'private_capacity')
   lengths = [lengths] * num_rows if np.isscalar(lengths) else list(lengths)
+  lengths = [as_int(n, 'private_lengths') for n in lengths]
   if len(lengths) != num_rows:
     raise ValueError(f'private_lengths needs {num_rows} entries, got {len(lengths)}')
   if any(not 0 <= n <= capacity for n in lengths):
     raise ValueError(f'private_lengths must be in [0, private_capacity={capacity}], got {lengths}')
-  page = max(1, capacity)
+  page = -(-max(1, capacity) // align) * align
   first_page = -(-first_token // page)
   pages = tuple((first_page + b,) for b in range(num_rows))
   return page, pages, tuple(int(n) for n in lengths), (first_page + num_rows) * page
@@ -72,28 +79,28 @@ def plan_tree(
   roots = (roots,) if isinstance(roots, PromptNode) else tuple(roots)
   if not roots:
     raise ValueError('plan_tree needs at least one root')
-  segments: list[Segment] = []
+  segments: list[Segment | None] = []
   next_token = 0
   next_row = 0
-
-  def visit(node: PromptNode, parent: int, position: int) -> None:
-    nonlocal next_token, next_row
+  # Depth-first with an explicit stack (a 10K-deep chain must not hit the recursion limit): an
+  # entry with an index closes that node's segment once its children are done.
+  work = [(root, -1, 0, None) for root in reversed(roots)]
+  while work:
+    node, parent, position, index = work.pop()
+    if index is not None:
+      kv_start, row_begin = segments[index]
+      segments[index] = Segment(
+          kv_start, node.length, row_begin, next_row, parent, position,
+          node.label or f'node{index}',
+      )
+      continue
     index = len(segments)
-    segments.append(None)  # placeholder: rows are known after the children
-    kv_start = next_token
+    segments.append((next_token, next_row))  # rows are known after the children
     next_token += node.length
-    row_begin = next_row
-    if node.children:
-      for child in node.children:
-        visit(child, index, position + node.length)
-    else:
+    if not node.children:
       next_row += node.num_samples
-    segments[index] = Segment(
-        kv_start, node.length, row_begin, next_row, parent, position, node.label or f'node{index}'
-    )
-
-  for root in roots:
-    visit(root, -1, 0)
+    work.append((node, parent, position, index))
+    work.extend((c, index, position + node.length, None) for c in reversed(node.children))
   page, pages, lengths, total = _private_region(next_row, next_token, private_capacity, private_lengths)
   return SharingPlan(next_row, tuple(segments), page, pages, lengths, total)
 
@@ -115,12 +122,16 @@ class TokenPlan:
   private_tokens: tuple[tuple[int, ...], ...]
 
 
+PAGE_ALIGN = 8  # plan_from_tokens' page size is a multiple of this (Mosaic GPU TMA tiles)
+
+
 def plan_from_tokens(sequences: Sequence[Sequence[int]], *, max_new_tokens: int = 0) -> TokenPlan:
   """Finds shared prefixes by longest common prefix (a radix tree of the prompts).
 
   A run of tokens common to two or more sequences becomes a shared segment; what
   only one sequence holds is its private tail, followed by room for
-  `max_new_tokens` generated tokens.
+  `max_new_tokens` generated tokens; the page size (one page per row) is that
+  rounded up to a multiple of `PAGE_ALIGN`, so that every kernel accepts the layout.
   """
   seqs = [tuple(int(t) for t in s) for s in sequences]
   if not seqs:
@@ -141,40 +152,44 @@ def plan_from_tokens(sequences: Sequence[Sequence[int]], *, max_new_tokens: int 
         return k
     return n
 
-  def visit(ids: list[int], depth: int, parent: int) -> None:
-    nonlocal next_token
+  # Depth-first with an explicit stack (deep prefix chains must not hit the recursion limit);
+  # a ('close', ...) entry ends a segment once the rows under it are placed.
+  work: list[tuple] = [('visit', list(range(len(seqs))), 0, -1)]
+  while work:
+    entry = work.pop()
+    if entry[0] == 'close':
+      _, index, kv_start, common, row_begin, parent, position = entry
+      segments[index] = Segment(
+          kv_start, common, row_begin, len(order), parent, position, f'lcp{index}'
+      )
+      continue
+    _, ids, depth, parent = entry
     if len(ids) == 1:
       order.append(ids[0])
       tails.append(seqs[ids[0]][depth:])
-      return
+      continue
     common = lcp(ids, depth)
     index = parent
     if common > 0:
       index = len(segments)
       segments.append(None)
       segment_tokens.append(seqs[ids[0]][depth : depth + common])
-      kv_start, row_begin = next_token, len(order)
+      work.append(('close', index, next_token, common, len(order), parent, depth))
       next_token += common
     depth += common
-    done = [i for i in ids if len(seqs[i]) == depth]
     by_next: dict[int, list[int]] = {}
     for i in ids:
       if len(seqs[i]) > depth:
         by_next.setdefault(seqs[i][depth], []).append(i)
-    for i in done:  # identical sequences: all share the segment, nothing private
-      order.append(i)
-      tails.append(())
-    for token in sorted(by_next):
-      visit(by_next[token], depth, index)
-    if common > 0:
-      segments[index] = Segment(
-          kv_start, common, row_begin, len(order), parent, depth - common, f'lcp{index}'
-      )
-
-  visit(list(range(len(seqs))), 0, -1)
+    for i in ids:  # identical sequences: all share the segment, nothing private
+      if len(seqs[i]) == depth:
+        order.append(i)
+        tails.append(())
+    work.extend(('visit', by_next[token], depth, index) for token in sorted(by_next, reverse=True))
   capacity = max(len(t) for t in tails) + max_new_tokens
+  # Pages of a multiple of 8 tokens: what the Mosaic GPU kernels' TMA tiling reads.
   page, pages, lengths, total = _private_region(
-      len(order), next_token, capacity, [len(t) for t in tails]
+      len(order), next_token, capacity, [len(t) for t in tails], align=PAGE_ALIGN
   )
   plan = SharingPlan(len(order), tuple(segments), page, pages, lengths, total)
   return TokenPlan(plan, tuple(order), tuple(segment_tokens), tuple(tails))

@@ -20,7 +20,6 @@ changes.
 """
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
@@ -40,9 +39,20 @@ class Segment:
   position: int = 0  # sequence position of the segment's first token (for RoPE)
   label: str = ''
 
+  def __post_init__(self):
+    for name in ('kv_start', 'kv_length', 'row_begin', 'row_end', 'parent', 'position'):
+      object.__setattr__(self, name, as_int(getattr(self, name), f'Segment.{name}'))
+
   @property
   def num_rows(self) -> int:
     return self.row_end - self.row_begin
+
+
+def as_int(value, name: str) -> int:
+  """`value` as a Python int (ints and numpy integers), else ValueError naming `name`."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f'{name} must be an integer, got {value!r} ({type(value).__name__})')
+  return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +76,12 @@ class SharingPlan:
   kv_tokens: int
 
   def __post_init__(self):
+    for name in ('num_rows', 'page_size', 'kv_tokens'):
+      object.__setattr__(self, name, as_int(getattr(self, name), f'SharingPlan.{name}'))
+    object.__setattr__(self, 'segments', tuple(self.segments))
+    object.__setattr__(self, 'private_lengths', _ints(self.private_lengths, 'private_lengths'))
+    object.__setattr__(self, 'private_pages', tuple(
+        _ints(pages, f'private_pages[{b}]') for b, pages in enumerate(self.private_pages)))
     _check_plan(self)
 
   def path(self, row: int) -> list[int]:
@@ -106,9 +122,24 @@ class SharingPlan:
     """Tokens a cache without sharing would store: every row's full context."""
     return int(self.row_token_indices()[1].sum())
 
-  def to_device(self, *, bucket: bool = True, max_private_pages: int | None = None) -> 'TreeLayout':
-    """Padded device arrays; capacities bucketed so that similar trees share a compile."""
-    return _to_device(self, bucket=bucket, max_private_pages=max_private_pages)
+  def to_device(self, *, bucket: bool = True, max_private_pages: int | None = None,
+                policy: 'LayoutPolicy | None' = None) -> 'TreeLayout':
+    """Padded device arrays whose static shapes follow `policy` (see `LayoutPolicy`).
+
+    Without a policy: capacities bucketed (`LayoutPolicy.BUCKETED`, or exact with
+    bucket=False) so that similar trees share a compile. `max_private_pages`: the width of
+    the page table (default: the widest row's pages, or `policy.page_width` of it).
+    """
+    if policy is None:
+      policy = LayoutPolicy.BUCKETED if bucket else LayoutPolicy.EXACT
+    return build_layout(self, policy, max_private_pages=max_private_pages)
+
+
+def _ints(values, name: str) -> tuple[int, ...]:
+  values = tuple(values)
+  if all(type(v) is int for v in values):  # the common case, cheap for large page tables
+    return values
+  return tuple(as_int(v, f'SharingPlan.{name}[{i}]') for i, v in enumerate(values))
 
 
 def _check_plan(plan: SharingPlan) -> None:
@@ -195,7 +226,20 @@ class SegmentGroup:
     return self.kv_start.shape[0]
 
 
-@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostFacts:
+  """What the host plan knew when it built a layout, for checks that need concrete values.
+
+  Attributes:
+    kv_tokens: L, the buffer length the plan indexes (a K/V buffer must hold at least this).
+    min_private_length: the shortest non-zero private length of a row (rows of length 0 are
+      padding); T query tokens need at least T private tokens.
+  """
+
+  kv_tokens: int
+  min_private_length: int
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeLayout:
   """Device form of a `SharingPlan`: a jit-friendly pytree of int32 arrays."""
@@ -211,65 +255,211 @@ class TreeLayout:
   # deepest path rounded up to a multiple of 4. Host metadata for kernels that
   # merge per row (the Mosaic GPU kernels need it).
   row_segments: jax.Array | None = None
+  # Host-only facts of the plan it came from (not a pytree field: None once the layout has
+  # been through a transformation, e.g. under jit, or `dataclasses.replace`d).
+  host: HostFacts | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
   @property
   def max_private_tokens(self) -> int:
     return self.private_pages.shape[1] * self.page_size
 
+  def with_host_facts(self, plan: 'SharingPlan') -> 'TreeLayout':
+    """Records `plan`'s kv_tokens and shortest private length (see `HostFacts`); returns self."""
+    nonzero = [n for n in plan.private_lengths if n > 0]
+    object.__setattr__(self, 'host', HostFacts(plan.kv_tokens, min(nonzero, default=0)))
+    return self
 
-def _to_device(plan: SharingPlan, *, bucket: bool, max_private_pages: int | None) -> TreeLayout:
-  by_capacity: dict[tuple[int, int], list[int]] = {}  # capacities -> indices into plan.segments
-  for j, s in enumerate(plan.segments):
-    if s.kv_length == 0:
-      continue  # an empty segment is a no-op
-    cap = (bucket_size(s.num_rows), bucket_size(s.kv_length, 16)) if bucket else (s.num_rows, s.kv_length)
-    by_capacity.setdefault(cap, []).append(j)
-  groups = []
-  global_id: dict[int, int] = {}  # plan segment index -> index in the concatenation of the groups
+
+jax.tree_util.register_dataclass(
+    TreeLayout,
+    data_fields=['groups', 'private_pages', 'private_lengths', 'row_segments'],
+    meta_fields=['page_size', 'num_rows'],
+)
+
+
+ROUNDINGS = ('pow2', 'quarter', 'exact')
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPolicy:
+  """How a `SharingPlan` becomes a `TreeLayout`: the one bucketing policy of static shapes.
+
+  A program jitted over a layout compiles once per distinct layout shape, so the shapes must
+  not change with every tree change. Shared segments longer than `kv_piece` tokens are split
+  into pieces of `kv_piece` (each piece is one more partial state for its rows, merged like any
+  other). Pieces are grouped by their capacities (R rows, S tokens):
+
+  * rounding='pow2': R the next power of two of the rows, S that of the length (at least
+    `min_kv_capacity`, at most `kv_piece`); the J pieces of a group padded to a power of two
+    (at least `min_segments`) with empty slots; the rows' path table width a power of two;
+  * rounding='quarter': R and S rounded by `bucket_size` (at most 25% waste), J exact, the
+    path width a multiple of 4 (`SharingPlan.to_device`'s default, `BUCKETED`);
+  * rounding='exact': R and S exact (`EXACT`).
+
+  `fixed_shapes` (with a `kv_piece`) instead gives every piece R = the layout's rows and
+  S = kv_piece: one group (present even when empty), whose shape then depends only on the
+  batch size and J (more masked work per piece, far fewer compiles).
+
+  Attributes:
+    kv_piece: longest run of shared tokens in one partial state; None: never split.
+    rounding: 'pow2', 'quarter' or 'exact' (above).
+    min_kv_capacity: smallest kv capacity S of a group (pow2 and quarter).
+    min_segments: smallest padded J of a group (pow2).
+    fixed_shapes: see above.
+    min_private_pages: smallest width of the private page table; the width is the
+      next power of two of the widest row's pages (at most the cache's maximum),
+      since the XLA path reads every row's table to its full width. Set to the
+      cache's `max_pages` for one width whatever rows hold (a serving engine then
+      never compiles as rows grow; the Mosaic GPU kernels read only valid pages).
+  """
+
+  kv_piece: int | None = 1024
+  min_kv_capacity: int = 16
+  min_segments: int = 1
+  fixed_shapes: bool = False
+  min_private_pages: int = 1
+  rounding: str = 'pow2'
+
+  def __post_init__(self):
+    for name in ('kv_piece', 'min_kv_capacity', 'min_segments', 'min_private_pages'):
+      value = getattr(self, name)
+      if value is None and name == 'kv_piece':
+        continue
+      if as_int(value, f'LayoutPolicy.{name}') < 1:
+        raise ValueError(f'LayoutPolicy.{name} must be >= 1, got {value}')
+    if self.rounding not in ROUNDINGS:
+      raise ValueError(f'LayoutPolicy.rounding must be one of {ROUNDINGS}, got {self.rounding!r}')
+    if self.fixed_shapes and self.kv_piece is None:
+      raise ValueError('LayoutPolicy.fixed_shapes needs a kv_piece (the S of every piece)')
+
+  def page_width(self, widest: int, limit: int) -> int:
+    """Page-table width for a widest row of `widest` pages, at most `limit`."""
+    return min(limit, max(next_power_of_two(max(widest, 1)), self.min_private_pages))
+
+  def capacity(self, length: int, rows: int, num_rows: int) -> tuple[int, int]:
+    """(R, S) of a piece of `length` tokens over `rows` rows, in a layout of `num_rows`."""
+    if self.fixed_shapes:
+      return num_rows, self.kv_piece
+    if self.rounding == 'exact':
+      return rows, length
+    if self.rounding == 'quarter':
+      return bucket_size(rows), bucket_size(length, self.min_kv_capacity)
+    kv = max(next_power_of_two(length), self.min_kv_capacity)
+    if self.kv_piece is not None:
+      kv = min(kv, self.kv_piece)
+    return next_power_of_two(rows), max(kv, length)
+
+  def num_slots(self, members: int) -> int:
+    """J of a group of `members` pieces."""
+    if self.rounding != 'pow2':
+      return members
+    return max(next_power_of_two(members), next_power_of_two(self.min_segments))
+
+  def path_width(self, depth: int) -> int:
+    """Width of the rows' path table for paths of at most `depth` pieces."""
+    if self.rounding == 'pow2':
+      return next_power_of_two(max(1, depth))
+    return 4 * max(1, -(-depth // 4))  # a deeper tree recompiles only past a multiple of 4
+
+
+LayoutPolicy.BUCKETED = LayoutPolicy(kv_piece=None, rounding='quarter')
+LayoutPolicy.EXACT = LayoutPolicy(kv_piece=None, rounding='exact')
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def segment_pieces(plan: SharingPlan, kv_piece: int | None) -> list[tuple[int, int, int, int]]:
+  """(kv_start, kv_length, row_begin, num_rows) of every non-empty piece of every segment."""
+  pieces = []
+  for s in plan.segments:
+    step = kv_piece or max(1, s.kv_length)
+    for offset in range(0, s.kv_length, step):
+      length = min(step, s.kv_length - offset)
+      pieces.append((s.kv_start + offset, length, s.row_begin, s.num_rows))
+  return pieces
+
+
+def group_arrays(plan: SharingPlan, policy: LayoutPolicy):
+  """Host form of the groups and the rows' paths through them.
+
+  Returns ([(R, S, columns [4, J] int32: kv_start, kv_length, row_begin, rows)],
+  row_pieces [B, D] int32: each row's pieces, root first, as indices into the
+  concatenation of the groups, -1 padded).
+  """
+  pieces = segment_pieces(plan, policy.kv_piece)
+  by_capacity: dict[tuple[int, int], list[int]] = {}
+  if policy.fixed_shapes:  # the one group exists even when empty: one shape per (B, J)
+    by_capacity[(plan.num_rows, policy.kv_piece)] = []
+  for i, (_, length, _, rows) in enumerate(pieces):
+    by_capacity.setdefault(policy.capacity(length, rows, plan.num_rows), []).append(i)
+  groups, global_id, offset = [], np.zeros(len(pieces), np.int64), 0
   for (rows, tokens), members in sorted(by_capacity.items()):
-    segs = [plan.segments[j] for j in members]
-    global_id.update((j, len(global_id)) for j in members)
-    col = lambda f: jnp.asarray(np.array([f(s) for s in segs], np.int32))
-    groups.append(
+    size = policy.num_slots(len(members))
+    columns = np.zeros((4, size), np.int32)  # padding: empty slots
+    if members:
+      columns[:, : len(members)] = np.array([pieces[i] for i in members], np.int32).T
+    global_id[members] = offset + np.arange(len(members))
+    offset += size
+    groups.append((rows, tokens, columns))
+  columns = path_columns([(row_begin, rows) for _, _, row_begin, rows in pieces], plan.num_rows)
+  width = policy.path_width(int(columns.max(initial=-1)) + 1)
+  if policy.fixed_shapes:
+    width = offset  # J of the one group: the width never changes with the tree
+  table = np.full((plan.num_rows, width), -1, np.int32)
+  for i, (_, _, row_begin, rows) in enumerate(pieces):  # segments come parents first
+    table[row_begin : row_begin + rows, columns[i]] = global_id[i]
+  return groups, table
+
+
+def device_groups(plan: SharingPlan, policy: LayoutPolicy):
+  """(segment groups on the device, row_pieces [B, D] on the device)."""
+  groups, table = group_arrays(plan, policy)
+  out = []
+  for rows, tokens, columns in groups:  # one upload per column (slicing on the device costs more)
+    start, length, begin, count = (jnp.asarray(c) for c in np.ascontiguousarray(columns))
+    out.append(
         SegmentGroup(
-            kv_start=col(lambda s: s.kv_start),
-            kv_length=col(lambda s: s.kv_length),
-            row_begin=col(lambda s: s.row_begin),
-            row_count=col(lambda s: s.num_rows),
-            row_capacity=rows,
-            kv_capacity=tokens,
+            kv_start=start, kv_length=length, row_begin=begin, row_count=count,
+            row_capacity=rows, kv_capacity=tokens,
         )
     )
+  return tuple(out), jnp.asarray(table)
+
+
+def page_table(plan: SharingPlan, width: int) -> np.ndarray:
+  """Private page ids [B, width] int32, zero-padded."""
   widest = max((len(p) for p in plan.private_pages), default=0)
-  width = max_private_pages if max_private_pages is not None else max(1, widest)
-  if width < widest:
+  if width < max(1, widest):
     raise ValueError(f'max_private_pages={width} is below the widest private page table ({widest})')
   pages = np.zeros((plan.num_rows, width), np.int32)
   for b, p in enumerate(plan.private_pages):
     pages[b, : len(p)] = p
+  return pages
+
+
+def make_layout(groups, row_pieces, private_pages, private_lengths, page_size: int) -> 'TreeLayout':
+  """A `TreeLayout` with the rows' paths as `row_segments`."""
   return TreeLayout(
-      groups=tuple(groups),
-      private_pages=jnp.asarray(pages),
-      private_lengths=jnp.asarray(np.array(plan.private_lengths, np.int32)),
-      page_size=plan.page_size,
-      num_rows=plan.num_rows,
-      row_segments=jnp.asarray(_row_segments(plan, global_id)),
+      groups=groups, private_pages=private_pages, private_lengths=private_lengths,
+      page_size=page_size, num_rows=private_lengths.shape[0], row_segments=row_pieces,
   )
 
 
-def _row_segments(plan: SharingPlan, global_id: dict[int, int]) -> np.ndarray:
-  """[B, D] int32: each row's non-empty path segments (root first) as group-concatenation ids."""
-  # Width padded to a multiple of 4, so a deeper tree recompiles only past that.
-  columns = path_columns(
-      [(s.row_begin, s.num_rows) for s in plan.segments if s.kv_length > 0], plan.num_rows
-  )
-  width = 4 * max(1, -(-(int(columns.max(initial=-1)) + 1) // 4))
-  table = np.full((plan.num_rows, width), -1, np.int32)
-  members = [j for j, s in enumerate(plan.segments) if s.kv_length > 0]
-  for j, col in zip(members, columns):
-    s = plan.segments[j]
-    table[s.row_begin : s.row_end, col] = global_id[j]
-  return table
+def build_layout(plan: SharingPlan, policy: LayoutPolicy, *,
+                 max_private_pages: int | None = None) -> 'TreeLayout':
+  """`plan` as a `TreeLayout` whose static shapes follow `policy`: the one conversion.
+
+  The page table is `max_private_pages` wide if given, else as wide as the widest row.
+  """
+  widest = max((len(p) for p in plan.private_pages), default=0)
+  width = max_private_pages if max_private_pages is not None else max(1, widest)
+  groups, row_pieces = device_groups(plan, policy)
+  return make_layout(
+      groups, row_pieces, jnp.asarray(page_table(plan, width)),
+      jnp.asarray(np.array(plan.private_lengths, np.int32)), plan.page_size,
+  ).with_host_facts(plan)
 
 
 def path_columns(pieces: Sequence[tuple[int, int]], num_rows: int) -> np.ndarray:

@@ -12,7 +12,8 @@ import functools
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from hydrajax.dispatch import AttentionImpl, tree_attention
+from hydrajax.attention_plan import tree_attention
+from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 

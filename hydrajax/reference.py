@@ -40,6 +40,8 @@ def naive_attention(
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1)
+  # Padding past a row's length may hold anything (NaN): zero it, so that p = 0 keeps it out.
+  v = jnp.where((pos[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0.0)
   o = jnp.einsum('btkgs,bskh->btkgh', p, v, precision=jax.lax.Precision.HIGHEST)
   o = o / jnp.where(l > 0, l, 1.0)[..., None]
   lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)

@@ -6,17 +6,25 @@ segment's keys; segments with the same static capacities are batched in one
 einsum. Private KV is plain masked decode attention per row. All partial
 states are then LSE-merged into their rows in one scatter.
 
+The backend protocol of `hydrajax.attention_plan`: `prepare` turns the layout
+into gather indices (tokens relative to one layer's buffer, clamped into it),
+masks and merge rows, once per tree change; `attend` adds the layer's
+`kv_offset` to the indices and runs the products. Tokens a row does not attend
+(padding, unwritten private slots, other segments' tokens in a padded block)
+may hold anything, NaN included: their scores are masked and their values
+zeroed before the PV product (0 * NaN would be NaN).
+
 This is also the reference the Pallas kernels are tested against.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from hydrajax.layout import SegmentGroup, TreeLayout
+from hydrajax.layout import TreeLayout, as_int
 from hydrajax.partial_state import PartialState
-from hydrajax.validation import check_tree_attention_inputs
 
 
 def _dot_precision(dtype):
@@ -34,6 +42,9 @@ def _attend(q, k, v, visible, scale):
       preferred_element_type=jnp.float32, precision=_dot_precision(q.dtype),
   ) * scale
   s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+  # Values no query of the block sees may be garbage (NaN, inf): zero them, so p = 0 keeps them out.
+  seen = jnp.any(visible, axis=1)[:, :, None, None]  # [Z, S, 1, 1]
+  v = jnp.where(seen, v, jnp.zeros((), v.dtype))
   m = jnp.max(s, axis=-1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m[..., None])
@@ -47,60 +58,14 @@ def _attend(q, k, v, visible, scale):
   return out, lse
 
 
-def _group_partials(q, k_cache, v_cache, group: SegmentGroup, scale, kv_block):
-  """Partial states of one segment group: rows [J, R], out [J, R, T, N, H], lse [J, R, T, N]."""
-  b, t, n, h = q.shape
-  kh = k_cache.shape[1]
-  r = group.row_capacity
-  rows = group.row_begin[:, None] + jnp.arange(r)[None, :]  # [J, R]
-  rows = jnp.where(jnp.arange(r)[None, :] < group.row_count[:, None], rows, b)  # b = dump row
-  qj = q[jnp.minimum(rows, b - 1)]  # [J, R, T, N, H]
-  qj = qj.reshape(group.num_segments, r * t, kh, n // kh, h)
-
-  block = min(kv_block, group.kv_capacity)
-  num_blocks = -(-group.kv_capacity // block)
-
-  def one_block(i):
-    pos = i * block + jnp.arange(block)  # [S_b]
-    tokens = jnp.minimum(group.kv_start[:, None] + pos[None, :], k_cache.shape[0] - 1)
-    visible = (pos[None, :] < group.kv_length[:, None])[:, None, :]  # [J, 1, S_b]
-    return _attend(qj, k_cache[tokens], v_cache[tokens], visible, scale)
-
-  if num_blocks == 1:
-    out, lse = one_block(0)
-  else:  # bounded memory for long segments: a few partial states per row, merged below
-    outs, lses = jax.lax.map(one_block, jnp.arange(num_blocks))
-    out, lse = _merge_axis0(outs, lses)
-  out = out.reshape(group.num_segments, r, t, n, h)
-  lse = lse.reshape(group.num_segments, r, t, n)
-  return rows, out, lse
-
-
 def _merge_axis0(outs, lses):
   m = jnp.max(lses, axis=0)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m)
   den = jnp.sum(w, axis=0)
-  out = jnp.sum(w[..., None] * outs, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+  out = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
   lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
   return out, lse
-
-
-def _private_partial(q, k_cache, v_cache, layout: TreeLayout, scale):
-  """Causal attention of each row over its own pages: out [B, T, N, H], lse [B, T, N]."""
-  b, t, n, h = q.shape
-  kh = k_cache.shape[1]
-  c = layout.page_size
-  tokens = (layout.private_pages[:, :, None] * c + jnp.arange(c)).reshape(b, -1)  # [B, S]
-  tokens = jnp.minimum(tokens, k_cache.shape[0] - 1)
-  lengths = layout.private_lengths
-  pos = jnp.arange(tokens.shape[1])
-  limit = jnp.minimum(lengths[:, None] - t + jnp.arange(t)[None, :] + 1, lengths[:, None])
-  visible = pos[None, None, :] < limit[..., None]  # [B, T, S]
-  out, lse = _attend(
-      q.reshape(b, t, kh, n // kh, h), k_cache[tokens], v_cache[tokens], visible, scale
-  )
-  return out.reshape(b, t, n, h), lse.reshape(b, t, n)
 
 
 def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
@@ -114,13 +79,154 @@ def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m[rows])
   den = jnp.zeros_like(m).at[rows].add(w)
-  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(w[..., None] * outs)
+  contrib = jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0)  # an empty state adds nothing
+  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)
   out = acc / jnp.where(den > 0, den, 1.0)[..., None]
   lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
   return PartialState(out[:num_rows], lse[:num_rows])
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'kv_block'))
+
+
+# ---------------------------------------------------------------------------
+# The backend protocol (see `hydrajax.attention_plan`)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+  """Knobs of the XLA path.
+
+  Attributes:
+    kv_block: most kv tokens of one segment group in one product; longer groups run in blocks
+      under `lax.map` and are LSE-merged (bounded memory for long segments).
+  """
+
+  kv_block: int = 4096
+
+  def __post_init__(self):
+    object.__setattr__(self, 'kv_block', as_int(self.kv_block, 'kv_block'))
+    if self.kv_block < 1:
+      raise ValueError(f'kv_block must be >= 1, got {self.kv_block}')
+
+
+DEFAULT_CONFIG = XlaConfig()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class XlaGroup:
+  """One segment group's gathers: J segments of R rows, kv in NB blocks of S_b tokens."""
+
+  rows: jax.Array  # [J, R] int32: the row of each slot, B (the dropped row) past row_count
+  q_rows: jax.Array  # [J, R] int32: rows clamped into [0, B)
+  tokens: jax.Array  # [NB, J, S_b] int32: buffer tokens, relative to the layer, in [0, L)
+  visible: jax.Array  # [NB, J, S_b] bool: inside the segment
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class XlaPrepared:
+  groups: tuple[XlaGroup, ...]
+  merge_rows: jax.Array  # [B + sum J*R] int32: the row of every partial state, private first
+  private_tokens: jax.Array  # [B, P*C] int32, relative to the layer, in [0, L)
+  private_lengths: jax.Array  # [B] int32 (the layout's; swapped per decode step)
+
+
+def unsupported_reason(shapes, layout: TreeLayout, *, interpret: bool = False) -> str | None:
+  del shapes, layout, interpret
+  return None  # every float dtype, shape and layout
+
+
+@functools.partial(jax.jit, static_argnames=('num_rows', 'kv_tokens', 'kv_block'))
+def _prepare(layout: TreeLayout, *, num_rows: int, kv_tokens: int, kv_block: int) -> XlaPrepared:
+  b, last = num_rows, kv_tokens - 1
+  groups, merge_rows = [], [jnp.arange(b, dtype=jnp.int32)]
+  for g in layout.groups:
+    r = g.row_capacity
+    rows = g.row_begin[:, None] + jnp.arange(r)[None, :]  # [J, R]
+    rows = jnp.where(jnp.arange(r)[None, :] < g.row_count[:, None], rows, b)  # b: dropped
+    block = min(kv_block, g.kv_capacity)
+    num_blocks = -(-g.kv_capacity // block)
+    pos = jnp.arange(num_blocks * block).reshape(num_blocks, 1, block)  # [NB, 1, S_b]
+    tokens = jnp.minimum(g.kv_start[None, :, None] + pos, last)
+    visible = pos < g.kv_length[None, :, None]
+    groups.append(XlaGroup(rows.astype(jnp.int32), jnp.minimum(rows, b - 1).astype(jnp.int32),
+                           tokens.astype(jnp.int32), visible))
+    merge_rows.append(rows.reshape(-1).astype(jnp.int32))
+  c = layout.page_size
+  private = (layout.private_pages[:, :, None] * c + jnp.arange(c)).reshape(b, -1)
+  return XlaPrepared(
+      tuple(groups), jnp.concatenate(merge_rows), jnp.minimum(private, last).astype(jnp.int32),
+      layout.private_lengths,
+  )
+
+
+def prepare(layout: TreeLayout, shapes, config: XlaConfig, *, interpret: bool = False):
+  del interpret
+  return _prepare(layout, num_rows=shapes.num_rows, kv_tokens=shapes.kv_tokens,
+                  kv_block=config.kv_block)
+
+
+def with_private_lengths(prepared: XlaPrepared, lengths: jax.Array) -> XlaPrepared:
+  return dataclasses.replace(prepared, private_lengths=lengths)
+
+
+def _group_partials(q, k_cache, v_cache, group: XlaGroup, kv_offset, scale):
+  """Partial states of one group: out [J, R, T, N, H], lse [J, R, T, N]."""
+  _, t, n, h = q.shape
+  kh = k_cache.shape[1]
+  j, r = group.rows.shape
+  qj = q[group.q_rows].reshape(j, r * t, kh, n // kh, h)  # [J, R*T, K, G, H]
+
+  def one_block(block):
+    tokens, visible = block
+    tokens = tokens + kv_offset
+    return _attend(qj, k_cache[tokens], v_cache[tokens], visible[:, None, :], scale)
+
+  if group.tokens.shape[0] == 1:
+    out, lse = one_block((group.tokens[0], group.visible[0]))
+  else:  # bounded memory for long segments: a few partial states per row, merged below
+    outs, lses = jax.lax.map(one_block, (group.tokens, group.visible))
+    out, lse = _merge_axis0(outs, lses)
+  return out.reshape(j, r, t, n, h), lse.reshape(j, r, t, n)
+
+
+def _private_partial(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, scale):
+  """Causal attention of each row over its own pages: out [B, T, N, H], lse [B, T, N]."""
+  b, t, n, h = q.shape
+  kh = k_cache.shape[1]
+  tokens = prepared.private_tokens + kv_offset  # [B, S]
+  lengths = prepared.private_lengths
+  pos = jnp.arange(tokens.shape[1])
+  limit = jnp.minimum(lengths[:, None] - t + jnp.arange(t)[None, :] + 1, lengths[:, None])
+  visible = pos[None, None, :] < limit[..., None]  # [B, T, S]
+  out, lse = _attend(
+      q.reshape(b, t, kh, n // kh, h), k_cache[tokens], v_cache[tokens], visible, scale
+  )
+  return out.reshape(b, t, n, h), lse.reshape(b, t, n)
+
+
+@functools.partial(jax.jit, static_argnames=('scale',))
+def _attend_all(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, *, scale):
+  b = q.shape[0]
+  out, lse = _private_partial(q, k_cache, v_cache, prepared, kv_offset, scale)
+  outs, lses = [out], [lse]
+  for group in prepared.groups:
+    out, lse = _group_partials(q, k_cache, v_cache, group, kv_offset, scale)
+    outs.append(out.reshape((-1,) + out.shape[2:]))
+    lses.append(lse.reshape((-1,) + lse.shape[2:]))
+  merged = merge_into_rows(b, prepared.merge_rows, jnp.concatenate(outs), jnp.concatenate(lses))
+  return PartialState(merged.out.astype(q.dtype), merged.lse)
+
+
+def attend(q, k_cache, v_cache, prepared: XlaPrepared, *, shapes, config, kv_offset, scale,
+           interpret=False) -> PartialState:
+  """Attention of every row over its tree path and private KV, in the layer at `kv_offset`."""
+  del config, interpret
+  scale = shapes.head_dim**-0.5 if scale is None else scale
+  return _attend_all(q, k_cache, v_cache, prepared, jnp.asarray(kv_offset, jnp.int32), scale=scale)
+
+
 def tree_attention_xla(
     q: jax.Array,  # [B, T, N, H]
     k_cache: jax.Array,  # [L, K, H]
@@ -130,21 +236,13 @@ def tree_attention_xla(
     scale: float | None = None,
     kv_block: int = 4096,
 ) -> PartialState:
-  """Exact attention of every row over its tree path and private KV.
+  """Exact attention of every row over its tree path and private KV (jit-compatible).
 
-  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+  `hydrajax.tree_attention(..., impl=XLA, config=XlaConfig(kv_block))`. Returns
+  (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
-  check_tree_attention_inputs(q, k_cache, v_cache, layout)
-  b, t, n, h = q.shape
-  scale = h**-0.5 if scale is None else scale
-  rows, outs, lses = [jnp.arange(b)], [], []
-  out, lse = _private_partial(q, k_cache, v_cache, layout, scale)
-  outs.append(out)
-  lses.append(lse)
-  for group in layout.groups:
-    g_rows, out, lse = _group_partials(q, k_cache, v_cache, group, scale, kv_block)
-    rows.append(g_rows.reshape(-1))
-    outs.append(out.reshape((-1,) + out.shape[2:]))
-    lses.append(lse.reshape((-1,) + lse.shape[2:]))
-  merged = merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs), jnp.concatenate(lses))
-  return PartialState(merged.out.astype(q.dtype), merged.lse)
+  from hydrajax import attention_plan  # imports this module
+
+  return attention_plan.tree_attention(
+      q, k_cache, v_cache, layout, impl='xla', scale=scale, config=XlaConfig(kv_block)
+  )

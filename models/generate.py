@@ -19,8 +19,12 @@ slot and samples the next one. Rows that hit a stop token keep running
 (static batch) but their outputs are -1 from then on; the loop ends early when
 every row is done.
 
-`impl=NAIVE` runs the ground truth instead: every sequence's full prompt in
-its own dense cache and `hydrajax.naive_attention`.
+The attention plan (`hydrajax.prepare_attention`: implementation resolved, backend
+metadata precomputed) is prepared once per tree change: once per prefill round,
+once for the whole decode loop (whose steps only swap the private lengths).
+
+`impl=ModelMode.DENSE` (alias `NAIVE`) runs the ground truth instead: every
+sequence's full prompt in its own dense cache and `hydrajax.naive_attention`.
 """
 
 import dataclasses
@@ -33,12 +37,12 @@ import numpy as np
 from flax import nnx
 
 import hydrajax
-from hydrajax import AttentionImpl, PromptNode, Segment, SharingPlan, TreeLayout
+from hydrajax import AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, TreeLayout
 from models.kv_cache import DenseKVCache, KVCache
-from models.llama import Llama
+from models.llama import Llama, ModelMode, parse_impl
 from models.sampling import SamplingConfig, row_keys, sample, token_logprobs
 
-NAIVE = 'naive'  # an `impl` value of `generate`: dense per-sequence caches (ground truth)
+NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
 # Private regions are rounded up to this many tokens: the KV buffer length and the
 # page size are then multiples of it, as the Pallas kernels' TMA tiling wants.
 PRIVATE_ALIGN = 64
@@ -293,24 +297,31 @@ def _parent(segments: list[Segment], i: int) -> int:
   return -1
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
-def _prefill_step(graphdef, params, tokens, positions, cache, slots, layout, last_index, *, impl):
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_index):
   model = nnx.merge(graphdef, params)
-  h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
+  h, cache = model.forward_hidden(tokens, positions, cache, slots, plan, impl=_mode_of(plan))
   last = jnp.take_along_axis(h, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
   return model.logits(last), cache  # [B, V] float32
 
 
+def _mode_of(plan) -> ModelMode:
+  """What a prepared plan (or a bare layout: no attention) runs."""
+  return ModelMode.TREE if isinstance(plan, AttentionPlan) else ModelMode.NO_ATTENTION
+
+
 def prefill(model: Llama, tp: TreePrompts, cache: KVCache, *, impl=AttentionImpl.AUTO,
-            chunk: int = 512) -> tuple[jax.Array, KVCache]:
+            chunk: int = 512, interpret: bool = False) -> tuple[jax.Array, KVCache]:
   """Writes every node's KV once; returns (first-token logits [rows, V], cache)."""
   graphdef, params = nnx.split(model)
   node_logits: dict[int, jax.Array] = {}
   for call in prefill_calls(tp, chunk):
     layout = call.plan.to_device(max_private_pages=call.max_private_pages)
+    plan = model.prepare_attention(layout, query_tokens=call.tokens.shape[1], cache=cache,
+                                   impl=impl, interpret=interpret)
     logits, cache = _prefill_step(
         graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
-        jnp.asarray(call.write_slots), layout, jnp.asarray(call.last_index), impl=impl)
+        jnp.asarray(call.write_slots), plan, jnp.asarray(call.last_index))
     for r in np.flatnonzero(call.last_index >= 0):
       node_logits[int(call.segment_ids[r])] = logits[r]
   first = jnp.stack([node_logits[int(j)] for j in tp.row_node])
@@ -409,15 +420,27 @@ def _loop(forward, state: DecodeState, rows, key, stop_tokens, num_steps, sampli
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'sampling', 'impl'),
                    donate_argnames=('state',))
-def decode(graphdef, params, state: DecodeState, layout: TreeLayout, rows: RowSpec, key,
-           stop_tokens, num_steps, *, sampling: SamplingConfig, impl) -> DecodeState:
-  """Up to `num_steps` more tokens per row (the whole loop is this one program)."""
+def decode(graphdef, params, state: DecodeState, plan: AttentionPlan | TreeLayout, rows: RowSpec,
+           key, stop_tokens, num_steps, *, sampling: SamplingConfig,
+           impl=AttentionImpl.AUTO) -> DecodeState:
+  """Up to `num_steps` more tokens per row (the whole loop is this one program).
+
+  `plan`: the decode tree's `AttentionPlan` (T = 1), prepared once per tree change (then
+  `impl` is ignored); or its `TreeLayout`, prepared here with `impl` once for the loop.
+  """
   model = nnx.merge(graphdef, params)
+  if isinstance(plan, TreeLayout):
+    plan = model.prepare_attention(plan, query_tokens=1, cache=state.cache, impl=impl)
+  mode = _mode_of(plan)
 
   def forward(cache, last, j):
-    lay = dataclasses.replace(layout, private_lengths=rows.private_base + j + 1)
+    lengths = rows.private_base + j + 1
+    if mode is ModelMode.TREE:
+      step_plan = plan.with_private_lengths(lengths)
+    else:
+      step_plan = dataclasses.replace(plan, private_lengths=lengths)
     logits, cache = model(last[:, None], (rows.positions + j)[:, None], cache,
-                          (rows.write_base + j)[:, None], lay, impl=impl)
+                          (rows.write_base + j)[:, None], step_plan, impl=mode)
     return logits[:, 0], cache
 
   return _loop(forward, state, rows, key, stop_tokens, num_steps, sampling)
@@ -465,10 +488,11 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] = (),
     return_logprobs: bool = False,
-    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    impl: AttentionImpl | ModelMode | str = AttentionImpl.AUTO,
     prefill_impl: AttentionImpl | str | None = None,
     prefill_chunk: int = 512,
     cache_dtype=None,
+    interpret: bool = False,
 ) -> GenerateOutput:
   """Samples `max_new_tokens` tokens per sequence from a prompt forest.
 
@@ -483,30 +507,36 @@ def generate(
     seed: the random seed of sampling.
     stop_tokens: ids that end a sequence (the stop token is returned).
     return_logprobs: also return the model log-probs of the generated tokens.
-    impl: attention for decode: an `AttentionImpl`, `models.llama.NO_ATTENTION`, or `NAIVE`
-      (dense per-sequence caches: the ground truth).
+    impl: attention for decode: an `AttentionImpl` (or its string), or a `ModelMode`:
+      TREE (AUTO), NO_ATTENTION, DENSE (alias `NAIVE`: dense per-sequence caches, the
+      ground truth).
     prefill_impl: attention for prefill (default: XLA when impl is XLA, else AUTO).
     prefill_chunk: prefill tokens per node per model call.
     cache_dtype: KV cache dtype (default: the model's).
+    interpret: run the Mosaic kernels in interpret mode (e.g. impl='mosaic_tpu' on a CPU).
   """
   tp = plan_prompts(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
   graphdef, params = nnx.split(model)
-  if impl == NAIVE:
+  mode, attention = parse_impl(impl)
+  if mode is ModelMode.DENSE:
     state, rows = _naive_run(model, graphdef, params, tp, dtype, key, stops, max_new_tokens,
                              sampling)
   else:
     if prefill_impl is None:
-      prefill_impl = AttentionImpl.XLA if impl in (AttentionImpl.XLA, 'xla') else AttentionImpl.AUTO
+      prefill_impl = AttentionImpl.XLA if attention is AttentionImpl.XLA else AttentionImpl.AUTO
     cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
-    first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
+    first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
+                           interpret=interpret)
     rows = tree_rows(tp)
+    plan = model.prepare_attention(tp.plan.to_device(), query_tokens=1, cache=cache, impl=impl,
+                                   interpret=interpret)  # once for the whole decode loop
     state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                          sampling=sampling)
-    state = decode(graphdef, params, state, tp.plan.to_device(), rows, key, stops,
-                   jnp.int32(max_new_tokens), sampling=sampling, impl=impl)
+    state = decode(graphdef, params, state, plan, rows, key, stops, jnp.int32(max_new_tokens),
+                   sampling=sampling, impl=mode)
   order = np.lexsort((tp.sample_ids, tp.prompt_ids))
   tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
   return GenerateOutput(

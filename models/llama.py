@@ -12,44 +12,80 @@ Interface (the engine and generation build on it; keep it stable):
   write_slots  [B, T] int32   flat token index in [0, L) where each new token's K/V is written;
                               an index >= L drops the write (padding)
   layout       TreeLayout     what each row attends: its shared segments and private pages;
-                              the row's T query tokens are its last T private tokens
-  impl         AttentionImpl or NO_ATTENTION
+               or AttentionPlan  the row's T query tokens are its last T private tokens. A plan
+                              (`model.prepare_attention`, once per tree change) is used as is;
+                              a layout is prepared once per call, outside the layer loop
+  impl         AttentionImpl, its string, or ModelMode.TREE / NO_ATTENTION (ignored with a plan)
   logits       [B, T, V] float32; the updated cache is returned (donate it under jit)
 
 Each layer: RMSNorm, q/k/v projections, RoPE at `positions`, K/V scattered
-into the cache at `write_slots`, then `hydrajax.tree_attention(q, k_l, v_l,
-layout, impl=impl)`, output projection, residual, RMSNorm, SwiGLU MLP,
-residual. So as not to copy a layer's buffer out of the stacked cache, `k_l,
-v_l` are the whole cache viewed as `[num_layers * L, K, H]` and the layout is
-shifted by `l * L` tokens: the same tokens, no copy.
+into the cache at `write_slots`, then `hydrajax.attend(q, k_all, v_all, plan,
+kv_offset=layer * L)`, output projection, residual, RMSNorm, SwiGLU MLP,
+residual. So as not to copy a layer's buffer out of the stacked cache, `k_all,
+v_all` are the whole cache viewed as `[num_layers * L, K, H]` and the layer is
+a scalar token offset into it: the plan (gather indices, work lists) is the
+same for every layer.
 
 The layers are a Python loop over per-layer parameters, not a `lax.scan`
 over stacked ones: under a scan XLA materialises every layer's weight slice
 before its matmuls (seen in the optimised HLO), which doubles the weight
 traffic of a memory-bound decode step. The price is a longer compile.
 
-`impl=NO_ATTENTION` keeps every projection and the cache writes but skips the
-attention product (the attention output is the query itself): the throughput
-ceiling of the Hydragen paper. `forward_naive` is the ground truth: dense
-per-sequence caches (`DenseKVCache`) and `hydrajax.naive_attention`.
+`ModelMode` names the three ways to run the model: TREE (tree attention over
+a layout), DENSE (`forward_naive`: dense per-sequence caches
+(`DenseKVCache`) and `hydrajax.naive_attention`, the ground truth) and
+NO_ATTENTION (every projection and the cache writes, without the attention
+product: the attention output is the query itself; the throughput ceiling of
+the Hydragen paper).
 
 Parameters carry `logical_axes` metadata (see `models.sharding_rules`).
 """
 
-import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import hydrajax
-from hydrajax import AttentionImpl, TreeLayout
+from hydrajax import AttentionImpl, AttentionPlan, AttentionShapes, TreeLayout
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.kv_cache import DenseKVCache, KVCache
 from models.rope import apply_rope, inverse_frequencies
 
-NO_ATTENTION = 'no_attention'  # an `impl` value: projections without the attention product
+
+class ModelMode(enum.Enum):
+  """How the model runs attention (see the module docstring)."""
+
+  TREE = 'tree'  # tree attention over a sharing layout (the implementation: an AttentionImpl)
+  DENSE = 'dense'  # per-sequence dense caches and naive attention: the ground truth
+  NO_ATTENTION = 'no_attention'  # projections and cache writes without the attention product
+
+
+NO_ATTENTION = ModelMode.NO_ATTENTION  # the old name
+
+
+def parse_impl(impl) -> tuple[ModelMode, AttentionImpl | None]:
+  """(mode, attention implementation) of an `AttentionImpl`, a `ModelMode` or their strings.
+
+  'naive' is DENSE's old name; TREE runs AUTO. The attention implementation is None unless the
+  mode is TREE.
+  """
+  if isinstance(impl, ModelMode):
+    return impl, (AttentionImpl.AUTO if impl is ModelMode.TREE else None)
+  if isinstance(impl, AttentionImpl):
+    return ModelMode.TREE, impl
+  if isinstance(impl, str):
+    if impl == 'naive':
+      return ModelMode.DENSE, None
+    for enum_type in (AttentionImpl, ModelMode):
+      try:
+        return parse_impl(enum_type(impl))
+      except ValueError:
+        pass
+  names = [i.value for i in AttentionImpl] + [m.value for m in ModelMode]
+  raise ValueError(f'impl must be an AttentionImpl, a ModelMode or one of {names}, got {impl!r}')
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, std: float | None) -> nnx.Param:
@@ -108,14 +144,6 @@ def _qkv(p, x, positions, inv_freq, eps):
   return q, k, v
 
 
-def shift_layout(layout: TreeLayout, offset: jax.Array) -> TreeLayout:
-  """The same layout over a buffer whose token 0 is at `offset` (a multiple of page_size)."""
-  groups = tuple(dataclasses.replace(g, kv_start=g.kv_start + offset) for g in layout.groups)
-  return dataclasses.replace(
-      layout, groups=groups, private_pages=layout.private_pages + offset // layout.page_size
-  )
-
-
 def _check_inputs(config, tokens, positions, write_slots=None):
   if getattr(tokens, 'ndim', None) != 2:
     raise ValueError(f'tokens must be [B, T] int32, got shape {getattr(tokens, "shape", None)}')
@@ -150,20 +178,44 @@ class Llama(nnx.Module):
     return jnp.einsum('...d,dv->...v', h, self.lm_head.get_value(),
                       preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens, positions, cache: KVCache, write_slots, layout: TreeLayout, *,
-               impl: AttentionImpl | str = AttentionImpl.AUTO):
+  def __call__(self, tokens, positions, cache: KVCache, write_slots,
+               layout: TreeLayout | AttentionPlan, *, impl=AttentionImpl.AUTO):
     """Tree-attention forward; returns (logits [B, T, V] float32, cache)."""
     h, cache = self.forward_hidden(tokens, positions, cache, write_slots, layout, impl=impl)
     return self.logits(h), cache
 
-  def forward_hidden(self, tokens, positions, cache: KVCache, write_slots, layout: TreeLayout, *,
-                     impl: AttentionImpl | str = AttentionImpl.AUTO):
+  def attention_shapes(self, num_rows: int, query_tokens: int, cache: KVCache) -> AttentionShapes:
+    """The static shapes of this model's attention calls over `cache` (one layer's buffer)."""
+    c = self.config
+    return AttentionShapes(num_rows, query_tokens, c.num_heads, c.num_kv_heads, c.head_dim,
+                           cache.k.shape[1], self.dtype, cache.k.dtype)
+
+  def prepare_attention(self, layout: TreeLayout, *, query_tokens: int, cache: KVCache,
+                        impl=AttentionImpl.AUTO, config=None, interpret: bool = False):
+    """The `AttentionPlan` of every layer's attention over `layout` (once per tree change).
+
+    Returns the layout itself for `ModelMode.NO_ATTENTION` (nothing to plan).
+    """
+    mode, attention = parse_impl(impl)
+    if mode is ModelMode.NO_ATTENTION:
+      return layout
+    if mode is not ModelMode.TREE:
+      raise ValueError(f'impl={impl!r} does not run on a tree layout (use forward_naive)')
+    shapes = self.attention_shapes(layout.num_rows, query_tokens, cache)
+    return hydrajax.prepare_attention(layout, shapes, impl=attention, config=config,
+                                      interpret=interpret)
+
+  def forward_hidden(self, tokens, positions, cache: KVCache, write_slots,
+                     layout: TreeLayout | AttentionPlan, *, impl=AttentionImpl.AUTO):
     """Like `__call__` but returns the final-norm hidden states [B, T, D] instead of logits."""
     c = self.config
     _check_inputs(c, tokens, positions, write_slots)
     cache.check(c)
+    plan = layout if isinstance(layout, AttentionPlan) else None
+    if plan is not None:
+      layout = plan.layout
     if not isinstance(layout, TreeLayout):
-      raise ValueError(f'layout must be a TreeLayout, got {type(layout).__name__}')
+      raise ValueError(f'layout must be a TreeLayout or an AttentionPlan, got {type(layout).__name__}')
     if layout.num_rows != tokens.shape[0]:
       raise ValueError(f'layout has {layout.num_rows} rows but tokens has B={tokens.shape[0]}')
     num_layers, length, kh, hd = cache.k.shape
@@ -172,10 +224,14 @@ class Llama(nnx.Module):
           f'cache L={length} must be a multiple of layout.page_size={layout.page_size}')
     if num_layers * length >= 2**31:
       raise ValueError(f'num_layers * L = {num_layers * length} does not fit int32 indices')
-    no_attention = impl == NO_ATTENTION
-    if not no_attention:
-      impl = AttentionImpl(impl)
     b, t = tokens.shape
+    if plan is None:
+      plan = self.prepare_attention(layout, query_tokens=t, cache=cache, impl=impl)
+      if not isinstance(plan, AttentionPlan):
+        plan = None  # NO_ATTENTION
+    elif plan.shapes != self.attention_shapes(b, t, cache):
+      raise ValueError(
+          f'the plan was prepared for {plan.shapes}, not {self.attention_shapes(b, t, cache)}')
     inv_freq = self.inv_freq()
     x = self.embed.get_value()[tokens]  # [B, T, D]
     k_all = cache.k.reshape(num_layers * length, kh, hd)  # [nl * L, K, H]: a bitcast
@@ -189,12 +245,10 @@ class Llama(nnx.Module):
       dest = jnp.where((slots >= 0) & (slots < length), slots + offset, dropped)
       k_all = k_all.at[dest].set(k.reshape(b * t, kh, hd).astype(k_all.dtype), mode='drop')
       v_all = v_all.at[dest].set(v.reshape(b * t, kh, hd).astype(v_all.dtype), mode='drop')
-      if no_attention:
+      if plan is None:  # NO_ATTENTION
         attn = q
       else:
-        attn = hydrajax.tree_attention(
-            q, k_all, v_all, shift_layout(layout, offset), impl=impl
-        ).out.astype(x.dtype)
+        attn = hydrajax.attend(q, k_all, v_all, plan, kv_offset=offset).out.astype(x.dtype)
       x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
       x = _mlp(p, x, c.norm_eps)
     cache = KVCache(k_all.reshape(cache.k.shape), v_all.reshape(cache.v.shape))

@@ -97,7 +97,8 @@ def check_radix_plan(seqs, tp: hj.TokenPlan, max_new_tokens: int = 0):
   for row in range(plan.num_rows):  # each row spells its own sequence
     assert _materialise(tp, row) == seqs[tp.order[row]], f'row {row}'
     assert plan.private_lengths[row] == len(tp.private_tokens[row])
-  assert plan.page_size == max(1, max(len(t) for t in tp.private_tokens) + max_new_tokens)
+  capacity = max(1, max(len(t) for t in tp.private_tokens) + max_new_tokens)
+  assert plan.page_size == -(-capacity // 8) * 8  # rounded up to 8 tokens (Mosaic GPU tiles)
   for j, s in enumerate(plan.segments):
     assert s.kv_length == len(tp.segment_tokens[j]) >= 1
     assert s.num_rows >= 2, f'segment {j} is not shared'
@@ -161,7 +162,8 @@ def test_plan_from_tokens_shapes_by_hand():
   assert len(tp.plan.segments) == 1 and tp.segment_tokens == ((1, 2, 3),)
   assert tp.private_tokens == ((),) * 4 and tp.plan.segments[0].num_rows == 4
   tp = hj.plan_from_tokens([[1, 2], [3, 4], [5]])
-  assert tp.plan.segments == () and tp.order == (0, 1, 2) and tp.plan.page_size == 2
+  assert tp.plan.segments == () and tp.order == (0, 1, 2)
+  assert tp.plan.page_size == 8  # 2 tokens rounded up to a multiple of 8 (Mosaic GPU tiles)
   tp = hj.plan_from_tokens([[9, 1, 2], [8, 5], [9, 1, 3], [9, 7]])
   # Rows sorted by next token: [8, 5], then under [9]: [9, 1, *] (sharing [1]), then [9, 7].
   assert tp.order == (1, 0, 2, 3)

@@ -3,6 +3,7 @@
 import logging
 import sys
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,18 +27,28 @@ def problem():
   return plan, (q, k_cache, v_cache, plan.to_device())
 
 
+XLA = sys.modules['hydrajax.tree_attention']  # the XLA backend module
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+  """Each test sees the once-per-reason fallback warnings afresh."""
+  monkeypatch.setattr(dispatch, '_warned', set())
+
+
 @pytest.mark.parametrize('impl', ['xla', hj.AttentionImpl.XLA], ids=['string', 'enum'])
 def test_xla_resolves_to_xla(impl, problem):
   _, args = problem
-  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.XLA, hj.tree_attention_xla)
+  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.XLA, XLA)
+  plan = hj.prepare_attention(args[3], hj.AttentionShapes.of(*args[:2]), impl=impl)
+  assert plan.impl is hj.AttentionImpl.XLA and plan.config == hj.XlaConfig()
 
 
 @on_cpu
 def test_auto_on_cpu_picks_xla(problem):
   plan, args = problem
-  assert dispatch._default_kernel() is None
-  xla = (hj.AttentionImpl.XLA, hj.tree_attention_xla)
-  assert dispatch.resolve(hj.AttentionImpl.AUTO, *args) == xla
+  assert dispatch.default_kernel() is None
+  assert dispatch.resolve(hj.AttentionImpl.AUTO, *args) == (hj.AttentionImpl.XLA, XLA)
   assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
   got = hj.tree_attention(*args)  # AUTO is the default
   assert_states_close(got, naive_tree_attention(*args[:3], plan))
@@ -55,11 +66,33 @@ def test_unknown_impl_raises(problem):
     'impl', [hj.AttentionImpl.MOSAIC_GPU, hj.AttentionImpl.MOSAIC_TPU], ids=lambda i: i.value
 )
 def test_explicit_kernel_that_cannot_run_raises(impl, problem):
-  # On CPU the kernel either cannot be imported or reports why it cannot run these inputs;
-  # an explicit choice never falls back silently.
+  # On CPU the kernel needs interpret mode; an explicit choice never falls back silently, and
+  # the message names the argument of the public function that runs it anyway.
   _, args = problem
-  with pytest.raises(ValueError, match=rf'impl={impl.name} does not support these inputs: .+'):
+  match = rf'impl={impl.name} does not support these inputs: .+pass interpret=True'
+  with pytest.raises(ValueError, match=match):
     hj.tree_attention(*args, impl=impl)
+
+
+def test_device_check_is_one_function():
+  assert dispatch.device_reason(hj.AttentionImpl.XLA) is None
+  for impl in (hj.AttentionImpl.MOSAIC_GPU, hj.AttentionImpl.MOSAIC_TPU):
+    assert dispatch.device_reason(impl, interpret=True) is None
+  assert dispatch.is_hopper() == (dispatch.hopper_reason() is None)
+  if jax.default_backend() == 'cpu':
+    assert 'Hopper' in dispatch.hopper_reason()
+    assert 'need a TPU' in dispatch.device_reason(hj.AttentionImpl.MOSAIC_TPU)
+
+
+def test_a_config_of_another_backend_is_refused_for_an_explicit_impl(problem):
+  _, args = problem
+  from pallas_kernels.tpu.tree_attention import BlockSizes
+
+  with pytest.raises(ValueError, match='config must be a XlaConfig for impl=XLA, got BlockSizes'):
+    hj.tree_attention(*args, impl='xla', config=BlockSizes())
+  # With AUTO the config of a backend that was not chosen is ignored.
+  plan = hj.prepare_attention(args[3], hj.AttentionShapes.of(*args[:2]), config=BlockSizes())
+  assert plan.config == hj.XlaConfig() or plan.impl is hj.AttentionImpl.MOSAIC_TPU
 
 
 # The dispatch logic itself, with stand-in kernel modules (no accelerator needed).
@@ -68,13 +101,15 @@ def test_explicit_kernel_that_cannot_run_raises(impl, problem):
 def _fake_kernel(reason):
   module = types.ModuleType('fake_tree_attention_kernel')
   module.calls = []
+  module.DEFAULT_CONFIG = hj.XlaConfig(kv_block=7)
+  module.unsupported_reason = lambda shapes, layout, *, interpret: reason
+  module.prepare = XLA.prepare
 
-  def tree_attention(q, k_cache, v_cache, layout, *, scale=None):
+  def attend(q, k_cache, v_cache, prepared, *, scale, **kwargs):
     module.calls.append(scale)
-    return hj.tree_attention_xla(q, k_cache, v_cache, layout, scale=scale)
+    return XLA.attend(q, k_cache, v_cache, prepared, scale=scale, **kwargs)
 
-  module.tree_attention = tree_attention
-  module.unsupported_reason = lambda q, k_cache, v_cache, layout: reason
+  module.attend = attend
   return module
 
 
@@ -85,8 +120,9 @@ def fake_gpu(monkeypatch):
   def install(reason):
     module = _fake_kernel(reason)
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(dispatch._KERNEL_MODULES, hj.AttentionImpl.MOSAIC_GPU, module.__name__)
-    monkeypatch.setattr(dispatch, '_default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
+    monkeypatch.setitem(dispatch._BACKEND_MODULES, hj.AttentionImpl.MOSAIC_GPU, module.__name__)
+    monkeypatch.setattr(dispatch, 'default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
+    monkeypatch.setattr(dispatch, 'hopper_reason', lambda: None)  # a Hopper GPU, as it were
     return module
 
   return install
@@ -98,20 +134,31 @@ def fake_gpu(monkeypatch):
 def test_a_kernel_that_supports_the_inputs_runs(impl, fake_gpu, problem):
   _, args = problem
   module = fake_gpu(None)
-  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.MOSAIC_GPU, module.tree_attention)
+  assert dispatch.resolve(impl, *args) == (hj.AttentionImpl.MOSAIC_GPU, module)
+  plan = hj.prepare_attention(args[3], hj.AttentionShapes.of(*args[:2]), impl=impl)
+  assert plan.impl is hj.AttentionImpl.MOSAIC_GPU and plan.config == hj.XlaConfig(kv_block=7)
   out = hj.tree_attention(*args, impl=impl, scale=0.5)
   assert module.calls == [0.5]
   assert_states_close(out, hj.tree_attention_xla(*args, scale=0.5))
 
 
-def test_auto_falls_back_to_xla_with_the_reason_logged(fake_gpu, problem, caplog):
+def test_auto_falls_back_to_xla_visibly(fake_gpu, problem, caplog):
   _, args = problem
   module = fake_gpu('head dim 8 is not supported')
+  message = 'falling back to XLA from MOSAIC_GPU: head dim 8 is not supported'
   with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-    assert dispatch.resolve('auto', *args) == (hj.AttentionImpl.XLA, hj.tree_attention_xla)
-    hj.tree_attention(*args)
+    with pytest.warns(hj.AttentionFallbackWarning, match=message):
+      assert dispatch.resolve('auto', *args) == (hj.AttentionImpl.XLA, XLA)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')  # once per reason: no second warning
+      hj.tree_attention(*args)
+      plan = hj.prepare_attention(args[3], hj.AttentionShapes.of(*args[:2]))
+  assert plan.impl is hj.AttentionImpl.XLA  # which implementation runs
   assert module.calls == []
-  assert 'falling back to XLA from MOSAIC_GPU: head dim 8 is not supported' in caplog.text
+  assert message in caplog.text
+  module.unsupported_reason = lambda shapes, layout, *, interpret: 'another reason'
+  with pytest.warns(hj.AttentionFallbackWarning, match='another reason'):
+    hj.tree_attention(*args)
 
 
 def test_explicit_unsupported_kernel_raises_with_the_reason(fake_gpu, problem):
@@ -125,11 +172,12 @@ def test_explicit_unsupported_kernel_raises_with_the_reason(fake_gpu, problem):
 def test_a_kernel_module_that_cannot_be_imported(monkeypatch, problem, caplog):
   _, args = problem
   missing = 'pallas_kernels.no_such_backend.tree_attention'
-  monkeypatch.setitem(dispatch._KERNEL_MODULES, hj.AttentionImpl.MOSAIC_GPU, missing)
+  monkeypatch.setitem(dispatch._BACKEND_MODULES, hj.AttentionImpl.MOSAIC_GPU, missing)
   match = f'impl=MOSAIC_GPU does not support these inputs: cannot import {missing}'
   with pytest.raises(ValueError, match=match):
     hj.tree_attention(*args, impl=hj.AttentionImpl.MOSAIC_GPU)
-  monkeypatch.setattr(dispatch, '_default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
+  monkeypatch.setattr(dispatch, 'default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
   with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-    assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
+    with pytest.warns(hj.AttentionFallbackWarning, match=f'cannot import {missing}'):
+      assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
   assert f'cannot import {missing}' in caplog.text

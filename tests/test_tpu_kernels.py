@@ -19,12 +19,16 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import hydrajax as hj
+from hydrajax import dispatch
 from hydrajax.layout import Segment, SharingPlan
 from pallas_kernels.tpu import tree_attention as tpu
 from pallas_kernels.tpu.online_softmax import LANES
 from pallas_kernels.tpu.private_attention import private_attention, private_attention_reference
 from pallas_kernels.tpu.shared_attention import shared_attention, shared_attention_reference
 from pallas_kernels.tpu.work_list import FIRST, LAST, build_work_list
+from tests.tree_attention_conformance import Case as ConformanceCase
+from tests.tree_attention_conformance import TreeAttentionConformance
+from tests.tree_attention_conformance import pytest_generate_tests  # noqa: F401 (parametrizes)
 
 ON_TPU = jax.default_backend() == 'tpu'
 # The same cases run compiled on a TPU and in TPU interpret mode elsewhere.
@@ -371,7 +375,8 @@ def test_lowers_to_two_mosaic_launches_for_any_depth(kind):
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform='tpu')
   mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
-    assert tpu.unsupported_reason(q, kv, kv, layout) is None
+    assert tpu.unsupported_reason(hj.AttentionShapes.of(q, kv), layout) is None
+    assert dispatch.device_reason(hj.AttentionImpl.MOSAIC_TPU) is None
     exported = jax.export.export(jax.jit(tpu.tree_attention), platforms=['tpu'])(q, kv, kv, layout)
   module = exported.mlir_module()
   assert module.count('stablehlo.custom_call @tpu_custom_call') == 2
@@ -418,8 +423,9 @@ def test_unsupported_reason(kwargs, interpret, block_sizes, expected):
       private_lengths=(4, 4),
       kv_tokens=length - length % 4,
   )
-  reason = tpu.unsupported_reason(
-      q, kv, kv, plan.to_device(), interpret=interpret, block_sizes=block_sizes
+  reason = dispatch.device_reason(hj.AttentionImpl.MOSAIC_TPU, interpret=bool(interpret))
+  reason = reason or tpu.unsupported_reason(
+      hj.AttentionShapes.of(q, kv), plan.to_device(), interpret=interpret, config=block_sizes
   )
   if expected is None:
     assert reason is None
@@ -454,3 +460,38 @@ def test_dispatch_picks_the_kernel_only_on_tpu():
 def test_block_sizes_reject_bad_values(field, value):
   with pytest.raises(ValueError, match=field):
     tpu.BlockSizes(**{field: value})
+
+
+# The conformance suite every backend passes (tests/tree_attention_conformance.py), through the
+# public API: hj.tree_attention(..., impl=MOSAIC_TPU, interpret=True) on a CPU.
+
+
+class TestMosaicTpu(TreeAttentionConformance):
+  impl = hj.AttentionImpl.MOSAIC_TPU
+  interpret = not ON_TPU
+  head_dim = H
+  config = dataclasses.replace(TINY_BLOCKS, block_rows=8)
+  cases = (
+      ConformanceCase(950, 2, (4, 2), 1, dtype_index=0, max_len=140, max_rows=3),
+      ConformanceCase(951, 3, (2, 1), 2, dtype_index=1, max_len=30, max_rows=3),
+  )
+
+
+@pytest.mark.parametrize('kv_tokens', [256, 264], ids=['layer_on_a_block=256', 'sliced=264'])
+def test_kv_offset_with_several_kv_blocks_per_layer(kv_tokens):
+  """L > block_kv: a layer starting on a kv block (SMEM block offset) or not (sliced layer)."""
+  plan = SharingPlan(
+      num_rows=3, segments=(Segment(0, 200, 0, 3), Segment(200, 9, 1, 3, parent=0)),
+      page_size=8, private_pages=((27,), (28,), (30,)), private_lengths=(3, 8, 5),
+      kv_tokens=kv_tokens,
+  )
+  q, k, v = random_inputs(plan, 80, num_queries=1, heads=2, kv_heads=2, dtype=jnp.float32)
+  nan = jnp.full(k.shape, jnp.nan, k.dtype)
+  k_all, v_all = jnp.concatenate([nan, k, nan]), jnp.concatenate([nan, v, nan])
+  prepared = hj.prepare_attention(
+      plan.to_device(), hj.AttentionShapes.of(q, k), impl='mosaic_tpu', interpret=True,
+      config=tpu.BlockSizes(block_rows=8, block_kv=128),
+  )
+  assert prepared.prepared.kernel_plan.block_kv == 128
+  got = hj.attend(q, k_all, v_all, prepared, kv_offset=jnp.int32(kv_tokens))
+  assert_close(got, naive_tree_attention(q, k, v, plan), jnp.float32, 'naive')

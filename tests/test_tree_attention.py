@@ -19,6 +19,9 @@ from tests.conftest import (
     segment_lengths,
     tree_depth,
 )
+from tests.tree_attention_conformance import Case as ConformanceCase
+from tests.tree_attention_conformance import TreeAttentionConformance
+from tests.tree_attention_conformance import pytest_generate_tests  # noqa: F401 (parametrizes)
 
 HEAD_DIM = 16
 HEADS = ((8, 8), (8, 2), (8, 1))  # (N, K): MHA, GQA (G=4), MQA (G=8)
@@ -221,7 +224,7 @@ def test_custom_scale_matches_oracle(scale):
 def test_splitting_a_segment_is_exact(split: int):
   n = 37
   leaves = (hj.PromptNode(5, num_samples=2), hj.PromptNode(0), hj.PromptNode(11))
-  private = dict(private_capacity=4, private_lengths=[1, 2, 3, 4, 2])
+  private = dict(private_capacity=4, private_lengths=[2, 2, 3, 4, 2])  # each >= T = 2
   whole = hj.plan_tree([hj.PromptNode(n, children=leaves), hj.PromptNode(3)], **private)
   chain = hj.PromptNode(split, children=(hj.PromptNode(n - split, children=leaves),))
   parts = hj.plan_tree([chain, hj.PromptNode(3)], **private)
@@ -379,3 +382,17 @@ def test_deeper_tree_with_the_same_groups_does_not_retrace():
     k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     assert_states_close(attend(q, k_cache, v_cache, layout), naive_tree_attention(q, k_cache, v_cache, p))
   assert len(traces) == 1
+
+
+# The conformance suite every backend passes (tests/tree_attention_conformance.py).
+
+
+class TestXla(TreeAttentionConformance):
+  impl = hj.AttentionImpl.XLA
+  cases = tuple(
+      ConformanceCase(seed, depth, heads, t, dtype_index=seed % 2, max_len=60)
+      for seed, (depth, heads, t) in enumerate(
+          [(1, (8, 8), 1), (2, (8, 2), 3), (3, (8, 1), 1), (4, (8, 2), 2), (2, (4, 4), 2),
+           (3, (4, 1), 3)], start=900)
+  )
+  config = hj.XlaConfig(kv_block=16)  # long segments run in several blocks

@@ -232,3 +232,97 @@ def test_good_inputs_in_every_float_dtype_pass(layout):
   # Shapes only: abstract values validate too (the check runs at trace time).
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs()]
   check_tree_attention_inputs(*abstract, layout)
+
+
+# Hardening (issue 13): what used to be silently clamped, wrong, or a RecursionError.
+
+
+def _small_problem(t=1, lengths=(2, 3)):
+  plan = hj.plan_tree(hj.PromptNode(5, num_samples=2), private_capacity=4, private_lengths=lengths)
+  q = jnp.ones((2, t, 4, 8), jnp.float32)
+  kv = jnp.ones((plan.kv_tokens, 2, 8), jnp.float32)
+  return plan, q, kv
+
+
+def test_a_buffer_shorter_than_the_plan_raises():
+  plan, q, kv = _small_problem()
+  short = kv[: plan.kv_tokens - 4]  # still whole pages: it used to be silently clamped
+  match = rf'holds {plan.kv_tokens - 4} tokens per layer, but the layout indexes {plan.kv_tokens}'
+  for impl in ('xla', 'auto'):
+    with pytest.raises(ValueError, match=match):
+      hj.tree_attention(q, short, short, plan.to_device(), impl=impl)
+  with pytest.raises(ValueError, match=match):
+    hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, short))
+  layout_plan = hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, kv))
+  with pytest.raises(ValueError, match='fewer than the planned kv_tokens'):
+    hj.attend(q, short, short, layout_plan)
+
+
+def test_more_query_tokens_than_a_rows_private_length_raises():
+  plan, q, kv = _small_problem(t=3, lengths=(2, 4))  # row 0: 2 private tokens, T = 3
+  with pytest.raises(ValueError, match='T=3 query tokens per row, but a row has only 2 private'):
+    hj.tree_attention(q, kv, kv, plan.to_device())
+  plan, q, kv = _small_problem(t=2, lengths=(0, 2))  # a padding row (length 0) is fine
+  hj.tree_attention(q, kv, kv, plan.to_device())
+
+
+@pytest.mark.parametrize('scale', [float('nan'), float('inf'), 0.0, -1.0],
+                         ids=['nan', 'inf', 'zero', 'negative'])
+def test_bad_scale_raises(scale):
+  plan, q, kv = _small_problem()
+  with pytest.raises(ValueError, match='scale must be finite and > 0'):
+    hj.tree_attention(q, kv, kv, plan.to_device(), scale=scale)
+  with pytest.raises(ValueError, match='scale must be finite and > 0'):
+    hj.tree_attention_xla(q, kv, kv, plan.to_device(), scale=scale)
+
+
+def test_bad_kv_block_raises():
+  plan, q, kv = _small_problem()
+  with pytest.raises(ValueError, match='kv_block must be >= 1, got 0'):
+    hj.tree_attention_xla(q, kv, kv, plan.to_device(), kv_block=0)
+  with pytest.raises(ValueError, match='kv_block must be an integer'):
+    hj.XlaConfig(kv_block=2.5)
+
+
+def test_bad_kv_offset_raises():
+  plan, q, kv = _small_problem()
+  stacked = jnp.concatenate([kv, kv])
+  p = hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, kv))
+  for offset in (3, -4, plan.kv_tokens + 4):  # not a page multiple; negative; past the end
+    with pytest.raises(ValueError, match='kv_offset must be a multiple of page_size=4'):
+      hj.attend(q, stacked, stacked, p, kv_offset=offset)
+  with pytest.raises(ValueError, match='kv_offset must be a Python int or an int32 scalar'):
+    hj.attend(q, stacked, stacked, p, kv_offset=jnp.zeros((2,), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    'make, match',
+    [
+        (lambda: hj.Segment(0, 2.5, 0, 1), r'Segment.kv_length must be an integer, got 2.5'),
+        (lambda: hj.Segment(0.0, 2, 0, 1), r'Segment.kv_start must be an integer'),
+        (lambda: hj.PromptNode(2.5), r'PromptNode.length must be an integer'),
+        (lambda: hj.plan_tree(hj.PromptNode(2), private_capacity=2, private_lengths=1.5),
+         r'private_lengths must be an integer'),
+        (lambda: _plan(lengths=(1, 2.0)), r'SharingPlan.private_lengths\[1\] must be an integer'),
+        (lambda: _plan(page_size=4.0), r'SharingPlan.page_size must be an integer'),
+    ],
+    ids=['segment_length', 'segment_start', 'prompt_node', 'plan_tree_lengths',
+         'plan_lengths', 'page_size'],
+)
+def test_float_lengths_raise(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_deep_prefix_chains_plan_without_recursion():
+  depth = 1200  # RecursionError at about 1000 before
+  node = hj.PromptNode(1, num_samples=2)
+  for _ in range(depth - 1):
+    node = hj.PromptNode(1, children=(node,))
+  plan = hj.plan_tree(node, private_capacity=1, private_lengths=1)
+  assert len(plan.segments) == depth and plan.segments[-1].parent == depth - 2
+  assert plan.private_position(1) == depth
+  sequences = [list(range(n)) for n in range(1, depth + 1)]  # nested prefixes: a chain
+  tp = hj.plan_from_tokens(sequences, max_new_tokens=1)
+  assert len(tp.plan.segments) == depth - 1 and tp.order == tuple(range(depth))
+  assert tp.plan.page_size % 8 == 0

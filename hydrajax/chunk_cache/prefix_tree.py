@@ -64,7 +64,7 @@ from typing import Sequence
 import numpy as np
 
 from hydrajax.chunk_cache.allocator import CapacityError, ChunkAllocator
-from hydrajax.chunk_cache.device_layout import LayoutPolicy, device_groups, make_layout, page_table
+from hydrajax.layout import LayoutPolicy, device_groups, make_layout, page_table
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 
 

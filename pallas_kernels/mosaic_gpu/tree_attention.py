@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax import dispatch
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
@@ -149,20 +150,7 @@ def _shape_reason(shapes, layout: TreeLayout) -> str | None:
 
 
 def _hopper_reason() -> str | None:
-  if jax.default_backend() != 'gpu':
-    return f'needs a Hopper GPU, the default backend is {jax.default_backend()}'
-  device = jax.devices()[0]
-  capability = getattr(device, 'compute_capability', None)
-  if capability is not None:
-    if str(capability) not in ('9.0', '9.0a'):
-      return (
-          f'needs a Hopper GPU (compute capability 9.0), found {device.device_kind} ({capability})'
-      )
-    return None
-  kind = device.device_kind.lower()
-  if not any(name in kind for name in ('h100', 'h200', 'h800', 'gh200')):
-    return f'needs a Hopper GPU, found {device.device_kind}'
-  return None
+  return dispatch.hopper_reason()  # the one device check
 
 
 def unsupported_reason(shapes, layout, *legacy, interpret: bool = False) -> str | None:

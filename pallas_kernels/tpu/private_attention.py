@@ -31,6 +31,7 @@ from pallas_kernels.tpu.online_softmax import LANES
 def _kernel(
     lengths_ref,  # SMEM [Bq] int32
     pages_ref,  # SMEM [Bq * P] int32
+    page_offset_ref,  # SMEM [1] int32 (index maps only)
     q_ref,  # [rows, TG, hb * H]
     *refs,  # rows * pages_per_block key pages [C, hb * H] (row-major), as many value pages,
     # then out, lse, and the scratch m, l, acc
@@ -41,6 +42,7 @@ def _kernel(
     pages_per_block: int,
     scale: float,
 ):
+  del page_offset_ref
   rows, tg, _ = q_ref.shape
   n = rows * pages_per_block
   k_refs, v_refs = refs[:n], refs[n : 2 * n]
@@ -98,6 +100,7 @@ def private_attention(
     v_pages: jax.Array,  # [L // C, C, K, H]
     lengths: jax.Array,  # [Bq] int32
     pages: jax.Array,  # [Bq, P] int32
+    page_offset: jax.Array | int = 0,  # [] int32, added to every page id (a layer's first page)
     *,
     num_queries: int,
     scale: float,
@@ -125,12 +128,12 @@ def private_attention(
   steps = -(-width // ppb)
 
   def page_spec(r, p):
-    def index_map(h, block, i, lengths_ref, pages_ref):
+    def index_map(h, block, i, lengths_ref, pages_ref, offset_ref):
       row = block * rows + r
       # Past the row's last page, repeat it: same block index, so no new DMA.
       last = jnp.maximum((lengths_ref[row] + page_size - 1) // page_size - 1, 0)
       slot = jnp.minimum(jnp.minimum(i * ppb + p, last), width - 1)
-      return pages_ref[row * width + slot], 0, h
+      return pages_ref[row * width + slot] + offset_ref[0], 0, h
 
     return pl.BlockSpec((None, page_size, hb * head_dim), index_map)
 
@@ -145,7 +148,7 @@ def private_attention(
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
+          num_scalar_prefetch=3,
           grid=(kv_heads // hb, bq // rows, steps),
           in_specs=[pl.BlockSpec((rows, tg, hb * head_dim), row_map)] + page_specs + page_specs,
           out_specs=[
@@ -171,6 +174,7 @@ def private_attention(
   )(
       lengths.astype(jnp.int32),
       pages.reshape(-1).astype(jnp.int32),
+      jnp.reshape(jnp.asarray(page_offset, jnp.int32), (1,)),
       q.reshape(bq, tg, -1),
       *([k_flat] * len(page_specs)),
       *([v_flat] * len(page_specs)),
@@ -187,6 +191,7 @@ def private_attention_reference(
     v_pages: jax.Array,  # [L // C, C, K, H]
     lengths: jax.Array,  # [Bq] int32
     pages: jax.Array,  # [Bq, P] int32
+    page_offset: jax.Array | int = 0,
     *,
     num_queries: int,
     scale: float,
@@ -194,6 +199,7 @@ def private_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
   """`private_attention` in jnp (same arguments and results), computed in float32."""
   del unused_block_sizes
+  pages = pages + page_offset
   bq, tg, kv_heads, head_dim = q.shape
   k = k_pages[pages].reshape(bq, -1, kv_heads, head_dim).astype(jnp.float32)  # [Bq, S, K, H]
   v = v_pages[pages].reshape(bq, -1, kv_heads, head_dim).astype(jnp.float32)

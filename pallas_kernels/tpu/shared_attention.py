@@ -41,6 +41,7 @@ def _kernel(
     kv_lo_ref,
     kv_hi_ref,
     flags_ref,
+    block_offset_ref,  # SMEM [1] int32: the layer's first kv block in the buffer (index maps only)
     q_ref,  # [bm, hb * H]
     k_ref,  # [bk, hb * H]
     v_ref,  # [bk, hb * H]
@@ -56,6 +57,7 @@ def _kernel(
     head_dim: int,
     scale: float,
 ):
+  del block_offset_ref
   e = pl.program_id(0) * pl.num_programs(2) + pl.program_id(2)  # index into the split-major list
   flags = flags_ref[e]
   block_rows, block_kv = q_ref.shape[0], k_ref.shape[0]
@@ -124,6 +126,7 @@ def shared_attention(
     init_out: jax.Array,  # [M, K, H] float32
     init_lse: jax.Array,  # [M, K, 128] float32, lane-replicated
     work: WorkList,
+    block_offset: jax.Array | int = 0,  # [] int32: the layer's first kv block in k/v_cache
     *,
     scale: float,
     block_rows: int,
@@ -139,19 +142,23 @@ def shared_attention(
   lane-replicated). `block_kv` must be L or a multiple of the sublane tile
   (8 float32, 16 bfloat16), M a multiple of `block_rows`, itself a multiple
   of the sublane tile; `work` comes from `build_work_list` with the same
-  block sizes and `num_splits`.
+  block sizes and `num_splits`, its tokens relative to a layer's buffer that
+  starts at token `block_offset * block_kv` of k/v_cache (a flat buffer of
+  several layers: the work list is built once, not per layer).
   """
   rows, kv_heads, head_dim = q.shape
   hb = heads_per_block
   num_items = work.tile.shape[0] // num_splits  # per split
   tile_map = lambda s, h, e, tile, *_: (tile[s * num_items + e], h)
-  kv_map = lambda s, h, e, tile, kv_block, *_: (kv_block[s * num_items + e], h)
+
+  def kv_map(s, h, e, tile, kv_block, *refs):
+    return kv_block[s * num_items + e] + refs[-1][0], h
   wide = lambda x: x.reshape(x.shape[0], -1)  # [X, K, Y] -> [X, K * Y], free
   kernel = functools.partial(_kernel, heads=hb, head_dim=head_dim, scale=scale)
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(work),
+          num_scalar_prefetch=len(work) + 1,
           grid=(num_splits, kv_heads // hb, num_items),
           in_specs=[
               pl.BlockSpec((block_rows, hb * head_dim), tile_map),  # q
@@ -182,6 +189,7 @@ def shared_attention(
       name='hydrajax_shared_attention',
   )(
       *work,
+      jnp.reshape(jnp.asarray(block_offset, jnp.int32), (1,)),
       wide(q),
       wide(k_cache),
       wide(v_cache),
@@ -198,14 +206,17 @@ def shared_attention_reference(
     init_out: jax.Array,  # [M, K, H] float32
     init_lse: jax.Array,  # [M, K, 128] float32
     work: WorkList,
+    block_offset: jax.Array | int = 0,
     *,
     scale: float,
+    block_kv: int | None = None,
     **unused_block_sizes,
 ) -> tuple[jax.Array, jax.Array]:
   """`shared_attention` in jnp (same arguments and results), dense over [M, L] in float32."""
   del unused_block_sizes
   rows = jnp.arange(q.shape[0])
-  tokens = jnp.arange(k_cache.shape[0])
+  # Token indices relative to the layer's buffer (work lists index it from 0).
+  tokens = jnp.arange(k_cache.shape[0]) - jnp.asarray(block_offset, jnp.int32) * (block_kv or 0)
   has_keys = work.kv_lo < work.kv_hi
   in_rows = (rows[None, :] >= work.row_lo[:, None]) & (rows[None, :] < work.row_hi[:, None])
   in_tokens = (tokens[None, :] >= work.kv_lo[:, None]) & (tokens[None, :] < work.kv_hi[:, None])

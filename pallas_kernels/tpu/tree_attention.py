@@ -18,8 +18,17 @@ The queries are laid out once as a [B*T*G, K, H] matrix (row b owns rows
 [b*T*G, (b+1)*T*G), token-major, head-group-minor) and the KV buffer is read in
 place ([L, K*H] and [L/C, C, K*H] are free reshapes of [L, K, H]).
 
-No TPU is needed to test: pass `interpret=pltpu.InterpretParams()` to run both
-kernels in TPU interpret mode on CPU.
+No TPU is needed to test: pass `interpret=pltpu.InterpretParams()` (or True) to
+run both kernels in TPU interpret mode on CPU.
+
+The backend protocol of `hydrajax.attention_plan`: `prepare` builds the shared
+kernel's work list (a device sort and scatter) and pads the page table, once
+per tree change; `attend` passes the layer's `kv_offset` to the kernels as
+scalar-prefetched SMEM scalars (first kv block, first page) that their index
+maps add, so one work list serves every layer of a flat `[layers * L, K, H]`
+buffer. The kv block is chosen to divide L where a multiple of 128 does; when
+none does and the offset is not 0, the shared kernel reads a slice of the
+layer's buffer (a copy).
 """
 
 import dataclasses
@@ -30,13 +39,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from hydrajax import dispatch
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.tpu.online_softmax import LANES
 from pallas_kernels.tpu.private_attention import private_attention
 from pallas_kernels.tpu.shared_attention import shared_attention
-from pallas_kernels.tpu.work_list import build_work_list, work_list_size
+from pallas_kernels.tpu.work_list import WorkList, build_work_list, work_list_size
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
 VMEM_BUDGET_BYTES = 48 * 2**20  # fits v5p's 64 MiB per TensorCore (v5e has 128 MiB)
@@ -137,8 +147,22 @@ def _heads(kv_heads: int, head_dim: int, wanted: int | None, max_lanes: int) -> 
   return max(d for d in range(1, kv_heads + 1) if fits(d))
 
 
+DEFAULT_CONFIG = BlockSizes()
+
+
+def _block_kv(length: int, wanted: int) -> int:
+  """kv tokens per block: L when it fits, else the largest multiple of 128 <= wanted that
+  divides L (a layer then starts on a block boundary), else `wanted`."""
+  if length <= wanted:
+    return length
+  for d in range(wanted, 127, -128):
+    if length % d == 0:
+      return d
+  return wanted
+
+
 def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) -> KernelPlan:
-  """The static tiling for inputs of these shapes (no arrays are read)."""
+  """The static tiling for inputs of these shapes (no arrays are read); kv_shape is one layer's."""
   b, t, n, h = q_shape
   length, kv_heads, _ = kv_shape
   tg = t * (n // kv_heads)
@@ -147,7 +171,7 @@ def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) 
   bm = min(unit * max(1, block_sizes.block_rows // unit), _round_up(b * tg, unit))
   num_tiles = -(-b * tg // bm)
   padded_rows = num_tiles * bm // tg
-  bk = length if length <= block_sizes.block_kv else block_sizes.block_kv
+  bk = _block_kv(length, block_sizes.block_kv)
   hb = _heads(kv_heads, h, block_sizes.heads_per_block, 256)
   phb = _heads(kv_heads, h, block_sizes.private_heads_per_block, 1024)
   c, width = layout.page_size, layout.private_pages.shape[1]
@@ -192,35 +216,12 @@ def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) 
 
 
 def targets_tpu() -> bool:
-  """True on a TPU backend, or under `jax.sharding.use_abstract_mesh` with a TPU device.
-
-  The second form lets a CPU host lower (e.g. `jax.export` with
-  platforms=['tpu']) for a named TPU generation.
-  """
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  if device is not None:
-    return device.platform == 'tpu'
-  return jax.default_backend() == 'tpu'
+  """True on a TPU backend, or under `jax.sharding.use_abstract_mesh` with a TPU device."""
+  return dispatch.tpu_reason() is None
 
 
-def unsupported_reason(
-    q,  # [B, T, N, H]
-    k_cache,  # [L, K, H]
-    v_cache,  # [L, K, H]
-    layout: TreeLayout,
-    *,
-    interpret=None,
-    block_sizes: BlockSizes | None = None,
-) -> str | None:
-  """Why these (validated) inputs cannot run on these kernels, or None if they can.
-
-  Reads shapes and dtypes only (arrays or jax.ShapeDtypeStruct).
-  """
-  if not interpret and not targets_tpu():
-    return (
-        f'Mosaic TPU kernels need a TPU (the default backend is {jax.default_backend()}); '
-        'pass interpret=pltpu.InterpretParams() to run them in interpret mode'
-    )
+def _shapes_reason(q, k_cache, layout: TreeLayout, block_sizes: BlockSizes) -> str | None:
+  """Why inputs of these shapes (one layer's k_cache) cannot run on these kernels, or None."""
   if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
     return f'dtypes must be bfloat16 or float32, got q {q.dtype} and kv {k_cache.dtype}'
   if q.dtype != k_cache.dtype:
@@ -231,7 +232,6 @@ def unsupported_reason(
   length = k_cache.shape[0]
   if length % layout.page_size:
     return f'the KV buffer length L={length} must be a multiple of page_size={layout.page_size}'
-  block_sizes = block_sizes or BlockSizes()
   kv_heads = k_cache.shape[1]
   for name in ('heads_per_block', 'private_heads_per_block'):
     heads = getattr(block_sizes, name)
@@ -253,10 +253,75 @@ def unsupported_reason(
   return None
 
 
+def unsupported_reason(shapes, layout: TreeLayout, *, interpret=False,
+                       config: BlockSizes | None = None) -> str | None:
+  """Why calls of these `AttentionShapes` cannot run on these kernels, or None.
+
+  Shapes, dtypes and block-size limits only: the device check is `hydrajax.dispatch`'s.
+  """
+  del interpret
+  return _shapes_reason(shapes.query_struct(), shapes.kv_struct(), layout, config or DEFAULT_CONFIG)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TpuPrepared:
+  """What `prepare` derives from the layout once per tree change."""
+
+  work: WorkList | None  # the shared kernel's work list (None without shared segments)
+  private_pages: jax.Array  # [B_pad, P] int32, padding rows zero
+  private_lengths: jax.Array  # [B] int32, the layout's (swapped per decode step)
+  kernel_plan: KernelPlan = dataclasses.field(metadata=dict(static=True))
+  page_size: int = dataclasses.field(metadata=dict(static=True))
+
+
+@functools.partial(jax.jit, static_argnames=('kernel_plan', 'kv_tokens'))
+def _prepare(layout: TreeLayout, *, kernel_plan: KernelPlan, kv_tokens: int) -> TpuPrepared:
+  p = kernel_plan
+  work = None
+  if layout.groups:
+    work = build_work_list(
+        layout, rows_per_query=p.rows_per_query, block_rows=p.block_rows, block_kv=p.block_kv,
+        num_tiles=p.num_tiles, kv_tokens=kv_tokens, num_splits=p.num_splits,
+    )
+  extra = p.padded_rows - layout.num_rows
+  pages = jnp.pad(layout.private_pages, ((0, extra), (0, 0)))
+  return TpuPrepared(work, pages, layout.private_lengths, p, layout.page_size)
+
+
+def prepare(layout: TreeLayout, shapes, config: BlockSizes, *, interpret=False) -> TpuPrepared:
+  """The work list and padded page table of `layout` (ValueError if the config does not fit)."""
+  del interpret
+  reason = unsupported_reason(shapes, layout, config=config)
+  if reason is not None:
+    raise ValueError(f'pallas_kernels.tpu.tree_attention does not support these inputs: {reason}')
+  kernel_plan = plan(
+      (shapes.num_rows, shapes.query_tokens, shapes.num_heads, shapes.head_dim), shapes.dtype,
+      (shapes.kv_tokens, shapes.num_kv_heads, shapes.head_dim), layout, config,
+  )
+  return _prepare(layout, kernel_plan=kernel_plan, kv_tokens=shapes.kv_tokens)
+
+
+def with_private_lengths(prepared: TpuPrepared, lengths: jax.Array) -> TpuPrepared:
+  return dataclasses.replace(prepared, private_lengths=lengths)
+
+
 def _interpret_arg(interpret):
   if interpret is True:
     return pltpu.InterpretParams()
   return interpret or False
+
+
+def attend(q, k_cache, v_cache, prepared: TpuPrepared, *, shapes, config, kv_offset, scale,
+           interpret=False) -> PartialState:
+  """Attention of every row over its tree path and private KV, in the layer at `kv_offset`."""
+  del config
+  scale = shapes.head_dim**-0.5 if scale is None else float(scale)
+  return _attend(
+      q, k_cache, v_cache, prepared, jnp.asarray(kv_offset, jnp.int32),
+      static_zero_offset=isinstance(kv_offset, int) and kv_offset == 0, kv_tokens=shapes.kv_tokens,
+      scale=scale, interpret=_interpret_arg(interpret),
+  )
 
 
 def tree_attention(
@@ -287,51 +352,60 @@ def tree_attention(
     ValueError: bad inputs (see `hydrajax.validation`), or inputs these kernels
       do not support (see `unsupported_reason`).
   """
+  from hydrajax.attention_plan import AttentionShapes  # hydrajax imports dispatch lazily
+
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   block_sizes = block_sizes or BlockSizes()
   interpret = _interpret_arg(interpret)
-  reason = unsupported_reason(
-      q, k_cache, v_cache, layout, interpret=interpret, block_sizes=block_sizes
-  )
+  reason = dispatch.device_reason(dispatch.AttentionImpl.MOSAIC_TPU, interpret=bool(interpret))
+  reason = reason or _shapes_reason(q, k_cache, layout, block_sizes)
   if reason is not None:
     raise ValueError(f'pallas_kernels.tpu.tree_attention does not support these inputs: {reason}')
+  shapes = AttentionShapes.of(q, k_cache)
+  prepared = prepare(layout, shapes, block_sizes)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  return _tree_attention(
-      q, k_cache, v_cache, layout, scale=scale, interpret=interpret, block_sizes=block_sizes
+  return _attend(
+      q, k_cache, v_cache, prepared, jnp.zeros((), jnp.int32), static_zero_offset=True,
+      kv_tokens=shapes.kv_tokens, scale=scale, interpret=interpret,
   )
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'block_sizes'))
-def _tree_attention(q, k_cache, v_cache, layout: TreeLayout, *, scale, interpret, block_sizes):
+@functools.partial(
+    jax.jit, static_argnames=('static_zero_offset', 'kv_tokens', 'scale', 'interpret')
+)
+def _attend(q, k_cache, v_cache, prepared: TpuPrepared, kv_offset, *, static_zero_offset,
+            kv_tokens, scale, interpret):
   b, t, n, h = q.shape
-  length, kv_heads, _ = k_cache.shape
+  total, kv_heads, _ = k_cache.shape
   g = n // kv_heads
-  p = plan(q.shape, q.dtype, k_cache.shape, layout, block_sizes)
+  p = prepared.kernel_plan
   tg, extra = p.rows_per_query, p.padded_rows - b
   knobs = dict(vmem_limit_bytes=p.vmem_limit_bytes, interpret=interpret)
 
   # [B, T, N, H] -> [B_pad, T*G, K, H]: row (t, g) of query row b, per kv head.
   qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 1, 3, 2, 4).reshape(b, tg, kv_heads, h)
   qg = jnp.pad(qg, ((0, extra), (0, 0), (0, 0), (0, 0)))
-  lengths = jnp.pad(layout.private_lengths, (0, extra))  # padding rows: length 0, (0, -inf)
-  pages = jnp.pad(layout.private_pages, ((0, extra), (0, 0)))
-  paged = lambda x: x.reshape(length // layout.page_size, layout.page_size, kv_heads, h)  # free
+  lengths = jnp.pad(prepared.private_lengths, (0, extra))  # padding rows: length 0, (0, -inf)
+  pages = prepared.private_pages
+  c = prepared.page_size
+  paged = lambda x: x.reshape(total // c, c, kv_heads, h)  # free
   out, lse = private_attention(
-      qg, paged(k_cache), paged(v_cache),
-      lengths, pages, num_queries=t, scale=scale, pages_per_block=p.pages_per_block,
+      qg, paged(k_cache), paged(v_cache), lengths, pages, kv_offset // c,
+      num_queries=t, scale=scale, pages_per_block=p.pages_per_block,
       rows_per_block=p.private_rows_per_block, heads_per_block=p.private_heads_per_block, **knobs,
   )
   rows = p.padded_rows * tg
   out, lse = out.reshape(rows, kv_heads, h), lse.reshape(rows, kv_heads, LANES)
-  if layout.groups:
-    work = build_work_list(
-        layout, rows_per_query=tg, block_rows=p.block_rows, block_kv=p.block_kv,
-        num_tiles=p.num_tiles, kv_tokens=length, num_splits=p.num_splits,
-    )
+  if prepared.work is not None:
+    k_layer, v_layer, block_offset = k_cache, v_cache, kv_offset // p.block_kv
+    if not static_zero_offset and kv_tokens % p.block_kv:  # a layer does not start on a block
+      k_layer = jax.lax.dynamic_slice_in_dim(k_cache, kv_offset, kv_tokens)
+      v_layer = jax.lax.dynamic_slice_in_dim(v_cache, kv_offset, kv_tokens)
+      block_offset = jnp.zeros((), jnp.int32)
     out, lse = shared_attention(
-        qg.reshape(rows, kv_heads, h), k_cache, v_cache, out, lse, work, scale=scale,
-        block_rows=p.block_rows, block_kv=p.block_kv, heads_per_block=p.heads_per_block,
-        num_splits=p.num_splits, **knobs,
+        qg.reshape(rows, kv_heads, h), k_layer, v_layer, out, lse, prepared.work, block_offset,
+        scale=scale, block_rows=p.block_rows, block_kv=p.block_kv,
+        heads_per_block=p.heads_per_block, num_splits=p.num_splits, **knobs,
     )
 
   # [B*T*G, K, H] -> [B, T, N, H] and [B*T*G, K, 128] -> [B, T, N].

@@ -1,0 +1,306 @@
+"""Plan once per tree change, attend every layer: the prepared attention plan.
+
+    plan = prepare_attention(layout, AttentionShapes.of(q, k_cache), impl=AUTO)  # per tree change
+    for layer in range(num_layers):                                             # every layer
+      out, lse = attend(q, k_all, v_all, plan, kv_offset=layer * L)
+
+`prepare_attention` resolves the implementation once (`hydrajax.dispatch`) and lets the backend
+precompute what it derives from the layout (XLA: gather indices and masks; Mosaic TPU: the work
+list; Mosaic GPU: packed segment tables and schedules). `attend` then only adds `kv_offset` (the
+token where this layer's buffer starts in a flat `[layers * L, K, H]` buffer) where token
+indices are formed. The plan is a jit pytree: arrays are leaves, the implementation, the shapes,
+the backend config and `interpret` are static.
+
+What changes every decode step without a tree change, the rows' private lengths, stays a plain
+layout array: `plan.with_private_lengths(lengths)` swaps it (no backend work).
+
+Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_attention`):
+
+    DEFAULT_CONFIG
+    unsupported_reason(shapes, layout, *, interpret) -> str | None
+    prepare(layout, shapes, config, *, interpret) -> pytree
+    attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)
+    with_private_lengths(prepared, lengths) -> pytree    # optional: else a dataclass field
+                                                         # `private_lengths` is replaced, else
+                                                         # the layout is re-prepared
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hydrajax import dispatch
+from hydrajax.dispatch import AttentionImpl
+from hydrajax.layout import TreeLayout
+from hydrajax.partial_state import PartialState
+from hydrajax.validation import check_tree_attention_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShapes:
+  """Static facts of one attention call (hashable: a jit static).
+
+  Attributes:
+    num_rows: B, query rows.
+    query_tokens: T, query tokens per row.
+    num_heads: N, query heads.
+    num_kv_heads: K, kv heads (N % K == 0).
+    head_dim: H.
+    kv_tokens: L, the length of ONE layer's buffer (what the layout indexes).
+    dtype: the queries' dtype.
+    kv_dtype: the K/V buffer's dtype (None: the same as `dtype`).
+  """
+
+  num_rows: int
+  query_tokens: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  kv_tokens: int
+  dtype: Any
+  kv_dtype: Any = None
+
+  def __post_init__(self):
+    for name in ('num_rows', 'query_tokens', 'num_heads', 'num_kv_heads', 'head_dim', 'kv_tokens'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f'AttentionShapes.{name} must be an integer >= 1, got {value!r}')
+      object.__setattr__(self, name, int(value))
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'AttentionShapes: query heads N={self.num_heads} must be a multiple of kv heads '
+          f'K={self.num_kv_heads}'
+      )
+    object.__setattr__(self, 'dtype', jnp.dtype(self.dtype))
+    object.__setattr__(self, 'kv_dtype', jnp.dtype(self.kv_dtype or self.dtype))
+
+  @classmethod
+  def of(cls, q, k_cache) -> 'AttentionShapes':
+    """From q [B, T, N, H] and one layer's k_cache [L, K, H] (arrays or ShapeDtypeStructs)."""
+    b, t, n, h = q.shape
+    length, kh, _ = k_cache.shape
+    return cls(b, t, n, kh, h, length, q.dtype, k_cache.dtype)
+
+  @property
+  def group(self) -> int:
+    """G = N / K, query heads per kv head."""
+    return self.num_heads // self.num_kv_heads
+
+  def query_struct(self) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(
+        (self.num_rows, self.query_tokens, self.num_heads, self.head_dim), self.dtype
+    )
+
+  def kv_struct(self, kv_tokens: int | None = None) -> jax.ShapeDtypeStruct:
+    length = self.kv_tokens if kv_tokens is None else kv_tokens
+    return jax.ShapeDtypeStruct((length, self.num_kv_heads, self.head_dim), self.kv_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+  """A layout with its implementation resolved and its backend metadata precomputed.
+
+  Built once per tree change by `prepare_attention`; a jit pytree (layout and prepared are
+  leaves, the rest static).
+  """
+
+  layout: TreeLayout
+  prepared: Any  # the backend's pytree of precomputed arrays
+  impl: AttentionImpl  # resolved, never AUTO
+  shapes: AttentionShapes
+  config: Any  # the backend's frozen config
+  interpret: bool
+
+  def with_private_lengths(self, lengths: jax.Array) -> 'AttentionPlan':
+    """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token)."""
+    layout = dataclasses.replace(self.layout, private_lengths=lengths)
+    module = dispatch.backend(self.impl)
+    if hasattr(module, 'with_private_lengths'):
+      prepared = module.with_private_lengths(self.prepared, lengths)
+    elif 'private_lengths' in {f.name for f in dataclasses.fields(self.prepared)}:
+      prepared = dataclasses.replace(self.prepared, private_lengths=lengths)  # the convention
+    else:
+      prepared = module.prepare(layout, self.shapes, self.config, interpret=self.interpret)
+    return dataclasses.replace(self, layout=layout, prepared=prepared)
+
+
+jax.tree_util.register_dataclass(
+    AttentionPlan,
+    data_fields=['layout', 'prepared'],
+    meta_fields=['impl', 'shapes', 'config', 'interpret'],
+)
+
+
+def check_layout(layout: TreeLayout, shapes: AttentionShapes) -> None:
+  """The layout fits these shapes; the host-checkable facts (`layout.host`) too."""
+  if not isinstance(layout, TreeLayout):
+    raise ValueError(
+        f'layout must be a TreeLayout (SharingPlan.to_device()), got {type(layout).__name__}'
+    )
+  if layout.num_rows != shapes.num_rows:
+    raise ValueError(f'q has B={shapes.num_rows} rows but the layout has {layout.num_rows}')
+  if layout.private_pages.shape[1] * layout.page_size > 0 and shapes.kv_tokens < layout.page_size:
+    raise ValueError(
+        f'k_cache holds {shapes.kv_tokens} tokens, less than one page of {layout.page_size}'
+    )
+  host = layout.host
+  if host is None:
+    return
+  if shapes.kv_tokens < host.kv_tokens:
+    raise ValueError(
+        f'the K/V buffer holds {shapes.kv_tokens} tokens per layer, but the layout indexes '
+        f'{host.kv_tokens} (SharingPlan.kv_tokens)'
+    )
+  if 0 < host.min_private_length < shapes.query_tokens:
+    raise ValueError(
+        f'q has T={shapes.query_tokens} query tokens per row, but a row has only '
+        f'{host.min_private_length} private tokens (the query tokens are the last T private '
+        'tokens of their row)'
+    )
+
+
+def check_scale(scale) -> float | None:
+  """None, or a finite Python float > 0 (ValueError naming `scale` otherwise)."""
+  if scale is None:
+    return None
+  if isinstance(scale, jax.Array) and not isinstance(scale, jax.core.Tracer):
+    scale = float(scale)
+  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+    raise ValueError(f'scale must be a Python float > 0 or None, got {type(scale).__name__}')
+  scale = float(scale)
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f'scale must be finite and > 0, got {scale}')
+  return scale
+
+
+def prepare_attention(
+    layout: TreeLayout,
+    shapes: AttentionShapes,
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    config: Any = None,
+    interpret: bool = False,
+) -> AttentionPlan:
+  """Resolves the implementation and precomputes its metadata; once per tree change.
+
+  Args:
+    layout: the device layout (`SharingPlan.to_device()`).
+    shapes: the static shapes of the calls (`AttentionShapes.of(q, one_layer_k_cache)`).
+    impl: AUTO (this machine's kernel where it supports the inputs, else XLA with a warning),
+      or an explicit implementation (ValueError if it cannot run).
+    config: the backend's frozen config (`XlaConfig`, the TPU `BlockSizes`, ...); None: its
+      default. With AUTO, a config of another backend than the one chosen is ignored.
+    interpret: run the Mosaic kernels in interpret mode (any machine, e.g. CPU tests).
+  """
+  if not isinstance(shapes, AttentionShapes):
+    raise ValueError(f'shapes must be an AttentionShapes, got {type(shapes).__name__}')
+  check_layout(layout, shapes)
+  interpret = bool(interpret)
+  requested = AttentionImpl(impl)
+  impl, module = dispatch.resolve_backend(requested, shapes, layout, interpret=interpret)
+  default = module.DEFAULT_CONFIG
+  if config is not None and default is not None and not isinstance(config, type(default)):
+    if requested is not AttentionImpl.AUTO:
+      raise ValueError(
+          f'config must be a {type(default).__name__} for impl={impl.name}, got '
+          f'{type(config).__name__}'
+      )
+    config = None  # AUTO chose another backend than the config's
+  if config is None:
+    config = default
+  prepared = module.prepare(layout, shapes, config, interpret=interpret)
+  return AttentionPlan(layout, prepared, impl, shapes, config, interpret)
+
+
+def _check_call(q, k_cache, v_cache, plan: AttentionPlan, kv_offset) -> None:
+  s = plan.shapes
+  if not isinstance(plan, AttentionPlan):
+    raise ValueError(f'plan must be an AttentionPlan (prepare_attention), got {type(plan).__name__}')
+  expected_q = (s.num_rows, s.query_tokens, s.num_heads, s.head_dim)
+  if tuple(q.shape) != expected_q:
+    raise ValueError(f'q must be [B, T, N, H] = {expected_q} as planned, got {tuple(q.shape)}')
+  for name, x in (('k_cache', k_cache), ('v_cache', v_cache)):
+    if x.ndim != 3 or tuple(x.shape[1:]) != (s.num_kv_heads, s.head_dim):
+      raise ValueError(
+          f'{name} must be [S, K={s.num_kv_heads}, H={s.head_dim}] as planned, got {x.shape}'
+      )
+    if x.shape[0] < s.kv_tokens:
+      raise ValueError(
+          f'{name} holds {x.shape[0]} tokens, fewer than the planned kv_tokens L={s.kv_tokens}'
+      )
+  if q.dtype != s.dtype or k_cache.dtype != s.kv_dtype or v_cache.dtype != s.kv_dtype:
+    raise ValueError(
+        f'dtypes must be q {s.dtype} and k/v {s.kv_dtype} as planned, got q {q.dtype}, '
+        f'k {k_cache.dtype}, v {v_cache.dtype}'
+    )
+  if isinstance(kv_offset, (int, np.integer)) and not isinstance(kv_offset, bool):
+    page = plan.layout.page_size
+    if kv_offset < 0 or kv_offset % page or kv_offset + s.kv_tokens > k_cache.shape[0]:
+      raise ValueError(
+          f'kv_offset must be a multiple of page_size={page} in [0, S - L] = '
+          f'[0, {k_cache.shape[0] - s.kv_tokens}], got {kv_offset}'
+      )
+  elif getattr(kv_offset, 'shape', None) != () or not jnp.issubdtype(kv_offset.dtype, jnp.integer):
+    raise ValueError(f'kv_offset must be a Python int or an int32 scalar array, got {kv_offset!r}')
+
+
+def attend(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [S, K, H], S >= kv_offset + L (e.g. the flat [layers * L, K, H] buffer)
+    v_cache: jax.Array,  # [S, K, H]
+    plan: AttentionPlan,
+    *,
+    kv_offset: int | jax.Array = 0,
+    scale: float | None = None,
+) -> PartialState:
+  """Tree attention over `plan` of the layer whose buffer starts at token `kv_offset`.
+
+  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log). Nothing derived
+  from the layout is recomputed.
+  """
+  _check_call(q, k_cache, v_cache, plan, kv_offset)
+  scale = check_scale(scale)
+  if not isinstance(kv_offset, jax.Array):
+    kv_offset = int(kv_offset)
+  module = dispatch.backend(plan.impl)
+  return module.attend(
+      q, k_cache, v_cache, plan.prepared, shapes=plan.shapes, config=plan.config,
+      kv_offset=kv_offset, scale=scale, interpret=plan.interpret,
+  )
+
+
+def tree_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    scale: float | None = None,
+    config: Any = None,
+    interpret: bool = False,
+) -> PartialState:
+  """Exact shared-prefix attention over a sharing layout.
+
+  Row b's T query tokens attend every shared segment on b's root-to-leaf path and, causally,
+  its private KV (the query tokens' own keys are its last T private tokens). Returns
+  (out [B, T, N, H] in q.dtype, lse [B, T, N] float32). The same as
+  `attend(q, k, v, prepare_attention(layout, AttentionShapes.of(q, k), ...))`; a model calling
+  attention every layer prepares once instead.
+
+  Args:
+    impl: see `prepare_attention`.
+    scale: softmax scale, H**-0.5 if None.
+    config: the backend's frozen config (see `prepare_attention`).
+    interpret: run the Mosaic kernels in interpret mode (on CPU).
+  """
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  scale = check_scale(scale)
+  plan = prepare_attention(
+      layout, AttentionShapes.of(q, k_cache), impl=impl, config=config, interpret=interpret
+  )
+  return attend(q, k_cache, v_cache, plan, scale=scale)

@@ -1,0 +1,49 @@
+"""The tree-attention conformance suite on the Mosaic GPU kernels, through the public API.
+
+`TestMosaicGpuInterpret` runs in Mosaic GPU interpret mode on any machine (few, small cases:
+interpret mode is slow); `TestMosaicGpuCompiled` runs compiled on a Hopper GPU.
+"""
+
+import importlib
+
+import jax.numpy as jnp
+
+import hydrajax as hj
+from hydrajax import dispatch
+from tests.tree_attention_conformance import Case, TreeAttentionConformance
+from tests.tree_attention_conformance import pytest_generate_tests  # noqa: F401 (parametrizes)
+
+
+def _import_reason() -> str | None:
+  try:
+    importlib.import_module(dispatch._BACKEND_MODULES[hj.AttentionImpl.MOSAIC_GPU])
+  except ImportError as e:
+    return f'cannot import the Mosaic GPU backend: {e}'
+  return None
+
+
+class _MosaicGpu(TreeAttentionConformance):
+  impl = hj.AttentionImpl.MOSAIC_GPU
+  head_dim = 64
+  page_size = 8
+  dtypes = (jnp.bfloat16, jnp.float16)
+  cases = (
+      Case(970, 2, (4, 2), 1, dtype_index=0, max_len=40, max_rows=3),
+      Case(971, 3, (2, 1), 2, dtype_index=1, max_len=24, max_rows=3),
+  )
+
+
+class TestMosaicGpuInterpret(_MosaicGpu):
+  interpret = True
+
+  @classmethod
+  def skip_reason(cls):
+    return _import_reason()
+
+
+class TestMosaicGpuCompiled(_MosaicGpu):
+  interpret = False
+
+  @classmethod
+  def skip_reason(cls):
+    return _import_reason() or dispatch.hopper_reason()
