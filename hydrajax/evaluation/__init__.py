@@ -4,7 +4,7 @@
              harness' output comparison rules
   sandbox    run untrusted Python in a limited subprocess (rlimits, namespaces, scratch dir)
   checker    check_programs(problem, programs) -> CheckReport (per-program Status, pass@k)
-  pass_at_k  the unbiased estimator of Chen et al. (2021)
+  metrics    pass_at_k, the unbiased estimator of Chen et al. (2021)
   tokenizer  ByteTokenizer: a byte-level tokenizer for the tiny models trained here
 """
 
@@ -12,6 +12,6 @@ from hydrajax.evaluation.apps import Problem, load_problems, stdout_matches, cal
 from hydrajax.evaluation.checker import (
     CheckConfig, CheckReport, ProgramResult, Status, check_program, check_programs,
 )
-from hydrajax.evaluation.pass_at_k import mean_pass_at_k, pass_at_k
+from hydrajax.evaluation.metrics import mean_pass_at_k, pass_at_k
 from hydrajax.evaluation.sandbox import Isolation, SandboxLimits, SandboxResult, isolation
 from hydrajax.evaluation.tokenizer import ByteTokenizer

@@ -23,7 +23,7 @@ stdin/stdout (the program's stdout is split into lines):
   3. both are all numbers, as many, and `np.allclose` (rtol 1e-5, atol 1e-8) line by line (APPS
      compares one number per line this way);
   4. APPS' lenient set rule: the set of per-line token sets equals the expected one (order of
-     lines and of tokens within a line is ignored, as APPS does);
+     lines and of tokens within a line is ignored, and repeated lines collapse, as in APPS);
   5. the same with every token rounded to 3 decimals.
 call-based:
   1. the return value (tuples as lists, JSON round-tripped) equals the expected output, or

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from hydrajax.evaluation import apps, pass_at_k, sandbox
+from hydrajax.evaluation import apps, metrics, sandbox
 
 
 class Status(enum.Enum):
@@ -67,7 +67,7 @@ class CheckReport:
     return sum(r.passed for r in self.results)
 
   def pass_at_k(self, k: int) -> float:
-    return pass_at_k.pass_at_k(len(self.results), self.num_correct, k)
+    return metrics.pass_at_k(len(self.results), self.num_correct, k)
 
   def counts(self) -> dict[str, int]:
     out = {s.value: 0 for s in Status}
