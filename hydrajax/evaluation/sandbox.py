@@ -270,21 +270,21 @@ def run(
     if not iso.drop_uid and iso.nproc_enforced:  # non-root: the quota counts all our processes
       nproc += _count_processes(os.getuid())
     env = {'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': scratch}
-
-    def preexec():
-      resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-      resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-      resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-      resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-      if iso.nproc_enforced:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
+    # The limits are set by a bootstrap in the sandboxed interpreter itself, which then execs the
+    # program's interpreter: no Python runs between fork and exec in this (threaded) process.
+    rlimits = [(resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
+               (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+               (resource.RLIMIT_FSIZE, limits.file_bytes, limits.file_bytes),
+               (resource.RLIMIT_CORE, 0, 0)]
+    if iso.nproc_enforced:
+      rlimits.append((resource.RLIMIT_NPROC, nproc, nproc))
+    boot = [iso.python, '-I', '-c', _BOOTSTRAP, repr(rlimits), iso.python, '-I', *argv]
     with open(os.path.join(logs, 'stdout'), 'wb') as out, \
         open(os.path.join(logs, 'stderr'), 'wb') as err:
       start = time.perf_counter()
       proc = subprocess.Popen(
-          prefix + [iso.python, '-I', *argv], cwd=scratch, env=env, stdin=subprocess.PIPE,
-          stdout=out, stderr=err, start_new_session=True, preexec_fn=preexec, user=user,
+          prefix + boot, cwd=scratch, env=env, stdin=subprocess.PIPE,
+          stdout=out, stderr=err, start_new_session=True, user=user,
           group=user, extra_groups=[] if user is not None else None, close_fds=True)
       timed_out = False
       try:
@@ -310,6 +310,13 @@ def run(
     _give_slot(slot)
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.rmtree(logs, ignore_errors=True)
+
+
+_BOOTSTRAP = (
+    'import ast, os, resource, sys\n'
+    'for kind, soft, hard in ast.literal_eval(sys.argv[1]):\n'
+    '  resource.setrlimit(kind, (soft, hard))\n'
+    'os.execv(sys.argv[2], sys.argv[2:])\n')
 
 
 def _head(path: str, limits: SandboxLimits) -> bytes:

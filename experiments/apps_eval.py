@@ -1,0 +1,407 @@
+r"""APPS evaluation with hierarchical prompt sharing (Hydragen section 4.4, figure 7), issue 12.
+
+Every sequence's prompt is [few-shot examples][problem statement]; each problem is sampled n
+times. Three sharing modes of the same work run in one invocation (experiments/apps_workload.py):
+no_sharing, one_level (few-shot shared), two_level (few-shot and problem shared). For each mode:
+the largest number of problems per batch whose KV fits --memory_budget_gb (computed from the
+layout's KV tokens), then the whole problem set in batches of that size: total time (prefill +
+decode), decode tok/s, peak KV bytes. two_level also runs at one_level's batch ("matched": the
+attention-only gain, as the paper separates it). Generated programs are checked in the sandbox
+(hydrajax.evaluation) and pass@k reported. Writes results.jsonl, table.md, time.png, kv.png and
+README.md to --workdir.
+
+Default (CPU, minutes): the tiny byte-level Llama trained on the embedded problems
+(experiments/train_tiny_coder.py; it memorised their solutions, so pass@k measures the path,
+not a model):
+
+  python -m experiments.apps_eval --workdir=/tmp/hydrajax/apps_eval
+
+Validate the harness on a dataset's own solutions (as the APPS authors did):
+
+  python -m experiments.apps_eval --check_solutions --problems=/path/to/APPS/test
+
+A local HF checkpoint (e.g. CodeLlama-7b-Python-hf) on real APPS problems:
+
+  python -m experiments.apps_eval --checkpoint=/models/CodeLlama-7b-hf --problems=APPS/test \
+      --difficulty=introductory --num_problems=120 --samples=128 --new_tokens=512 \
+      --fewshot_examples=2
+
+Paper scale on one H200 (CodeLlama-7B shape, random weights: timing only; 120 problems x 128
+samples x 512 new tokens, a 2.4K-token few-shot prompt, 400-token problems; the first batch of
+each setting is timed and the total extrapolated, --time_batches):
+
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+  python -m experiments.apps_eval --model=random --preset=codellama_7b --num_problems=120 \
+      --samples=128 --new_tokens=512 --fewshot_tokens=2400 --problem_tokens=400 \
+      --time_batches=1 --impl=auto --workdir=$OUT/apps_eval
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import apps_workload as aw
+from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_bars, progress
+from hydrajax.evaluation import (
+    ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
+    mean_pass_at_k,
+)
+from models.sampling import SamplingConfig
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('problems', os.path.join(DATA, 'apps_mini.jsonl'),
+                    'APPS problems: a JSONL file, or a folder (the release layout or *.jsonl)')
+flags.DEFINE_string('fewshot', os.path.join(DATA, 'apps_fewshot.jsonl'),
+                    'few-shot examples (APPS records with a solution)')
+flags.DEFINE_integer('fewshot_examples', 1, 'how many few-shot examples the prompt holds')
+flags.DEFINE_string('difficulty', '', 'keep only this APPS difficulty (empty: all)')
+flags.DEFINE_integer('num_problems', 0, 'problems to run (0: all; more than the file holds '
+                     'cycles through them again, for timing)')
+flags.DEFINE_integer('samples', 8, 'samples per problem n')
+flags.DEFINE_integer('new_tokens', 256, 'tokens generated per sample (fewer after EOS)')
+flags.DEFINE_enum('model', 'tiny_coder', ['tiny_coder', 'random', 'hf'],
+                  'tiny_coder: the trained byte-level model; random: random weights of --preset '
+                  '(timing only); hf: --checkpoint')
+flags.DEFINE_string('tiny_checkpoint', os.path.join(DATA, 'tiny_coder'),
+                    'the tiny model (experiments/train_tiny_coder.py)')
+flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (implies --model=hf)')
+flags.DEFINE_string('preset', 'codellama_7b', 'model shape for --model=random')
+flags.DEFINE_integer('fewshot_tokens', 0, 'pad/cut the few-shot prompt to this many tokens '
+                     '(0: as written); timing runs use the paper\'s ~2400')
+flags.DEFINE_integer('problem_tokens', 0, 'pad/cut every problem prompt to this many tokens '
+                     '(0: as written)')
+flags.DEFINE_float('temperature', 0.8, 'sampling temperature')
+flags.DEFINE_float('top_p', 0.95, 'nucleus sampling')
+flags.DEFINE_integer('seed', 0, 'sampling seed')
+flags.DEFINE_list('modes', list(aw.MODES), 'sharing modes to run')
+flags.DEFINE_string('impl', 'auto', 'decode attention: auto, xla, mosaic_gpu, mosaic_tpu')
+flags.DEFINE_float('memory_budget_gb', 0.0, 'KV memory budget (0: the device\'s memory minus the '
+                   'weights, less 15%; 0.03 GiB on CPU)')
+flags.DEFINE_integer('max_batch_problems', 0, 'cap on problems per batch (0: none)')
+flags.DEFINE_integer('time_batches', 0, 'batches timed per setting (0: all); the total is '
+                     'extrapolated from them')
+flags.DEFINE_enum('check', 'auto', ['auto', 'true', 'false'],
+                  'check generated programs (auto: unless --model=random)')
+flags.DEFINE_bool('check_solutions', False, 'check each record\'s own solutions instead of '
+                  'generating')
+flags.DEFINE_float('test_timeout_s', 4.0, 'per-test timeout of the checker (APPS uses 4)')
+flags.DEFINE_integer('check_workers', 2, 'programs checked at once')
+flags.DEFINE_list('k', ['1', '2', '4', '8'], 'pass@k values reported (k <= samples)')
+flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per node per model call')
+flags.DEFINE_string('workdir', '/tmp/hydrajax/apps_eval', 'output folder')
+
+
+def _load_model():
+  from models import hf_loading
+  if FLAGS.checkpoint or FLAGS.model == 'hf':
+    from models.tokenizer import Tokenizer
+    if not FLAGS.checkpoint:
+      raise app.UsageError('--model=hf needs --checkpoint')
+    model = hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16)
+    return model, Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint
+  if FLAGS.model == 'tiny_coder':
+    if not os.path.exists(FLAGS.tiny_checkpoint):
+      raise app.UsageError(f'no tiny model at {FLAGS.tiny_checkpoint}: run '
+                           'python -m experiments.train_tiny_coder first')
+    model = hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=jnp.float32)
+    return model, ByteTokenizer(), 'tiny_coder'
+  from models.config import get_config
+  from models.llama import Llama
+  config = get_config(FLAGS.preset)
+  model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  return model, ByteTokenizer(), f'random:{FLAGS.preset}'
+
+
+def _budget_bytes(model) -> int:
+  if FLAGS.memory_budget_gb:
+    return int(FLAGS.memory_budget_gb * 2**30)
+  if jax.default_backend() == 'cpu':
+    return int(0.03 * 2**30)
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get('bytes_limit', 16 * 2**30)
+  params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  return int(0.85 * (limit - params))
+
+
+def _problems():
+  problems = load_problems(FLAGS.problems, difficulty=FLAGS.difficulty or None)
+  if not problems:
+    raise app.UsageError(f'no problems in {FLAGS.problems} (difficulty={FLAGS.difficulty!r})')
+  n = FLAGS.num_problems or len(problems)
+  out = []
+  for i in range(n):  # cycle, with fresh ids past the first pass
+    p = problems[i % len(problems)]
+    out.append(p if i < len(problems) else dataclasses.replace(
+        p, problem_id=f'{p.problem_id}#{i // len(problems)}'))
+  return out
+
+
+def check_solutions_main():
+  problems = load_problems(FLAGS.problems, difficulty=FLAGS.difficulty or None)
+  if FLAGS.num_problems:
+    problems = problems[:FLAGS.num_problems]
+  config = _check_config()
+  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'solutions.jsonl'))
+  rows = []
+  total = sum(len(p.solutions) for p in problems)
+  with _bar(total, 'check solutions') as bar:
+    for p in problems:
+      report = check_programs(p, p.solutions, config, progress=bar.update)
+      row = dict(problem_id=p.problem_id, solutions=len(p.solutions), passed=report.num_correct,
+                 **report.counts())
+      rows.append(row)
+      writer.append(row)
+  with_solutions = [r for r in rows if r['solutions']]
+  all_pass = sum(r['passed'] == r['solutions'] for r in with_solutions)
+  summary = (f'{len(problems)} problems, {sum(r["solutions"] for r in rows)} solutions, '
+             f'{sum(r["passed"] for r in rows)} pass; {all_pass}/{len(with_solutions)} problems '
+             'with every solution passing')
+  table = markdown_table(rows, [('problem', 'problem_id'), ('solutions', 'solutions'),
+                                ('passed', 'passed'), ('failed', 'failed'),
+                                ('timed out', 'timed_out'), ('runtime error', 'runtime_error'),
+                                ('compile error', 'compile_error')])
+  _write_readme('APPS harness check on the records\' own solutions', writer.meta,
+                summary + '\n\n' + table)
+  with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
+    f.write(summary + '\n\n' + table)
+  print(summary)
+
+
+class _bar:
+  def __init__(self, total, desc):
+    from tqdm import tqdm
+    self.bar = tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+  def __enter__(self):
+    return self.bar
+
+  def __exit__(self, *exc):
+    self.bar.close()
+
+
+def _check_config() -> CheckConfig:
+  return CheckConfig(test_timeout_s=FLAGS.test_timeout_s, workers=FLAGS.check_workers,
+                     limits=SandboxLimits())
+
+
+def _settings(max_batch, num_problems):
+  """(name, mode, problems per batch) in run order; two_level also at one_level's batch."""
+  cap = FLAGS.max_batch_problems or num_problems
+  out = []
+  for mode in FLAGS.modes:
+    out.append((mode, mode, min(max_batch[mode], cap, num_problems)))
+  if 'two_level' in FLAGS.modes and 'one_level' in FLAGS.modes:
+    matched = min(max_batch['one_level'], cap, num_problems)
+    if 0 < matched != min(max_batch['two_level'], cap, num_problems):
+      out.append(('two_level_matched', 'two_level', matched))
+  return out
+
+
+def main(argv):
+  del argv
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  if FLAGS.check_solutions:
+    return check_solutions_main()
+  for mode in FLAGS.modes:
+    if mode not in aw.MODES:
+      raise app.UsageError(f'--modes: {mode!r} is not one of {aw.MODES}')
+  ks = sorted({int(k) for k in FLAGS.k if int(k) <= FLAGS.samples})
+  model, tokenizer, model_name = _load_model()
+  problems = _problems()
+  fewshot = load_problems(FLAGS.fewshot)[:FLAGS.fewshot_examples]
+  fewshot_ids = aw.pad_tokens(tokenizer.encode(aw.fewshot_text(fewshot)), FLAGS.fewshot_tokens)
+  problem_ids = [aw.pad_tokens(tokenizer.encode(aw.problem_prompt(p), add_bos=False),
+                               FLAGS.problem_tokens) for p in problems]
+  itemsize = jnp.dtype(model.dtype).itemsize
+  per_token = model.config.kv_bytes_per_token(itemsize)
+  budget = _budget_bytes(model)
+  lens = [len(p) for p in problem_ids]
+  max_batch = {m: aw.max_problems(m, len(fewshot_ids), lens, FLAGS.samples, FLAGS.new_tokens,
+                                  per_token, budget) for m in aw.MODES}
+  logging.info('model %s, %d problems x %d samples, few-shot %d tokens, problems %d-%d tokens; '
+               'KV budget %.2f GiB -> max problems per batch %s', model_name, len(problems),
+               FLAGS.samples, len(fewshot_ids), min(lens), max(lens), budget / 2**30, max_batch)
+  sampling = SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p)
+  stops = () if FLAGS.model == 'random' and not FLAGS.checkpoint else tokenizer.eos_ids
+  impl = FLAGS.impl
+  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'results.jsonl'))
+  records, samples_for_check = [], None
+  for name, mode, batch in _settings(max_batch, len(problems)):
+    base = dict(setting=name, mode=mode, batch_problems=batch, samples=FLAGS.samples,
+                problems=len(problems), new_tokens=FLAGS.new_tokens, model=model_name,
+                fewshot_tokens=len(fewshot_ids), mean_problem_tokens=float(np.mean(lens)),
+                max_batch_problems=max_batch[mode], budget_bytes=budget, impl=impl)
+    if batch == 0:
+      need = aw.kv_tokens(mode, len(fewshot_ids), lens[:1], FLAGS.samples, FLAGS.new_tokens)
+      r = dict(base, status='does_not_fit', kv_bytes_one_problem=need * per_token)
+      logging.info('%s: one problem needs %.2f GiB of KV > budget: not run', name,
+                   need * per_token / 2**30)
+    else:
+      r, tokens = _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops,
+                               impl, per_token)
+      r = dict(base, **r)
+      if tokens is not None and mode == 'two_level' and samples_for_check is None:
+        samples_for_check = tokens
+      elif tokens is not None and samples_for_check is None and name == FLAGS.modes[-1]:
+        samples_for_check = tokens
+    records.append(r)
+    writer.append(r)
+  check = FLAGS.check == 'true' or (FLAGS.check == 'auto' and FLAGS.model != 'random')
+  summary = {}
+  if check and samples_for_check is not None:
+    summary = _check(problems, samples_for_check, tokenizer, ks, writer)
+  _finish(records, summary, writer.meta, model_name)
+
+
+def _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops, impl, per_token):
+  """All batches of one setting: (record, tokens [problems * samples, M] or None if partial)."""
+  starts = list(range(0, len(problem_ids), batch))
+  timed = starts[:FLAGS.time_batches] if FLAGS.time_batches else starts
+
+  def one(start):
+    forest = aw.prompt_forest(fewshot_ids, problem_ids[start:start + batch], FLAGS.samples, mode)
+    return aw.run_batch(model, forest, max_new_tokens=FLAGS.new_tokens, sampling=sampling,
+                        seed=FLAGS.seed + start, stop_tokens=stops, impl=impl,
+                        prefill_chunk=FLAGS.prefill_chunk)
+
+  t0 = time.perf_counter()
+  one(timed[0])  # warm-up: compiles (a smaller last batch may compile once more)
+  compile_s = time.perf_counter() - t0
+  runs, outputs = [], []
+  for start in progress(timed, total=len(timed), desc=f'generate {mode} x{batch}'):
+    run = one(start)
+    runs.append(run)
+    outputs.append(run.tokens)
+  scale = len(starts) / len(timed)
+  prefill_s = sum(r.prefill_s for r in runs)
+  decode_s = sum(r.decode_s for r in runs)
+  generated = int(sum(r.lengths.sum() for r in runs))
+  peak_kv = max(r.kv_tokens for r in runs) * per_token
+  stats = jax.devices()[0].memory_stats() or {}
+  record = dict(
+      status='ok', batches=len(starts), batches_timed=len(timed),
+      total_s=(prefill_s + decode_s) * scale, decode_s_total=decode_s * scale,
+      prefill_s_total=prefill_s * scale, decode_tokens_per_s=generated / decode_s,
+      generated_tokens_timed=generated, peak_kv_bytes=peak_kv,
+      rows_per_batch=batch * FLAGS.samples, warmup_s=compile_s,
+      device_peak_bytes=stats.get('peak_bytes_in_use'), extrapolated=scale != 1.0)
+  logging.info('%s x%d: total %.2f s (%s), decode %.0f tok/s, peak KV %.3f GiB', mode, batch,
+               record['total_s'], 'extrapolated' if scale != 1 else 'measured',
+               record['decode_tokens_per_s'], peak_kv / 2**30)
+  tokens = np.concatenate(outputs) if scale == 1.0 else None
+  return record, tokens
+
+
+def _check(problems, tokens, tokenizer, ks, writer):
+  n = FLAGS.samples
+  config = _check_config()
+  counts, per_problem = [], []
+  status_totals = {}
+  logging.info('sandbox: %s', isolation())
+  with _bar(len(problems) * n, 'check programs') as bar:
+    for i, p in enumerate(problems):
+      programs = [aw.program_from_completion(tokenizer.decode(t)) for t in tokens[i * n:(i + 1) * n]]
+      report = check_programs(p, programs, config, progress=bar.update)
+      counts.append((n, report.num_correct))
+      c = report.counts()
+      for key, v in c.items():
+        status_totals[key] = status_totals.get(key, 0) + v
+      row = dict(kind='check', problem_id=p.problem_id, correct=report.num_correct, samples=n,
+                 call_based=p.call_based, **c, example=programs[0][:300])
+      per_problem.append(row)
+      writer.append(row)
+  summary = dict(kind='pass_at_k', problems=len(problems), samples=n,
+                 solved=sum(c > 0 for _, c in counts),
+                 **{f'pass@{k}': mean_pass_at_k(counts, k) for k in ks}, statuses=status_totals)
+  writer.append(summary)
+  summary['per_problem'] = per_problem
+  return summary
+
+
+def _finish(records, summary, meta, model_name):
+  columns = [
+      ('setting', 'setting'), ('problems/batch', 'batch_problems'),
+      ('max problems (budget)', 'max_batch_problems'), ('rows/batch', 'rows_per_batch'),
+      ('status', 'status'), ('total s', 'total_s'), ('decode s', 'decode_s_total'),
+      ('prefill s', 'prefill_s_total'), ('decode tok/s', 'decode_tokens_per_s'),
+      ('peak KV GiB', lambda r: r.get('peak_kv_bytes') and r['peak_kv_bytes'] / 2**30),
+      ('batches (timed)', lambda r: r.get('batches') and f'{r["batches"]} ({r["batches_timed"]})'),
+      ('extrapolated', 'extrapolated'),
+  ]
+  ok = {r['setting']: r for r in records if r.get('status') == 'ok'}
+  lines = []
+  if 'one_level' in ok and 'two_level' in ok:
+    one, two = ok['one_level']['total_s'], ok['two_level']['total_s']
+    lines.append(f'two_level vs one_level (each at its max batch): {100 * (1 - two / one):.1f}% '
+                 'less time (paper: 55%)')
+    if 'two_level_matched' in ok:
+      m = ok['two_level_matched']['total_s']
+      lines.append(f'two_level at one_level\'s batch: {100 * (1 - m / one):.1f}% less time '
+                   '(paper: 18%)')
+  first = records[0]
+  head = (f'model {model_name}; {first["problems"]} problems x {first["samples"]} samples x '
+          f'{first["new_tokens"]} new tokens; few-shot {first["fewshot_tokens"]} tokens, '
+          f'problems {first["mean_problem_tokens"]:.0f} tokens on average; KV budget '
+          f'{first["budget_bytes"] / 2**30:.3g} GiB; decode impl {first["impl"]}')
+  text = head + '\n\n' + markdown_table(records, columns)
+  if lines:
+    text += '\n' + '\n'.join(f'- {l}' for l in lines) + '\n'
+  if summary:
+    ks = [k for k in summary if k.startswith('pass@')]
+    text += ('\n## Checked programs (samples of the two_level run)\n\n'
+             f'{summary["solved"]}/{summary["problems"]} problems solved by at least one sample; '
+             + ', '.join(f'{k} = {summary[k]:.3f}' for k in ks if summary[k] is not None)
+             + f'; verdicts: {summary["statuses"]}\n\n'
+             + markdown_table(summary['per_problem'],
+                              [('problem', 'problem_id'), ('call-based', 'call_based'),
+                               ('correct', 'correct'), ('of', 'samples'),
+                               ('failed', 'failed'), ('timed out', 'timed_out'),
+                               ('runtime error', 'runtime_error'),
+                               ('compile error', 'compile_error')]))
+  with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
+    f.write(text)
+  names = [r['setting'] for r in records]
+  plot_bars(names, {'total s': [r.get('total_s') for r in records],
+                    'decode s': [r.get('decode_s_total') for r in records]},
+            path=os.path.join(FLAGS.workdir, 'time.png'), ylabel='seconds (whole problem set)',
+            title='APPS evaluation time by sharing mode', logy=False)
+  plot_bars(names, {'peak KV GiB': [r.get('peak_kv_bytes') and r['peak_kv_bytes'] / 2**30
+                                    for r in records]},
+            path=os.path.join(FLAGS.workdir, 'kv.png'), ylabel='GiB',
+            title='peak KV memory per batch', logy=False,
+            hline=first['budget_bytes'] / 2**30)
+  _write_readme('APPS evaluation with hierarchical prompt sharing', meta, text)
+  print(text)
+
+
+def _write_readme(title, meta, body):
+  notes = ''
+  if FLAGS.model == 'tiny_coder' and not FLAGS.checkpoint and not FLAGS.check_solutions:
+    notes = ('\nThe tiny model memorised the embedded problems\' solutions (trained on them by '
+             'experiments/train_tiny_coder.py): pass@k here shows that sampling, tree decoding, '
+             'byte decoding, the sandbox and the estimator work end to end, not that a model '
+             'can code.\n')
+  if FLAGS.time_batches:
+    notes += (f'\nOnly the first {FLAGS.time_batches} batch(es) of each setting ran; totals are '
+              'that time times the number of batches.\n')
+  with open(os.path.join(FLAGS.workdir, 'README.md'), 'w') as f:
+    f.write(f'# {title}\n\ncommand: `{meta["command"]}`\n\ncommit: {meta.get("git_commit")}; '
+            f'machine: {meta.get("host")}, {meta["device"]} ({meta["backend"]}), jax '
+            f'{meta["jax_version"]}\n\nTime is prefill + decode of every batch, after one '
+            'untimed warm-up batch per setting (compiles). Files: results.jsonl (one record per '
+            'setting, then per-problem checks and pass@k), table.md, time.png, kv.png.\n'
+            f'{notes}\n{body}\n')
+
+
+if __name__ == '__main__':
+  app.run(main)
