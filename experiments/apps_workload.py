@@ -18,6 +18,7 @@ differs, so time and memory differences come from sharing alone.
 """
 
 import dataclasses
+import os
 import time
 from typing import Sequence
 
@@ -33,6 +34,8 @@ from models.kv_cache import KVCache
 from models.sampling import SamplingConfig
 
 MODES = ('no_sharing', 'one_level', 'two_level')
+# The embedded problem set, few-shot examples and tiny model (package data).
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 END_OF_EXAMPLE = '\nEND_OF_EXAMPLE\n'
 
 
