@@ -18,6 +18,7 @@ differs, so time and memory differences come from sharing alone.
 """
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Sequence
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hydrajax import AttentionImpl
+from hydrajax import AttentionImpl, Segment, SharingPlan
 from hydrajax.evaluation import apps
 from models import generate as gen
 from models.kv_cache import KVCache
@@ -80,16 +81,19 @@ def prompt_forest(fewshot: Sequence[int], problems: Sequence[Sequence[int]], sam
 
 def kv_tokens(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
               new_tokens: int) -> int:
-  """KV tokens one batch stores in `mode` (private regions rounded up as generate does)."""
-  private = -(-new_tokens // gen.PRIVATE_ALIGN) * gen.PRIVATE_ALIGN
+  """KV tokens one batch stores in `mode` (rounded up as generate's layout does)."""
+  align = gen.PRIVATE_ALIGN
+  private = -(-new_tokens // align) * align
   rows = samples * len(problem_lens)
   if mode == 'two_level':
-    return fewshot_len + sum(problem_lens) + rows * private
-  if mode == 'one_level':
-    return fewshot_len + samples * sum(problem_lens) + rows * private
-  if mode == 'no_sharing':
-    return rows * fewshot_len + samples * sum(problem_lens) + rows * private
-  raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    tokens = fewshot_len + sum(problem_lens) + rows * private
+  elif mode == 'one_level':
+    tokens = fewshot_len + samples * sum(problem_lens) + rows * private
+  elif mode == 'no_sharing':
+    tokens = rows * fewshot_len + samples * sum(problem_lens) + rows * private
+  else:
+    raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+  return -(-tokens // align) * align
 
 
 def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
@@ -104,9 +108,80 @@ def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], sampl
   return best
 
 
+@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
+def _prefill_step(graphdef, params, tokens, positions, cache, slots, layout, last_index, *, impl):
+  model = nnx.merge(graphdef, params)
+  h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
+  last = jnp.take_along_axis(h, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
+  return model.logits(last), cache  # [B, V] float32
+
+
+def lean_prefill_calls(tp: gen.TreePrompts, chunk: int) -> list[gen.PrefillCall]:
+  """`models.generate.prefill_calls` without its padding: fewer, smaller model calls.
+
+  generate pads every round to the largest round's rows and every row to the longest node's
+  chunk, so that a tree compiles once. With a long shared node and many short children (a 20K
+  document and 1024 questions, or a few-shot prompt and 128 copies of a problem) that is
+  (children + 1) x chunk tokens per round: most of the prefill is padding. Here each round is
+  split into groups of rows of one tree depth and one width (columns rounded up to 8); dummy rows
+  are dropped; a group runs after the groups of smaller depth of its round, so ancestors' KV is
+  written before children attend it. Rows whose own pages start at 0 get a page table as wide as
+  their columns; others keep generate's width (one compile across a long node's rounds).
+  """
+  out = []
+  length = tp.plan.kv_tokens
+  for call in gen.prefill_calls(tp, chunk):
+    live = np.flatnonzero(call.segment_ids >= 0)
+    need = (call.write_slots < length).sum(axis=1)
+    cols = {int(r): min(call.tokens.shape[1], -(-int(need[r]) // 8) * 8) for r in live}
+    starts = {int(r): call.plan.private_lengths[r] - call.tokens.shape[1] for r in live}
+    keys = sorted({(tp.nodes[call.segment_ids[r]][1], cols[int(r)]) for r in live})
+    for depth, c in keys:
+      rows = [int(r) for r in live if (tp.nodes[call.segment_ids[r]][1], cols[int(r)]) == (depth, c)]
+      width = max(starts[r] + c for r in rows)
+      if width > c:
+        width = call.max_private_pages
+      segments = []
+      for seg in call.plan.segments:
+        inside = [i for i, r in enumerate(rows) if seg.row_begin <= r < seg.row_end]
+        if inside:
+          segments.append(Segment(seg.kv_start, seg.kv_length, inside[0], inside[-1] + 1, -1,
+                                  seg.position))
+      for i, seg in enumerate(segments):  # nearest earlier segment holding its rows
+        parent = next((k for k in range(i - 1, -1, -1) if segments[k].row_begin <= seg.row_begin
+                       and seg.row_end <= segments[k].row_end), -1)
+        segments[i] = dataclasses.replace(seg, parent=parent)
+      pages = tuple(tuple(call.plan.private_pages[r][:width])
+                    + (0,) * (width - len(call.plan.private_pages[r][:width])) for r in rows)
+      plan = SharingPlan(len(rows), tuple(segments), 1, pages,
+                         tuple(starts[r] + c for r in rows), length)
+      out.append(gen.PrefillCall(call.tokens[rows, :c], call.positions[rows, :c],
+                                 call.write_slots[rows, :c], plan, width,
+                                 call.last_index[rows], call.segment_ids[rows]))
+  return out
+
+
+def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int):
+  """Writes every node's KV once (see `lean_prefill_calls`); returns (first logits, cache)."""
+  graphdef, params = nnx.split(model)
+  node_logits = {}
+  for call in lean_prefill_calls(tp, chunk):
+    layout = call.plan.to_device(max_private_pages=call.max_private_pages)
+    logits, cache = _prefill_step(
+        graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
+        jnp.asarray(call.write_slots), layout, jnp.asarray(call.last_index), impl=impl)
+    for r in np.flatnonzero(call.last_index >= 0):
+      node_logits[int(call.segment_ids[r])] = logits[r]
+  return jnp.stack([node_logits[int(j)] for j in tp.row_node]), cache
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchRun:
-  """One batch generated: tokens [rows, M] by (problem, sample), times, and its KV size."""
+  """One batch generated: tokens [rows, M] by (problem, sample), times, and its KV size.
+
+  prefill_s includes compiling the prefill for a new shape; decode_s does not (one decode step
+  runs untimed first and compiles the loop), it is the rest of the loop scaled to all its steps.
+  """
 
   tokens: np.ndarray
   lengths: np.ndarray
@@ -130,16 +205,24 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
                   else AttentionImpl.AUTO)
   start = time.perf_counter()
   cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
-  first, cache = gen.prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
+  first, cache = lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
   jax.block_until_ready(first)
-  mid = time.perf_counter()
+  prefill_s = time.perf_counter() - start
   rows = gen.tree_rows(tp)
+  layout = tp.plan.to_device()
   state = gen.start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                            sampling=sampling)
-  state = gen.decode(graphdef, params, state, tp.plan.to_device(), rows, key, stops,
+  state = gen.decode(graphdef, params, state, layout, rows, key, stops, jnp.int32(1),
+                     sampling=sampling, impl=impl)  # compiles; untimed
+  warm_steps = int(state.step)
+  start = time.perf_counter()
+  state = gen.decode(graphdef, params, state, layout, rows, key, stops,
                      jnp.int32(max_new_tokens), sampling=sampling, impl=impl)
   tokens = np.asarray(state.tokens)
-  end = time.perf_counter()
+  decode_s = time.perf_counter() - start
+  steps = int(state.step)
+  if steps > warm_steps:
+    decode_s *= steps / (steps - warm_steps)
   order = np.lexsort((tp.sample_ids, tp.prompt_ids))
-  return BatchRun(tokens[order], np.asarray(state.lengths)[order], mid - start, end - mid,
+  return BatchRun(tokens[order], np.asarray(state.lengths)[order], prefill_s, decode_s,
                   tp.plan.kv_tokens, tp.num_rows)

@@ -132,7 +132,7 @@ def timed_decode(model, forest, *, new_tokens: int, impl):
   prefill_impl = AttentionImpl.XLA if attn in (AttentionImpl.XLA, 'xla') else AttentionImpl.AUTO
   t0 = time.perf_counter()
   cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype)
-  first, cache = gen.prefill(model, tp, cache, impl=prefill_impl, chunk=FLAGS.prefill_chunk)
+  first, cache = aw.lean_prefill(model, tp, cache, impl=prefill_impl, chunk=FLAGS.prefill_chunk)
   jax.block_until_ready(first)
   prefill_s = time.perf_counter() - t0
   rows = gen.tree_rows(tp)

@@ -1,0 +1,139 @@
+"""The APPS workload (prompt trees, KV accounting), the tiny coder, apps_eval end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import apps_workload as aw
+from hydrajax.evaluation import ByteTokenizer, load_problems
+from models import generate as gen
+from models.hf_loading import restore_params
+from models.kv_cache import DenseKVCache
+from models.sampling import SamplingConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def tiny_coder():
+  return restore_params(os.path.join(aw.DATA, 'tiny_coder'), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize('mode', aw.MODES)
+def test_kv_tokens_match_the_planned_layout(mode):
+  fewshot, problems = list(range(1, 38)), [list(range(5, 17)), list(range(40, 43)), [9] * 20]
+  forest = aw.prompt_forest(fewshot, problems, 3, mode)
+  tp = gen.plan_prompts(forest, max_new_tokens=20)
+  assert tp.plan.kv_tokens == aw.kv_tokens(mode, 37, [12, 3, 20], 3, 20)
+  assert tp.num_rows == 9
+  # Every row's prompt is the few-shot tokens then its problem's, whatever is shared.
+  full = [[t for j in tp.plan.path(r) for t in tp.nodes[j][0]] for r in range(tp.num_rows)]
+  order = np.lexsort((tp.sample_ids, tp.prompt_ids))
+  assert [full[r] for r in order] == [fewshot + p for p in problems for _ in range(3)]
+
+
+def test_max_problems_follows_the_budget():
+  lens = [10, 20, 30, 40]
+  per_token = 4
+  budget = aw.kv_tokens('two_level', 300, lens[:2], 4, 64) * per_token
+  assert aw.max_problems('two_level', 300, lens, 4, 64, per_token, budget) == 2
+  assert aw.max_problems('one_level', 300, lens, 4, 64, per_token, budget) == 1
+  assert aw.max_problems('no_sharing', 300, lens, 4, 64, per_token, budget) == 0
+  assert aw.max_problems('two_level', 300, lens, 4, 64, per_token, 10**9) == 4
+
+
+def test_text_helpers():
+  assert aw.pad_tokens([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+  assert aw.pad_tokens([1, 2, 3], 2) == [1, 2]
+  assert aw.pad_tokens([1, 2], 0) == [1, 2]
+  assert aw.program_from_completion('print(1)\nEND_OF_EXAMPLE\nQUESTION: x') == 'print(1)\n'
+  problem = load_problems(os.path.join(aw.DATA, 'apps_mini.jsonl'))[-1]
+  assert problem.call_based
+  prompt = aw.problem_prompt(problem)
+  assert prompt.startswith('QUESTION:\n') and 'Use Call-Based format\nANSWER:\n' in prompt
+  assert problem.starter_code in prompt
+  tok = ByteTokenizer()
+  assert tok.decode(tok.encode('héllo')) == 'héllo'
+  assert tok.encode('a')[0] == tok.bos_id and tok.decode([97, tok.eos_id, -1]) == 'a'
+
+
+def test_training_forward_equals_the_models_naive_forward(tiny_coder):
+  from experiments import train_tiny_coder
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 24)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
+  expected, _ = tiny_coder.forward_naive(
+      tokens, positions, DenseKVCache.zeros(tiny_coder.config, 2, 24, jnp.float32))
+  got = train_tiny_coder.causal_logits(tiny_coder, tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_samples_are_the_same_in_every_sharing_mode(tiny_coder):
+  tok = ByteTokenizer()
+  problems = load_problems(os.path.join(aw.DATA, 'apps_mini.jsonl'))[:2]
+  fewshot = tok.encode(aw.fewshot_text(load_problems(os.path.join(aw.DATA, 'apps_fewshot.jsonl'))[:1]))
+  ids = [tok.encode(aw.problem_prompt(p), add_bos=False) for p in problems]
+  outs = {}
+  for mode in aw.MODES:
+    run = aw.run_batch(tiny_coder, aw.prompt_forest(fewshot, ids, 2, mode), max_new_tokens=48,
+                       sampling=SamplingConfig(), seed=0, stop_tokens=tok.eos_ids, impl='xla')
+    outs[mode] = run.tokens
+  np.testing.assert_array_equal(outs['one_level'], outs['two_level'])
+  np.testing.assert_array_equal(outs['no_sharing'], outs['two_level'])
+  # The memorised solution of the first problem comes out greedily.
+  assert tok.decode(outs['two_level'][0]).startswith(problems[0].solutions[0][:20])
+
+
+def _run(args, tmp_path):
+  out = subprocess.run([sys.executable, '-m', 'experiments.apps_eval', f'--workdir={tmp_path}',
+                        *args], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return [json.loads(l) for l in open(tmp_path / ('solutions.jsonl' if '--check_solutions' in args
+                                                   else 'results.jsonl'))]
+
+
+def test_apps_eval_end_to_end(tmp_path):
+  records = _run(['--num_problems=3', '--samples=2', '--new_tokens=96', '--k=1,2',
+                  '--memory_budget_gb=0.0004', '--test_timeout_s=2'], tmp_path)
+  settings = {r['setting']: r for r in records if 'setting' in r}
+  assert set(settings) >= set(aw.MODES)
+  # The budget fits fewer problems per batch without sharing than with two levels.
+  assert settings['two_level']['batch_problems'] > settings['one_level']['batch_problems']
+  for name, r in settings.items():
+    assert r['status'] in ('ok', 'does_not_fit'), r
+  summary = [r for r in records if r.get('kind') == 'pass_at_k'][0]
+  assert summary['problems'] == 3 and summary['pass@1'] > 0
+  for name in ('table.md', 'README.md', 'time.png', 'kv.png'):
+    assert (tmp_path / name).exists()
+
+
+def test_check_solutions_mode(tmp_path):
+  rows = _run(['--check_solutions', '--num_problems=4'], tmp_path)
+  assert len(rows) == 4 and all(r['passed'] == r['solutions'] for r in rows)
+
+
+@pytest.mark.parametrize('chunk', [16, 512])
+def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk):
+  rng = np.random.default_rng(1)
+  doc = rng.integers(0, 256, 70).tolist()
+  kids = [gen.prompt_node(rng.integers(0, 256, n).tolist(), num_samples=s)
+          for n, s in ((5, 2), (19, 1), (3, 3))]
+  forest = [gen.prompt_node(doc, [gen.prompt_node(rng.integers(0, 256, 9).tolist(), kids)]),
+            gen.prompt_node(rng.integers(0, 256, 30).tolist(), num_samples=2)]
+  tp = gen.plan_prompts(forest, max_new_tokens=8)
+  calls = aw.lean_prefill_calls(tp, chunk)
+  assert sum(c.tokens.size for c in calls) < sum(c.tokens.size for c in gen.prefill_calls(tp, chunk))
+  empty = lambda: gen.KVCache.zeros(tiny_coder.config, tp.plan.kv_tokens, jnp.float32)
+  expected, expected_cache = gen.prefill(tiny_coder, tp, empty(), impl='xla', chunk=chunk)
+  got, cache = aw.lean_prefill(tiny_coder, tp, empty(), impl='xla', chunk=chunk)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  prompt_slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
+                                 for s in tp.plan.segments])
+  np.testing.assert_allclose(np.asarray(cache.k)[:, prompt_slots],
+                             np.asarray(expected_cache.k)[:, prompt_slots], rtol=1e-5, atol=1e-5)
