@@ -37,10 +37,7 @@ each setting is timed and the total extrapolated, --time_batches):
 """
 
 import dataclasses
-import json
-import math
 import os
-import time
 
 from absl import app, flags, logging
 import jax
@@ -157,8 +154,7 @@ def check_solutions_main():
   with _bar(total, 'check solutions') as bar:
     for p in problems:
       report = check_programs(p, p.solutions, config, progress=bar.update)
-      row = dict(problem_id=p.problem_id, solutions=len(p.solutions), passed=report.num_correct,
-                 **report.counts())
+      row = dict(problem_id=p.problem_id, solutions=len(p.solutions), **report.counts())
       rows.append(row)
       writer.append(row)
   with_solutions = [r for r in rows if r['solutions']]
