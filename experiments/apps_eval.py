@@ -268,7 +268,7 @@ def _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops, 
     forest = aw.prompt_forest(fewshot_ids, problem_ids[start:start + batch], FLAGS.samples, mode)
     return aw.run_batch(model, forest, max_new_tokens=FLAGS.new_tokens, sampling=sampling,
                         seed=FLAGS.seed + start, stop_tokens=stops, impl=impl,
-                        prefill_chunk=FLAGS.prefill_chunk)
+                        prefill_chunk=FLAGS.prefill_chunk, warm_prefill=start == timed[0])
 
   runs, outputs = [], []
   for start in progress(timed, total=len(timed), desc=f'generate {mode} x{batch}'):
@@ -392,9 +392,10 @@ def _write_readme(title, meta, body):
   with open(os.path.join(FLAGS.workdir, 'README.md'), 'w') as f:
     f.write(f'# {title}\n\ncommand: `{meta["command"]}`\n\ncommit: {meta.get("git_commit")}; '
             f'machine: {meta.get("host")}, {meta["device"]} ({meta["backend"]}), jax '
-            f'{meta["jax_version"]}\n\nTime is prefill + decode of every batch; prefill includes '
-            'compiling each new prompt shape, decode excludes its compile (one untimed step '
-            'first, the rest scaled to every step). Files: results.jsonl (one record per '
+            f'{meta["jax_version"]}\n\nTime is prefill + decode of every batch. Compiles are left '
+            'out where they can be: the first batch of a setting prefills once untimed, decode '
+            'runs one untimed step first (the rest is scaled to every step); a later batch of a '
+            'new prompt shape (natural problem lengths) compiles inside its prefill time. Files: results.jsonl (one record per '
             'setting, then per-problem checks and pass@k), table.md, time.png, kv.png.\n'
             f'{notes}\n{body}\n')
 

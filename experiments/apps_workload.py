@@ -193,8 +193,11 @@ class BatchRun:
 
 def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
               stop_tokens: Sequence[int], impl, prefill_chunk: int = 512,
-              cache_dtype=None) -> BatchRun:
-  """`models.generate.generate`'s steps, with prefill and decode timed apart (device synced)."""
+              cache_dtype=None, warm_prefill: bool = False) -> BatchRun:
+  """`models.generate.generate`'s steps, with prefill and decode timed apart (device synced).
+
+  warm_prefill: run the prefill once untimed first, so its time excludes compiling.
+  """
   tp = gen.plan_prompts(forest, max_new_tokens=max_new_tokens)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
@@ -203,6 +206,10 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
   # As generate: XLA prefill for XLA decode, else the backend's kernel where it fits.
   prefill_impl = (AttentionImpl.XLA if impl in (AttentionImpl.XLA, 'xla')
                   else AttentionImpl.AUTO)
+  if warm_prefill:
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
+    jax.block_until_ready(lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk))
+    del cache
   start = time.perf_counter()
   cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
   first, cache = lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
