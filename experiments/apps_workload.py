@@ -32,6 +32,7 @@ from hydrajax import AttentionImpl, Segment, SharingPlan
 from hydrajax.evaluation import apps
 from models import generate as gen
 from models.kv_cache import KVCache
+from models.llama import ModelMode
 from models.sampling import SamplingConfig
 
 MODES = ('no_sharing', 'one_level', 'two_level')
@@ -108,10 +109,10 @@ def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], sampl
   return best
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'impl'), donate_argnames=('cache',))
-def _prefill_step(graphdef, params, tokens, positions, cache, slots, layout, last_index, *, impl):
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_index):
   model = nnx.merge(graphdef, params)
-  h, cache = model.forward_hidden(tokens, positions, cache, slots, layout, impl=impl)
+  h, cache = model.forward_hidden(tokens, positions, cache, slots, plan, impl=ModelMode.TREE)
   last = jnp.take_along_axis(h, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
   return model.logits(last), cache  # [B, V] float32
 
@@ -167,9 +168,11 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
   node_logits = {}
   for call in lean_prefill_calls(tp, chunk):
     layout = call.plan.to_device(max_private_pages=call.max_private_pages)
+    plan = model.prepare_attention(layout, query_tokens=call.tokens.shape[1], cache=cache,
+                                   impl=impl)  # once per call, outside the jitted step
     logits, cache = _prefill_step(
         graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
-        jnp.asarray(call.write_slots), layout, jnp.asarray(call.last_index), impl=impl)
+        jnp.asarray(call.write_slots), plan, jnp.asarray(call.last_index))
     for r in np.flatnonzero(call.last_index >= 0):
       node_logits[int(call.segment_ids[r])] = logits[r]
   return jnp.stack([node_logits[int(j)] for j in tp.row_node]), cache
