@@ -58,11 +58,17 @@ from experiments.serving_report import profile_table, summarize
 from hydrajax.benchmarking import report, timing
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from hydrajax.layout import SharingPlan
+from hydrajax.parallel import initialize_distributed, parse_mesh
+from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import SamplingParams
-from models.llama import Llama
 
 _MODEL = flags.DEFINE_string('model', 'llama2_7b', 'model preset (random weights)')
+_MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel engine; '' "
+                            "or 'none': one device)")
+_DISTRIBUTED = flags.DEFINE_string(
+    'distributed', '', "multi-host start-up: 'auto' or 'HOST:PORT,NUM_PROCESSES,PROCESS_ID' "
+    '(see hydrajax/PARALLELISM.md)')
 _PROMPT_LENS = flags.DEFINE_list('prompt_lens', ['1024', '2048', '4096'], 'prompt lengths')
 _SHARED = flags.DEFINE_list('shared_fracs', ['0', '0.5', '1'], 'shared fraction of each prompt')
 _RATES = flags.DEFINE_list('rates', ['6', '12', '24', '48'], 'request rates, requests/s')
@@ -201,9 +207,14 @@ def main(argv):
     num_requests, new_tokens, chunk = _NUM_REQUESTS.value, _NEW_TOKENS.value, _CHUNK.value
     max_batch, kv_piece, num_chunks = _MAX_BATCH.value, _KV_PIECE.value, None
   config = get_config(model_name)
+  initialize_distributed(_DISTRIBUTED.value)
+  mesh = parse_mesh(_MESH.value)  # bad meshes fail here, before any work
+  if mesh is not None and mesh.shape.get('dp', 1) > 1:
+    raise ValueError(f'--mesh={_MESH.value}: the engine is tensor parallel; use tp only')
+  sr.check_mesh(config, mesh)
   dtype = jnp.float32 if _SMOKE.value else jnp.bfloat16
   t0 = time.perf_counter()
-  model = Llama(config, rngs=nnx.Rngs(0), dtype=dtype)
+  model = sr.init_model(config, mesh=mesh, seed=0, dtype=dtype)  # in its shards with --mesh
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s ready in %.1fs', model_name, time.perf_counter() - t0)
   if num_chunks is None:

@@ -18,6 +18,29 @@ A CPU smoke run:
   python -m experiments.throughput --preset=tiny_gqa --batches=4,2 --prefixes=128,64 \
       --new_tokens=8 --page_size=16 --workdir=/tmp/throughput
 
+Tensor parallel (issue 11): the same code path with `--mesh=tp:2` (the model's heads, MLP
+and vocab split over two devices; see hydrajax/PARALLELISM.md); `--mesh=none` is one device,
+`--mesh=tp:1` the mesh path on one device. The TP plan on nvidia-h200-x2 (each run < 5 min;
+NVLink multicast stays off):
+
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 NCCL_NVLS_ENABLE=0
+  run() { PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m experiments.throughput \
+      --batches=1024,32,256 --prefixes=16384,1024 --new_tokens=128 \
+      --modes=no_attention,tree,paged --impls=mosaic_gpu --max_decode_s=0.5 \
+      --profile_kernels=20 --deadline_s=200 "$@"; }
+  run --preset=codellama_7b --mesh=tp:1 --workdir=$OUT/tp/7b_tp1
+  run --preset=codellama_7b --mesh=tp:2 --workdir=$OUT/tp/7b_tp2
+  run --preset=codellama_13b --mesh=tp:1 --workdir=$OUT/tp/13b_tp1
+  run --preset=codellama_13b --mesh=tp:2 --workdir=$OUT/tp/13b_tp2
+  run --preset=codellama_13b --mesh=tp:2 --tp_reduce_dtype=bfloat16 --batches=1024,32 \
+      --workdir=$OUT/tp/13b_tp2_bf16reduce
+  run --preset=codellama_7b --mesh=none --batches=1024,32 --modes=no_attention,tree \
+      --workdir=$OUT/tp/7b_unsharded   # against 7b_tp1: the one-device mesh path's cost
+  run --preset=codellama_34b --mesh=tp:2 --batches=256,32 --workdir=$OUT/tp/34b_tp2
+
+TP scaling efficiency = TP=2 tok/s / (2 x TP=1 tok/s) at the same (mode, B, P); the
+collectives' share of a step: the all-reduce kernels in each point's `top_kernels`.
+
 Rebuild the tables and plots from a run's raw records:
 
   python -m experiments.throughput --rebuild=experiments/results/throughput/raw.jsonl \
@@ -30,14 +53,14 @@ import time
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from hydrajax.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl,
 )
+from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
+from models import sharding_rules as sr
 from models.config import get_config
-from models.llama import Llama
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
@@ -55,6 +78,13 @@ flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8
 flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
 flags.DEFINE_integer('profile_kernels', 0, 'record the N costliest kernels of one step (GPU)')
 flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
+flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel; '' or 'none': one "
+                    'device); dp is not used by this benchmark')
+flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
+                  'dtype of the all-reduces after wo and w_down with tp > 1 (float32: tokens '
+                  'equal one device\'s; bfloat16: half the bytes)')
+flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
+                    "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
 
 
 def _memory_limit() -> int:
@@ -79,6 +109,12 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   overrides = {'num_layers': FLAGS.num_layers} if FLAGS.num_layers else {}
   config = get_config(FLAGS.preset, **overrides)
+  initialize_distributed(FLAGS.distributed)
+  mesh = parse_mesh(FLAGS.mesh)  # errors before any work: unknown axes, too many devices
+  if mesh is not None and mesh.shape.get('dp', 1) > 1:
+    raise ValueError(f'--mesh={FLAGS.mesh}: this benchmark is tensor parallel (one sharing '
+                     'group); use tp only')
+  sr.check_mesh(config, mesh)
   if FLAGS.rebuild:
     records = read_jsonl(FLAGS.rebuild)
     meta, ceil = records[0]['meta'], records[0]['ceilings']
@@ -91,7 +127,8 @@ def main(argv):
     ceilings = measure_ceilings(copy_bytes=2**22, matmul_size=256, repeats=1)
   logging.info('ceilings: %.0f GB/s copy, %.1f TFLOP/s bf16 matmul',
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
-  model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
+                        tp_reduce_dtype=FLAGS.tp_reduce_dtype)
   writer = JsonlWriter(os.path.join(FLAGS.workdir, 'raw.jsonl'))
   memory_limit = _memory_limit()
   prefixes, prefill = {}, {}
@@ -117,7 +154,8 @@ def main(argv):
         r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])
     seconds = prefill[case.prefix]
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
-             ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started)
+             ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
+             mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype)
     records.append(r)
     writer.append(r)
     logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),

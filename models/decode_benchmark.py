@@ -17,9 +17,15 @@ jitted loop (one program, so no per-token host time), after a warm-up step;
 slow points time fewer steps (`steps_timed` says how many). Memory comes from
 XLA's analysis of the compiled decode program; points whose cache or program
 does not fit are recorded as such, not run.
+
+With a tensor-parallel model (`models.sharding_rules.init_model(..., mesh=)`)
+the same code runs sharded: the cache is made in its shards, memory figures
+are per device, and the attention implementation is resolved for one
+device's heads.
 """
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -32,6 +38,7 @@ from flax import nnx
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
 from hydrajax.benchmarking import timing
+from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
 from models.kv_cache import KVCache
@@ -114,7 +121,20 @@ def cache_bytes(config: LlamaConfig, kv_tokens: int, itemsize: int) -> int:
 
 
 def params_bytes(model: Llama) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  """Parameter bytes on one device (all of them without a mesh)."""
+  first = lambda x: x.addressable_shards[0].data.nbytes if hasattr(x, 'addressable_shards') \
+      else x.nbytes
+  return sum(first(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _tp(model: Llama) -> int:
+  return sr.axis_size(getattr(model, 'mesh', None), sr.TP)
+
+
+def _kv_heads(model: Llama) -> int:
+  """kv heads one device holds (replicated ones counted)."""
+  c = model.config
+  return c.num_kv_heads * sr.kv_replication(c.num_heads, c.num_kv_heads, model.mesh) // _tp(model)
 
 
 def decode_matmul_flops(config: LlamaConfig, batch: int) -> float:
@@ -133,7 +153,7 @@ def prefill_prefix(model: Llama, prefix: int, *, chunk: int, seed: int = 0, impl
   tp = plan_prompts([prompt_node(tokens)], max_new_tokens=1)
   seconds = None
   for _ in range(2):
-    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype)
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype, mesh=model.mesh)
     start = time.perf_counter()
     first, cache = prefill(model, tp, cache, impl=impl, chunk=chunk)
     jax.block_until_ready((first, cache))
@@ -142,10 +162,14 @@ def prefill_prefix(model: Llama, prefix: int, *, chunk: int, seed: int = 0, impl
   return k, v, first[0], seconds
 
 
-def _build_cache(k, v, kv_tokens: int, dest: np.ndarray) -> KVCache:
+def _build_cache(k, v, kv_tokens: int, dest: np.ndarray, mesh=None) -> KVCache:
   """A cache of L tokens with the prefix k, v [layers, P, K, H] copied at every `dest`."""
+  out_shardings = None
+  if mesh is not None:
+    shape = (k.shape[0], kv_tokens) + k.shape[2:]
+    out_shardings = KVCache(*(sr.cache_sharding(mesh, shape),) * 2)
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=out_shardings)
   def build(k, v, dest):
     nl, p, kh, h = k.shape
     out = []
@@ -174,15 +198,15 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       weights_bytes=weights, memory_limit_bytes=memory_limit,
   )
   setup = decode_setup(case, page_size)
-  cbytes = cache_bytes(c, setup.kv_tokens, itemsize)
-  record.update(kv_tokens=setup.kv_tokens, cache_bytes=cbytes)
+  cbytes = cache_bytes(c, setup.kv_tokens, itemsize) * _kv_heads(model) // c.num_kv_heads
+  record.update(kv_tokens=setup.kv_tokens, cache_bytes=cbytes, tp=_tp(model))
   if weights + cbytes > memory_limit:
     record.update(status='does_not_fit', reason='weights + KV cache exceed device memory')
     return record
   if case.impl == 'xla' and case.mode in ('paged', 'no_sharing'):
     # The XLA path gathers every row's pages: K and V [B, S, K, H] of one layer at a time.
     gather = 2 * case.batch * setup.plan.to_device().max_private_tokens * (
-        c.num_kv_heads * c.head_dim * itemsize)
+        _kv_heads(model) * c.head_dim * itemsize)
     record['gather_bytes_estimate'] = gather
     if weights + cbytes + gather > memory_limit:
       record.update(status='does_not_fit', reason='estimated: weights + cache + the XLA path\'s '
@@ -191,8 +215,9 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   impl = NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
   layout = setup.plan.to_device()
   if impl is not NO_ATTENTION:
-    q = jax.ShapeDtypeStruct((case.batch, 1, c.num_heads, c.head_dim), model.dtype)
-    kv = jax.ShapeDtypeStruct((c.num_layers * setup.kv_tokens, c.num_kv_heads, c.head_dim),
+    # One device's heads: what each shard of the attention shard_map runs.
+    q = jax.ShapeDtypeStruct((case.batch, 1, c.num_heads // _tp(model), c.head_dim), model.dtype)
+    kv = jax.ShapeDtypeStruct((c.num_layers * setup.kv_tokens, _kv_heads(model), c.head_dim),
                               model.dtype)
     try:
       resolved, _ = hydrajax.resolve(impl, q, kv, kv, layout)
@@ -200,7 +225,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       record.update(status='unsupported', reason=str(e))
       return record
     record['resolved_impl'] = resolved.value
-  cache = _build_cache(*prefix_kv, setup.kv_tokens, setup.prefix_dest)
+  cache = _build_cache(*prefix_kv, setup.kv_tokens, setup.prefix_dest, model.mesh)
   key = jax.random.key(0)
   stops = jnp.zeros((0,), jnp.int32)
   first = jnp.broadcast_to(first_logits, (case.batch, first_logits.shape[-1]))

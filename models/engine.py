@@ -311,7 +311,12 @@ class Engine:
         retain_prefixes=config.share_prefixes and config.retain_prefixes, layout=config.layout,
     ))
     dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
-    self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype)
+    mesh = getattr(model, 'mesh', None)  # tensor parallel over the model's mesh
+    if mesh is not None and mesh.shape.get('dp', 1) > 1:
+      raise ValueError(f'the engine runs tensor parallel only (one chunk pool); the model mesh '
+                       f'has dp={mesh.shape["dp"]}: run one engine per dp group instead')
+    self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype,
+                            mesh=mesh)
     self.kv_bytes_per_token = model.config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
     self._prefill_policy = config.prefill_layout or LayoutPolicy(
         kv_piece=config.layout.kv_piece, min_private_pages=config.layout.min_private_pages)

@@ -515,6 +515,7 @@ def generate(
     cache_dtype: KV cache dtype (default: the model's).
     interpret: run the Mosaic kernels in interpret mode (e.g. impl='mosaic_tpu' on a CPU).
   """
+  _check_mesh(model, impl)
   tp = plan_prompts(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
@@ -527,7 +528,7 @@ def generate(
   else:
     if prefill_impl is None:
       prefill_impl = AttentionImpl.XLA if attention is AttentionImpl.XLA else AttentionImpl.AUTO
-    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype, mesh=model.mesh)
     first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
                            interpret=interpret)
     rows = tree_rows(tp)
@@ -546,6 +547,21 @@ def generate(
       prompt_ids=tp.prompt_ids[order],
       sample_ids=tp.sample_ids[order],
   )
+
+
+def _check_mesh(model: Llama, impl) -> None:
+  """generate runs tensor parallel (the model's mesh); data parallelism is the model's API."""
+  mesh = getattr(model, 'mesh', None)
+  if mesh is None:
+    return
+  if mesh.shape.get('dp', 1) > 1:
+    raise ValueError(
+        f'generate runs tensor parallel only: the model mesh has dp={mesh.shape["dp"]}; give '
+        'each dp shard its own sharing groups through the model call with a '
+        'hydrajax.parallel.ShardedLayout (see hydrajax/PARALLELISM.md), or use a tp-only mesh')
+  if parse_impl(impl)[0] is ModelMode.DENSE:
+    raise ValueError('impl=DENSE (the ground truth) runs on one device: use a model without '
+                     'a mesh')
 
 
 def _naive_run(model, graphdef, params, tp, dtype, key, stops, max_new_tokens, sampling):

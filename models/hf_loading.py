@@ -16,7 +16,9 @@ over layers:
   lm_head.weight                        [V, D]    -> lm_head [D, V] (absent when tied)
 
 HF's q/k projections are already in the rotate-half RoPE layout we use.
-Missing, unexpected or mis-shaped tensors raise ValueError naming them.
+Missing, unexpected or mis-shaped tensors raise ValueError naming them; a
+damaged folder raises `CheckpointError` naming the file (see
+`load_hf_checkpoint`). With `mesh=`, parameters go straight into their shards.
 """
 
 import contextlib
@@ -31,6 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from models import sharding_rules as sr
 from models.config import LlamaConfig, from_hf_dict, load_hf_config
 from models.llama import Llama
 
@@ -74,32 +77,107 @@ def expected_hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
+class CheckpointError(ValueError):
+  """A checkpoint folder that cannot be loaded; the message names the file and what is wrong."""
+
+
+# Weights must be floating point (ml_dtypes' bfloat16 included); others are refused.
+_FLOAT_DTYPES = ('F16', 'BF16', 'F32', 'F64')
+
+
+def _read_json(file: str, what: str):
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f'{file}: {what} is not valid JSON ({e})') from None
+  except UnicodeDecodeError as e:
+    raise CheckpointError(f'{file}: {what} is not UTF-8 text ({e})') from None
+
+
+def _inside(folder: str, file: str) -> bool:
+  folder = os.path.realpath(folder)
+  return os.path.commonpath([folder, os.path.realpath(file)]) == folder
+
+
 def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
   """Tensor name -> file, for a single-file or an index-sharded checkpoint folder."""
   path = os.fspath(path)
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)['weight_map']
-    files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+    content = _read_json(index, 'the shard index')
+    weight_map = content.get('weight_map') if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise CheckpointError(f'{index}: needs a non-empty "weight_map" object of tensor -> file')
+    files = {}
+    for name, file in weight_map.items():
+      if not isinstance(file, str) or not file:
+        raise CheckpointError(f'{index}: weight_map[{name!r}] must be a file name, got {file!r}')
+      full = os.path.join(path, file)
+      if os.path.isabs(file) or not _inside(path, full):
+        raise CheckpointError(f'{index}: weight_map[{name!r}] = {file!r} points outside the '
+                              f'checkpoint folder {path}: refused')
+      files[name] = full
     for file in sorted(set(files.values())):
       if not os.path.exists(file):
-        raise ValueError(f'{INDEX_FILE} lists {os.path.basename(file)}, which is not in {path}')
+        raise CheckpointError(
+            f'{INDEX_FILE} lists {os.path.basename(file)}, which is not in {path}')
     return files
   single = os.path.join(path, SINGLE_FILE)
   if os.path.exists(single):
-    with safe_open(single, 'numpy') as f:
+    with _safe_open(single) as f:
       return {name: single for name in f.keys()}
-  raise ValueError(f'no {SINGLE_FILE} or {INDEX_FILE} in {path}')
+  raise CheckpointError(f'no {SINGLE_FILE} or {INDEX_FILE} in {path}')
+
+
+@contextlib.contextmanager
+def _safe_open(file: str):
+  """safe_open whose errors (a truncated file, a bad header) name the file."""
+  try:
+    handle = safe_open(file, 'numpy')
+  except Exception as e:  # safetensors raises its own SafetensorError and OSError
+    raise CheckpointError(f'{file}: not a readable safetensors file (truncated or corrupt?): '
+                          f'{e}') from None
+  with handle as f:
+    yield f
 
 
 @contextlib.contextmanager
 def _open_all(files: dict[str, str]) -> Iterator[tuple[Callable, Callable]]:
-  """Yields (get: name -> array, shape_of: name -> shape) over all files of a checkpoint."""
+  """Yields (get: name -> array, shape_of: name -> shape) over all files of a checkpoint.
+
+  Every tensor is checked: it must be in the file the index names, floating
+  point, and (when read) finite; errors name the tensor and the file.
+  """
   with contextlib.ExitStack() as stack:
-    handles = {file: stack.enter_context(safe_open(file, 'numpy')) for file in set(files.values())}
-    yield (lambda name: handles[files[name]].get_tensor(name),
-           lambda name: handles[files[name]].get_slice(name).get_shape())
+    handles = {file: stack.enter_context(_safe_open(file)) for file in set(files.values())}
+    keys = {file: set(h.keys()) for file, h in handles.items()}
+    for name, file in files.items():
+      if name not in keys[file]:
+        raise CheckpointError(f'{INDEX_FILE} maps {name} to {os.path.basename(file)}, which '
+                              'does not hold it (wrong shard)')
+
+    def get(name):
+      file = files[name]
+      try:
+        x = handles[file].get_tensor(name)
+      except Exception as e:
+        raise CheckpointError(f'{file}: cannot read tensor {name} (truncated or corrupt?): '
+                              f'{e}') from None
+      if not np.all(np.isfinite(x)):
+        raise CheckpointError(f'{file}: tensor {name} holds NaN or inf values: refused')
+      return x
+
+    def shape_of(name):
+      file = files[name]
+      piece = handles[file].get_slice(name)
+      dtype = piece.get_dtype()
+      if dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f'{file}: tensor {name} has dtype {dtype}; weights must be '
+                              f'floating point ({", ".join(_FLOAT_DTYPES)}): refused')
+      return piece.get_shape()
+
+    yield get, shape_of
 
 
 def _check_names_and_shapes(files: dict[str, str], shapes_of: Callable[[str], tuple[int, ...]],
@@ -122,60 +200,124 @@ def _check_names_and_shapes(files: dict[str, str], shapes_of: Callable[[str], tu
       raise ValueError(f'tensor {name} has shape {got}, expected {want}')
 
 
-def convert_hf_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, dtype) -> dict:
-  """Our parameter tree (a pure dict of numpy arrays in `dtype`) from HF tensors by name."""
+def convert_hf_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, dtype,
+                       place: Callable[[tuple, np.ndarray], object] | None = None) -> dict:
+  """Our parameter tree (a pure dict in `dtype`) from HF tensors by name.
+
+  `place(path, array)` receives each converted tensor as soon as it is made (path: its
+  keys in the tree) and returns what the tree holds (default: the numpy array), so that
+  a sharded load moves each tensor into its shards before reading the next.
+  """
   np_dtype = np.dtype(jnp.dtype(dtype))
-  cast = lambda x: np.asarray(x).astype(np_dtype)
+  place = place or (lambda path, x: x)
+  cast = lambda path, x: place(path, np.asarray(x).astype(np_dtype))
   layers = {
-      i: {ours: cast(convert(get(f'model.layers.{i}.{hf_name}'), config))
+      i: {ours: cast(('layers', i, ours), convert(get(f'model.layers.{i}.{hf_name}'), config))
           for hf_name, (ours, convert) in _LAYER_TENSORS.items()}
       for i in range(config.num_layers)
   }
   params = {
-      'embed': cast(get('model.embed_tokens.weight')),
+      'embed': cast(('embed',), get('model.embed_tokens.weight')),
       'layers': layers,
-      'final_norm': cast(get('model.norm.weight')),
+      'final_norm': cast(('final_norm',), get('model.norm.weight')),
   }
   if not config.tie_embeddings:
-    params['lm_head'] = cast(get('lm_head.weight').T)
+    params['lm_head'] = cast(('lm_head',), get('lm_head.weight').T)
   return params
 
 
-def abstract_model(config: LlamaConfig, dtype) -> Llama:
+def abstract_model(config: LlamaConfig, dtype, mesh=None) -> Llama:
   """A Llama with shape-only parameters (no memory, no random init)."""
-  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype))
+  return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=dtype, mesh=mesh))
 
 
-def model_from_params(config: LlamaConfig, params: dict, dtype) -> Llama:
-  """A Llama whose parameters are `params` (a pure dict like `nnx.to_pure_dict(state)`)."""
-  graphdef, state = nnx.split(abstract_model(config, dtype))
+def param_shardings(config: LlamaConfig, dtype, mesh) -> dict:
+  """Pure dict (like `nnx.to_pure_dict`) of every parameter's NamedSharding on `mesh`."""
+  _, state = nnx.split(abstract_model(config, dtype, sr.auto_mesh(mesh)))
+  return nnx.to_pure_dict(sr.param_shardings(state, sr.auto_mesh(mesh)))
+
+
+def _placer(config: LlamaConfig, dtype, mesh):
+  """place(path, numpy array) -> the array in its shards (or on the default device)."""
+  if mesh is None:
+    return lambda path, x: jnp.asarray(x)
+  shardings = param_shardings(config, dtype, mesh)
+
+  def place(path, x):
+    s = shardings
+    for key in path:
+      s = s[key]
+    return jax.device_put(x, s)  # each device receives only its own slices
+
+  return place
+
+
+def model_from_params(config: LlamaConfig, params: dict, dtype, mesh=None) -> Llama:
+  """A Llama whose parameters are `params` (a pure dict like `nnx.to_pure_dict(state)`).
+
+  Arrays already placed (a sharded load) are kept as they are; numpy arrays are
+  moved to the default device, or into their shards with `mesh`.
+  """
+  mesh = sr.auto_mesh(mesh)
+  graphdef, state = nnx.split(abstract_model(config, dtype, mesh))
   want = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), nnx.to_pure_dict(state))
   got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), params)
   if want != got:
     raise ValueError(f'parameter tree does not match the model: expected {want}, got {got}')
+  if mesh is not None:
+    shardings = param_shardings(config, dtype, mesh)
+    params = jax.tree.map(
+        lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
+        params, shardings)
   nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
   return nnx.merge(graphdef, state)
 
 
+def _load_config(path) -> LlamaConfig:
+  """config.json, with errors that name the file (bad JSON, missing or bad fields)."""
+  path = os.fspath(path)
+  file = os.path.join(path, 'config.json') if os.path.isdir(path) else path
+  if not os.path.exists(file):
+    raise CheckpointError(f'no config.json at {file}')
+  hf = _read_json(file, 'the model config')
+  if not isinstance(hf, dict):
+    raise CheckpointError(f'{file}: must hold a JSON object, got {type(hf).__name__}')
+  try:
+    return load_hf_config(path)
+  except KeyError as e:
+    raise CheckpointError(f'{file}: missing field {e}') from None
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f'{file}: {e}') from None
+
+
 def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype=jnp.bfloat16, config: LlamaConfig | None = None
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, config: LlamaConfig | None = None,
+    mesh=None,
 ) -> Llama:
   """Loads a HF Llama folder (config.json + safetensors, single or sharded) into a `Llama`.
+
+  Tensors are read one at a time; with `mesh` each is moved straight into its
+  shards (the rules of `models.sharding_rules`), so the whole model is never on
+  one device. Bad folders raise `CheckpointError` (a ValueError) naming the
+  file: truncated or corrupt safetensors, bad JSON, an index naming a missing
+  or wrong shard or a file outside the folder, non-float or non-finite weights.
 
   Args:
     path: the folder.
     dtype: parameter dtype (bf16 or f32); tensors are cast on load.
     config: overrides the folder's config.json.
+    mesh: a `jax.sharding.Mesh` with axes dp / tp (None: the default device).
   """
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
                               jnp.dtype(jnp.float16)):
     raise ValueError(f'dtype must be bfloat16, float16 or float32, got {dtype}')
-  config = config or load_hf_config(path)
+  config = config or _load_config(path)
+  sr.check_mesh(config, mesh)
   files = safetensors_files(path)
   with _open_all(files) as (get, shape_of):
     _check_names_and_shapes(files, shape_of, config)
-    params = convert_hf_tensors(get, config, dtype)
-  return model_from_params(config, params, dtype)
+    params = convert_hf_tensors(get, config, dtype, place=_placer(config, dtype, mesh))
+  return model_from_params(config, params, dtype, mesh)
 
 
 _CONFIG_FILE = 'llama_config.json'
@@ -197,8 +339,11 @@ def save_params(model: Llama, directory: str | os.PathLike) -> None:
   checkpointer.wait_until_finished()
 
 
-def restore_params(directory: str | os.PathLike, *, dtype=None) -> Llama:
-  """Restores a `Llama` written by `save_params` (in its saved dtype unless `dtype` is given)."""
+def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None) -> Llama:
+  """Restores a `Llama` written by `save_params` (in its saved dtype unless `dtype` is given).
+
+  With `mesh`, orbax restores every parameter straight into its shards.
+  """
   import orbax.checkpoint as ocp
 
   directory = os.path.abspath(os.fspath(directory))
@@ -209,9 +354,14 @@ def restore_params(directory: str | os.PathLike, *, dtype=None) -> Llama:
     saved = json.load(f)
   config = dataclasses.replace(from_hf_dict(saved['hf']), name=saved.get('name', ''))
   saved_dtype = jnp.dtype(saved['dtype'])
+  mesh = sr.auto_mesh(mesh)
+  sr.check_mesh(config, mesh)
   graphdef, state = nnx.split(abstract_model(config, saved_dtype))
   target = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state), nnx.Param))
+  if mesh is not None:  # abstract arrays carrying their target sharding
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          target, param_shardings(config, saved_dtype, mesh))
   restored = ocp.StandardCheckpointer().restore(os.path.join(directory, _PARAMS_DIR), target)
   dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
-  restored = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
-  return model_from_params(config, restored, dtype)
+  restored = jax.tree.map(lambda x: x.astype(dtype), restored)  # keeps the sharding
+  return model_from_params(config, restored, dtype, mesh)

@@ -30,18 +30,30 @@ class KVCache:
   logical_axes = (sr.LAYERS, sr.CACHE_TOKENS, sr.KV_HEADS, sr.HEAD_DIM)
 
   @classmethod
-  def zeros(cls, config: LlamaConfig, num_tokens: int, dtype=jnp.bfloat16) -> 'KVCache':
+  def zeros(cls, config: LlamaConfig, num_tokens: int, dtype=jnp.bfloat16, *,
+            mesh=None) -> 'KVCache':
+    """With `mesh`, made in its shards: kv heads over tp (each stored tp / K times when
+    K < tp), tokens over dp (each dp shard's own buffer of num_tokens / dp)."""
     if num_tokens < 1:
       raise ValueError(f'num_tokens (L) must be >= 1, got {num_tokens}')
-    shape = (config.num_layers, num_tokens, config.num_kv_heads, config.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    heads = config.num_kv_heads * sr.kv_replication(config.num_heads, config.num_kv_heads, mesh)
+    shape = (config.num_layers, num_tokens, heads, config.head_dim)
+    if mesh is None:
+      return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    dp = sr.axis_size(mesh, sr.DP)
+    if num_tokens % dp:
+      raise ValueError(f'num_tokens (L) = {num_tokens} must divide over dp={dp}')
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
+                    out_shardings=sr.sharding(cls.logical_axes, sr.auto_mesh(mesh), shape))
+    return cls(zeros(), zeros())
 
   @property
   def num_tokens(self) -> int:
     return self.k.shape[1]
 
-  def check(self, config: LlamaConfig) -> None:
-    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+  def check(self, config: LlamaConfig, kv_replication: int = 1) -> None:
+    """kv_replication: each kv head stored that many times (K < tp; see sharding_rules)."""
+    want = (config.num_layers, config.num_kv_heads * kv_replication, config.head_dim)
     if self.k.shape != self.v.shape or self.k.ndim != 4 or (
         self.k.shape[0], self.k.shape[2], self.k.shape[3]) != want:
       raise ValueError(

@@ -38,7 +38,12 @@ NO_ATTENTION (every projection and the cache writes, without the attention
 product: the attention output is the query itself; the throughput ceiling of
 the Hydragen paper).
 
-Parameters carry `logical_axes` metadata (see `models.sharding_rules`).
+Parameters carry `logical_axes` metadata (see `models.sharding_rules`). With
+`mesh=` (`Llama(..., mesh=mesh)` or `models.sharding_rules.init_model`) the
+forward pass is tensor and data parallel: the q/k/v and gate/up projections
+are column-parallel (heads, MLP hidden on `tp`), wo and w_down row-parallel
+(one all-reduce each per layer), and each layer's cache write and attention
+are one `jax.shard_map` (`hydrajax.parallel.write_and_attend`).
 """
 
 import enum
@@ -49,6 +54,7 @@ from flax import nnx
 
 import hydrajax
 from hydrajax import AttentionImpl, AttentionPlan, AttentionShapes, TreeLayout
+from hydrajax import parallel
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.kv_cache import DenseKVCache, KVCache
@@ -129,11 +135,12 @@ class DecoderLayer(nnx.Module):
 LAYER_PARAMS = ('attn_norm', 'wq', 'wk', 'wv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
 
 
-def _mlp(p, x, eps):
+def _mlp(p, x, eps, reduce_dtype=None):
   y = rms_norm(x, p['mlp_norm'], eps)
   gate = jnp.einsum('btd,df->btf', y, p['w_gate'])
   up = jnp.einsum('btd,df->btf', y, p['w_up'])
-  return x + jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, p['w_down'])
+  return x + jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, p['w_down'],
+                        preferred_element_type=reduce_dtype).astype(x.dtype)
 
 
 def _qkv(p, x, positions, inv_freq, eps):
@@ -142,6 +149,17 @@ def _qkv(p, x, positions, inv_freq, eps):
   k = apply_rope(jnp.einsum('btd,dkh->btkh', y, p['wk']), positions, inv_freq)
   v = jnp.einsum('btd,dkh->btkh', y, p['wv'])
   return q, k, v
+
+
+def _is_plan(layout) -> bool:
+  """An AttentionPlan, or per-dp-shard plans stacked (`hydrajax.parallel.stack_shards`)."""
+  if isinstance(layout, parallel.ShardedLayout):
+    layout = layout.layouts
+  return isinstance(layout, AttentionPlan)
+
+
+def _plan_shapes(plan) -> AttentionShapes:
+  return (plan.layouts if isinstance(plan, parallel.ShardedLayout) else plan).shapes
 
 
 def _check_inputs(config, tokens, positions, write_slots=None):
@@ -156,9 +174,15 @@ def _check_inputs(config, tokens, positions, write_slots=None):
 class Llama(nnx.Module):
   """Llama 2 / Llama 3 / CodeLlama decoder; see the module docstring for the interface."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, mesh=None,
+               tp_reduce_dtype=jnp.float32):
+    sr.check_mesh(config, mesh)
     self.config = config
     self.dtype = jnp.dtype(dtype)
+    self.mesh = sr.auto_mesh(mesh)  # static: the forward's sharding (None: one device)
+    # dtype of the tensor-parallel all-reduces after wo and w_down (bf16: half the bytes, but
+    # rounded twice, so tokens may differ from one device's)
+    self.tp_reduce_dtype = jnp.dtype(tp_reduce_dtype)
     c = config
     self.embed = _param(rngs, (c.vocab_size, c.dim), (sr.VOCAB, sr.EMBED), dtype, 1.0)
     self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_layers)])
@@ -185,10 +209,15 @@ class Llama(nnx.Module):
     return self.logits(h), cache
 
   def attention_shapes(self, num_rows: int, query_tokens: int, cache: KVCache) -> AttentionShapes:
-    """The static shapes of this model's attention calls over `cache` (one layer's buffer)."""
+    """The static shapes of this model's attention calls over `cache` (one layer's buffer).
+
+    With a mesh, those of one device's call: B/dp rows, N/tp heads, K'/tp kv heads (K' the
+    cache's kv heads, replicated when K < tp), L/dp tokens of its own buffer.
+    """
     c = self.config
-    return AttentionShapes(num_rows, query_tokens, c.num_heads, c.num_kv_heads, c.head_dim,
-                           cache.k.shape[1], self.dtype, cache.k.dtype)
+    tp, dp = sr.axis_size(self.mesh, sr.TP), sr.axis_size(self.mesh, sr.DP)
+    return AttentionShapes(num_rows // dp, query_tokens, c.num_heads // tp, cache.k.shape[2] // tp,
+                           c.head_dim, cache.k.shape[1] // dp, self.dtype, cache.k.dtype)
 
   def prepare_attention(self, layout: TreeLayout, *, query_tokens: int, cache: KVCache,
                         impl=AttentionImpl.AUTO, config=None, interpret: bool = False):
@@ -202,57 +231,73 @@ class Llama(nnx.Module):
     if mode is not ModelMode.TREE:
       raise ValueError(f'impl={impl!r} does not run on a tree layout (use forward_naive)')
     shapes = self.attention_shapes(layout.num_rows, query_tokens, cache)
-    return hydrajax.prepare_attention(layout, shapes, impl=attention, config=config,
-                                      interpret=interpret)
+    prepare = lambda lay: hydrajax.prepare_attention(lay, shapes, impl=attention, config=config,
+                                                     interpret=interpret)
+    if isinstance(layout, parallel.ShardedLayout):  # dp: each shard's plan, stacked
+      return parallel.stack_shards([prepare(jax.tree.map(lambda x: x[d], layout.layouts))
+                                    for d in range(layout.num_shards)])
+    return prepare(layout)
 
   def forward_hidden(self, tokens, positions, cache: KVCache, write_slots,
                      layout: TreeLayout | AttentionPlan, *, impl=AttentionImpl.AUTO):
     """Like `__call__` but returns the final-norm hidden states [B, T, D] instead of logits."""
     c = self.config
     _check_inputs(c, tokens, positions, write_slots)
-    cache.check(c)
-    plan = layout if isinstance(layout, AttentionPlan) else None
+    mesh = self.mesh
+    cache.check(c, sr.kv_replication(c.num_heads, c.num_kv_heads, mesh))
+    plan = layout if _is_plan(layout) else None
     if plan is not None:
-      layout = plan.layout
-    if not isinstance(layout, TreeLayout):
+      layout = plan.layout if isinstance(plan, AttentionPlan) else plan
+    if not isinstance(layout, (TreeLayout, parallel.ShardedLayout)):
       raise ValueError(f'layout must be a TreeLayout or an AttentionPlan, got {type(layout).__name__}')
     if layout.num_rows != tokens.shape[0]:
       raise ValueError(f'layout has {layout.num_rows} rows but tokens has B={tokens.shape[0]}')
     num_layers, length, kh, hd = cache.k.shape
-    if length % layout.page_size:
+    if (length // sr.axis_size(mesh, sr.DP)) % layout.page_size:
       raise ValueError(
-          f'cache L={length} must be a multiple of layout.page_size={layout.page_size}')
+          f'cache L={length} (per dp shard) must be a multiple of layout.page_size='
+          f'{layout.page_size}')
     if num_layers * length >= 2**31:
       raise ValueError(f'num_layers * L = {num_layers * length} does not fit int32 indices')
     b, t = tokens.shape
     if plan is None:
       plan = self.prepare_attention(layout, query_tokens=t, cache=cache, impl=impl)
-      if not isinstance(plan, AttentionPlan):
+      if not _is_plan(plan):
         plan = None  # NO_ATTENTION
-    elif plan.shapes != self.attention_shapes(b, t, cache):
-      raise ValueError(
-          f'the plan was prepared for {plan.shapes}, not {self.attention_shapes(b, t, cache)}')
+    elif _plan_shapes(plan) != self.attention_shapes(b, t, cache):
+      raise ValueError(f'the plan was prepared for {_plan_shapes(plan)}, not '
+                       f'{self.attention_shapes(b, t, cache)}')
+    replicas = sr.kv_replication(c.num_heads, c.num_kv_heads, mesh)
+    reduce = self.tp_reduce_dtype if sr.axis_size(mesh, sr.TP) > 1 else None
     inv_freq = self.inv_freq()
-    x = self.embed.get_value()[tokens]  # [B, T, D]
-    k_all = cache.k.reshape(num_layers * length, kh, hd)  # [nl * L, K, H]: a bitcast
-    v_all = cache.v.reshape(num_layers * length, kh, hd)
-    slots = write_slots.reshape(-1).astype(jnp.int32)
-    dropped = num_layers * length  # out of range: the scatter drops it
+    hidden = (sr.BATCH, None, sr.EMBED)  # x is replicated over tp between the blocks
+    x = sr.constrain(self._embed(tokens), hidden, mesh)  # [B, T, D]
+    k_all, v_all = cache.k, cache.v
     for index, layer in enumerate(self.layers):
       p = layer.arrays()
       q, k, v = _qkv(p, x, positions, inv_freq, c.norm_eps)
-      offset = index * length
-      dest = jnp.where((slots >= 0) & (slots < length), slots + offset, dropped)
-      k_all = k_all.at[dest].set(k.reshape(b * t, kh, hd).astype(k_all.dtype), mode='drop')
-      v_all = v_all.at[dest].set(v.reshape(b * t, kh, hd).astype(v_all.dtype), mode='drop')
+      if replicas > 1:  # K < tp: each device keeps the one kv head its query heads read
+        k, v = jnp.repeat(k, replicas, axis=2), jnp.repeat(v, replicas, axis=2)
+      # The cache write and the attention of this layer: one shard_map with a mesh.
+      attn, k_all, v_all = parallel.write_and_attend(
+          q, k, v, k_all, v_all, write_slots, layout if plan is None else plan, layer=index,
+          impl=None if plan is None else AttentionImpl.AUTO, mesh=mesh, axes=sr.attention_axes())
       if plan is None:  # NO_ATTENTION
         attn = q
-      else:
-        attn = hydrajax.attend(q, k_all, v_all, plan, kv_offset=offset).out.astype(x.dtype)
-      x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
-      x = _mlp(p, x, c.norm_eps)
-    cache = KVCache(k_all.reshape(cache.k.shape), v_all.reshape(cache.v.shape))
+      # Row parallel: each device's partial sum, all-reduced in `reduce` (float32 by default:
+      # the one rounding to the model dtype then matches one device's, so greedy tokens do too).
+      out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
+      x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
+      x = sr.constrain(_mlp(p, x, c.norm_eps, reduce), hidden, mesh)
+    cache = KVCache(k_all, v_all)
     return rms_norm(x, self.final_norm.get_value(), c.norm_eps), cache
+
+  def _embed(self, tokens):
+    """tokens [B, T] -> [B, T, D]; a vocab-sharded table is read locally and summed."""
+    table = self.embed.get_value()
+    spec = sr.partition_spec((sr.VOCAB, sr.EMBED), mesh=self.mesh, shape=table.shape)
+    return parallel.embedding_lookup(table, tokens, mesh=self.mesh, vocab_axis=spec[0],
+                                     batch_axis=sr.attention_axes().batch)
 
   def forward_naive(self, tokens, positions, cache: DenseKVCache):
     """The ground truth: per-sequence dense caches and `hydrajax.naive_attention`.

@@ -1,17 +1,32 @@
 """Logical axis names of parameters and caches, and the one table mapping them to mesh axes.
 
 Every `nnx.Param` of the Llama carries `logical_axes` metadata (a name per
-dimension), and `KVCache.logical_axes` names the cache dimensions. A later
-parallelism issue shards the model by editing `RULES` (or passing its own
-table) and calling `partition_spec` / `param_partition_specs`: the model code
-does not change. Today every name maps to None (replicated).
+dimension) and `KVCache.logical_axes` names the cache dimensions. `RULES` maps
+each name to a mesh axis: Megatron-style tensor parallelism on `tp` (query and
+kv heads, the MLP hidden width and the vocabulary), data parallelism on `dp`
+(rows of the batch and, with them, each shard's own KV buffer). Everything that
+places or constrains an array goes through `sharding` / `partition_spec` with
+this table, so the model code never names a mesh axis.
+
+A name whose mesh axis is not in the mesh is replicated (a `tp`-only mesh has no
+`dp`). A dimension that does not divide its mesh axis:
+
+* heads (N): an error (`check_mesh` says so before any work);
+* kv heads (K < tp, e.g. MQA, or 8 kv heads on 16 devices): `tp % K` must be 0;
+  the weights wk, wv stay replicated and the cache holds every kv head
+  `tp / K` times (`kv_replication`), so that each device keeps exactly the one
+  kv head its query heads read (the same memory as K = tp);
+* anything else (a vocabulary of 97 on 2 devices): replicated.
 """
 
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hydrajax.parallel import DP, MESH_AXES, TP, AttentionAxes  # the mesh axes
 
 # Logical axis names (one per kind of dimension).
 LAYERS = 'layers'  # stacked decoder blocks
@@ -24,41 +39,207 @@ MLP = 'mlp'  # F
 CACHE_TOKENS = 'cache_tokens'  # L, tokens of the flat KV buffer
 BATCH = 'batch'  # B
 
-# Logical name -> mesh axis (or None: replicated). Tensor parallelism would map
-# heads/kv_heads/mlp/vocab to 'tp'; data parallelism batch/cache_tokens to 'dp'.
+# Logical name -> mesh axis (or None: replicated).
 RULES: tuple[tuple[str, str | None], ...] = (
     (LAYERS, None),
-    (VOCAB, None),
+    (VOCAB, TP),
     (EMBED, None),
-    (HEADS, None),
-    (KV_HEADS, None),
+    (HEADS, TP),
+    (KV_HEADS, TP),
     (HEAD_DIM, None),
-    (MLP, None),
-    (CACHE_TOKENS, None),
-    (BATCH, None),
+    (MLP, TP),
+    (CACHE_TOKENS, DP),
+    (BATCH, DP),
 )
+
+# Names whose dimension may be replicated when it does not divide its mesh axis.
+_REPLICABLE = (VOCAB, EMBED, MLP, KV_HEADS, LAYERS, HEAD_DIM, CACHE_TOKENS)
+
+
+def _table(rules) -> Mapping[str, str | None]:
+  return dict(rules)
+
+
+def axis_size(mesh: Mesh | None, axis: str) -> int:
+  """Devices along `axis` of the mesh (1 without a mesh or without that axis)."""
+  if mesh is None or axis not in mesh.shape:
+    return 1
+  return int(mesh.shape[axis])
 
 
 def partition_spec(
-    names: Sequence[str | None], rules: Sequence[tuple[str, str | None]] = RULES
+    names: Sequence[str | None],
+    rules: Sequence[tuple[str, str | None]] = RULES,
+    *,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
 ) -> PartitionSpec:
-  """PartitionSpec of an array whose dimensions carry these logical names."""
-  table: Mapping[str, str | None] = dict(rules)
+  """PartitionSpec of an array whose dimensions carry these logical names.
+
+  With `mesh`, names mapped to an axis the mesh lacks are replicated; with
+  `shape` too, a dimension that does not divide its axis is replicated where
+  the module docstring allows it, else a ValueError names it.
+  """
+  table = _table(rules)
   for name in names:
     if name is not None and name not in table:
       raise ValueError(f'logical axis {name!r} has no rule; known: {sorted(table)}')
-  return PartitionSpec(*(None if n is None else table[n] for n in names))
+  if shape is not None and len(shape) != len(names):
+    raise ValueError(f'logical axes {tuple(names)} do not match shape {tuple(shape)}')
+  out = []
+  for i, name in enumerate(names):
+    axis = None if name is None else table[name]
+    if axis is not None and mesh is not None:
+      if axis not in mesh.shape:
+        axis = None
+      elif shape is not None and shape[i] % mesh.shape[axis]:
+        if name not in _REPLICABLE:
+          raise ValueError(f'dimension {name}={shape[i]} does not divide over the mesh axis '
+                           f'{axis}={mesh.shape[axis]}')
+        axis = None
+    out.append(axis)
+  return PartitionSpec(*out)
 
 
-def param_partition_specs(state: nnx.State, rules=RULES):
+def sharding(names, mesh: Mesh, shape=None, rules=RULES) -> NamedSharding:
+  """The NamedSharding of an array with these logical axes on `mesh`."""
+  return NamedSharding(mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
+
+
+def _names_of(v: nnx.Variable):
+  names = v.get_metadata().get('logical_axes')
+  shape = v.get_value().shape
+  if names is None:
+    raise ValueError(f'parameter of shape {shape} has no logical_axes metadata')
+  if len(names) != len(shape):
+    raise ValueError(f'logical_axes {names} do not match shape {shape}')
+  return names, shape
+
+
+def param_partition_specs(state: nnx.State, rules=RULES, *, mesh: Mesh | None = None):
   """A tree like `state` (of `nnx.Variable`s) holding each parameter's PartitionSpec."""
 
   def spec(v):
-    names = v.get_metadata().get('logical_axes')
-    if names is None:
-      raise ValueError(f'parameter of shape {v.get_value().shape} has no logical_axes metadata')
-    if len(names) != v.get_value().ndim:
-      raise ValueError(f'logical_axes {names} do not match shape {v.get_value().shape}')
-    return partition_spec(names, rules)
+    names, shape = _names_of(v)
+    return partition_spec(names, rules, mesh=mesh, shape=shape)
 
   return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES):
+  """A tree like `state` holding each parameter's NamedSharding on `mesh`."""
+  specs = param_partition_specs(state, rules, mesh=mesh)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# ---------------------------------------------------------------------------
+# Meshes and models
+
+
+def auto_mesh(mesh: Mesh | None) -> Mesh | None:
+  """The same devices and axis names with `AxisType.Auto` axes (what the model runs on).
+
+  `jax.make_mesh` gives explicit axes by default in this JAX; the model's
+  sharding constraints and its attention `shard_map` use automatic ones, so
+  both kinds of mesh are accepted everywhere and converted here.
+  """
+  if mesh is None:
+    return None
+  auto = jax.sharding.AxisType.Auto
+  if all(t == auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, mesh: Mesh | None) -> int:
+  """How many times the cache holds each kv head: tp / K when K < tp, else 1."""
+  tp = axis_size(mesh, TP)
+  return tp // num_kv_heads if num_kv_heads < tp else 1
+
+
+def check_mesh(config, mesh: Mesh | None, *, rules=RULES) -> None:
+  """Raises ValueError, before any work, when `config` cannot run on `mesh`.
+
+  Axis names must be those of `MESH_AXES`; query heads must divide over `tp`,
+  and kv heads must divide over it or divide it.
+  """
+  if mesh is None:
+    return
+  unknown = [a for a in mesh.axis_names if a not in MESH_AXES]
+  if unknown:
+    raise ValueError(f'mesh axes {unknown} are not known; the axes are {MESH_AXES}')
+  del rules  # the axis rules are fixed for heads: they always go on tp
+  tp = axis_size(mesh, TP)
+  n, k = config.num_heads, config.num_kv_heads
+  if n % tp:
+    raise ValueError(f'query heads N={n} do not divide over tp={tp} devices '
+                     f'({config.name or "model"}); choose tp among {_divisors(n)}')
+  if k % tp and tp % k:
+    raise ValueError(f'kv heads K={k} must divide over tp={tp} devices or divide tp '
+                     f'(then each kv head is replicated tp/K times)')
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def attention_axes(rules=RULES) -> AttentionAxes:
+  """The mesh axes of an attention call's rows and heads, from the table."""
+  table = _table(rules)
+  return AttentionAxes(batch=table[BATCH], heads=table[HEADS])
+
+
+def constrain(x: jax.Array, names, mesh: Mesh | None, rules=RULES) -> jax.Array:
+  """`x` constrained to the sharding of its logical axes (a no-op without a mesh)."""
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, sharding(names, mesh, x.shape, rules))
+
+
+def cache_sharding(mesh: Mesh, shape: Sequence[int], rules=RULES) -> NamedSharding:
+  """Sharding of a flat `KVCache` array [num_layers, L, K', H] (K' the replicated kv heads)."""
+  from models.kv_cache import KVCache  # kv_cache imports this module
+
+  return sharding(KVCache.logical_axes, mesh, shape, rules)
+
+
+def place_state(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
+  """`state` with every parameter moved into its shards (one device_put per parameter)."""
+  shardings = param_shardings(state, mesh, rules)
+  return jax.tree.map(
+      lambda v, s: v.replace(jax.device_put(v.get_value(), s)), state, shardings,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, rules=RULES,
+               tp_reduce_dtype=None):
+  """A `Llama` with random parameters created straight in their shards (no whole copy anywhere).
+
+  The parameters are made by one jitted init whose `out_shardings` come from
+  their `logical_axes`, so each device computes only its own slices.
+  `tp_reduce_dtype`: see `Llama` (default float32).
+  """
+  from models.llama import Llama  # llama imports this module
+  import jax.numpy as jnp
+
+  dtype = jnp.float32 if dtype is None else dtype
+  mesh = auto_mesh(mesh)
+  check_mesh(config, mesh)
+  extra = {} if tp_reduce_dtype is None else dict(tp_reduce_dtype=tp_reduce_dtype)
+  make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **extra)
+  if mesh is None:
+    return make()
+  graphdef, abstract = nnx.split(nnx.eval_shape(make))
+  shardings = param_shardings(abstract, mesh, rules)
+  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def describe(state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
+  """Path -> (shape, sharding spec) of every array in `state` (for logs and tests)."""
+  out = {}
+  for path, v in jax.tree_util.tree_leaves_with_path(state):
+    spec = getattr(getattr(v, 'sharding', None), 'spec', None)
+    out[jax.tree_util.keystr(path)] = (tuple(np.shape(v)), str(spec))
+  return out

@@ -1,6 +1,14 @@
 """Shared helpers of the core tests: random sharing trees, random inputs, tolerances, the oracle."""
 
-import jax
+import os
+
+# Eight fake CPU devices for the tensor/data parallel tests (set before jax starts its backends;
+# the other tests run on device 0 as before).
+if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (
+      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 

@@ -233,7 +233,7 @@ def test_every_parameter_has_logical_axes_and_a_rule():
   rules = dict(sr.RULES, heads='tp', kv_heads='tp')
   assert sr.partition_spec(('embed', 'heads', 'head_dim'), tuple(rules.items())) == (
       jax.sharding.PartitionSpec(None, 'tp', None))
-  assert sr.partition_spec(KVCache.logical_axes) == jax.sharding.PartitionSpec(None, None, None,
+  assert sr.partition_spec(KVCache.logical_axes) == jax.sharding.PartitionSpec(None, 'dp', 'tp',
                                                                                None)
   with pytest.raises(ValueError, match='no rule'):
     sr.partition_spec(('experts',))
