@@ -1,0 +1,230 @@
+"""The engine's configuration, and the compiled shapes it implies."""
+
+import dataclasses
+from typing import Any
+
+from hydrajax import AttentionImpl
+from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
+from models.sampling import MAX_TOP_LOGPROBS
+
+# Old flat keywords of EngineConfig -> the ChunkCacheConfig field they set.
+_CACHE_KEYWORDS = {
+    'num_chunks': 'num_chunks', 'chunk_size': 'chunk_size', 'max_batch': 'max_sequences',
+    'max_sequence_length': 'max_sequence_length', 'share_prefixes': 'share_prefixes',
+    'retain_prefixes': 'retain_prefixes', 'layout': 'layout',
+}
+_CACHE_DEFAULTS = dict(chunk_size=64, max_batch=64, max_sequence_length=4096,
+                       share_prefixes=True, retain_prefixes=True, layout=LayoutPolicy())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBudget:
+  """Every shape the engine's jitted calls run, fixed by its config (see `EngineConfig`).
+
+  Attributes:
+    decode: (rows B, segment slots J) of each decode step (J = 0: no segment group).
+    prefill: (tokens T, rows B, segment slots J) of each prefill call.
+    copies: padded sizes of KV copies (copy on write).
+  """
+
+  decode: tuple[tuple[int, int], ...]
+  prefill: tuple[tuple[int, int, int], ...]
+  copies: tuple[int, ...]
+
+  @property
+  def num_steps(self) -> int:
+    """Distinct model-step shapes (decode and prefill)."""
+    return len(self.decode) + len(self.prefill)
+
+  def __str__(self) -> str:
+    rows = sorted({b for b, _ in self.decode})
+    lengths = sorted({t for t, _, _ in self.prefill})
+    return (f'{self.num_steps} model-step shapes ({len(self.decode)} decode over rows {rows}, '
+            f'{len(self.prefill)} prefill over lengths {lengths}), {len(self.copies)} copy sizes')
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class EngineConfig:
+  """Sizes and policies of an engine.
+
+  `EngineConfig(cache=ChunkCacheConfig(...), ...)` nests the KV cache's config (its
+  `max_sequences` is the most live sequences, `max_batch`). The older flat keywords
+  (`num_chunks`, `chunk_size`, `max_batch`, `max_sequence_length`, `share_prefixes`,
+  `retain_prefixes`, `layout`) still work, alone (engine defaults: 64-token chunks,
+  max_batch 64, 4096 tokens, sharing and retention on) or over a given `cache`, also in
+  `dataclasses.replace`; they read back as properties.
+
+  Compiled shapes are bounded (`shape_budget`): decode batches are padded to a bucket,
+  prefill lengths to a power of two (at least `min_prefill_len`) and prefill rows to a
+  power of two, every layout is built with `fixed_shapes` and a page table of the
+  cache's `max_pages` columns, and segment slots J are powers of two from the layout's
+  `min_segments` to what the pool can hold.
+
+  Attributes:
+    cache: the chunk cache (pool size, chunk size, sequences, sharing, decode layout).
+    max_prefill_tokens: padded prefill tokens per iteration (one request may exceed it alone).
+    max_prefill_rows: most requests in one prefill call.
+    decode_buckets: padded decode batch sizes (ascending; the last must be >= max_batch);
+      empty: powers of two up to max_batch.
+    min_prefill_len: smallest padded prefill length (lengths are padded to powers of two).
+    prefill_layout: policy of prefill layouts (default: the decode layout's kv_piece and
+      min_segments).
+    impl: attention implementation of decode steps.
+    prefill_impl: attention implementation of prefill calls.
+    cache_dtype: KV dtype (default: the model's).
+    seed: sampling seed of requests without their own.
+    overlap_decode: dispatch decode step k+1 before waiting for step k, so that the host's work
+      (tree, layout, dispatch, handing out tokens) overlaps the device's. Step k+1 takes its
+      input tokens from step k's output on the device; the tree records them when they are
+      back. Outputs are the same. A request that stops runs one step more (its extra token
+      is dropped), and finishes one iteration later.
+    max_top_logprobs: the most `top_logprobs` a request may ask for (a static size of
+      every step).
+  """
+
+  cache: ChunkCacheConfig
+  max_prefill_tokens: int
+  max_prefill_rows: int
+  decode_buckets: tuple[int, ...]
+  min_prefill_len: int
+  prefill_layout: LayoutPolicy | None
+  impl: AttentionImpl | str
+  prefill_impl: AttentionImpl | str
+  cache_dtype: str | None
+  seed: int
+  overlap_decode: bool
+  max_top_logprobs: int
+
+  def __init__(self, cache: ChunkCacheConfig | None = None, *, max_prefill_tokens: int = 8192,
+               max_prefill_rows: int = 8, decode_buckets: tuple[int, ...] = (),
+               min_prefill_len: int = 16, prefill_layout: LayoutPolicy | None = None,
+               impl: AttentionImpl | str = AttentionImpl.AUTO,
+               prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
+               cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
+               max_top_logprobs: int = 5, **cache_fields: Any):
+    unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
+    if unknown:
+      raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
+    if cache is None:
+      if 'num_chunks' not in cache_fields:
+        raise TypeError('EngineConfig needs cache=ChunkCacheConfig(...) (or num_chunks=...)')
+      fields = _CACHE_DEFAULTS | cache_fields
+    elif not isinstance(cache, ChunkCacheConfig):
+      raise ValueError(f'EngineConfig.cache must be a ChunkCacheConfig, got {cache!r}')
+    else:
+      fields = {old: getattr(cache, new) for old, new in _CACHE_KEYWORDS.items()} | cache_fields
+    if cache is None or cache_fields:
+      cache = ChunkCacheConfig(**{
+          _CACHE_KEYWORDS[k]: v for k, v in fields.items()
+          if k != 'retain_prefixes'
+      }, retain_prefixes=bool(fields['retain_prefixes'] and fields['share_prefixes']))
+    values = dict(
+        cache=cache, max_prefill_tokens=max_prefill_tokens, max_prefill_rows=max_prefill_rows,
+        decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
+        prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
+        cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
+        max_top_logprobs=max_top_logprobs,
+    )
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+    self._check()
+
+  def _check(self) -> None:
+    for name in ('max_prefill_tokens', 'max_prefill_rows', 'min_prefill_len'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'EngineConfig.{name} must be an integer >= 1, got {value!r}')
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+      raise ValueError(f'EngineConfig.seed must be an integer in [0, 2**32), got {self.seed!r}')
+    if not (isinstance(self.max_top_logprobs, int)
+            and 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS):
+      raise ValueError(f'EngineConfig.max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], '
+                       f'got {self.max_top_logprobs!r}')
+    buckets = self.decode_buckets
+    if buckets and (list(buckets) != sorted(buckets) or buckets[-1] < self.max_batch
+                    or buckets[0] < 1):
+      raise ValueError(
+          f'decode_buckets must ascend from >= 1 and end >= max_batch={self.max_batch}, '
+          f'got {buckets}'
+      )
+
+  # The cache's sizes, under their engine names.
+  num_chunks = property(lambda self: self.cache.num_chunks)
+  chunk_size = property(lambda self: self.cache.chunk_size)
+  max_batch = property(lambda self: self.cache.max_sequences)
+  max_sequence_length = property(lambda self: self.cache.max_sequence_length)
+  share_prefixes = property(lambda self: self.cache.share_prefixes)
+  retain_prefixes = property(lambda self: self.cache.retain_prefixes)
+  layout = property(lambda self: self.cache.layout)
+
+  # ---- shapes -----------------------------------------------------------------------------
+
+  def decode_rows(self, b: int) -> int:
+    """The padded batch of a decode step with b live sequences."""
+    for bucket in self.decode_buckets:
+      if bucket >= b:
+        return bucket
+    return next_power_of_two(max(b, 1))
+
+  def prefill_len(self, n: int) -> int:
+    """The padded length of a prefill of n new tokens."""
+    return max(next_power_of_two(n), self.min_prefill_len)
+
+  def prefill_rows_per_call(self, t: int) -> int:
+    """Most requests in one prefill call of padded length t."""
+    return max(1, min(self.max_prefill_rows, self.max_prefill_tokens // t))
+
+  def prefill_sample_rows(self) -> int:
+    """Rows sampled by every prefill call (a prompt's samples each draw): fixed, one shape."""
+    return next_power_of_two(self.max_batch)
+
+  def decode_policy(self) -> LayoutPolicy:
+    """The decode layouts' policy: the cache's, with fixed shapes and a full page table."""
+    return dataclasses.replace(self.layout, fixed_shapes=True,
+                               min_private_pages=self.cache.max_pages)
+
+  def prefill_policy(self) -> LayoutPolicy:
+    base = self.prefill_layout or LayoutPolicy(
+        kv_piece=self.layout.kv_piece, min_kv_capacity=self.layout.min_kv_capacity,
+        min_segments=self.layout.min_segments)
+    return dataclasses.replace(base, fixed_shapes=True, min_private_pages=self.cache.max_pages)
+
+  def _segment_slots(self, policy: LayoutPolicy, pieces: int) -> tuple[int, ...]:
+    """The J values of layouts with at most `pieces` pieces (0: no group without sharing)."""
+    if not self.share_prefixes:
+      return (0,)
+    low = next_power_of_two(policy.min_segments)
+    high = max(low, next_power_of_two(pieces))
+    out, j = [], low
+    while j <= high:
+      out.append(j)
+      j *= 2
+    return tuple(out)
+
+  def shape_budget(self) -> ShapeBudget:
+    """Every (padded) shape of the engine's jitted calls, whatever the traffic.
+
+    Segment slots: a decode step of B rows has at most B - 1 segments (distinct sharer
+    sets of >= 2 rows), a prefill of B rows at most B * max_pages (its rows' chunks);
+    each splits into pieces of kv_piece tokens, at most L / kv_piece more in all.
+    """
+    c = self.cache
+    decode = []
+    for b in sorted({self.decode_rows(k) for k in range(1, self.max_batch + 1)}):
+      policy = self.decode_policy()
+      pieces = min(b - 1, c.num_chunks) + c.kv_tokens // policy.kv_piece if b > 1 else 0
+      decode += [(b, j) for j in self._segment_slots(policy, pieces)]
+    prefill = []
+    longest = min(self.max_sequence_length - 1, c.kv_tokens)  # a prompt leaves room for 1 token
+    lengths = sorted({self.prefill_len(1 << i) for i in range(longest.bit_length() + 1)
+                      if (1 << i) < 2 * longest})
+    for t in lengths:
+      rows = sorted({next_power_of_two(k) for k in range(1, self.prefill_rows_per_call(t) + 1)})
+      for b in rows:
+        policy = self.prefill_policy()
+        tokens = min(c.kv_tokens, b * self.max_sequence_length)
+        pieces = min(b * c.max_pages, c.num_chunks) + tokens // policy.kv_piece
+        prefill += [(t, b, j) for j in self._segment_slots(policy, pieces)]
+    largest = next_power_of_two(max(64, 2 * self.max_batch * self.chunk_size))
+    copies = tuple(1 << i for i in range(6, largest.bit_length()))
+    return ShapeBudget(tuple(decode), tuple(prefill), copies)

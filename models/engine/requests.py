@@ -1,0 +1,92 @@
+"""Requests, their events, and the checks a prompt passes before it is queued."""
+
+import dataclasses
+import numbers
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from models.sampling import SamplingParams
+
+
+class TokenEvent(NamedTuple):
+  """One streamed token, or the end of a request without one (token -1: cancelled, error).
+
+  A NamedTuple: cheap to make per token. `logprob` and `top_logprobs` ((token, log-prob)
+  pairs, most likely first) are set when the request asked for them.
+  """
+
+  request_id: int
+  token: int
+  index: int  # 0-based index of the token among the request's outputs
+  finished: bool
+  reason: str | None = None  # 'stop', 'length', 'cancelled' or 'error' when finished
+  logprob: float | None = None
+  top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclasses.dataclass
+class Request:
+  """A request's state and timings (seconds of the engine's clock).
+
+  `first_sample` is the id of sample 0 of its prompt (its own id when n = 1),
+  `sample_index` its own index; `shared_tokens`, `cached_tokens` (the part of
+  them reused from finished requests) and `prefilled_tokens` describe its
+  prompt's admission, which all its samples share. `logprobs` and
+  `top_logprobs` follow `output` when the request asked for them; `error`
+  says what failed when it finished with reason 'error'.
+  """
+
+  id: int
+  prompt: np.ndarray
+  params: SamplingParams
+  on_token: Callable[[TokenEvent], None] | None = None
+  arrival: float = 0.0
+  first_sample: int = -1
+  sample_index: int = 0
+  admitted: float | None = None
+  first_token: float | None = None
+  finished: float | None = None
+  state: str = 'queued'  # queued, running, done, cancelled
+  reason: str | None = None
+  output: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
+  seq_id: int = -1
+  shared_tokens: int = 0
+  cached_tokens: int = 0
+  prefilled_tokens: int = 0
+  cancel_requested: bool = False
+  error: str | None = None
+
+
+def check_prompt(prompt, vocab_size: int) -> np.ndarray:
+  """A prompt as int64 [n] with ids in [0, vocab_size); ValueError naming `prompt` otherwise.
+
+  Accepts a 1-D sequence or array of integers (no floats, bools, strings or nesting).
+  """
+  if isinstance(prompt, (str, bytes)):
+    raise ValueError(f'prompt must be a 1-D sequence of integer token ids, got {type(prompt)}')
+  if hasattr(prompt, '__array__') and not isinstance(prompt, (list, tuple)):
+    array = np.asarray(prompt)
+    if array.ndim != 1:
+      raise ValueError(f'prompt must be 1-D, got shape {array.shape}')
+    if not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(f'prompt must hold integer token ids, got dtype {array.dtype}')
+    ids = array.tolist()
+  else:
+    try:
+      ids = list(prompt)
+    except TypeError:
+      raise ValueError(f'prompt must be a 1-D sequence of integer token ids, got {prompt!r}'
+                       ) from None
+    bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_))]
+    if bad:
+      raise ValueError(f'prompt must hold integer token ids (not {type(bad[0]).__name__}), '
+                       f'got {bad[0]!r}')
+  if not ids:
+    raise ValueError('prompt must hold at least one token id')
+  low, high = min(ids), max(ids)  # python ints: no overflow before the range check
+  if low < 0 or high >= vocab_size:
+    raise ValueError(f'prompt token ids must be in [0, {vocab_size}), got {low if low < 0 else high}')
+  return np.array(ids, np.int64)
