@@ -40,7 +40,7 @@ import hydrajax
 from hydrajax import AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, TreeLayout
 from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
-from models.sampling import SamplingConfig, row_keys, sample, token_logprobs
+from models.sampling import SamplingParams, SamplingRows, row_keys, sample_batch
 
 NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
 # Private regions are rounded up to this many tokens: the KV buffer length and the
@@ -65,6 +65,8 @@ class GenerateOutput:
     logprobs: [R, max_new_tokens] float32 model log-probs of the tokens (0 after the end), or None.
     prompt_ids: [R] the prompt (input list index, or depth-first leaf index of a tree).
     sample_ids: [R] which sample of its prompt.
+    top_tokens, top_logprobs: [R, max_new_tokens, n] the n most likely tokens of each position
+      and their model log-probs (`SamplingParams.top_logprobs` = n > 0), or None.
   """
 
   tokens: np.ndarray
@@ -72,6 +74,8 @@ class GenerateOutput:
   logprobs: np.ndarray | None
   prompt_ids: np.ndarray
   sample_ids: np.ndarray
+  top_tokens: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -359,6 +363,8 @@ class DecodeState:
   logprobs: jax.Array  # [B, M] float32
   done: jax.Array  # [B] bool
   lengths: jax.Array  # [B] int32
+  top_tokens: jax.Array  # [B, M, n] int32: the n most likely of each position (n may be 0)
+  top_logprobs: jax.Array  # [B, M, n] float32
 
 
 def _sequence_ids(tp: TreePrompts) -> np.ndarray:
@@ -377,27 +383,60 @@ def tree_rows(tp: TreePrompts) -> RowSpec:
   )
 
 
+def _ends_with_stop_sequence(tokens, step, sequences) -> jax.Array:
+  """[B] bool: row b's tokens up to index `step` end with one of `sequences` (static)."""
+  if not sequences:
+    return jnp.zeros(tokens.shape[:1], bool)
+  width = max(len(q) for q in sequences)
+  table = np.full((len(sequences), width), -2, np.int32)  # right-aligned; -2 matches anything
+  for i, q in enumerate(sequences):
+    table[i, width - len(q):] = q
+  index = step - width + 1 + jnp.arange(width)
+  window = jnp.where(index >= 0, tokens[:, jnp.maximum(index, 0)], -1)  # [B, W]
+  match = (table[None] == -2) | (window[:, None, :] == table[None])  # [B, Q, W]
+  return jnp.any(jnp.all(match, axis=-1), axis=-1)
+
+
 def _record(state: DecodeState, logits, key, rows: RowSpec, stop_tokens, sampling) -> DecodeState:
   """Samples token `state.step` of every row from logits [B, V]."""
-  new = sample(logits, row_keys(key, rows.sequence_ids, state.step), sampling)
+  keys = row_keys(key, rows.sequence_ids, state.step)
+  drawn = sample_batch(logits, keys, SamplingRows.full(sampling, logits.shape[0]),
+                       top_logprobs=sampling.top_logprobs)
+  new = drawn.tokens
   live = ~state.done
   tokens = state.tokens.at[:, state.step].set(jnp.where(live, new, -1))
-  logprobs = state.logprobs.at[:, state.step].set(jnp.where(live, token_logprobs(logits, new), 0))
-  done = state.done | jnp.isin(new, stop_tokens)
+  logprobs = state.logprobs.at[:, state.step].set(jnp.where(live, drawn.logprobs, 0))
+  top_tokens = state.top_tokens.at[:, state.step].set(
+      jnp.where(live[:, None], drawn.top_tokens, -1))
+  top_logprobs = state.top_logprobs.at[:, state.step].set(
+      jnp.where(live[:, None], drawn.top_logprobs, 0))
+  done = (state.done | jnp.isin(new, stop_tokens)
+          | _ends_with_stop_sequence(tokens, state.step, sampling.stop_sequences))
   return DecodeState(state.step + 1, state.cache, tokens, logprobs, done,
-                     state.lengths + live.astype(jnp.int32))
+                     state.lengths + live.astype(jnp.int32), top_tokens, top_logprobs)
+
+
+def _static_sampling(sampling: SamplingParams) -> SamplingParams:
+  """What the jitted loops need of `sampling` (a static argument: the rest would recompile)."""
+  if not isinstance(sampling, SamplingParams):
+    raise ValueError(f'sampling must be a SamplingParams, got {type(sampling).__name__}')
+  return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
+                        top_p=sampling.top_p, min_p=sampling.min_p,
+                        stop_sequences=sampling.stop_sequences,
+                        top_logprobs=sampling.top_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=('max_new_tokens', 'sampling'),
                    donate_argnames=('cache',))
 def start_decode(cache, first_logits, rows: RowSpec, key, stop_tokens, *, max_new_tokens: int,
-                 sampling: SamplingConfig) -> DecodeState:
+                 sampling: SamplingParams) -> DecodeState:
   """The decode state after sampling the first token from the prefill logits."""
-  b = first_logits.shape[0]
+  b, n = first_logits.shape[0], sampling.top_logprobs
   state = DecodeState(
       jnp.zeros((), jnp.int32), cache, jnp.full((b, max_new_tokens), -1, jnp.int32),
       jnp.zeros((b, max_new_tokens), jnp.float32), jnp.zeros((b,), bool),
-      jnp.zeros((b,), jnp.int32),
+      jnp.zeros((b,), jnp.int32), jnp.full((b, max_new_tokens, n), -1, jnp.int32),
+      jnp.zeros((b, max_new_tokens, n), jnp.float32),
   )
   return _record(state, first_logits, key, rows, stop_tokens, sampling)
 
@@ -421,7 +460,7 @@ def _loop(forward, state: DecodeState, rows, key, stop_tokens, num_steps, sampli
 @functools.partial(jax.jit, static_argnames=('graphdef', 'sampling', 'impl'),
                    donate_argnames=('state',))
 def decode(graphdef, params, state: DecodeState, plan: AttentionPlan | TreeLayout, rows: RowSpec,
-           key, stop_tokens, num_steps, *, sampling: SamplingConfig,
+           key, stop_tokens, num_steps, *, sampling: SamplingParams,
            impl=AttentionImpl.AUTO) -> DecodeState:
   """Up to `num_steps` more tokens per row (the whole loop is this one program).
 
@@ -484,7 +523,7 @@ def generate(
     *,
     max_new_tokens: int,
     num_samples: int = 1,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingParams = SamplingParams(),
     seed: int = 0,
     stop_tokens: Sequence[int] = (),
     return_logprobs: bool = False,
@@ -503,9 +542,12 @@ def generate(
       automatically, `num_samples` each).
     max_new_tokens: tokens generated per sequence (fewer after a stop token).
     num_samples: samples per token list.
-    sampling: greedy (default), temperature, top-k, top-p.
-    seed: the random seed of sampling.
-    stop_tokens: ids that end a sequence (the stop token is returned).
+    sampling: a `SamplingParams` (`SamplingConfig` is the same class): greedy (default),
+      temperature, top-k, top-p, min-p, stop tokens and sequences, log-probs (`logprobs`,
+      `top_logprobs`), and a seed that overrides `seed`; its `max_new_tokens` and `n`
+      are not used (this function's arguments say them).
+    seed: the random seed of sampling (keys depend on (seed, prompt, sample, token index)).
+    stop_tokens: ids that end a sequence (the stop token is returned), with sampling's.
     return_logprobs: also return the model log-probs of the generated tokens.
     impl: attention for decode: an `AttentionImpl` (or its string), or a `ModelMode`:
       TREE (AUTO), NO_ATTENTION, DENSE (alias `NAIVE`: dense per-sequence caches, the
@@ -516,6 +558,12 @@ def generate(
     interpret: run the Mosaic kernels in interpret mode (e.g. impl='mosaic_tpu' on a CPU).
   """
   _check_mesh(model, impl)
+  static = _static_sampling(sampling)
+  stop_tokens = tuple(stop_tokens) + tuple(t for t in sampling.stop_tokens if t not in stop_tokens)
+  return_logprobs = return_logprobs or sampling.wants_logprobs
+  if sampling.seed is not None:
+    seed = sampling.seed
+  sampling = static
   tp = plan_prompts(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
@@ -546,6 +594,8 @@ def generate(
       logprobs=np.asarray(state.logprobs)[order] if return_logprobs else None,
       prompt_ids=tp.prompt_ids[order],
       sample_ids=tp.sample_ids[order],
+      top_tokens=np.asarray(state.top_tokens)[order] if sampling.top_logprobs else None,
+      top_logprobs=np.asarray(state.top_logprobs)[order] if sampling.top_logprobs else None,
   )
 
 

@@ -1,0 +1,176 @@
+"""Sampling: parameter checks, per-row filters against a numpy reference, keys, log-probs,
+and `generate` with stop sequences and log-probs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import generate as gen
+from models.config import get_config
+from models.kv_cache import DenseKVCache
+from models.llama import Llama
+from models.sampling import (
+    SamplingParams, SamplingRows, draw, filtered_logits, request_keys, row_keys, sample_batch,
+)
+
+
+@pytest.mark.parametrize('field,value', [
+    ('n', 2.0), ('n', True), ('n', 0), ('max_new_tokens', 2.5), ('max_new_tokens', 0),
+    ('temperature', math.nan), ('temperature', math.inf), ('temperature', -1.0),
+    ('temperature', '1'), ('temperature', True), ('top_k', -1), ('top_k', 1.5),
+    ('top_p', 0.0), ('top_p', 1.5), ('top_p', math.nan), ('min_p', -0.1), ('min_p', 2.0),
+    ('seed', -1), ('seed', 2**32), ('seed', 1.0), ('stop_tokens', 5), ('stop_tokens', (1.5,)),
+    ('stop_tokens', (-1,)), ('stop_tokens', 'ab'), ('stop_sequences', ((),)),
+    ('stop_sequences', (1, 2)), ('stop_sequences', ((1, 2.0),)), ('logprobs', 1),
+    ('top_logprobs', 21), ('top_logprobs', -1),
+], ids=lambda x: repr(x)[:12])
+def test_params_refuse_bad_fields_naming_them(field, value):
+  with pytest.raises(ValueError, match=field):
+    SamplingParams(**{field: value})
+
+
+def test_params_normalize_sequences_and_numpy_ints():
+  p = SamplingParams(max_new_tokens=np.int64(3), stop_tokens=[np.int32(4), 5],
+                     stop_sequences=[[1, 2], np.array([3])], temperature=1)
+  assert p.max_new_tokens == 3 and type(p.max_new_tokens) is int
+  assert p.stop_tokens == (4, 5) and p.stop_sequences == ((1, 2), (3,))
+  assert p.temperature == 1.0 and hash(p) == hash(SamplingParams(
+      max_new_tokens=3, stop_tokens=(4, 5), stop_sequences=((1, 2), (3,)), temperature=1.0))
+  assert p.stops([9, 4]) and p.stops([7, 1, 2]) and p.stops([3]) and not p.stops([2, 1])
+
+
+def filtered_reference(logits, temperature, top_k, top_p, min_p):
+  """numpy: the kept tokens of one row (see the module doc of models.sampling)."""
+  x = logits.astype(np.float64) / temperature
+  keep = np.ones(x.shape, bool)
+  if 0 < top_k < x.size:
+    keep &= x >= np.sort(x)[::-1][top_k - 1]
+  if top_p < 1:
+    kept = np.sort(x[keep])[::-1]
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep &= x >= kept[before < top_p].min()
+  if min_p > 0:
+    p = np.exp(x - x.max())
+    keep &= p >= min_p  # relative to the largest probability (1 here)
+  return keep
+
+
+def test_filters_per_row_equal_the_numpy_reference():
+  rng = np.random.default_rng(0)
+  b, v = 12, 50
+  logits = rng.normal(0, 2, (b, v)).astype(np.float32)
+  logits[3, :10] = logits[3, 10]  # ties
+  params = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2),
+            (0.5, 10, 0.9, 0.05), (2.0, 1, 1.0, 0.0), (1.0, 0, 0.3, 0.0), (1.0, 49, 0.99, 0.5),
+            (1.0, 50, 1.0, 0.0), (0.9, 3, 0.5, 0.1), (1.0, 0, 1e-6, 0.0), (1.1, 0, 1.0, 1.0)]
+  rows = SamplingRows(*(np.array(col, dt) for col, dt in zip(
+      zip(*params), (np.float32, np.int32, np.float32, np.float32))))
+  got = np.isfinite(np.asarray(filtered_logits(jnp.asarray(logits), rows)))
+  for r, (t, k, p, m) in enumerate(params):
+    np.testing.assert_array_equal(got[r], filtered_reference(logits[r], t, k, p, m), err_msg=r)
+
+
+def test_greedy_rows_take_the_argmax_and_rows_do_not_depend_on_the_batch():
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(0, 1, (6, 40)).astype(np.float32))
+  keys = request_keys(jnp.arange(6, dtype=jnp.uint32), jnp.arange(6), jnp.full(6, 3))
+  params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5),
+            SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(),
+            SamplingParams(temperature=1.5, min_p=0.1), SamplingParams(temperature=0.9)]
+  together = np.asarray(draw(logits, keys, SamplingRows.of(params)))
+  np.testing.assert_array_equal(together[[0, 3]], np.argmax(np.asarray(logits), -1)[[0, 3]])
+  for r in range(6):  # alone, or with greedy neighbours only: the same draw
+    alone = draw(logits[r : r + 1], keys[r : r + 1], SamplingRows.of([params[r]]))
+    assert int(alone[0]) == together[r]
+    plain = [params[r]] + [SamplingParams()] * 3
+    with_greedy = draw(jnp.concatenate([logits[r : r + 1], logits[:3]]),
+                       jnp.concatenate([keys[r : r + 1], keys[:3]]), SamplingRows.of(plain))
+    assert int(with_greedy[0]) == together[r]
+
+
+def test_request_keys_equal_row_keys_of_the_seed():
+  seeds = jnp.array([0, 7, 7, 2**32 - 1], jnp.uint32)
+  streams, index = jnp.array([3, 3, 4, 0]), jnp.array([0, 5, 5, 1])
+  got = jax.random.key_data(request_keys(seeds, streams, index))
+  for r in range(4):
+    want = row_keys(jax.random.key(int(seeds[r])), streams[r : r + 1], int(index[r]))
+    np.testing.assert_array_equal(got[r], jax.random.key_data(want)[0])
+
+
+def test_sampled_logprobs_are_the_model_log_softmax():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(0, 3, (4, 30)).astype(np.float32)
+  keys = request_keys(jnp.zeros(4, jnp.uint32), jnp.arange(4), jnp.zeros(4, jnp.int32))
+  rows = SamplingRows.of([SamplingParams(temperature=t, top_k=3) for t in (0.0, 0.5, 1.0, 2.0)])
+  out = sample_batch(jnp.asarray(logits), keys, rows, top_logprobs=4)
+  logp = np.asarray(jax.nn.log_softmax(logits.astype(np.float64), -1))
+  tokens = np.asarray(out.tokens)
+  np.testing.assert_allclose(out.logprobs, logp[np.arange(4), tokens], rtol=1e-5, atol=1e-5)
+  order = np.argsort(-logp, -1)[:, :4]
+  np.testing.assert_array_equal(out.top_tokens, order)
+  np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logp, order, -1), atol=1e-5)
+  assert all(t in o for t, o in zip(tokens, order[:, :3]))  # top-k=3 kept the draws there
+
+
+def test_min_p_and_top_p_distributions():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+  keys = row_keys(jax.random.key(15), jnp.arange(4000), 0)
+  counts = lambda params: np.bincount(draw(logits, keys, SamplingRows.of([params] * 4000)),
+                                      minlength=4) / 4000
+  got = counts(SamplingParams(temperature=1.0, min_p=0.5))  # keeps p >= 0.25
+  np.testing.assert_allclose(got, [0.625, 0.375, 0, 0], atol=0.03)
+  got = counts(SamplingParams(temperature=1.0, top_p=0.85))  # 0.5 + 0.3 < 0.85: three kept
+  np.testing.assert_allclose(got, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], atol=0.03)
+
+
+@pytest.fixture(scope='module')
+def model():
+  return Llama(get_config('tiny_mha'), rngs=nnx.Rngs(14), dtype=jnp.float32)
+
+
+def dense_logprobs(model, prompt, output):
+  """log_softmax of the model's logits at the positions that predicted `output` (dense)."""
+  tokens = np.array([list(prompt) + list(output)], np.int32)
+  cache = DenseKVCache.zeros(model.config, 1, tokens.shape[1], jnp.float32)
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  logits, _ = model.forward_naive(jnp.asarray(tokens), positions, cache)
+  logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+  steps = np.arange(len(prompt) - 1, tokens.shape[1] - 1)
+  return logp[steps, output], logp[steps]
+
+
+def test_generate_stop_sequences_and_logprobs(model):
+  prompts = [[1, 2, 3, 4], [1, 2, 5], [7]]
+  base = SamplingParams(temperature=0.9, top_k=20, min_p=0.02, seed=11, logprobs=True,
+                        top_logprobs=3)
+  out = gen.generate(model, prompts, max_new_tokens=6, sampling=base, impl='xla')
+  assert out.top_tokens.shape == (3, 6, 3)
+  for r, prompt in enumerate(prompts):
+    chosen, logp = dense_logprobs(model, prompt, out.tokens[r])
+    np.testing.assert_allclose(out.logprobs[r], chosen, atol=2e-5)
+    np.testing.assert_allclose(out.top_logprobs[r], np.sort(logp, -1)[:, ::-1][:, :3], atol=2e-5)
+  naive = gen.generate(model, prompts, max_new_tokens=6, sampling=base, impl=gen.NAIVE)
+  np.testing.assert_array_equal(naive.tokens, out.tokens)  # same keys, same filters
+  other_seed = gen.generate(model, prompts, max_new_tokens=6, impl='xla',
+                            sampling=SamplingParams(temperature=0.9, top_k=20, min_p=0.02),
+                            seed=11)
+  np.testing.assert_array_equal(other_seed.tokens, out.tokens)  # sampling.seed == seed kwarg
+  # Stop after tokens 1-2 of row 0: it ends there (the sequence kept), -1 after.
+  seq = tuple(int(t) for t in out.tokens[0, 1:3])
+  stopped = gen.generate(model, prompts, max_new_tokens=6, impl='xla',
+                         sampling=SamplingParams(temperature=0.9, top_k=20, min_p=0.02, seed=11,
+                                                 stop_sequences=(seq, (96, 95, 94))))
+  assert stopped.lengths[0] == 3 and np.all(stopped.tokens[0, 3:] == -1)
+  np.testing.assert_array_equal(stopped.tokens[0, :3], out.tokens[0, :3])
+  for r in range(1, 3):
+    row = out.tokens[r].tolist()
+    ends = [i + 2 for i in range(5) if tuple(row[i : i + 2]) == seq]
+    n = ends[0] if ends else 6
+    assert stopped.lengths[r] == n
+    np.testing.assert_array_equal(stopped.tokens[r, :n], out.tokens[r, :n])
