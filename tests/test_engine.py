@@ -255,3 +255,163 @@ def test_a_finished_prompt_prefix_is_reused(model, reference, share, retain):
     assert (req.cached_tokens, req.prefilled_tokens) == (0, len(prompts[1]))
   assert engine.stats.prefill_tokens - before == req.prefilled_tokens
   assert_no_leak(engine)
+
+
+# ---- validation, failures, sampling, compiled shapes ------------------------------------------
+
+
+@pytest.mark.parametrize('prompt', [
+    [1.0, 2.0], [True, 2], [[1, 2]], np.array([[1, 2]]), np.array([1.5]), [2**63], [-1], [97],
+    [], 'ab', 5, [1, None], np.array([True]),
+], ids=lambda p: repr(p)[:16])
+def test_bad_prompts_are_refused_and_change_nothing(model, prompt):
+  engine = Engine(model, CONFIG)
+  with pytest.raises(ValueError, match='prompt'):
+    engine.submit(prompt, SamplingParams(max_new_tokens=2))
+  assert engine.requests == {} and engine.num_queued == 0 and not engine.has_work
+  assert engine.submit(np.array([3, 4], np.int32), SamplingParams(max_new_tokens=2)) == 0
+
+
+def test_bad_params_are_refused_and_change_nothing(model):
+  engine = Engine(model, CONFIG)
+  for bad in (dict(n=2.0), dict(stop_tokens=5), dict(max_new_tokens=2.5),
+              dict(temperature=float('nan'))):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      engine.submit([1, 2], SamplingParams(**bad))
+  with pytest.raises(ValueError, match='params'):
+    engine.submit([1, 2], dict(n=2))
+  with pytest.raises(ValueError, match='top_logprobs'):
+    engine.submit([1, 2], SamplingParams(top_logprobs=CONFIG.max_top_logprobs + 1))
+  assert engine.requests == {} and engine._next_id == 0
+  rid = engine.submit([1, 2], SamplingParams(max_new_tokens=2, n=2))
+  assert engine.samples(rid) == (0, 1) and isinstance(engine._next_id, int)
+
+
+def test_a_failing_request_finishes_with_error_and_the_others_go_on(model, reference, monkeypatch):
+  prompts, expected = reference
+  engine = Engine(model, CONFIG)
+  insert = engine.cache.insert
+
+  def flaky_insert(prompt, **kwargs):  # the cache fails on prompt 3 (a bug, not a capacity)
+    if len(prompt) == len(prompts[3]) and list(prompt) == prompts[3]:
+      raise RuntimeError('boom')
+    return insert(prompt, **kwargs)
+
+  monkeypatch.setattr(engine.cache, 'insert', flaky_insert)
+
+  def bad_callback(event):
+    raise KeyError('callback')
+
+  ids = [engine.submit(p, SamplingParams(max_new_tokens=NEW)) for p in prompts[:4]]
+  noisy = engine.submit(prompts[4], SamplingParams(max_new_tokens=NEW), on_token=bad_callback)
+  events = list(engine.stream())
+  reqs = engine.requests
+  assert reqs[ids[3]].reason == 'error' and 'boom' in reqs[ids[3]].error
+  assert reqs[noisy].reason == 'error' and 'callback' in reqs[noisy].error
+  assert reqs[noisy].output == expected[4][: len(reqs[noisy].output)]
+  for i in range(3):
+    assert reqs[ids[i]].output == expected[i] and reqs[ids[i]].reason == 'length'
+  finals = [e for e in events if e.finished]
+  assert sorted(e.request_id for e in finals) == sorted(ids + [noisy])  # one end each
+  assert engine.stats.errors == 2
+  assert_no_leak(engine)
+
+
+def test_mixed_sampling_in_one_batch(model, reference):
+  prompts, expected = reference
+  engine = Engine(model, CONFIG)
+  greedy = SamplingParams(max_new_tokens=NEW)
+  seeded = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=10, top_p=0.9, min_p=0.05,
+                          seed=1234)
+  stop = tuple(expected[2][2:4])
+  kinds = [greedy, seeded, dataclasses.replace(greedy, stop_sequences=((96, 96), stop)),
+           dataclasses.replace(greedy, logprobs=True, top_logprobs=3)]
+  ids = [engine.submit(prompts[i], kinds[i]) for i in range(4)]
+  events = list(engine.stream())
+  reqs = [engine.requests[i] for i in ids]
+  assert reqs[0].output == expected[0] and reqs[3].output == expected[3]  # greedy rows
+  assert reqs[2].output == expected[2][:4] and reqs[2].reason == 'stop'  # the stop sequence
+  # The seeded request draws the same alone, with another id, in another engine.
+  alone = Engine(model, CONFIG)
+  alone.cancel(alone.submit([0]))
+  assert alone.generate([prompts[1]], seeded) == [reqs[1].output]
+  # Log-probs are the dense model's log-softmax at each position.
+  from tests.test_sampling import dense_logprobs
+  chosen, logp = dense_logprobs(model, prompts[3], reqs[3].output)
+  np.testing.assert_allclose(reqs[3].logprobs, chosen, atol=1e-4)
+  top = [[(int(t), lp) for t, lp in step] for step in reqs[3].top_logprobs]
+  for k, step in enumerate(top):
+    assert [t for t, _ in step] == np.argsort(-logp[k])[:3].tolist()
+    np.testing.assert_allclose([lp for _, lp in step], np.sort(logp[k])[::-1][:3], atol=1e-4)
+  mine = [e for e in events if e.request_id == ids[3]]
+  assert [e.logprob for e in mine] == reqs[3].logprobs
+  assert all(e.logprob is None for e in events if e.request_id != ids[3])
+  assert_no_leak(engine)
+
+
+def test_nested_cache_config_and_the_flat_keywords_agree():
+  from hydrajax.chunk_cache import ChunkCacheConfig
+  nested = EngineConfig(ChunkCacheConfig(
+      num_chunks=28, chunk_size=4, max_sequence_length=48, max_sequences=4, share_prefixes=True,
+      retain_prefixes=True, layout=CONFIG.layout), decode_buckets=(8,), min_prefill_len=32,
+      max_prefill_rows=1, impl='xla', prefill_impl='xla', prefill_layout=CONFIG.prefill_layout)
+  assert nested == CONFIG and nested.max_batch == 4 and nested.num_chunks == 28
+  small = dataclasses.replace(CONFIG, num_chunks=4, share_prefixes=False)
+  assert (small.cache.num_chunks, small.share_prefixes, small.retain_prefixes) == (4, False, False)
+  assert small.max_prefill_rows == 1
+  with pytest.raises(TypeError, match='num_chunk'):
+    EngineConfig(num_chunk=3)
+
+
+def _stub(engine):
+  """The model call replaced by zeros: shapes are the host's business."""
+  import jax.numpy as jnp
+
+  def step(params, cache, tokens, positions, slots, layout, seeds, streams, *args, **kwargs):
+    return jnp.zeros(streams.shape, jnp.int32), cache
+
+  engine._model_step = step
+
+
+@pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])
+def test_random_traffic_stays_within_the_compiled_shape_budget(model, share):
+  import warnings
+
+  from hydrajax.chunk_cache import LayoutPolicy
+
+  config = EngineConfig(
+      num_chunks=96, chunk_size=4, max_batch=8, max_sequence_length=64, share_prefixes=share,
+      max_prefill_rows=4, max_prefill_tokens=64, min_prefill_len=4,
+      layout=LayoutPolicy(kv_piece=8, min_segments=2))
+  engine = Engine(model, config)
+  _stub(engine)
+  budget = engine.compiled_shape_budget()
+  rng = np.random.default_rng(0)
+  systems = [rng.integers(0, 97, n).tolist() for n in (5, 13, 30)]
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # a step outside the budget warns
+    for i in range(160):
+      head = systems[rng.integers(3)][: rng.integers(0, 31)]
+      prompt = head + rng.integers(0, 97, rng.integers(1, 20)).tolist()
+      n = int(rng.choice([1, 2, 4]))
+      new = int(rng.integers(1, min(20, 64 - len(prompt)) + 1))
+      engine.submit(prompt, SamplingParams(max_new_tokens=new, n=n))
+      for _ in range(int(rng.integers(0, 3))):
+        engine.step()
+      if rng.random() < 0.1 and engine.requests:
+        engine.cancel(int(rng.integers(len(engine.requests))))
+    engine.run()
+  assert engine.stats.decode_steps + engine.stats.new_shape_steps > 100
+  assert 2 <= len(engine.stats.shapes) <= budget.num_steps
+  assert all(r.state in ('done', 'cancelled') for r in engine.requests.values())
+  assert_no_leak(engine)
+
+
+def test_warmup_compiles_every_shape_the_traffic_runs(model, reference):
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, overlap_decode=True))
+  assert engine.compiled_shape_budget().num_steps == 6  # 2 decode (J = 8, 16), 4 prefill
+  engine.warmup()
+  assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
+  assert engine.stats.new_shape_steps == 0
+  assert_no_leak(engine)

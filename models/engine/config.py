@@ -204,15 +204,20 @@ class EngineConfig:
   def shape_budget(self) -> ShapeBudget:
     """Every (padded) shape of the engine's jitted calls, whatever the traffic.
 
-    Segment slots: a decode step of B rows has at most B - 1 segments (distinct sharer
-    sets of >= 2 rows), a prefill of B rows at most B * max_pages (its rows' chunks);
-    each splits into pieces of kv_piece tokens, at most L / kv_piece more in all.
+    Segment slots J hold pieces of at most kv_piece tokens of shared segments; a segment
+    is whole chunks, so a chunk holds at most ceil(C / kv_piece) pieces. A prefill of B
+    rows has at most B * max_pages chunks on its rows' paths. A decode step of B rows has
+    at most B - 1 segments (distinct sharer sets of >= 2 rows) holding at most
+    B * max_sequence_length / 2 tokens (each is on >= 2 rows' paths), each segment
+    splitting into at most 1 + its tokens / kv_piece pieces.
     """
     c = self.cache
     decode = []
     for b in sorted({self.decode_rows(k) for k in range(1, self.max_batch + 1)}):
       policy = self.decode_policy()
-      pieces = min(b - 1, c.num_chunks) + c.kv_tokens // policy.kv_piece if b > 1 else 0
+      per_chunk = -(-c.chunk_size // policy.kv_piece)
+      tokens = min(c.kv_tokens, b * self.max_sequence_length // 2)
+      pieces = min(b - 1 + tokens // policy.kv_piece, c.num_chunks * per_chunk) if b > 1 else 0
       decode += [(b, j) for j in self._segment_slots(policy, pieces)]
     prefill = []
     longest = min(self.max_sequence_length - 1, c.kv_tokens)  # a prompt leaves room for 1 token
@@ -222,8 +227,7 @@ class EngineConfig:
       rows = sorted({next_power_of_two(k) for k in range(1, self.prefill_rows_per_call(t) + 1)})
       for b in rows:
         policy = self.prefill_policy()
-        tokens = min(c.kv_tokens, b * self.max_sequence_length)
-        pieces = min(b * c.max_pages, c.num_chunks) + tokens // policy.kv_piece
+        pieces = min(b * c.max_pages, c.num_chunks) * -(-c.chunk_size // policy.kv_piece)
         prefill += [(t, b, j) for j in self._segment_slots(policy, pieces)]
     largest = next_power_of_two(max(64, 2 * self.max_batch * self.chunk_size))
     copies = tuple(1 << i for i in range(6, largest.bit_length()))
