@@ -14,7 +14,13 @@ from models.config import get_config
 from models.kv_cache import DenseKVCache
 from models.llama import Llama
 from models.sampling import (
-    SamplingParams, SamplingRows, draw, filtered_logits, request_keys, row_keys, sample_batch,
+  SamplingParams,
+  SamplingRows,
+  draw,
+  filtered_logits,
+  request_keys,
+  row_keys,
+  sample_batch,
 )
 
 
@@ -121,8 +127,10 @@ def test_sampled_logprobs_are_the_model_log_softmax():
 def test_min_p_and_top_p_distributions():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
   keys = row_keys(jax.random.key(15), jnp.arange(4000), 0)
-  counts = lambda params: np.bincount(draw(logits, keys, SamplingRows.of([params] * 4000)),
-                                      minlength=4) / 4000
+
+  def counts(params):
+    return np.bincount(draw(logits, keys, SamplingRows.of([params] * 4000)), minlength=4) / 4000
+
   got = counts(SamplingParams(temperature=1.0, min_p=0.5))  # keeps p >= 0.25
   np.testing.assert_allclose(got, [0.625, 0.375, 0, 0], atol=0.03)
   got = counts(SamplingParams(temperature=1.0, top_p=0.85))  # 0.5 + 0.3 < 0.85: three kept

@@ -52,9 +52,10 @@ depend on which other requests share its batch, and sample i of a prompt
 draws what a lone request with id rid + i would.
 
 Modules: `config` (EngineConfig, the shape budget), `requests` (Request,
-TokenEvent, prompt checks), `scheduler` (queue and admission), `step` (the
-jitted model call), `stats` (EngineStats), `engine` (the API, prefill and the
-decode loop).
+TokenEvent, prompt checks), `scheduler` (queue and admission), `prefill`,
+`decode` (the decode loop, waited or overlapped), `step` (the jitted model
+call), `stats` (EngineStats), `engine` (the API, the iteration, model calls,
+handing out tokens).
 """
 
 from models.engine.config import EngineConfig, ShapeBudget

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import logging
 import math
+import numbers
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -14,41 +15,23 @@ import numpy as np
 from flax import nnx
 
 from hydrajax import SharingPlan
-from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout, next_power_of_two
+from hydrajax.chunk_cache import ChunkCache, device_layout
 from models.engine.config import EngineConfig, ShapeBudget
+from models.engine.decode import DecodeLoop, DecodeStep
+from models.engine.prefill import Prefill
 from models.engine.requests import Request, TokenEvent, check_prompt
 from models.engine.scheduler import Scheduler
 from models.engine.stats import EngineStats
 from models.engine.step import model_step, segment_slots
 from models.kv_cache import KVCache
 from models.llama import Llama
-from models.sampling import Sampled, SamplingParams, SamplingRows, _is_number
+from models.sampling import Sampled, SamplingParams, SamplingRows
 
 log = logging.getLogger(__name__)
 _FINISHED = ('done', 'cancelled', 'error')
 
 
-@dataclasses.dataclass
-class _DecodeStep:
-  """A decode step's inputs, and once dispatched its draws on the device."""
-
-  model_args: tuple  # tokens, positions, slots [b, 1], layout
-  reqs: list  # Request of each live row, row order
-  b: int  # padded rows
-  ahead: np.ndarray  # [rows] 1 where the input token is the previous step's, still on the device
-  feed: tuple | None  # (previous step's tokens [b], src [b]) for overlapped steps
-  patch: tuple  # (seq ids, positions, rows of the previous step): placeholders to record
-  used_chunks: int
-  new_shape: bool = False
-  out: Sampled | None = None  # on the device
-  host: tuple = (0.0, 0.0)  # prepare, dispatch seconds
-
-  @property
-  def tokens_out(self):
-    return self.out.tokens
-
-
-class Engine:
+class Engine(Prefill, DecodeLoop):
   """Continuous batching over a `Llama` with a prefix-aware chunk cache (see the package doc)."""
 
   def __init__(self, model: Llama, config: EngineConfig, *,
@@ -89,7 +72,7 @@ class Engine:
     self._next_id = 0
     self._seen_shapes: set = set()  # step shapes run so far (the first run may compile)
     self._last_new_shape = False
-    self._inflight: _DecodeStep | None = None  # overlap_decode: the step on the device
+    self._inflight: DecodeStep | None = None  # overlap_decode: the step on the device
 
   @property
   def stats(self) -> EngineStats:
@@ -119,7 +102,8 @@ class Engine:
     prompt = check_prompt(prompt, self.model.config.vocab_size)
     if on_token is not None and not callable(on_token):
       raise ValueError(f'on_token must be callable or None, got {on_token!r}')
-    if arrival is not None and not (_is_number(arrival) and math.isfinite(arrival)):
+    if arrival is not None and not (isinstance(arrival, numbers.Real)
+                                    and not isinstance(arrival, bool) and math.isfinite(arrival)):
       raise ValueError(f'arrival must be a finite number of seconds, got {arrival!r}')
     if params.top_logprobs > c.max_top_logprobs:
       raise ValueError(f'top_logprobs={params.top_logprobs} exceeds the engine\'s '
@@ -265,212 +249,6 @@ class Engine:
       self._finish(req, 'error', events, error=req.error)
     else:
       self._finish(req, 'cancelled', events)
-
-  def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-    """Runs KV copies (copy on write), padded to a power of two."""
-    if src.size:
-      size = next_power_of_two(max(src.size, 64))
-      pad = lambda x, fill: np.concatenate([x, np.full(size - x.size, fill, np.int32)])
-      self._copy_padded(pad(src, 0), pad(dst, self.cache.config.kv_tokens))
-
-  def _copy_padded(self, src: np.ndarray, dst: np.ndarray) -> None:
-    k, v = copy_slots(self.kv.k, self.kv.v, jnp.asarray(src), jnp.asarray(dst))
-    self.kv = KVCache(k, v)
-
-  def _prefill(self, admitted, events):
-    """Prefills the admitted prompts (only their unshared tokens), then forks their samples.
-
-    Calls group rows of the same padded length; each sample's first token is drawn from
-    its prompt's last position. A failed call fails its prompts only.
-    """
-    c, cache = self.config, self.cache
-    t0 = self.clock()
-    try:
-      self._copy(np.concatenate([a.copy_src for _, a in admitted]),
-                 np.concatenate([a.copy_dst for _, a in admitted]))
-    except Exception as e:  # noqa: BLE001
-      for group, _ in admitted:
-        self._fail_group(group, events, e)
-      return
-    by_len: dict[int, list] = {}
-    for group, adm in admitted:
-      t = c.prefill_len(adm.num_tokens - adm.prefill_start)
-      by_len.setdefault(t, []).append((group, adm))
-    forks = []  # (samples, their draws), forked once every prefill call has run
-    for t, items in sorted(by_len.items()):
-      items.sort(key=lambda x: cache.row(x[1].seq_id))
-      per_call = c.prefill_rows_per_call(t)
-      for i in range(0, len(items), per_call):
-        batch = items[i : i + per_call]
-        try:
-          forks += self._prefill_call(batch, t)
-        except Exception as e:  # noqa: BLE001 - these prompts fail, the others go on
-          for group, _ in batch:
-            self._fail_group(group, events, e)
-    src, dst = [], []
-    for group, _ in forks:
-      if len(group) > 1:
-        try:
-          f = cache.fork(group[0].seq_id, len(group),
-                         reserve_tokens=group[0].params.max_new_tokens - 1)
-        except Exception as e:  # noqa: BLE001
-          self._fail_group(group, events, e)
-          continue
-        src.append(f.copy_src)
-        dst.append(f.copy_dst)
-        for req, sid in zip(group[1:], f.seq_ids[1:]):
-          req.seq_id = sid
-          self._by_seq[sid] = req
-        self.stats.forked_samples += len(group) - 1
-    if src:
-      self._copy(np.concatenate(src), np.concatenate(dst))
-    now = self.clock()
-    for group, drawn in forks:
-      live = [i for i, req in enumerate(group) if req.state == 'running']
-      for req in group:
-        req.first_token = now
-      self._emit([group[i] for i in live], drawn, live, events)
-    self._track_peak()
-    self.stats.prefill_s += self.clock() - t0
-
-  def _prefill_call(self, items, t):
-    """One prefill call of (samples, admission) items; returns (samples, their draws) of each.
-
-    The draws are host arrays (tokens, log-probs, top ids, top log-probs) with one row per
-    sample of the item, in order.
-    """
-    cache, length = self.cache, self.cache.config.kv_tokens
-    b = next_power_of_two(len(items))
-    tokens = np.zeros((b, t), np.int32)
-    positions = np.zeros((b, t), np.int32)
-    slots = np.full((b, t), length, np.int32)
-    for r, (group, adm) in enumerate(items):  # left-padded: a row's new tokens are its last T
-      n = adm.num_tokens - adm.prefill_start
-      tokens[r, t - n :] = group[0].prompt[adm.prefill_start :]
-      positions[r, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
-      slots[r, t - n :] = adm.prefill_slots
-    layout = cache.device_layout([adm.seq_id for _, adm in items], num_rows=b,
-                                 policy=self._prefill_policy)
-    samples = [req for group, _ in items for req in group]
-    # Every prefill samples a fixed number of rows (a prompt's samples each draw): one shape.
-    rows = np.zeros(self.config.prefill_sample_rows(), np.int32)
-    rows[: len(samples)] = [r for r, (group, _) in enumerate(items) for _ in group]
-    out = self._run_model(tokens, positions, slots, layout, samples, rows.size,
-                          self.config.prefill_impl, rows, kind=('prefill', t, b))
-    drawn = self._fetch(out, samples)
-    self.stats.prefill_calls += 1
-    self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start for _, adm in items)
-    self.stats.prefill_padded_tokens += b * t
-    result, i = [], 0
-    for group, adm in items:
-      cache.commit(adm.seq_id)  # its KV is written: others may share it now
-      result.append((group, tuple(None if x is None else x[i : i + len(group)] for x in drawn)))
-      i += len(group)
-    return result
-
-  # ---- the decode loop --------------------------------------------------------------------
-
-  def _decode(self, events):
-    """One decode step, waited for (the engine without `overlap_decode`)."""
-    self._collect(self._dispatch(None), events, None)
-
-  def _decode_overlapped(self, events):
-    """Dispatches step k+1, then waits for step k (`overlap_decode`; see EngineConfig)."""
-    prev, self._inflight = self._inflight, None
-    if prev is not None:  # a row whose token in flight is its last is in no further step
-      for req in prev.reqs:
-        if (req.state == 'running' and self._by_seq.get(req.seq_id) is req
-            and len(req.output) + 1 >= req.params.max_new_tokens):
-          del self._by_seq[req.seq_id]
-          self.cache.remove(req.seq_id)  # its KV is written; the token comes at the collect
-      if self._by_seq and self.config.decode_rows(self.cache.num_rows) != prev.b:
-        self._collect(prev, events, None)  # a new batch size: feed this step from the host
-        prev = None
-    if not self._by_seq:
-      if prev is not None:
-        self._collect(prev, events, None)
-      return
-    try:
-      self._inflight = self._dispatch(prev)
-    except Exception:
-      if prev is not None:
-        self._inflight = prev  # its rows fail with the rest
-      raise
-    if prev is not None:
-      self._collect(prev, events, self._inflight.patch)
-
-  def _dispatch(self, prev: '_DecodeStep | None') -> '_DecodeStep':
-    """Prepares and dispatches a decode step (not waited for)."""
-    t0 = self.clock()
-    step = self._prepare_decode(prev)
-    tp = self.clock()
-    step.out = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
-                               ahead=step.ahead, feed=step.feed, kind=('decode', step.b))
-    step.new_shape = self._last_new_shape
-    step.host = (tp - t0, self.clock() - tp)
-    return step
-
-  def _collect(self, step: '_DecodeStep', events, patch) -> None:
-    """Waits for a dispatched step's tokens; records those a later step appended; emits."""
-    t1 = self.clock()
-    drawn = self._fetch(step.out, step.reqs)
-    t2 = self.clock()
-    new = drawn[0]
-    if patch is not None and patch[0]:
-      seq_ids, positions, rows = patch
-      self.cache.record_tokens(seq_ids, positions, new[rows])
-    live = [i for i, req in enumerate(step.reqs) if req.state == 'running']  # not cancelled
-    self._emit([step.reqs[i] for i in live], drawn, live, events)
-    t3 = self.clock()
-    self._count_decode(step, host=(step.host[0], step.host[1], t3 - t2), wait=t2 - t1)
-
-  def _prepare_decode(self, prev: '_DecodeStep | None') -> '_DecodeStep':
-    """The next decode step's inputs; rows in `prev` take their token from its device output."""
-    cache = self.cache
-    rows = cache.rows
-    reqs = [self._by_seq[sid] for sid in rows]
-    b = self.config.decode_rows(len(rows))
-    src = np.full(b, -1, np.int32)  # row of `prev` whose output is this row's input token
-    if prev is not None:
-      where = {id(req): i for i, req in enumerate(prev.reqs)}
-      src[: len(reqs)] = [where.get(id(req), -1) for req in reqs]
-    ahead = (src[: len(reqs)] >= 0).astype(np.int32)  # its newest token is still on the device
-    last = np.array([-1 if a else req.output[-1] for req, a in zip(reqs, ahead)], np.int64)
-    slots = np.full((b, 1), cache.config.kv_tokens, np.int32)
-    slots[: len(rows), 0] = cache.append(last)  # -1: a placeholder until the token is back
-    tokens = np.zeros((b, 1), np.int32)
-    tokens[: len(rows), 0] = np.maximum(last, 0)
-    positions = np.zeros((b, 1), np.int32)
-    lengths = cache.lengths()
-    positions[: len(rows), 0] = lengths - 1
-    layout = cache.device_layout(num_rows=b)
-    self._track_peak()
-    fed = np.flatnonzero(ahead)
-    feed = None
-    if self.config.overlap_decode:  # one input structure for every overlapped step
-      feed = (prev.tokens_out if prev is not None else np.zeros(b, np.int32), src)
-    return _DecodeStep(
-        model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
-        patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
-        used_chunks=cache.num_used_chunks)
-
-  def _count_decode(self, step: '_DecodeStep', *, host: tuple[float, float, float],
-                    wait: float) -> None:
-    stats = self.stats
-    prepare, dispatch, emit = host
-    total = prepare + dispatch + emit + wait
-    if step.new_shape:  # a first run of these shapes: maybe a compile
-      stats.new_shape_steps += 1
-      stats.new_shape_s += total
-      return
-    stats.decode_host_s += prepare + dispatch + emit
-    stats.decode_prepare_s += prepare
-    stats.decode_dispatch_s += dispatch
-    stats.decode_wait_s += wait
-    stats.decode_s += total
-    stats.decode_steps += 1
-    stats.decode_rows += len(step.reqs)
-    stats.decode_chunks += step.used_chunks
 
   # ---- model calls ------------------------------------------------------------------------
 

@@ -88,5 +88,6 @@ def check_prompt(prompt, vocab_size: int) -> np.ndarray:
     raise ValueError('prompt must hold at least one token id')
   low, high = min(ids), max(ids)  # python ints: no overflow before the range check
   if low < 0 or high >= vocab_size:
-    raise ValueError(f'prompt token ids must be in [0, {vocab_size}), got {low if low < 0 else high}')
+    bad = low if low < 0 else high
+    raise ValueError(f'prompt token ids must be in [0, {vocab_size}), got {bad}')
   return np.array(ids, np.int64)

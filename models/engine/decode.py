@@ -1,0 +1,140 @@
+"""The decode loop: one token for every live sequence per step, waited for or overlapped."""
+
+import dataclasses
+
+import numpy as np
+
+from models.sampling import Sampled
+
+
+@dataclasses.dataclass
+class DecodeStep:
+  """A decode step's inputs, and once dispatched its draws on the device."""
+
+  model_args: tuple  # tokens, positions, slots [b, 1], layout
+  reqs: list  # Request of each live row, row order
+  b: int  # padded rows
+  ahead: np.ndarray  # [rows] 1 where the input token is the previous step's, still on the device
+  feed: tuple | None  # (previous step's tokens [b], src [b]) for overlapped steps
+  patch: tuple  # (seq ids, positions, rows of the previous step): placeholders to record
+  used_chunks: int
+  new_shape: bool = False
+  out: Sampled | None = None  # on the device
+  host: tuple = (0.0, 0.0)  # prepare, dispatch seconds
+
+  @property
+  def tokens_out(self):
+    return self.out.tokens
+
+
+class DecodeLoop:
+  """The Engine's decode steps (a mixin: it uses the engine's cache, requests and model call).
+
+  A step pads the live rows to a decode bucket, appends a slot for each row's
+  next token, and runs the model over the cache's `TreeLayout`. Waited, it
+  reads the tokens back before the iteration ends; with `overlap_decode`, step
+  k+1 is dispatched (its input tokens taken from step k's output on the device)
+  before step k's tokens are read, so the host's work overlaps the device's.
+  """
+
+  def _decode(self, events):
+    """One decode step, waited for (the engine without `overlap_decode`)."""
+    self._collect(self._dispatch(None), events, None)
+
+  def _decode_overlapped(self, events):
+    """Dispatches step k+1, then waits for step k (`overlap_decode`; see EngineConfig)."""
+    prev, self._inflight = self._inflight, None
+    if prev is not None:  # a row whose token in flight is its last is in no further step
+      for req in prev.reqs:
+        if (req.state == 'running' and self._by_seq.get(req.seq_id) is req
+            and len(req.output) + 1 >= req.params.max_new_tokens):
+          del self._by_seq[req.seq_id]
+          self.cache.remove(req.seq_id)  # its KV is written; the token comes at the collect
+      if self._by_seq and self.config.decode_rows(self.cache.num_rows) != prev.b:
+        self._collect(prev, events, None)  # a new batch size: feed this step from the host
+        prev = None
+    if not self._by_seq:
+      if prev is not None:
+        self._collect(prev, events, None)
+      return
+    try:
+      self._inflight = self._dispatch(prev)
+    except Exception:
+      if prev is not None:
+        self._inflight = prev  # its rows fail with the rest
+      raise
+    if prev is not None:
+      self._collect(prev, events, self._inflight.patch)
+
+  def _dispatch(self, prev: 'DecodeStep | None') -> 'DecodeStep':
+    """Prepares and dispatches a decode step (not waited for)."""
+    t0 = self.clock()
+    step = self._prepare_decode(prev)
+    tp = self.clock()
+    step.out = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
+                               ahead=step.ahead, feed=step.feed, kind=('decode', step.b))
+    step.new_shape = self._last_new_shape
+    step.host = (tp - t0, self.clock() - tp)
+    return step
+
+  def _collect(self, step: 'DecodeStep', events, patch) -> None:
+    """Waits for a dispatched step's tokens; records those a later step appended; emits."""
+    t1 = self.clock()
+    drawn = self._fetch(step.out, step.reqs)
+    t2 = self.clock()
+    new = drawn[0]
+    if patch is not None and patch[0]:
+      seq_ids, positions, rows = patch
+      self.cache.record_tokens(seq_ids, positions, new[rows])
+    live = [i for i, req in enumerate(step.reqs) if req.state == 'running']  # not cancelled
+    self._emit([step.reqs[i] for i in live], drawn, live, events)
+    t3 = self.clock()
+    self._count_decode(step, host=(step.host[0], step.host[1], t3 - t2), wait=t2 - t1)
+
+  def _prepare_decode(self, prev: 'DecodeStep | None') -> 'DecodeStep':
+    """The next decode step's inputs; rows in `prev` take their token from its device output."""
+    cache = self.cache
+    rows = cache.rows
+    reqs = [self._by_seq[sid] for sid in rows]
+    b = self.config.decode_rows(len(rows))
+    src = np.full(b, -1, np.int32)  # row of `prev` whose output is this row's input token
+    if prev is not None:
+      where = {id(req): i for i, req in enumerate(prev.reqs)}
+      src[: len(reqs)] = [where.get(id(req), -1) for req in reqs]
+    ahead = (src[: len(reqs)] >= 0).astype(np.int32)  # its newest token is still on the device
+    last = np.array([-1 if a else req.output[-1] for req, a in zip(reqs, ahead)], np.int64)
+    slots = np.full((b, 1), cache.config.kv_tokens, np.int32)
+    slots[: len(rows), 0] = cache.append(last)  # -1: a placeholder until the token is back
+    tokens = np.zeros((b, 1), np.int32)
+    tokens[: len(rows), 0] = np.maximum(last, 0)
+    positions = np.zeros((b, 1), np.int32)
+    lengths = cache.lengths()
+    positions[: len(rows), 0] = lengths - 1
+    layout = cache.device_layout(num_rows=b)
+    self._track_peak()
+    fed = np.flatnonzero(ahead)
+    feed = None
+    if self.config.overlap_decode:  # one input structure for every overlapped step
+      feed = (prev.tokens_out if prev is not None else np.zeros(b, np.int32), src)
+    return DecodeStep(
+        model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
+        patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
+        used_chunks=cache.num_used_chunks)
+
+  def _count_decode(self, step: 'DecodeStep', *, host: tuple[float, float, float],
+                    wait: float) -> None:
+    stats = self.stats
+    prepare, dispatch, emit = host
+    total = prepare + dispatch + emit + wait
+    if step.new_shape:  # a first run of these shapes: maybe a compile
+      stats.new_shape_steps += 1
+      stats.new_shape_s += total
+      return
+    stats.decode_host_s += prepare + dispatch + emit
+    stats.decode_prepare_s += prepare
+    stats.decode_dispatch_s += dispatch
+    stats.decode_wait_s += wait
+    stats.decode_s += total
+    stats.decode_steps += 1
+    stats.decode_rows += len(step.reqs)
+    stats.decode_chunks += step.used_chunks
