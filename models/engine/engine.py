@@ -183,8 +183,8 @@ class Engine(Prefill, DecodeLoop):
     except Exception as e:  # noqa: BLE001 - the engine goes on; this step's rows fail
       self._fail_running(events, e)
     for event in events:
-      req = self.requests[event.request_id]
-      if req.on_token is not None:
+      req = self.requests.get(event.request_id)  # a caller may drop finished requests
+      if req is not None and req.on_token is not None:
         try:
           req.on_token(event)
         except Exception as e:  # noqa: BLE001 - a callback fails its own request only
