@@ -276,6 +276,13 @@ def private_attention(
         visible = visible & (sub < causal + t_of)
       return visible, valids, cursor
 
+    def any_partial(valids):
+      """Whether a lane of the step holds fewer than 8 valid tokens."""
+      partial = valids[0] < CHUNK
+      for valid in valids[1:]:
+        partial = partial | (valid < CHUNK)
+      return partial
+
     def zero_unseen(v_smem, valids):
       """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
       lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
@@ -286,10 +293,7 @@ def private_attention(
           count = jnp.where(lane_r == j, valid, count)
         return r - lane_r * CHUNK < count
 
-      partial = valids[0] < CHUNK
-      for valid in valids[1:]:
-        partial = partial | (valid < CHUNK)
-      osm.zero_rows(v_smem, keep, lambda first: partial)
+      osm.zero_rows(v_smem, keep)
 
     # ---- merge setup: depth of each row, the first window loaded now ----
     if merging:
@@ -343,18 +347,22 @@ def private_attention(
       acc, m_i, l_i, issue_at, consume_at = carry
       slot = lax.rem(step, jnp.int32(slots))
       visible, valids, consume_at = step_mask(consume_at)
+      partial = any_partial(valids)
       plgpu.barrier_wait(k_bars.at[slot])
-      plgpu.barrier_wait(v_bars.at[slot])
+      # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
+      # other waits after the softmax, so V's arrival overlaps QK (long rows).
+      pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-        zero_unseen(kv_smem.at[1, slot], valids)  # while the wgmma runs
+        pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], valids))
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
       acc, m_new, l_i, p16 = osm.step(
           s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
       )
+      pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
       acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
       issue_at = issue(slot, issue_at, step + slots < num_steps)
