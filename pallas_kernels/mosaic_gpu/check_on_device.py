@@ -4,9 +4,10 @@ On the GPU machine, from the repository root:
 
   PYTHONPATH=. PYTHONUNBUFFERED=1 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT
 
-On a CPU machine, `--lower_only` cross-lowers every kernel configuration for
-CUDA (Pallas -> Mosaic GPU MLIR) without running anything: it catches layout
-and tiling errors before device time is spent.
+On a CPU machine, `--lower_only` cross-lowers the chosen shapes and variants
+(`--check_shapes`, `--shapes`, `--variants`) for CUDA (Pallas -> Mosaic GPU
+MLIR, TMA copies and their limits) without running anything: it catches
+layout and tiling errors before device time is spent (not ptxas's).
 
 What it does on the GPU:
 1. measures the ceilings: bf16 matmul rate (8192^3) and copy bandwidth
@@ -166,10 +167,10 @@ def attend_fn(q, kc, layout, variant):
   return fn, prepared
 
 
-def lower_only():
-  for shape in (*CHECK_SHAPES, *SHAPES):
+def lower_only(shapes, variants):
+  for shape in shapes:
     plan, layout, q, kc, vc = problem(*shape)
-    for variant in VARIANTS:
+    for variant in variants:
       t0 = time.time()
       fn = jax.jit(lambda q, k, v, l, variant=variant: mosaic.tree_attention(q, k, v, l, **variant))
       fn.trace(q, kc, vc, layout).lower(lowering_platforms=('cuda',))
@@ -190,8 +191,6 @@ def main():
       '--check_shapes', default='', help="comma-separated indices into CHECK_SHAPES, or 'all'"
   )
   args = parser.parse_args()
-  if args.lower_only:
-    return lower_only()
   shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',')]
   checks = (
       CHECK_SHAPES if args.check_shapes == 'all'
@@ -201,6 +200,8 @@ def main():
       VARIANTS if args.variants == 'all'
       else [VARIANTS[int(i)] for i in args.variants.split(',')]
   )
+  if args.lower_only:
+    return lower_only((*checks, *shapes), variants)
   print(jax.devices(), jax.__version__)
   sink = open(os.path.join(args.out, 'results.jsonl'), 'a')
 
