@@ -21,12 +21,12 @@ import hydrajax
 from hydrajax import PromptNode
 from pallas_kernels.mosaic_gpu import schedule
 from pallas_kernels.mosaic_gpu import tree_attention as mosaic
-from pallas_kernels.mosaic_gpu.paged_decode import (
-    lse_index, paged_attention, paged_attention_reference,
-)
+from pallas_kernels.mosaic_gpu.paged_decode import paged_attention, paged_attention_reference
+from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
     private_attention, private_attention_reference,
 )
+from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
     pack_segments, segment_attention, segment_attention_reference,
 )
@@ -99,6 +99,8 @@ CASES = [  # (tree, query tokens T, query heads N, kv heads K, private lengths)
     ('deep', 4, 4, 1, (4, 16, 9, 13, 5)),  # MQA, T > 1
     ('forest', 1, 8, 2, (2, 11, 16)),
     ('private_only', 2, 4, 2, (2, 16, 7)),
+    ('two_level', 1, 4, 4, (6, 1, 13, 2, 8)),  # MHA, T = 1: out in [B, T, N, H], lse folded
+    ('forest', 2, 8, 2, (3, 14, 9)),  # T*G = 8: out and lse written in [B, T, N] order
 ]
 
 
@@ -130,13 +132,6 @@ def _flat_buffer(plan, kc, vc, *, layers: int, layer: int, dirty: bool):
     buf = jnp.asarray(base, cache.dtype).at[offset + tokens].set(cache[tokens])
     flat.append(buf)
   return (*flat, offset)
-
-
-def _real_rows(out_f, lse_rows, num_rows: int, tgp: int, tg: int):
-  """Folded kernel outputs [K, >= B*TGp, H], [K, >= B*TGp] at the real query rows."""
-  kh = out_f.shape[0]
-  keep = (np.arange(num_rows)[:, None] * tgp + np.arange(tg)).reshape(-1)
-  return hydrajax.PartialState(out_f[:, keep], lse_rows.reshape(kh, -1)[:, keep])
 
 
 def _case_id(case):
@@ -267,11 +262,13 @@ class TestMosaicGpuKernels:
           )
 
 
-  def test_private_kernel_matches_reference(self):
+  @pytest.mark.parametrize('tree,n', [('wide', 4), ('deep', 8)])
+  def test_private_kernel_matches_reference(self, tree, n):
     """The private+merge kernel alone against its jnp reference, on the shared kernel's
-    partial states: several rows per frame, segment boundaries inside frames, an offset."""
-    t, n, k = 1, 4, 2
-    plan = _tree('wide', self.capacity, (1, 3, 9, 0, 2, 16, 5))
+    partial states: several rows per frame, segment boundaries inside frames, an offset; the
+    output in [B, T, N, H] order with a last frame past the batch (lse too for G = 4)."""
+    t, k = 1, 2
+    plan = _tree(tree, self.capacity, (1, 3, 9, 0, 2, 16, 5))
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=15)
     shapes = mosaic.KernelShapes.of(q, kc)
@@ -290,14 +287,14 @@ class TestMosaicGpuKernels:
     args = (qf, fk, fv, layout.private_pages, layout.private_lengths, layout.row_segments,
             prepared.segments, prepared.schedule, *partial, problem)
     kw = dict(scale=scale, kv_offset=offset, interpret=self.interpret)
-    out, lse = private_attention(*args, **kw)
-    want_out, want_lse = private_attention_reference(*args, **kw)
-    f = problem.frame_rows
-    to_rows = lambda x: x.reshape(k, -1, 64)[:, :, :f]  # frame p's lse at p*64 + [0, F)
-    tg = t * n // k
+    assert problem.direct_out and problem.direct_lse == (n // k == 4)
+    assert (plan.num_rows * tgp) % problem.frame_rows  # the last frame runs past the batch
+    got = private_attention(*args, **kw)
+    want = private_attention_reference(*args, **kw)
+    assert [x.shape for x in got] == [x.shape for x in want]
     _assert_states_close(
-        _real_rows(out, to_rows(lse), plan.num_rows, tgp, tg),
-        _real_rows(want_out, to_rows(want_lse), plan.num_rows, tgp, tg), jnp.bfloat16,
+        hydrajax.PartialState(*private_unfold_states(*got, problem, n)),
+        hydrajax.PartialState(*private_unfold_states(*want, problem, n)), jnp.bfloat16,
     )
 
   def test_paged_kernel_matches_reference(self):
@@ -313,12 +310,13 @@ class TestMosaicGpuKernels:
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=False)
     args = (qf, fk, fv, layout.private_pages, layout.private_lengths, problem)
     kw = dict(scale=0.1, kv_offset=offset, interpret=self.interpret)
-    out, lse = paged_attention(*args, **kw)
-    want_out, want_lse = paged_attention_reference(*args, **kw)
-    where = lse_index(plan.num_rows, tg)
+    assert problem.direct
+    got = paged_attention(*args, **kw)
+    want = paged_attention_reference(*args, **kw)
+    assert [x.shape for x in got] == [x.shape for x in want]
     _assert_states_close(
-        hydrajax.PartialState(out, lse[:, where]),
-        hydrajax.PartialState(want_out, want_lse[:, where]), jnp.bfloat16,
+        hydrajax.PartialState(*paged_unfold_states(*got, problem, n)),
+        hydrajax.PartialState(*paged_unfold_states(*want, problem, n)), jnp.bfloat16,
     )
 
 

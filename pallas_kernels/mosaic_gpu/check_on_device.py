@@ -4,9 +4,10 @@ On the GPU machine, from the repository root:
 
   PYTHONPATH=. PYTHONUNBUFFERED=1 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT
 
-On a CPU machine, `--lower_only` cross-lowers every kernel configuration for
-CUDA (Pallas -> Mosaic GPU MLIR) without running anything: it catches layout
-and tiling errors before device time is spent.
+On a CPU machine, `--lower_only` cross-lowers the chosen shapes and variants
+(`--check_shapes`, `--shapes`, `--variants`) for CUDA (Pallas -> Mosaic GPU
+MLIR, TMA copies and their limits) without running anything: it catches
+layout and tiling errors before device time is spent (not ptxas's).
 
 What it does on the GPU:
 1. measures the ceilings: bf16 matmul rate (8192^3) and copy bandwidth
@@ -25,6 +26,16 @@ What it does on the GPU:
 
 `--legacy` runs only steps 1-4 through `tree_attention`, so the same command
 times a tree that predates `prepare`/`attend` (the "before" of a change).
+`--attend_only` skips `tree_attention` (one compile less per shape): `attend`
+is checked against XLA, then the garbage check and its timing as in 5.
+`--check_shapes` first checks `CHECK_SHAPES` against XLA (no timing): the
+paged-decode kernel and the private kernel's other output paths (lse not in
+[B, T, N] order for G = 1, a last frame past the batch, T > 1).
+
+Run 5 (the kernels write [B, T, N, H] themselves), about 2.5 minutes:
+
+  PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py \
+    --out $OUT --check_shapes all --attend_only --shapes 1,0,3,4 > $OUT/check.txt 2>&1
 
 `--variants all` adds the block_kv=64 variants (slower on every shape on the
 H200); batches <= 64 also time smaller `max_splits`.
@@ -53,6 +64,11 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     (256, 16384, 128, 32, 8),
     (32, 2048, 1, 32, 8),
 )
+CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
+    (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
+    (99, 2048, 3, 32, 32, 1),  # MHA: out direct (last frame past the batch), lse folded
+    (99, 2048, 8, 32, 8, 2),  # T = 2, G = 4: out and lse direct, last frame past the batch
+)
 VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
     dict(block_kv=128, max_concurrent_steps=2),
     dict(block_kv=64, max_concurrent_steps=2),
@@ -64,14 +80,14 @@ HEAD_DIM = 128
 DTYPE = jnp.bfloat16
 
 
-def problem(b, p, s, n, k, seed=0):
+def problem(b, p, s, n, k, t=1, seed=0):
   capacity = max(64, -(-s // 64) * 64)
   plan = hydrajax.plan_tree(
       hydrajax.PromptNode(p, num_samples=b), private_capacity=capacity, private_lengths=s
   )
   layout = plan.to_device()
   keys = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(keys[0], (b, 1, n, HEAD_DIM), DTYPE)
+  q = jax.random.normal(keys[0], (b, t, n, HEAD_DIM), DTYPE)
   kc = jax.random.normal(keys[1], (plan.kv_tokens, k, HEAD_DIM), DTYPE)
   vc = jax.random.normal(keys[2], (plan.kv_tokens, k, HEAD_DIM), DTYPE)
   return plan, layout, q, kc, vc
@@ -151,10 +167,10 @@ def attend_fn(q, kc, layout, variant):
   return fn, prepared
 
 
-def lower_only():
-  for shape in SHAPES:
+def lower_only(shapes, variants):
+  for shape in shapes:
     plan, layout, q, kc, vc = problem(*shape)
-    for variant in VARIANTS:
+    for variant in variants:
       t0 = time.time()
       fn = jax.jit(lambda q, k, v, l, variant=variant: mosaic.tree_attention(q, k, v, l, **variant))
       fn.trace(q, kc, vc, layout).lower(lowering_platforms=('cuda',))
@@ -170,21 +186,56 @@ def main():
   parser.add_argument(
       '--variants', default='0', help="comma-separated indices into VARIANTS, or 'all'"
   )
+  parser.add_argument('--attend_only', action='store_true', help='no tree_attention (see above)')
+  parser.add_argument(
+      '--check_shapes', default='', help="comma-separated indices into CHECK_SHAPES, or 'all'"
+  )
   args = parser.parse_args()
-  if args.lower_only:
-    return lower_only()
   shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',')]
+  checks = (
+      CHECK_SHAPES if args.check_shapes == 'all'
+      else [CHECK_SHAPES[int(i)] for i in args.check_shapes.split(',') if i]
+  )
   variants = (
       VARIANTS if args.variants == 'all'
       else [VARIANTS[int(i)] for i in args.variants.split(',')]
   )
+  if args.lower_only:
+    return lower_only((*checks, *shapes), variants)
   print(jax.devices(), jax.__version__)
   sink = open(os.path.join(args.out, 'results.jsonl'), 'a')
 
+  start = time.time()
+
   def record(**kw):
+    kw['elapsed_s'] = round(time.time() - start, 1)
     sink.write(json.dumps(kw) + '\n')
     sink.flush()
     print(json.dumps(kw))
+
+  for shape in checks:  # correctness only
+    try:
+      plan, layout, q, kc, vc = problem(*shape)
+      want = jax.jit(hydrajax.tree_attention_xla)(q, kc, vc, layout)
+      fn_a, prepared = attend_fn(q, kc, layout, variants[0])
+      got = fn_a(q, kc, vc, prepared, jnp.int32(0))
+      mask = attended_mask(plan)
+      dk, offset = dirty_layer(plan, mask, kc)
+      dv, _ = dirty_layer(plan, mask, vc)
+      dirty = fn_a(q, dk, dv, prepared, jnp.int32(offset))
+      same = bool(
+          np.array_equal(np.asarray(dirty.out), np.asarray(got.out))
+          and np.array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
+      )
+      problem_ = prepared.problem
+      record(kind='check', shape=shape, problem=type(problem_).__name__, direct=[
+          getattr(problem_, a) for a in ('direct', 'direct_out', 'direct_lse')
+          if hasattr(problem_, a)
+      ], garbage_bitwise_equal=same, **errors(got, want))
+      del plan, layout, q, kc, vc, want, got, dk, dv, dirty
+    except Exception as e:
+      trace = ''.join(traceback.format_exception(e))[-3000:]
+      record(kind='error', shape=shape, stage='check', error=trace)
 
   rate, bandwidth = ceilings()
   record(kind='ceilings', matmul_tflops=rate / 1e12, copy_tbps=bandwidth / 1e12)
@@ -209,21 +260,27 @@ def main():
     for variant in (*variants, *extra):
       name = 'mosaic ' + (','.join(f'{a}={v}' for a, v in variant.items()) or 'default')
       fn = jax.jit(lambda q, k, v, l, variant=variant: mosaic.tree_attention(q, k, v, l, **variant))
-      try:
-        got = fn(q, kc, vc, layout)
-        err = errors(got, want)
-        us, kernels = cupti_us(fn, sets)
-        record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels, **err)
-        row[name] = (us, err['out_rel_l2'])
-      except Exception as e:
-        trace = ''.join(traceback.format_exception(e))[-3000:]
-        record(kind='error', shape=shape, impl=name, error=trace)
-        continue
+      if not args.attend_only:
+        try:
+          got = fn(q, kc, vc, layout)
+          err = errors(got, want)
+          us, kernels = cupti_us(fn, sets)
+          record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels,
+                 **err)
+          row[name] = (us, err['out_rel_l2'])
+        except Exception as e:
+          trace = ''.join(traceback.format_exception(e))[-3000:]
+          record(kind='error', shape=shape, impl=name, error=trace)
+          continue
       if args.legacy:
         continue
       name = name.replace('mosaic ', 'mosaic attend ')
       try:
         fn_a, prepared = attend_fn(q, kc, layout, variant)
+        if args.attend_only:  # attend is the one checked against XLA
+          got = fn_a(q, kc, vc, prepared, jnp.int32(0))
+          err = errors(got, want)
+          record(kind='check', shape=shape, impl=name, **err)
         mask = attended_mask(plan)
         dk, offset = dirty_layer(plan, mask, kc)
         dv, _ = dirty_layer(plan, mask, vc)

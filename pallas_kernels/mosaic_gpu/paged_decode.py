@@ -17,8 +17,14 @@ for the short private regions of shared-prefix decoding.
 The program's query rows are the aligned frame `[F0, F0 + 64)` of the folded
 matrix `[K, B*T*G, H]` with `F0 = round_down(b*T*G, 8) + tile*64`; only the
 first `window_rows(T*G)` rows are loaded, and rows outside `[b*T*G, (b+1)*T*G)`
-are computed on stale data and never stored (outputs are written with a ladder
-of exact-size copies).
+are computed on stale data and never stored.
+
+Outputs (`PagedProblem.direct`): when a row's T*G query rows fit one tile and
+T*G <= 32, in the caller's order, out `[B*T, K, G, H]` (a reshape of
+`[B, T, N, H]`; one TMA store of `[G, H]` per query token) and lse
+`[B*T, K, G]` (scalar stores: G floats are too narrow for TMA at an arbitrary
+shared-memory row); otherwise folded (`paged_attention`), written with a
+ladder of exact-size copies. `unfold_states` gives `[B, T, N, H]`, `[B, T, N]`.
 """
 
 import dataclasses
@@ -38,6 +44,7 @@ from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operan
 
 _BLK = PRIVATE_BLOCK
 _RUNGS = ((0, 8), (8, 16), (16, 32), (32, 64))  # row ranges of a private block's copies
+DIRECT_MAX_ROWS = 32  # most T*G of the direct output (lse: a scalar store per query row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,11 @@ class PagedProblem:
   @property
   def rows_per_query(self) -> int:
     return self.query_tokens * self.group_size
+
+  @property
+  def direct(self) -> bool:
+    """Outputs in [B*T, K, G, ...] order: one tile per row, and few lse scalar stores."""
+    return private_row_tiles(self.rows_per_query) == 1 and self.rows_per_query <= DIRECT_MAX_ROWS
 
 
 def private_row_tiles(rows_per_query: int) -> int:
@@ -73,6 +85,18 @@ def lse_index(b: int, tg: int) -> np.ndarray:
   return (row * tiles + within // WG_M) * WG_M + within % WG_M
 
 
+def unfold_states(out, lse, problem: PagedProblem, num_heads: int):
+  """`paged_attention`'s outputs -> out [B, T, N, H], lse [B, T, N]."""
+  b, t, g = problem.num_rows, problem.query_tokens, problem.group_size
+  h = out.shape[-1]
+  if problem.direct:
+    return out.reshape(b, t, num_heads, h), lse.reshape(b, t, num_heads)
+  kh = num_heads // g
+  out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, num_heads, h)
+  lse = lse[:, lse_index(b, t * g)].reshape(kh, b, t, g).transpose(1, 2, 0, 3)
+  return out, lse.reshape(b, t, num_heads)
+
+
 def _align_down(x):
   return x - lax.rem(x, jnp.int32(ALIGN))
 
@@ -89,10 +113,11 @@ def paged_attention(
     kv_offset: jax.Array | int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Final states in folded form: out [K, B*T*G, H] (q dtype) and lse tiles [K, B*tiles*64] f32.
+  """Final states: when `problem.direct`, out [B*T, K, G, H] (q dtype) and lse [B*T, K, G] f32;
+  else folded, out [K, B*T*G, H] and lse tiles [K, B*tiles*64].
 
-  lse row r of tile `(b, tile)` is at `(b * tiles + tile) * 64 + r` and belongs
-  to folded query row `round_down(b*T*G, 8) + tile*64 + r` (`lse_index`).
+  Folded lse row r of tile `(b, tile)` is at `(b * tiles + tile) * 64 + r` and
+  belongs to folded query row `round_down(b*T*G, 8) + tile*64 + r` (`lse_index`).
   `kv_offset` (int32 scalar, a multiple of the page size) is added to every kv
   token index: the pages index one layer's buffer that starts there in k_cache.
   """
@@ -215,6 +240,16 @@ def paged_attention(
     carry = lax.fori_loop(0, num_steps, private_step, (acc, m_i, l_i))
 
     osm.finish(*carry, o_smem, lse_smem, dtype)
+    if problem.direct:  # the row's T*G rows start at first - frame (one tile)
+      r0 = first - frame
+      for t in range(t_tok):
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[pl.ds(r0 + t * g_size, g_size)], out_ref.at[row * t_tok + t, kv_head]
+        )
+      for i in range(tg):
+        lse_out_ref[row * t_tok + i // g_size, kv_head, i % g_size] = lse_smem[r0 + i]
+      plgpu.wait_smem_to_gmem(0)
+      return
     # Exact rows [r0, r1) of the tile that are this row's: a ladder of power-of-two copies.
     r0 = jnp.maximum(first - frame, 0)
     r1 = jnp.minimum(first + tg - frame, WG_M)
@@ -251,8 +286,10 @@ def paged_attention(
   return plgpu.kernel(
       paged_kernel,
       out_type=(
-          jax.ShapeDtypeStruct((kh, m, h), dtype),
-          jax.ShapeDtypeStruct((kh, b_rows * tiles * WG_M), jnp.float32),
+          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size, h), dtype) if problem.direct
+          else jax.ShapeDtypeStruct((kh, m, h), dtype),
+          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size), jnp.float32) if problem.direct
+          else jax.ShapeDtypeStruct((kh, b_rows * tiles * WG_M), jnp.float32),
       ),
       scratch_types=[smem, barriers],
       grid=(b_rows, tiles, kh),
@@ -305,7 +342,7 @@ def paged_attention_reference(
     qf, k_cache, v_cache, private_pages, private_lengths, problem: PagedProblem, *,
     scale: float, kv_offset=0, interpret: bool = False,
 ):
-  """`paged_attention` in jnp (float32 math): same arguments, same output layout."""
+  """`paged_attention` in jnp (float32 math): same arguments, same output layouts."""
   del interpret
   kh, _, h = qf.shape
   b, tg = problem.num_rows, problem.rows_per_query
@@ -314,6 +351,11 @@ def paged_attention_reference(
       query_tokens=problem.query_tokens, group_size=problem.group_size,
       page_size=problem.page_size, scale=scale, kv_offset=kv_offset,
   )
+  if problem.direct:  # [K, B, T*G, ...] -> [B*T, K, G, ...]
+    t, g = problem.query_tokens, problem.group_size
+    out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b * t, kh, g, h)
+    lse = lse.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b * t, kh, g)
+    return out.astype(qf.dtype), lse
   tiles = private_row_tiles(tg)
   lse_tiles = jnp.full((kh, b * tiles * WG_M), -jnp.inf, jnp.float32)
   lse_tiles = lse_tiles.at[:, lse_index(b, tg)].set(lse.reshape(kh, b * tg))

@@ -27,11 +27,20 @@ its latency hides behind it. Columns of `row_segments` are filled root first
 with no gaps (laminar plans, `SharingPlan`), so a row's depth is its count of
 non-negative entries.
 
-Outputs: out `[K, frames*F, H]` (frame p at rows `[p*F, (p+1)*F)`, i.e. the
-folded rows) and lse `[K, frames*64]` (frame p's rows at `p*64 + [0, F)`).
+Outputs (`PrivateProblem.direct_out`): when T*G == TGp and G divides F, a
+frame is whole (b, t) query rows, and out is written in the caller's order,
+`[B*T, K, G, H]` (a reshape of `[B, T, N, H]`), by one 3D TMA store of the
+frame's `[F/G, G, H]` rows into `out[bt0:bt0 + F/G, kv_head]`; lse likewise,
+`[B*T, K, G]`, when G is a multiple of 4 (TMA boxes are at least 16 bytes
+wide; `direct_lse`). A last frame that runs past the batch stores a ladder of
+power-of-two copies (lse: scalar stores). Otherwise out is folded,
+`[K, frames*F, H]` (frame p at rows `[p*F, (p+1)*F)`), and lse is
+`[K, frames*64]` (frame p's rows at `p*64 + [0, F)`); `unfold_states` turns
+any of these into `[B, T, N, H]`, `[B, T, N]`.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -72,6 +81,56 @@ class PrivateProblem:
   def num_frames(self) -> int:
     return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
 
+  @property
+  def direct_out(self) -> bool:
+    """out is `[B*T, K, G, H]`: frames are whole (b, t) rows (no padding rows)."""
+    return (
+        self.rows_per_query == self.query_tokens * self.group_size
+        and self.frame_rows % self.group_size == 0
+    )
+
+  @property
+  def direct_lse(self) -> bool:
+    """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row."""
+    return self.direct_out and self.group_size % 4 == 0
+
+
+def grouped_rows(ref, staging, groups: int):
+  """`rows(start, size)`: rows `[start*G, (start+size)*G)` of a `[64, ...]` shared-memory ref
+  as `[size, G, ...]`, for a TMA store of whole (b, t) rows.
+
+  On the GPU a reshape of the ref's slice (free); interpret mode cannot reshape refs, so
+  there `staging` (`[64/G, G, ...]`) gets a copy through registers.
+  """
+  rest = ref.shape[1:]
+  if staging is None:
+    return lambda start, size: ref.at[pl.ds(start * groups, size * groups)].reshape(
+        size, groups, *rest
+    )
+  staging[...] = ref[...].reshape(staging.shape)
+  plgpu.commit_smem()
+  return lambda start, size: staging.at[pl.ds(start, size)]
+
+
+def unfold_states(out, lse, problem, num_heads: int):
+  """The kernel's outputs (any of the layouts in the module docstring) -> out [B, T, N, H],
+  lse [B, T, N]. Direct layouts are reshapes; folded ones a slice and a transpose."""
+  b, t, g = problem.num_rows, problem.query_tokens, problem.group_size
+  h = out.shape[-1]
+  kh = num_heads // g
+  tgp = problem.rows_per_query
+  if problem.direct_out:
+    out = out.reshape(b, t, num_heads, h)
+  else:
+    out = out[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
+    out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, num_heads, h)
+  if problem.direct_lse:
+    return out, lse.reshape(b, t, num_heads)
+  f, frames = problem.frame_rows, problem.num_frames
+  rows = lse.reshape(kh, frames, WG_M)[:, :, :f].reshape(kh, frames * f)  # folded order
+  rows = rows[:, : b * tgp].reshape(kh, b, tgp)[:, :, : t * g]
+  return out, rows.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, num_heads)
+
 
 def private_attention(
     qf: jax.Array,  # [K, M_q, H] folded queries; M_q >= frames*F + 64
@@ -111,6 +170,7 @@ def private_attention(
   depth_cap = row_segments.shape[1] if merging else 0
   splits = sched.num_splits if merging else 0
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
+  direct = problem.direct_out
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
@@ -119,7 +179,8 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem), (q_bar, k_bars, v_bars) = refs[2:]
+    smem, (q_bar, k_bars, v_bars) = refs[2:]
+    q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, o_staging, lse_staging = smem
 
     frame = lax.axis_index('frame')
     kv_head = lax.axis_index('kv_head')
@@ -276,6 +337,13 @@ def private_attention(
         visible = visible & (sub < causal + t_of)
       return visible, valids, cursor
 
+    def any_partial(valids):
+      """Whether a lane of the step holds fewer than 8 valid tokens."""
+      partial = valids[0] < CHUNK
+      for valid in valids[1:]:
+        partial = partial | (valid < CHUNK)
+      return partial
+
     def zero_unseen(v_smem, valids):
       """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
       lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
@@ -286,10 +354,7 @@ def private_attention(
           count = jnp.where(lane_r == j, valid, count)
         return r - lane_r * CHUNK < count
 
-      partial = valids[0] < CHUNK
-      for valid in valids[1:]:
-        partial = partial | (valid < CHUNK)
-      osm.zero_rows(v_smem, keep, lambda first: partial)
+      osm.zero_rows(v_smem, keep)
 
     # ---- merge setup: depth of each row, the first window loaded now ----
     if merging:
@@ -343,18 +408,22 @@ def private_attention(
       acc, m_i, l_i, issue_at, consume_at = carry
       slot = lax.rem(step, jnp.int32(slots))
       visible, valids, consume_at = step_mask(consume_at)
+      partial = any_partial(valids)
       plgpu.barrier_wait(k_bars.at[slot])
-      plgpu.barrier_wait(v_bars.at[slot])
+      # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
+      # other waits after the softmax, so V's arrival overlaps QK (long rows).
+      pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-        zero_unseen(kv_smem.at[1, slot], valids)  # while the wgmma runs
+        pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], valids))
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
       acc, m_new, l_i, p16 = osm.step(
           s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
       )
+      pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
       acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
       issue_at = issue(slot, issue_at, step + slots < num_steps)
@@ -403,13 +472,58 @@ def private_attention(
       *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
 
     osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
-    plgpu.copy_smem_to_gmem(
-        o_smem.at[pl.ds(0, f_rows)], out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)]
-    )
-    plgpu.copy_smem_to_gmem(
-        lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
-    )
+    if direct:
+      store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
+    else:
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(0, f_rows)],
+          out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)],
+      )
+    if not problem.direct_lse:
+      plgpu.copy_smem_to_gmem(
+          lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
+      )
     plgpu.wait_smem_to_gmem(0)
+
+  def store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref):
+    """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]):
+    one 3D TMA store each, a ladder of them when the last frame runs past the batch."""
+    per = f_rows // g_size  # (b, t) rows of a full frame
+    bt0 = frame * per
+    o_rows = grouped_rows(o_smem, o_staging, g_size)
+    lse_rows = grouped_rows(lse_smem, lse_staging, g_size) if problem.direct_lse else None
+
+    def store_out(start, size):
+      plgpu.copy_smem_to_gmem(
+          o_rows(start, size), out_ref.at[pl.ds(bt0 + start, size), kv_head]
+      )
+
+    def store_full():
+      store_out(0, per)
+      if lse_rows is not None:
+        plgpu.copy_smem_to_gmem(
+            lse_rows(0, per), lse_out_ref.at[pl.ds(bt0, per), kv_head]
+        )
+
+    if (b_rows * tgp) % f_rows == 0:  # no frame runs past the batch
+      store_full()
+      return
+    count = jnp.minimum(per, b_rows * t_tok - bt0)  # (b, t) rows inside the batch
+    pl.when(count == per)(store_full)
+
+    @pl.when(count < per)
+    def _():
+      start, size = jnp.int32(0), per // 2
+      while size >= 1:
+        pl.when(lax.bitwise_and(count, size) != 0)(functools.partial(store_out, start, size))
+        start = start + lax.bitwise_and(count, size)
+        size //= 2
+      if lse_rows is not None:  # 16-byte rows at any offset: too small for TMA, and rare
+        for i in range(f_rows):
+          def store(i=i):
+            lse_out_ref[bt0 + i // g_size, kv_head, i % g_size] = lse_smem[i]
+
+          pl.when(i // g_size < count)(store)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   smem = (
@@ -419,6 +533,10 @@ def private_attention(
       plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
       plgpu.SMEM((WG_M,), jnp.float32),
       plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
+      # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
+      plgpu.SMEM((WG_M // g_size, g_size, h), dtype) if interpret and direct else None,
+      plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
+      if interpret and problem.direct_lse else None,
   )
   barriers = (
       plgpu.Barrier(num_barriers=1),
@@ -432,8 +550,10 @@ def private_attention(
   return plgpu.kernel(
       private_merge_kernel,
       out_type=(
-          jax.ShapeDtypeStruct((kh, frames * f_rows, h), dtype),
-          jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
+          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size, h), dtype) if direct
+          else jax.ShapeDtypeStruct((kh, frames * f_rows, h), dtype),
+          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size), jnp.float32) if problem.direct_lse
+          else jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
       ),
       scratch_types=[smem, barriers],
       grid=(frames, kh),
@@ -450,7 +570,7 @@ def private_attention_reference(
     sched: SharedSchedule | None, partial_out, partial_lse, problem: PrivateProblem, *,
     scale: float, kv_offset=0, interpret: bool = False,
 ):
-  """`private_attention` in jnp (float32 math): same arguments, same output layout.
+  """`private_attention` in jnp (float32 math): same arguments, same output layouts.
 
   The merge reads the shared partial states at the places the module docstring of
   `schedule` gives, so this checks the kernel's indexing too. `row_segments` and
@@ -489,9 +609,17 @@ def private_attention_reference(
     out = acc / den_safe[..., None]
     lse = jnp.where(den > 0, m + jnp.log(den_safe), -jnp.inf)
   frames = problem.num_frames
-  folded = jnp.zeros((kh, frames * f, h), jnp.float32).at[:, : b * tgp].set(
-      out.reshape(kh, b * tgp, h)
-  )
+  t, g = problem.query_tokens, problem.group_size
+  if problem.direct_out:  # [K, B, T*G, ...] -> [B*T, K, G, ...]
+    folded = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b * t, kh, g, h)
+  else:
+    folded = jnp.zeros((kh, frames * f, h), jnp.float32).at[:, : b * tgp].set(
+        out.reshape(kh, b * tgp, h)
+    )
+  if problem.direct_lse:
+    return folded.astype(qf.dtype), lse.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(
+        b * t, kh, g
+    )
   where = (np.arange(b * tgp) // f) * WG_M + np.arange(b * tgp) % f
   lse_tiles = jnp.full((kh, frames * WG_M), -jnp.inf, jnp.float32)
   lse_tiles = lse_tiles.at[:, where].set(lse.reshape(kh, b * tgp))

@@ -13,7 +13,9 @@ One call is two kernel launches whatever the tree's depth or width:
    (out, lse).
 
 plus XLA's fold of the queries to `[K, B*TGp, H]` (T*G rows per query row,
-padded to TGp: `schedule.padded_rows_per_query`) and the unfold of the result.
+padded to TGp: `schedule.padded_rows_per_query`). The private kernel writes
+`[B, T, N, H]` and `[B, T, N]` itself when T*G == TGp (lse: when G is a
+multiple of 4), else XLA unfolds its folded result.
 A layout with no shared segment (plain paged decode) is one launch of
 `paged_decode` instead, one program per row. Same contract as
 `hydrajax.tree_attention_xla`, which is the reference.
@@ -47,10 +49,12 @@ from hydrajax import dispatch
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
-from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, lse_index, paged_attention
+from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
+from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import PrivateProblem, private_attention
+from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, TILE_M, WG_M, SharedSchedule, padded_rows_per_query, private_frame_rows, round_up,
+    ALIGN, TILE_M, SharedSchedule, padded_rows_per_query, private_frame_rows, round_up,
     shared_schedule,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
@@ -223,21 +227,6 @@ def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
   return jnp.pad(qf, ((0, 0), (0, rows - b * tgp), (0, 0)))
 
 
-def _unfold_out(out_f, q_shape, tgp: int):
-  """out_f [K, >= B*TGp, H] (folded row b*TGp + t*G + g) -> out [B, T, N, H]."""
-  b, t, n, h = q_shape
-  kh = out_f.shape[0]
-  g = n // kh
-  out = out_f[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
-  return out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, n, h)
-
-
-def _unfold_lse(lse_rows, q_shape, kh: int):
-  """lse_rows [K, B*T*G] in folded order -> lse [B, T, N]."""
-  b, t, n, _ = q_shape
-  return lse_rows.reshape(kh, b, t, n // kh).transpose(1, 2, 0, 3).reshape(b, t, n)
-
-
 def _check_attend_args(q, k_cache, v_cache, prepared, shapes, kv_offset):
   want_q = (shapes.num_rows, shapes.query_tokens, shapes.num_heads, shapes.head_dim)
   if tuple(q.shape) != want_q:
@@ -307,33 +296,30 @@ def attend(
 @functools.partial(jax.jit, static_argnames=('shapes', 'config', 'scale', 'interpret'))
 def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, config, scale,
             interpret) -> PartialState:
-  b, t, n, _ = q.shape
+  b, _, n, _ = q.shape
   kh = shapes.num_kv_heads
   problem = prepared.problem
   if isinstance(problem, PagedProblem):
     tg = problem.rows_per_query
     qf = _fold_queries(q, kh, tg, round_up(b * tg + TILE_M, ALIGN))
-    out_f, lse_tiles = paged_attention(
+    out, lse = paged_attention(
         qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths, problem,
         scale=scale, kv_offset=kv_offset, interpret=interpret,
     )
-    lse_rows = lse_tiles[:, lse_index(b, tg)]
-    return PartialState(_unfold_out(out_f, q.shape, tg), _unfold_lse(lse_rows, q.shape, kh))
+    return PartialState(*paged_unfold_states(out, lse, problem, n))
   tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
   qf = _fold_queries(q, kh, tgp, round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN))
   partial_out, partial_lse = segment_attention(
       qf, k_cache, v_cache, prepared.segments, prepared.schedule, scale=scale,
       config=config.segment_kernel, kv_offset=kv_offset, interpret=interpret,
   )
-  out_f, lse_f = private_attention(
+  out, lse = private_attention(
       qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths,
       prepared.row_segments, prepared.segments, prepared.schedule, partial_out, partial_lse,
       problem, scale=scale, kv_offset=kv_offset, interpret=interpret,
   )
-  # Frame p's lse rows are p*64 + [0, F): a slice, then folded order.
-  lse_rows = lse_f.reshape(kh, frames, WG_M)[:, :, :frame].reshape(kh, frames * frame)
-  lse_rows = lse_rows[:, : b * tgp].reshape(kh, b, tgp)[:, :, : t * (n // kh)]
-  return PartialState(_unfold_out(out_f, q.shape, tgp), _unfold_lse(lse_rows, q.shape, kh))
+  # Reshapes when the kernel wrote [B, T, N, ...] order (`PrivateProblem.direct_out`).
+  return PartialState(*private_unfold_states(out, lse, problem, n))
 
 
 @functools.partial(
