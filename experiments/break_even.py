@@ -156,6 +156,19 @@ def cupti_time(fn, *args, repeats: int = 5, flush_bytes: int | None = None,
   )
 
 
+def _cupti_works() -> bool:
+  """Whether CUPTI kernel timing runs here (else --timer=device is used, with a warning)."""
+  try:
+    _, kernels = timing.kernel_times(_FLUSH, jnp.ones((1024,), jnp.float32))
+    if kernels:
+      return True
+    reason = 'no kernel was recorded'
+  except Exception as e:  # a CPU jaxlib, a missing extension
+    reason = f'{type(e).__name__}: {e}'
+  logging.warning('--timer=cupti unavailable (%s): timing with --timer=device', reason)
+  return False
+
+
 def _inputs(batch: int, heads, length: int, rows: int, config: dict, cache: dict):
   """q for the point and K/V buffers, reused across points of the same heads when they fit."""
   n_heads, kv_heads = heads
@@ -239,9 +252,10 @@ def won(rec: dict | None, slack: float) -> bool:
 def staircase(batch: int, lengths, rows, feasible: Callable[[int, int], bool], slack: float):
   """The points of one (heads, B): a generator of (n, r) that is sent each point's record.
 
-  n from the longest down; r up from the smallest candidate (dividing B, <= B, feasible)
-  above every r that lost at a longer segment; a win ends an n, and an n lost at every r
-  ends the walk.
+  n from the longest down; r from the smallest candidate (dividing B, <= B, feasible) above
+  every r that lost at a longer segment, galloping up (1, 2, 4 candidates further) to the
+  first win, then bisecting back to the smallest winning candidate. An n lost at every r ends
+  the walk.
   """
   rs = [r for r in sorted(set(rows)) if r <= batch and batch % r == 0]
   low = 0  # rs[:low] lost at a longer segment: they lose at shorter ones too
@@ -249,12 +263,27 @@ def staircase(batch: int, lengths, rows, feasible: Callable[[int, int], bool], s
     i = low
     while i < len(rs) and not feasible(n, rs[i]):
       i += 1
-    while i < len(rs):
+    if i == len(rs):
+      continue  # nothing fits at this n
+    # lost: below it nothing is probed at n (lost at n or longer, or over the K/V cap);
+    # measured: whether some r lost at n itself.
+    lost, win, step, measured = i - 1, None, 1, False
+    while win is None and lost < len(rs) - 1:
       rec = yield n, rs[i]
       if won(rec, slack):
-        break
-      low = i = i + 1
-    if i == len(rs) and any(feasible(n, r) for r in rs):
+        win = i
+      else:
+        lost, i, step, measured = i, min(i + step, len(rs) - 1), step * 2, True
+    while win is not None and win - lost > 1:
+      mid = (lost + win) // 2
+      rec = yield n, rs[mid]
+      if won(rec, slack):
+        win = mid
+      else:
+        lost, measured = mid, True
+    if measured:
+      low = max(low, lost + 1)
+    if win is None:
       return
 
 
@@ -537,7 +566,7 @@ def main(argv):
       suffix=_SUFFIX.value, page_size=_PAGE_SIZE.value, impl=_IMPL.value,
       rows_checked=_ROWS_CHECKED.value, seed=_SEED.value, lengths=lengths, rows=rows,
   )
-  if _TIMER.value == 'cupti':
+  if _TIMER.value == 'cupti' and _cupti_works():
     time_fn, config['timing'] = cupti_time, dict(repeats=_REPEATS.value)
   else:
     time_fn = timing.device_time

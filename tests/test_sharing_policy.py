@@ -325,7 +325,8 @@ def test_derive_thresholds():
 def test_staircase_walks_from_long_segments_up_in_rows():
   from experiments import break_even
 
-  ratio = {(4096, 2): 0.5, (1024, 2): 1.2, (1024, 4): 0.9, (256, 8): 1.1, (256, 16): 1.5}
+  ratio = {(4096, 2): 0.5, (1024, 2): 1.2, (1024, 4): 0.9, (1024, 8): 0.7, (256, 8): 1.1,
+           (256, 16): 1.5}
   feasible = lambda n, r: not (n == 4096 and r < 2)
   walk = break_even.staircase(16, [256, 1024, 4096], [1, 2, 4, 8, 16, 32, 3], feasible, 0.03)
   seen, rec = [], None
@@ -336,9 +337,11 @@ def test_staircase_walks_from_long_segments_up_in_rows():
       break
     seen.append((n, r))
     rec = dict(status='ok', ratio=ratio.get((n, r), 2.0))
-  # 4096 starts at the first feasible r; 1024 at 2; 256 above 2 (lost at 1024) and, losing at
-  # every r up to B, ends the walk. r=32 > B and r=3 (does not divide B) never run.
-  assert seen == [(4096, 2), (1024, 1), (1024, 2), (1024, 4), (256, 4), (256, 8), (256, 16)]
+  # 4096 starts at the first feasible r (r=1, over the cap, is not a loss); 1024 at 1, galloping 1 -> 2 -> 8 (a win) then bisecting
+  # to 4; 256 above 2 (lost at 1024) and, losing at every r up to B, ends the walk. r=32 > B
+  # and r=3 (does not divide B) never run.
+  assert seen == [(4096, 2), (1024, 1), (1024, 2), (1024, 8), (1024, 4), (256, 4), (256, 8),
+                  (256, 16)]
 
 
 def test_break_even_pipeline_from_given_timings(tmp_path):
