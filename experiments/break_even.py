@@ -362,7 +362,9 @@ def derive_thresholds(records, slack: float) -> dict | None:
       'beyond_measured': beyond,
       'slack': slack,
       'heads': {str(g): h for g, h in sorted(heads_of.items())},
-      'ratios': {str(g): {str(b): {str(n): {str(r): v for r, v in sorted(x.items())}
+      # None: lost without a ratio (failed, wrong or untimeable).
+      'ratios': {str(g): {str(b): {str(n): {str(r): v if v != float('inf') else None
+                                            for r, v in sorted(x.items())}
                                    for n, x in sorted(by_n.items())}}
                  for (g, b), by_n in sorted(measured.items())},
   }

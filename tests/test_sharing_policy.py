@@ -380,7 +380,7 @@ def test_break_even_pipeline_from_given_timings(tmp_path):
   assert thresholds['tables'] == [
       dict(group_size=2, batches=[8, 8], min_rows=2, steps=[[128, 9]])]
   assert thresholds['ratios'] == {
-      '2': {'8': {'64': {'1': 1.5, '2': 0.5}, '128': {'1': 1.0, '2': float('inf')}}}}
+      '2': {'8': {'64': {'1': 1.5, '2': 0.5}, '128': {'1': 1.0, '2': None}}}}
   table = (workdir / 'table.md').read_text()
   assert '| 4/2 | 64 | 2 | 8 | xla | ok | 1.0 | 2.0 | 0.500 |' in table
   assert '| 4/2 | 128 | 2 | 8 | xla | untimeable |' in table and 'r_min' in table
