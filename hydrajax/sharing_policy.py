@@ -47,6 +47,79 @@ MAX_ROWS = 2**31 - 1
 DEFAULT_THRESHOLDS = ('data', 'break_even_h200.json')
 
 
+FORMAT_V1 = 'hydrajax.sharing_policy/1'
+FORMAT_V2 = 'hydrajax.sharing_policy/2'
+
+
+def _check_steps(steps, where: str) -> tuple[tuple[int, int], ...]:
+  pairs = isinstance(steps, (tuple, list)) and all(
+      isinstance(s, (tuple, list)) and len(s) == 2 for s in steps
+  )
+  if not pairs:
+    raise ValueError(f'{where}steps must be (length, min_rows) pairs, got {steps!r:.200}')
+  for n, r in steps:
+    _check_int(f'{where}steps: length', n, 0)
+    _check_int(f'{where}steps: min_rows', r, 1)
+  steps = tuple((int(n), int(r)) for n, r in steps)
+  if any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
+    raise ValueError(
+        f'{where}steps: lengths must be strictly increasing, got {[n for n, _ in steps]}'
+    )
+  return steps
+
+
+def _step_rows(min_rows: int, steps, kv_length: int) -> int:
+  if kv_length < 0:
+    raise ValueError(f'kv_length must be >= 0, got {kv_length}')
+  rows = min_rows
+  for n, r in steps:
+    if n > kv_length:
+      break
+    rows = r
+  return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+  """r_min(n) measured at one query-heads-per-kv-head group size over a range of batch sizes.
+
+  Attributes:
+    group_size: query heads per KV head (N / K) of the measurement.
+    batches: (smallest, largest) batch size B (rows of the whole batch) it was measured at.
+    min_rows, steps: r_min(n) as in `SharingPolicy`.
+  """
+
+  group_size: int
+  batches: tuple[int, int]
+  min_rows: int
+  steps: tuple[tuple[int, int], ...] = ()
+
+  def __post_init__(self):
+    _check_int('Thresholds.group_size', self.group_size, 1)
+    ok = isinstance(self.batches, (tuple, list)) and len(self.batches) == 2
+    if not ok or not all(_is_int(b) and b >= 1 for b in self.batches) or (
+        self.batches[0] > self.batches[1]):
+      raise ValueError(f'Thresholds.batches must be (lo, hi) with 1 <= lo <= hi, got '
+                       f'{self.batches!r}')
+    _check_int('Thresholds.min_rows', self.min_rows, 1)
+    object.__setattr__(self, 'steps', _check_steps(self.steps, 'Thresholds.'))
+    object.__setattr__(self, 'batches', (int(self.batches[0]), int(self.batches[1])))
+    object.__setattr__(self, 'group_size', int(self.group_size))
+    object.__setattr__(self, 'min_rows', int(self.min_rows))
+
+  def rows_needed(self, kv_length: int) -> int:
+    return _step_rows(self.min_rows, self.steps, kv_length)
+
+  def batch_distance(self, num_rows: int) -> float:
+    """0 inside the measured batch range, else log2 distance to it."""
+    lo, hi = self.batches
+    return max(0.0, np.log2(lo / num_rows), np.log2(num_rows / hi))
+
+  def to_dict(self) -> dict[str, Any]:
+    return {'group_size': self.group_size, 'batches': list(self.batches),
+            'min_rows': self.min_rows, 'steps': [list(s) for s in self.steps]}
+
+
 @dataclasses.dataclass(frozen=True)
 class SharingPolicy:
   """Break-even thresholds r_min(n): a segment of n tokens with fewer rows goes per-sequence.
@@ -54,34 +127,36 @@ class SharingPolicy:
   r_min(n) is a step function: `min_rows` below the first step, then the
   `min_rows` of the last step whose length is <= n. A measured step applies
   from its measured length up to the next one: the side of more demotion when
-  r_min falls with n. Thresholds depend on the segment only; the heads, head
-  dim, T and batch they were measured at are recorded in the data file.
+  r_min falls with n.
+
+  With `tables` (measured per group size N/K and batch range, format 2), the
+  table used for a plan of B rows and group size g is the one of the nearest
+  measured group size (log2; g unknown: every group size), and among those the
+  one whose batch range holds B (else the nearest, log2). Where several tables
+  are equally near, the largest r_min wins (more demotion: demoting never makes
+  a segment slower than plain paged decode, which is what it becomes). Without
+  tables, `min_rows` and `steps` apply to every shape (format 1).
 
   Attributes:
     min_rows: r_min of segments shorter than every step (of all, when `steps` is empty).
     steps: ((length, min_rows), ...) with strictly increasing lengths >= 0.
+    tables: per (group size, batch range) thresholds; when given they decide.
     source: where the thresholds come from (not compared).
   """
 
   min_rows: int = 2
   steps: tuple[tuple[int, int], ...] = ()
+  tables: tuple[Thresholds, ...] = ()
   source: str = dataclasses.field(default='', compare=False)
 
   def __post_init__(self):
     _check_int('min_rows', self.min_rows, 1)
-    pairs = isinstance(self.steps, (tuple, list)) and all(
-        isinstance(s, (tuple, list)) and len(s) == 2 for s in self.steps
-    )
-    if not pairs:
-      raise ValueError(f'steps must be (length, min_rows) pairs, got {self.steps!r}')
-    for n, r in self.steps:
-      _check_int('steps: length', n, 0)
-      _check_int('steps: min_rows', r, 1)
-    steps = tuple((int(n), int(r)) for n, r in self.steps)
-    if any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
-      raise ValueError(f'steps: lengths must be strictly increasing, got {[n for n, _ in steps]}')
     object.__setattr__(self, 'min_rows', int(self.min_rows))
-    object.__setattr__(self, 'steps', steps)
+    object.__setattr__(self, 'steps', _check_steps(self.steps, ''))
+    if not isinstance(self.tables, (tuple, list)) or not all(
+        isinstance(t, Thresholds) for t in self.tables):
+      raise ValueError(f'tables must be Thresholds, got {self.tables!r:.200}')
+    object.__setattr__(self, 'tables', tuple(self.tables))
 
   @classmethod
   def never(cls) -> 'SharingPolicy':
@@ -100,14 +175,37 @@ class SharingPolicy:
 
   @classmethod
   def from_dict(cls, data: dict[str, Any], source: str = '') -> 'SharingPolicy':
-    """From the JSON `experiments.break_even` writes: {'min_rows': r, 'steps': [[n, r], ...]}."""
-    if not isinstance(data, dict) or 'min_rows' not in data:
+    """From the JSON `experiments.break_even` writes.
+
+    Format 2: {'format': 'hydrajax.sharing_policy/2', 'tables': [{'group_size': g,
+    'batches': [lo, hi], 'min_rows': r, 'steps': [[n, r], ...]}, ...]}; format 1 (or no
+    'format'): {'min_rows': r, 'steps': [[n, r], ...]}.
+    """
+    if not isinstance(data, dict):
+      raise ValueError(f'data must be a dict, got {data!r:.200}')
+    fmt = data.get('format', FORMAT_V1)
+    if fmt == FORMAT_V2:
+      tables = data.get('tables')
+      if not isinstance(tables, list) or not tables or not all(
+          isinstance(t, dict) for t in tables):
+        raise ValueError(f'data: format 2 needs a non-empty list of tables, got {tables!r:.200}')
+      try:
+        parsed = tuple(
+            Thresholds(t['group_size'], tuple(t['batches']), t['min_rows'],
+                       tuple(tuple(s) if isinstance(s, list) else s for s in t.get('steps', ())))
+            for t in tables)
+      except (KeyError, TypeError) as e:
+        raise ValueError(f'data: a table lacks group_size, batches or min_rows: {e}') from e
+      return cls(min_rows=1, tables=parsed, source=source)
+    if fmt != FORMAT_V1:
+      raise ValueError(f'data: format must be {FORMAT_V1!r} or {FORMAT_V2!r}, got {fmt!r}')
+    if 'min_rows' not in data:
       raise ValueError(f'data must be a dict with min_rows and steps, got {data!r:.200}')
     steps = data.get('steps', ())
     if not isinstance(steps, (tuple, list)):
       raise ValueError(f'data: steps must be a list of [length, min_rows], got {steps!r:.200}')
     steps = tuple(tuple(s) if isinstance(s, list) else s for s in steps)
-    return cls(data['min_rows'], steps, source)
+    return cls(data['min_rows'], steps, source=source)
 
   @classmethod
   def load(cls, path: str) -> 'SharingPolicy':
@@ -116,26 +214,42 @@ class SharingPolicy:
       return cls.from_dict(json.load(f), source=path)
 
   def to_dict(self) -> dict[str, Any]:
-    return {'min_rows': self.min_rows, 'steps': [list(s) for s in self.steps]}
+    if self.tables:
+      return {'format': FORMAT_V2, 'tables': [t.to_dict() for t in self.tables]}
+    return {'format': FORMAT_V1, 'min_rows': self.min_rows,
+            'steps': [list(s) for s in self.steps]}
 
-  def rows_needed(self, kv_length: int) -> int:
-    """r_min(kv_length): the fewest rows at which a segment of that length stays batched."""
-    if kv_length < 0:
-      raise ValueError(f'kv_length must be >= 0, got {kv_length}')
-    rows = self.min_rows
-    for n, r in self.steps:
-      if n > kv_length:
-        break
-      rows = r
-    return rows
+  def _tables_for(self, num_rows: int | None, group_size: int | None) -> tuple[Thresholds, ...]:
+    tables = self.tables
+    if group_size is not None:
+      _check_int('group_size', group_size, 1)
+      dist = [abs(np.log2(t.group_size / group_size)) for t in tables]
+      tables = tuple(t for t, d in zip(tables, dist) if d == min(dist))
+    if num_rows is not None:
+      _check_int('num_rows', num_rows, 1)
+      dist = [t.batch_distance(num_rows) for t in tables]
+      tables = tuple(t for t, d in zip(tables, dist) if d == min(dist))
+    return tables
 
-  def demoted(self, plan: SharingPlan) -> tuple[int, ...]:
+  def rows_needed(self, kv_length: int, *, num_rows: int | None = None,
+                  group_size: int | None = None) -> int:
+    """r_min(kv_length): the fewest rows at which a segment of that length stays batched.
+
+    num_rows: the batch size B of the plan; group_size: query heads per KV head. Both
+    choose among `tables` (None: every table is a candidate; the largest r_min wins).
+    """
+    if not self.tables:
+      return _step_rows(self.min_rows, self.steps, kv_length)
+    return max(t.rows_needed(kv_length) for t in self._tables_for(num_rows, group_size))
+
+  def demoted(self, plan: SharingPlan, *, group_size: int | None = None) -> tuple[int, ...]:
     """Indices (ascending) of the segments that `apply` demotes; see the module docstring."""
     chosen = []
     tail_demoted = np.ones(plan.num_rows, bool)  # every later non-empty path segment is demoted
     for j in reversed(range(len(plan.segments))):
       s = plan.segments[j]
-      if s.num_rows >= self.rows_needed(s.kv_length):
+      needed = self.rows_needed(s.kv_length, num_rows=plan.num_rows, group_size=group_size)
+      if s.num_rows >= needed:
         wanted = False
       elif s.kv_length == 0:
         wanted = True
@@ -147,9 +261,13 @@ class SharingPolicy:
         tail_demoted[s.row_begin : s.row_end] = False
     return tuple(reversed(chosen))
 
-  def apply(self, plan: SharingPlan) -> SharingPlan:
-    """The plan with `demoted(plan)` moved into the rows' private pages (`plan` if none)."""
-    return demote(plan, self.demoted(plan))
+  def apply(self, plan: SharingPlan, *, group_size: int | None = None) -> SharingPlan:
+    """The plan with `demoted(plan)` moved into the rows' private pages (`plan` if none).
+
+    group_size: query heads per KV head of the model that attends (chooses the measured
+    table; None: the most demoting one).
+    """
+    return demote(plan, self.demoted(plan, group_size=group_size))
 
 
 def _is_int(x) -> bool:

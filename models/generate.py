@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 import hydrajax
-from hydrajax import AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, TreeLayout
+from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
+                      TreeLayout)
 from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
 from models.sampling import SamplingParams, SamplingRows, row_keys, sample_batch
@@ -372,13 +373,20 @@ def _sequence_ids(tp: TreePrompts) -> np.ndarray:
   return (tp.prompt_ids * (int(tp.sample_ids.max()) + 1) + tp.sample_ids).astype(np.int32)
 
 
-def tree_rows(tp: TreePrompts) -> RowSpec:
+def tree_rows(tp: TreePrompts, decode_plan: SharingPlan | None = None) -> RowSpec:
+  """The rows of `tp.plan`, decoded with `decode_plan` (the plan after a `SharingPolicy`).
+
+  A demoted segment's pages lead the row's private pages in `decode_plan`, so the row's
+  private length starts at those tokens; the generated tokens still go to its own page.
+  """
   plan = tp.plan
+  decode_plan = plan if decode_plan is None else decode_plan
   base = [plan.private_pages[r][0] * plan.page_size for r in range(plan.num_rows)]
+  lead = np.subtract(decode_plan.private_lengths, plan.private_lengths).astype(np.int32)
   return RowSpec(
       positions=jnp.asarray(tp.prompt_lengths),
       write_base=jnp.asarray(np.array(base, np.int32)),
-      private_base=jnp.zeros((plan.num_rows,), jnp.int32),
+      private_base=jnp.asarray(lead),
       sequence_ids=jnp.asarray(_sequence_ids(tp)),
   )
 
@@ -395,6 +403,11 @@ def _ends_with_stop_sequence(tokens, step, sequences) -> jax.Array:
   window = jnp.where(index >= 0, tokens[:, jnp.maximum(index, 0)], -1)  # [B, W]
   match = (table[None] == -2) | (window[:, None, :] == table[None])  # [B, Q, W]
   return jnp.any(jnp.all(match, axis=-1), axis=-1)
+
+
+def _group_size(model: Llama) -> int:
+  """Query heads per KV head: chooses the policy's measured thresholds."""
+  return model.config.num_heads // model.config.num_kv_heads
 
 
 def _record(state: DecodeState, logits, key, rows: RowSpec, stop_tokens, sampling) -> DecodeState:
@@ -532,6 +545,7 @@ def generate(
     prefill_chunk: int = 512,
     cache_dtype=None,
     interpret: bool = False,
+    sharing_policy: SharingPolicy | None = None,
 ) -> GenerateOutput:
   """Samples `max_new_tokens` tokens per sequence from a prompt forest.
 
@@ -556,6 +570,12 @@ def generate(
     prefill_chunk: prefill tokens per node per model call.
     cache_dtype: KV cache dtype (default: the model's).
     interpret: run the Mosaic kernels in interpret mode (e.g. impl='mosaic_tpu' on a CPU).
+    sharing_policy: which shared segments decode reads per sequence instead of batched
+      (`SharingPolicy`, applied once to the decode tree; None: `SharingPolicy.default()`,
+      the measured break-even points; `SharingPolicy.never()` keeps every segment shared).
+      The tokens are the same either way. Only whole aligned pages move (the decode plan's
+      page is `max_new_tokens` rounded up to PRIVATE_ALIGN), so most segments of token
+      prompts stay shared whatever the policy.
   """
   _check_mesh(model, impl)
   static = _static_sampling(sampling)
@@ -579,9 +599,11 @@ def generate(
     cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype, mesh=model.mesh)
     first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
                            interpret=interpret)
-    rows = tree_rows(tp)
-    plan = model.prepare_attention(tp.plan.to_device(), query_tokens=1, cache=cache, impl=impl,
-                                   interpret=interpret)  # once for the whole decode loop
+    policy = SharingPolicy.default() if sharing_policy is None else sharing_policy
+    decode_plan = policy.apply(tp.plan, group_size=_group_size(model))
+    rows = tree_rows(tp, decode_plan)
+    plan = model.prepare_attention(decode_plan.to_device(), query_tokens=1, cache=cache,
+                                   impl=impl, interpret=interpret)  # once for the decode loop
     state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                          sampling=sampling)
     state = decode(graphdef, params, state, plan, rows, key, stops, jnp.int32(max_new_tokens),

@@ -285,24 +285,63 @@ def test_demoted_plan_attention_matches(seed, heads, dtype, t, unaligned, paged,
   assert_states_close(demoted, shared)
 
 
+def _point(n, b, r, ratio, status='ok', g=4):
+  return dict(kind='point', status=status, length=n, batch=b, rows=r, ratio=ratio, group_size=g,
+              num_q_heads=32, num_kv_heads=32 // g)
+
+
 def test_derive_thresholds():
   from experiments import break_even  # here: its absl flags stay out of other tests' processes
 
-  def rec(n, b, r, ratio, status='ok'):
-    return dict(kind='point', status=status, length=n, batch=b, rows=r, ratio=ratio)
-
+  rec = _point
   records = [
-      rec(64, 32, 1, 1.5), rec(64, 32, 2, 1.01), rec(64, 32, 4, 0.8),  # 1.01 is within 2%
-      rec(64, 256, 1, 1.3), rec(64, 256, 2, 1.1), rec(64, 256, 4, 0.9),  # the larger r_min wins
+      rec(64, 32, 1, 1.5), rec(64, 32, 2, 1.02), rec(64, 32, 4, 0.8),  # 1.02 is within 3%
+      rec(64, 256, 1, 1.3), rec(64, 256, 2, 1.1), rec(64, 256, 4, 0.9),  # per batch
       rec(256, 32, 1, 0.9), rec(256, 32, 2, 1.2), rec(256, 32, 4, 0.5),  # from r on, not just at r
-      rec(1024, 32, 1, 1.2), rec(1024, 32, 2, 1.1),  # lost everywhere: beyond the measured r
-      rec(4096, 32, 1, 0.1, status='wrong'),  # not measured: no step
+      rec(1024, 32, 1, 1.2), rec(1024, 32, 2, 1.1),  # lost everywhere: demote all (B + 1)
+      rec(4096, 32, 4, 0.1, status='wrong'),  # a wrong point counts as lost
+      rec(4096, 32, 8, 0.5),
+      rec(64, 8, 2, 0.5, g=1), rec(64, 32, 2, 0.5, g=1),  # equal thresholds: one batch range
+      rec(64, 32, 1, 0.5, status='skipped'),  # not measured: ignored
   ]
-  out = break_even.derive_thresholds(records, slack=0.02)
-  assert out['steps'] == [[64, 4], [256, 4], [1024, 3]] and out['min_rows'] == 4
-  assert out['beyond_measured'] == [1024]
-  assert hj.SharingPolicy.from_dict(out).rows_needed(5000) == 3
-  assert break_even.derive_thresholds([rec(64, 32, 1, 1.0, status='failed')], 0.02) is None
+  out = break_even.derive_thresholds(records, slack=0.03)
+  assert out['format'] == 'hydrajax.sharing_policy/2'
+  assert out['tables'] == [
+      dict(group_size=1, batches=[8, 32], min_rows=2, steps=[]),
+      dict(group_size=4, batches=[32, 32], min_rows=2, steps=[[256, 4], [1024, 33], [4096, 8]]),
+      dict(group_size=4, batches=[256, 256], min_rows=4, steps=[]),
+  ]
+  assert out['beyond_measured'] == [[4, 32, 1024]]
+  policy = hj.SharingPolicy.from_dict(out)
+  assert policy.rows_needed(5000, num_rows=32, group_size=4) == 8
+  assert policy.rows_needed(100, num_rows=300, group_size=4) == 4
+  assert not break_even.violations(policy, records, 0.03)
+  looser = hj.SharingPolicy.from_dict(dict(out, tables=[dict(out['tables'][1], steps=[])]))
+  bad = {(r['batch'], r['length'], r['rows']) for r in break_even.violations(looser, records, 0.03)}
+  assert bad == {(32, 256, 2), (32, 1024, 2), (32, 4096, 4), (256, 64, 2)}
+  assert break_even.derive_thresholds([rec(64, 32, 1, 1.0, status='failed')], 0.03) is None
+
+
+def test_staircase_walks_from_long_segments_up_in_rows():
+  from experiments import break_even
+
+  ratio = {(4096, 2): 0.5, (1024, 2): 1.2, (1024, 4): 0.9, (1024, 8): 0.7, (256, 8): 1.1,
+           (256, 16): 1.5}
+  feasible = lambda n, r: not (n == 4096 and r < 2)
+  walk = break_even.staircase(16, [256, 1024, 4096], [1, 2, 4, 8, 16, 32, 3], feasible, 0.03)
+  seen, rec = [], None
+  while True:
+    try:
+      n, r = walk.send(rec) if rec else next(walk)
+    except StopIteration:
+      break
+    seen.append((n, r))
+    rec = dict(status='ok', ratio=ratio.get((n, r), 2.0))
+  # 4096 starts at the first feasible r (r=1, over the cap, is not a loss); 1024 at 1, galloping 1 -> 2 -> 8 (a win) then bisecting
+  # to 4; 256 above 2 (lost at 1024) and, losing at every r up to B, ends the walk. r=32 > B
+  # and r=3 (does not divide B) never run.
+  assert seen == [(4096, 2), (1024, 1), (1024, 2), (1024, 8), (1024, 4), (256, 4), (256, 8),
+                  (256, 16)]
 
 
 def test_break_even_pipeline_from_given_timings(tmp_path):
@@ -310,23 +349,25 @@ def test_break_even_pipeline_from_given_timings(tmp_path):
   from experiments import break_even
   from hydrajax.benchmarking import timing
 
-  # Grid order: batch, then n, then r; each point times batched, then per-sequence (µs).
+  # Full grid, cell order (heads, batch), then n, then r; each point times batched, then
+  # per-sequence (µs).
   given = iter([3.0, 2.0,    # n=64 r=1: ratio 1.5, batched loses
                 1.0, 2.0,    # n=64 r=2: 0.5, wins -> r_min(64) = 2
                 2.0, 2.0,    # n=128 r=1: 1.0, within the slack -> r_min(128) = 1
-                0.0, 4.0])   # n=128 r=2: a time <= 0 -> untimeable, left out of the thresholds
+                0.0, 4.0])   # n=128 r=2: a time <= 0 -> untimeable: lost
   calls = []
 
-  def fake_time(fn, q, k, v, layout, **kw):
+  def fake_time(fn, q, k, v, plan, **kw):
     calls.append(kw)
     us = next(given)
     return timing.Timing(us * 1e-6, (us * 1e-6,), 7, 'given', 0)
 
-  config = dict(heads=(4, 2), head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
-                impl='auto', rows_checked=4, seed=0, timing=dict(repeats=2, target_s=1e-3))
-  grid = [(8, n, r) for n in (64, 128) for r in (1, 2)]
+  config = dict(head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
+                impl='auto', rows_checked=4, seed=0, timing=dict(repeats=2, target_s=1e-3),
+                lengths=[64, 128], rows=[1, 2])
   workdir = tmp_path / 'be'
-  records, thresholds = break_even.run(grid, config, str(workdir), slack=0.02, time_fn=fake_time)
+  records, thresholds = break_even.run([((4, 2), 8)], config, str(workdir), slack=0.03,
+                                       time_fn=fake_time, check='all')
   assert calls == [config['timing']] * 8
   assert records == break_even.report.read_jsonl(str(workdir / 'results.jsonl'))
   by = {(r['length'], r['rows']): r for r in records}
@@ -335,21 +376,48 @@ def test_break_even_pipeline_from_given_timings(tmp_path):
   for r in records:
     assert r['impl'] == 'xla' and r['impl_requested'] == 'auto' and r['groups'] == 8 // r['rows']
     assert r['rel_error_batched'] < 1e-5 and r['rel_error_per_sequence'] < 1e-5  # checked first
-    assert r['iterations_batched'] == 7 and r['meta']['device']
-  assert thresholds['steps'] == [[64, 2], [128, 1]] and thresholds['min_rows'] == 2
-  assert thresholds['ratios'] == {'64': {'8': {'1': 1.5, '2': 0.5}}, '128': {'8': {'1': 1.0}}}
+    assert r['iterations_batched'] == 7 and r['meta']['device'] and r['group_size'] == 2
+  assert thresholds['tables'] == [
+      dict(group_size=2, batches=[8, 8], min_rows=2, steps=[[128, 9]])]
+  assert thresholds['ratios'] == {
+      '2': {'8': {'64': {'1': 1.5, '2': 0.5}, '128': {'1': 1.0, '2': None}}}}
   table = (workdir / 'table.md').read_text()
-  assert '| 64 | 2 | 8 | xla | ok | 1.0 | 2.0 | 0.500 |' in table
-  assert '| 128 | 2 | 8 | xla | untimeable |' in table and 'r_min' in table
+  assert '| 4/2 | 64 | 2 | 8 | xla | ok | 1.0 | 2.0 | 0.500 |' in table
+  assert '| 4/2 | 128 | 2 | 8 | xla | untimeable |' in table and 'r_min' in table
   assert (workdir / 'ratio.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
   path = tmp_path / 'th' / 'thresholds.json'
   break_even.write_thresholds(thresholds, records, config, str(path))
   data = json.loads(path.read_text())
   assert data['status'] == 'measured' and data['impl'] == ['xla']
-  assert data['device'] == records[0]['meta']['device'] and data['workload']['heads'] == [4, 2]
+  assert data['device'] == records[0]['meta']['device'] and data['heads'] == {'2': [4, 2]}
   policy = hj.SharingPolicy.load(str(path))
-  assert (policy.rows_needed(64), policy.rows_needed(100), policy.rows_needed(5000)) == (2, 2, 1)
+  assert [policy.rows_needed(n, num_rows=8, group_size=2) for n in (64, 100, 5000)] == [2, 2, 9]
+  with pytest.raises(AssertionError, match='lost'):  # a policy that keeps a lost shape shared
+    bad = dict(thresholds, tables=[dict(thresholds['tables'][0], steps=[])])
+    break_even.write_thresholds(bad, records, config, str(path))
+
+
+def test_break_even_budget_and_memory_cap(tmp_path):
+  """No point starts after the budget; points over the K/V cap are skipped and listed."""
+  from experiments import break_even
+  from hydrajax.benchmarking import timing
+
+  fake = lambda *a, **kw: timing.Timing(1e-6, (1e-6,), 1, 'given', 0)
+  config = dict(head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
+                impl='xla', rows_checked=2, seed=0, timing={}, lengths=[64, 128], rows=[1, 2])
+  cap = break_even.kv_bytes(4, 128, 2, (2, 1), config)  # (n=128, r=1) is over it
+  records, _ = break_even.run([((2, 1), 4), ((1, 1), 4)], config, str(tmp_path), slack=0.03,
+                              search='staircase', max_kv_bytes=cap, time_fn=fake)
+  # Staircase per heads, in turn: n=128 from r=2 (r=1 over the cap), a win; n=64 from r=1, a win.
+  assert [(r['num_q_heads'], r['length'], r['rows']) for r in records] == [
+      (2, 128, 2), (1, 128, 2), (2, 64, 1), (1, 64, 1)]
+  assert [r['checked'] for r in records] == [True, True, False, False]
+  table = (tmp_path / 'table.md').read_text()
+  assert '(2/1, 4, 128, 1)' in table and '(1/1, 4, 128, 1)' in table
+  records, _ = break_even.run([((2, 1), 4)], config, str(tmp_path), slack=0.03,
+                              budget_s=1e-9, time_fn=fake)
+  assert len(records) <= 1 and 'cut by --budget_s' in (tmp_path / 'table.md').read_text()
 
 
 def test_break_even_cli_writes_to_a_scratch_folder_by_default(tmp_path):
@@ -359,7 +427,7 @@ def test_break_even_cli_writes_to_a_scratch_folder_by_default(tmp_path):
   """
   cmd = [sys.executable, '-m', 'experiments.break_even', '--lengths=64', '--rows=1,2',
          '--batches=4', '--heads=2:1', '--head_dim=16', '--dtype=float32', '--repeats=1',
-         '--target_ms=1']
+         '--target_ms=1', '--search=full', '--check=all']
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
   done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -372,7 +440,7 @@ def test_break_even_cli_writes_to_a_scratch_folder_by_default(tmp_path):
     assert 'experiments.break_even' in r['meta']['command']
     if r['status'] == 'ok':
       assert r['ratio'] == pytest.approx(r['time_batched_us'] / r['time_per_sequence_us'])
-  assert '| 64 | 2 | 4 | xla |' in (workdir / 'table.md').read_text()
+  assert '| 2/1 | 64 | 2 | 4 | xla |' in (workdir / 'table.md').read_text()
 
 
 def test_break_even_rejects_unaligned_lengths(tmp_path):
@@ -381,3 +449,88 @@ def test_break_even_rejects_unaligned_lengths(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu')
   done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode != 0 and 'page_size' in done.stderr
+
+
+def _v2(*tables):
+  return hj.SharingPolicy.from_dict({'format': 'hydrajax.sharing_policy/2', 'tables': [
+      dict(group_size=g, batches=list(b), min_rows=m, steps=st) for g, b, m, st in tables]})
+
+
+def test_format_2_tables_by_group_size_and_batch(tmp_path):
+  policy = _v2((4, (8, 32), 9, [[4096, 4]]), (4, (128, 1024), 3, [[256, 2]]),
+               (1, (8, 1024), 5, []))
+  need = lambda n, b=None, g=None: policy.rows_needed(n, num_rows=b, group_size=g)
+  assert [need(1000, 32, 4), need(5000, 32, 4), need(100, 512, 4), need(300, 512, 4)] == [9, 4, 3, 2]
+  assert need(100, 64, 4) == 9  # between the ranges: equally near (log2), the larger r_min
+  assert need(100, 2000, 4) == 3 and need(100, 4, 4) == 9  # beyond a range: the nearest
+  assert need(100, 32, 8) == 9 and need(100, 32, 2) == 9  # nearest group size; 2 ties 1 and 4
+  assert need(100, 32, 1) == 5 and need(100) == 9  # nothing known: every table, the largest
+  assert policy == hj.SharingPolicy.from_dict(policy.to_dict())
+  # apply() picks the plan's batch and the given group size.
+  plan = hj.plan_tree([hj.PromptNode(64, num_samples=4) for _ in range(8)], private_capacity=64)
+  assert len(policy.apply(plan, group_size=4).segments) == 0  # B=32, r=4 < 9
+  assert len(policy.apply(plan, group_size=1).segments) == 0  # r=4 < 5
+  assert len(_v2((4, (32, 32), 4, [])).apply(plan, group_size=4).segments) == 8
+  # Format 1 (the first shipped file) still loads; a bad format or table names the problem.
+  v1 = {'format': 'hydrajax.sharing_policy/1', 'min_rows': 9, 'steps': [[4096, 4]]}
+  assert hj.SharingPolicy.from_dict(v1).rows_needed(5000, num_rows=8, group_size=1) == 4
+  with pytest.raises(ValueError, match='format'):
+    hj.SharingPolicy.from_dict(dict(v1, format='hydrajax.sharing_policy/9'))
+  with pytest.raises(ValueError, match='tables'):
+    hj.SharingPolicy.from_dict({'format': 'hydrajax.sharing_policy/2', 'tables': []})
+  with pytest.raises(ValueError, match='batches'):
+    _v2((4, (32, 8), 2, []))
+  with pytest.raises(ValueError, match='group_size'):
+    policy.rows_needed(64, group_size=0)
+
+
+@pytest.fixture(scope='module')
+def tiny_model():
+  from flax import nnx
+  from models.config import get_config
+  from models.llama import Llama
+  return Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
+
+
+def test_generate_applies_the_policy_without_changing_tokens(tiny_model, monkeypatch):
+  """Whole-page prompts (page = 64 with max_new_tokens <= 64) let the policy demote: the greedy
+  tokens are those of every segment shared, and only what the rules allow moves."""
+  from models import generate as gen
+
+  rng = np.random.default_rng(0)
+  toks = lambda n: [int(t) for t in rng.integers(1, 97, n)]
+  tree = gen.prompt_node(toks(64), [
+      gen.prompt_node(toks(128), [gen.prompt_node(toks(64)), gen.prompt_node(toks(64))]),
+      gen.prompt_node(toks(64), [gen.prompt_node(toks(64)), gen.prompt_node(toks(5))]),
+  ])
+  applied = []
+  real_apply = hj.SharingPolicy.apply
+
+  def spy(self, plan, **kw):
+    out = real_apply(self, plan, **kw)
+    applied.append((self.source, kw, plan, out))
+    return out
+
+  monkeypatch.setattr(hj.SharingPolicy, 'apply', spy)
+  run = lambda policy: gen.generate(tiny_model, tree, max_new_tokens=6, impl='xla',
+                                    sharing_policy=policy, return_logprobs=True)
+  shared = run(hj.SharingPolicy.never())
+  for policy in (hj.SharingPolicy.demote_all(), hj.SharingPolicy(min_rows=2), None):
+    out = run(policy)
+    np.testing.assert_array_equal(out.tokens, shared.tokens)
+    np.testing.assert_allclose(out.logprobs, shared.logprobs, rtol=1e-5, atol=1e-5)
+  sources = [a[0] for a in applied]
+  assert sources[0] == 'never' and sources[-1] == hj.SharingPolicy.default().source
+  assert all(kw == {'group_size': 3} for _, kw, _, _ in applied)  # tiny_gqa: 6 / 2 heads
+  plan = applied[0][2]
+  assert applied[0][3] is plan  # never(): nothing moves
+  assert [(s.kv_length, s.num_rows) for s in plan.segments] == [
+      (64, 4), (128, 2), (64, 1), (64, 1), (64, 2), (64, 1), (5, 1)]
+  # demote_all: the 5-token leaf is not whole pages, so it and everything above it stay; the
+  # other leaves and the 128-token node move.
+  kept = [(s.kv_length, s.num_rows) for s in applied[1][3].segments]
+  assert kept == [(64, 4), (64, 2), (5, 1)]
+  assert applied[1][3].private_lengths == (192, 192, 64, 0)
+  # min_rows=2: the one-row leaves that can move do; the shared ones stay.
+  assert [(s.kv_length, s.num_rows) for s in applied[2][3].segments] == [
+      (64, 4), (128, 2), (64, 2), (5, 1)]
