@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from safetensors import safe_open
 
@@ -304,7 +305,10 @@ def load_hf_checkpoint(
 
   Args:
     path: the folder.
-    dtype: parameter dtype (bf16 or f32); tensors are cast on load.
+    dtype: parameter dtype (bfloat16, float16 or float32; tensors are cast on load). The
+      default is bfloat16, the dtype Llama checkpoints are released in and the one the Mosaic
+      GPU kernels run; outputs equal to transformers' float32 outputs need dtype=float32. The
+      chosen dtype and the checkpoint's own (`torch_dtype` in config.json) are logged.
     config: overrides the folder's config.json.
     mesh: a `jax.sharding.Mesh` with axes dp / tp (None: the default device).
   """
@@ -314,10 +318,23 @@ def load_hf_checkpoint(
   config = config or _load_config(path)
   sr.check_mesh(config, mesh)
   files = safetensors_files(path)
+  logging.info('load_hf_checkpoint: %s as %s (checkpoint stored as %s); pass dtype=float32 for '
+               "outputs equal to transformers' float32", path, jnp.dtype(dtype).name,
+               _stored_dtype(path))
   with _open_all(files) as (get, shape_of):
     _check_names_and_shapes(files, shape_of, config)
     params = convert_hf_tensors(get, config, dtype, place=_placer(config, dtype, mesh))
   return model_from_params(config, params, dtype, mesh)
+
+
+def _stored_dtype(path) -> str:
+  """config.json's `torch_dtype` (or `dtype`), for the log line; 'unknown' when absent."""
+  try:
+    with open(os.path.join(path, 'config.json')) as f:
+      raw = json.load(f)
+  except (OSError, ValueError):
+    return 'unknown'
+  return str(raw.get('torch_dtype') or raw.get('dtype') or 'unknown')
 
 
 _CONFIG_FILE = 'llama_config.json'

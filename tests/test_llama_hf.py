@@ -174,3 +174,15 @@ def test_tokenizer_json(tmp_path):
   assert t.bos_id == 1 and t.eos_ids == (2,)
   with pytest.raises(ValueError, match='no tokenizer.json'):
     Tokenizer.from_file(tmp_path / 'nothing')
+
+
+def test_load_says_which_dtype_it_loads(caplog):
+  """The default is bfloat16; the log names it, the stored dtype, and how to match transformers."""
+  with caplog.at_level('INFO'):
+    model = hf_loading.load_hf_checkpoint(_folder('tiny_gqa'))
+  assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype == jnp.bfloat16
+  raw = json.load(open(os.path.join(_folder('tiny_gqa'), 'config.json')))
+  stored = raw.get('torch_dtype') or raw.get('dtype')
+  line = next(r.getMessage() for r in caplog.records if 'load_hf_checkpoint' in r.getMessage())
+  assert 'as bfloat16' in line and f'stored as {stored or "unknown"}' in line
+  assert 'dtype=float32' in line
