@@ -2,8 +2,12 @@
 
 Storage: a pool of `num_chunks` chunks of C tokens, allocated once on the
 device as the flat KV buffer `[L = num_chunks * C, K, H]` of every layer
-(chunk i = tokens `[i * C, (i + 1) * C)`). This module is the host side: a
-prefix tree over token ids whose nodes are chunks, and the live sequences.
+(chunk i = tokens `[i * C, (i + 1) * C)`). `ChunkCache` is the host side: a
+prefix tree over token ids whose nodes are chunks, and the live sequences. It
+owns the sequences' lifecycle (insert, append, fork, remove, capacity) and
+composes one module per concern: `trie` (prefix matching), `allocator` (free
+chunks, reservations), `eviction` (retained chunks, LRU), `row_order`
+(depth-first rows, shared segments), `layout_cache` (plans, device layouts).
 
 Tree. Node = one chunk at a chunk-aligned depth d: it holds the sequence's
 tokens `[d * C, d * C + fill)`. A sequence is a root-to-node path. Sharing is
