@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 
+from hydrajax import AttentionPlan
 from models.sampling import Sampled
 
 
@@ -11,7 +12,7 @@ from models.sampling import Sampled
 class DecodeStep:
   """A decode step's inputs, and once dispatched its draws on the device."""
 
-  model_args: tuple  # tokens, positions, slots [b, 1], layout
+  model_args: tuple  # tokens, positions, slots [b, 1], attention plan (or layout)
   reqs: list  # Request of each live row, row order
   b: int  # padded rows
   ahead: np.ndarray  # [rows] 1 where the input token is the previous step's, still on the device
@@ -31,7 +32,8 @@ class DecodeLoop:
   """The Engine's decode steps (a mixin: it uses the engine's cache, requests and model call).
 
   A step pads the live rows to a decode bucket, appends a slot for each row's
-  next token, and runs the model over the cache's `TreeLayout`. Waited, it
+  next token, and runs the model over the cache's `TreeLayout`, whose attention
+  plan is prepared on the host once per tree change (`_decode_plan`). Waited, it
   reads the tokens back before the iteration ends; with `overlap_decode`, step
   k+1 is dispatched (its input tokens taken from step k's output on the device)
   before step k's tokens are read, so the host's work overlaps the device's.
@@ -110,7 +112,7 @@ class DecodeLoop:
     positions = np.zeros((b, 1), np.int32)
     lengths = cache.lengths()
     positions[: len(rows), 0] = lengths - 1
-    layout = cache.device_layout(num_rows=b)
+    layout = self._decode_plan(cache.device_layout(num_rows=b), b)
     self._track_peak()
     fed = np.flatnonzero(ahead)
     feed = None
@@ -120,6 +122,19 @@ class DecodeLoop:
         model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
         patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
         used_chunks=cache.num_used_chunks)
+
+  def _decode_plan(self, layout, b: int):
+    """The decode step's attention plan: prepared on the host once per tree change (the cache's
+    structure, page table or padded row count), then only its private lengths are swapped."""
+    cache = self.cache
+    key = (id(cache), cache.structure_version, cache.pages_version, b)
+    if self._plan is not None and self._plan[0] == key:
+      return self._plan[1].with_private_lengths(layout.private_lengths)
+    plan = self._prepare_plan(layout, self.config.impl)
+    if isinstance(plan, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
+      self._plan = (key, plan)
+      self.stats.plan_builds += 1
+    return plan
 
   def _count_decode(self, step: 'DecodeStep', *, host: tuple[float, float, float],
                     wait: float) -> None:
