@@ -388,6 +388,20 @@ def test_decode_prepares_its_attention_plan_once_per_tree_change(model):
   assert_no_leak(engine)
 
 
+def test_greedy_outputs_equal_with_the_default_sharing_policy(model, reference):
+  from hydrajax import SharingPolicy
+
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, sharing_policy=SharingPolicy.default()))
+  apply, demoted = engine._apply_sharing_policy, []
+  engine._apply_sharing_policy = lambda *a: demoted.append(apply(*a)[1] is not None) or apply(*a)
+  assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
+  assert any(demoted)  # the policy moved segments into private pages on some trees
+  assert_no_leak(engine)
+  with pytest.raises(ValueError, match='sharing_policy'):
+    dataclasses.replace(CONFIG, sharing_policy='default')
+
+
 @pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])
 def test_random_traffic_stays_within_the_compiled_shape_budget(model, share):
   import warnings

@@ -2,9 +2,11 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from hydrajax import AttentionPlan
+from hydrajax.layout import device_groups, make_layout, page_table
 from models.sampling import Sampled
 
 
@@ -125,16 +127,39 @@ class DecodeLoop:
 
   def _decode_plan(self, layout, b: int):
     """The decode step's attention plan: prepared on the host once per tree change (the cache's
-    structure, page table or padded row count), then only its private lengths are swapped."""
+    structure, page table or padded row count), then only its private lengths are swapped.
+    With a `sharing_policy`, its demoted segments lead their rows' private pages."""
     cache = self.cache
     key = (id(cache), cache.structure_version, cache.pages_version, b)
     if self._plan is not None and self._plan[0] == key:
-      return self._plan[1].with_private_lengths(layout.private_lengths)
+      _, plan, lead = self._plan
+      lengths = layout.private_lengths
+      return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+    layout, lead = self._apply_sharing_policy(layout, b)
     plan = self._prepare_plan(layout, self.config.impl)
     if isinstance(plan, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
-      self._plan = (key, plan)
+      self._plan = (key, plan, lead)
       self.stats.plan_builds += 1
     return plan
+
+  def _apply_sharing_policy(self, layout, b: int):
+    """(layout, lead [b] int32 or None): the decode layout after `config.sharing_policy`, and
+    the demoted tokens that now lead each row's private KV (None: nothing demoted)."""
+    policy = self.config.sharing_policy
+    if policy is None:
+      return layout, None
+    cache, model = self.cache, self.model.config
+    tree = cache.plan(num_rows=b)
+    demoted = policy.apply(tree, group_size=model.num_heads // model.num_kv_heads)
+    if demoted is tree:
+      return layout, None
+    rules = cache.config.layout
+    width = rules.page_width(max(len(p) for p in demoted.private_pages), cache.config.max_pages)
+    lead = np.subtract(demoted.private_lengths, tree.private_lengths).astype(np.int32)
+    layout = make_layout(
+        *device_groups(demoted, rules), jnp.asarray(page_table(demoted, width)),
+        jnp.asarray(np.array(demoted.private_lengths, np.int32)), demoted.page_size)
+    return layout, jnp.asarray(lead)
 
   def _count_decode(self, step: 'DecodeStep', *, host: tuple[float, float, float],
                     wait: float) -> None:
