@@ -373,6 +373,35 @@ def _stub(engine):
   engine._model_step = step
 
 
+def test_decode_prepares_its_attention_plan_once_per_tree_change(model):
+  config = EngineConfig(num_chunks=8, chunk_size=16, max_batch=2, max_sequence_length=32,
+                        impl='xla', prefill_impl='xla')
+  engine = Engine(model, config)
+  _stub(engine)
+  engine.submit([5, 6, 7], SamplingParams(max_new_tokens=12))  # 3 + 11 tokens: one chunk
+  engine.run()
+  stats = engine.stats
+  assert (stats.decode_steps + stats.new_shape_steps, stats.plan_builds) == (11, 1)
+  # Admitted one iteration apart: trees of 1 row, 2 rows, then 1 (the first one done).
+  engine.generate([[1, 2, 3, 4], [1, 2, 3, 9]], SamplingParams(max_new_tokens=12))
+  assert (stats.decode_steps + stats.new_shape_steps, stats.plan_builds) == (23, 4)
+  assert_no_leak(engine)
+
+
+def test_greedy_outputs_equal_with_the_default_sharing_policy(model, reference):
+  from hydrajax import SharingPolicy
+
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, sharing_policy=SharingPolicy.default()))
+  apply, demoted = engine._apply_sharing_policy, []
+  engine._apply_sharing_policy = lambda *a: demoted.append(apply(*a)[1] is not None) or apply(*a)
+  assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
+  assert any(demoted)  # the policy moved segments into private pages on some trees
+  assert_no_leak(engine)
+  with pytest.raises(ValueError, match='sharing_policy'):
+    dataclasses.replace(CONFIG, sharing_policy='default')
+
+
 @pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])
 def test_random_traffic_stays_within_the_compiled_shape_budget(model, share):
   import warnings

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Any
 
-from hydrajax import AttentionImpl
+from hydrajax import AttentionImpl, SharingPolicy
 from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
 from models.sampling import MAX_TOP_LOGPROBS
 
@@ -80,6 +80,9 @@ class EngineConfig:
       is dropped), and finishes one iteration later.
     max_top_logprobs: the most `top_logprobs` a request may ask for (a static size of
       every step).
+    sharing_policy: which shared segments decode steps read per row instead of batched
+      (`SharingPolicy`, applied once per tree change as `generate` does); None: every
+      segment stays shared.
   """
 
   cache: ChunkCacheConfig
@@ -94,6 +97,7 @@ class EngineConfig:
   seed: int
   overlap_decode: bool
   max_top_logprobs: int
+  sharing_policy: SharingPolicy | None
 
   def __init__(self, cache: ChunkCacheConfig | None = None, *, max_prefill_tokens: int = 8192,
                max_prefill_rows: int = 8, decode_buckets: tuple[int, ...] = (),
@@ -101,7 +105,8 @@ class EngineConfig:
                impl: AttentionImpl | str = AttentionImpl.AUTO,
                prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
                cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
-               max_top_logprobs: int = 5, **cache_fields: Any):
+               max_top_logprobs: int = 5, sharing_policy: SharingPolicy | None = None,
+               **cache_fields: Any):
     unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
     if unknown:
       raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
@@ -123,7 +128,7 @@ class EngineConfig:
         decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
         prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
         cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
-        max_top_logprobs=max_top_logprobs,
+        max_top_logprobs=max_top_logprobs, sharing_policy=sharing_policy,
     )
     for name, value in values.items():
       object.__setattr__(self, name, value)
@@ -140,6 +145,9 @@ class EngineConfig:
             and 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS):
       raise ValueError(f'EngineConfig.max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], '
                        f'got {self.max_top_logprobs!r}')
+    if self.sharing_policy is not None and not isinstance(self.sharing_policy, SharingPolicy):
+      raise ValueError(f'EngineConfig.sharing_policy must be a SharingPolicy or None, got '
+                       f'{self.sharing_policy!r}')
     buckets = self.decode_buckets
     if buckets and (list(buckets) != sorted(buckets) or buckets[-1] < self.max_batch
                     or buckets[0] < 1):

@@ -2,8 +2,11 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
+from hydrajax import AttentionPlan
+from hydrajax.layout import device_groups, make_layout, page_table
 from models.sampling import Sampled
 
 
@@ -11,7 +14,7 @@ from models.sampling import Sampled
 class DecodeStep:
   """A decode step's inputs, and once dispatched its draws on the device."""
 
-  model_args: tuple  # tokens, positions, slots [b, 1], layout
+  model_args: tuple  # tokens, positions, slots [b, 1], attention plan (or layout)
   reqs: list  # Request of each live row, row order
   b: int  # padded rows
   ahead: np.ndarray  # [rows] 1 where the input token is the previous step's, still on the device
@@ -31,7 +34,8 @@ class DecodeLoop:
   """The Engine's decode steps (a mixin: it uses the engine's cache, requests and model call).
 
   A step pads the live rows to a decode bucket, appends a slot for each row's
-  next token, and runs the model over the cache's `TreeLayout`. Waited, it
+  next token, and runs the model over the cache's `TreeLayout`, whose attention
+  plan is prepared on the host once per tree change (`_decode_plan`). Waited, it
   reads the tokens back before the iteration ends; with `overlap_decode`, step
   k+1 is dispatched (its input tokens taken from step k's output on the device)
   before step k's tokens are read, so the host's work overlaps the device's.
@@ -110,7 +114,7 @@ class DecodeLoop:
     positions = np.zeros((b, 1), np.int32)
     lengths = cache.lengths()
     positions[: len(rows), 0] = lengths - 1
-    layout = cache.device_layout(num_rows=b)
+    layout = self._decode_plan(cache.device_layout(num_rows=b), b)
     self._track_peak()
     fed = np.flatnonzero(ahead)
     feed = None
@@ -120,6 +124,42 @@ class DecodeLoop:
         model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
         patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
         used_chunks=cache.num_used_chunks)
+
+  def _decode_plan(self, layout, b: int):
+    """The decode step's attention plan: prepared on the host once per tree change (the cache's
+    structure, page table or padded row count), then only its private lengths are swapped.
+    With a `sharing_policy`, its demoted segments lead their rows' private pages."""
+    cache = self.cache
+    key = (id(cache), cache.structure_version, cache.pages_version, b)
+    if self._plan is not None and self._plan[0] == key:
+      _, plan, lead = self._plan
+      lengths = layout.private_lengths
+      return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+    layout, lead = self._apply_sharing_policy(layout, b)
+    plan = self._prepare_plan(layout, self.config.impl)
+    if isinstance(plan, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
+      self._plan = (key, plan, lead)
+      self.stats.plan_builds += 1
+    return plan
+
+  def _apply_sharing_policy(self, layout, b: int):
+    """(layout, lead [b] int32 or None): the decode layout after `config.sharing_policy`, and
+    the demoted tokens that now lead each row's private KV (None: nothing demoted)."""
+    policy = self.config.sharing_policy
+    if policy is None:
+      return layout, None
+    cache, model = self.cache, self.model.config
+    tree = cache.plan(num_rows=b)
+    demoted = policy.apply(tree, group_size=model.num_heads // model.num_kv_heads)
+    if demoted is tree:
+      return layout, None
+    rules = cache.config.layout
+    width = rules.page_width(max(len(p) for p in demoted.private_pages), cache.config.max_pages)
+    lead = np.subtract(demoted.private_lengths, tree.private_lengths).astype(np.int32)
+    layout = make_layout(
+        *device_groups(demoted, rules), jnp.asarray(page_table(demoted, width)),
+        jnp.asarray(np.array(demoted.private_lengths, np.int32)), demoted.page_size)
+    return layout, jnp.asarray(lead)
 
   def _count_decode(self, step: 'DecodeStep', *, host: tuple[float, float, float],
                     wait: float) -> None:

@@ -73,6 +73,7 @@ class Engine(Prefill, DecodeLoop):
     self._seen_shapes: set = set()  # step shapes run so far (the first run may compile)
     self._last_new_shape = False
     self._inflight: DecodeStep | None = None  # overlap_decode: the step on the device
+    self._plan: tuple | None = None  # (tree key, AttentionPlan) of the decode steps
 
   @property
   def stats(self) -> EngineStats:
@@ -224,7 +225,7 @@ class Engine(Prefill, DecodeLoop):
     """Compiles every shape of the budget now (model steps on empty rows, KV copies)."""
     c, s = self.config, self.config.prefill_sample_rows()
     for b, j in self._budget.decode:
-      layout = self._empty_layout(b, j, self.cache.config.layout)
+      layout = self._prepare_plan(self._empty_layout(b, j, self.cache.config.layout), c.impl)
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       self._warm(('decode', b, j), np.zeros((b, 1), np.int32), layout, b, c.impl, None, feed)
     for t, b, j in self._budget.prefill:
@@ -309,6 +310,11 @@ class Engine(Prefill, DecodeLoop):
       return tokens, None, None, None
     return (tokens, np.asarray(out.logprobs)[:k], np.asarray(out.top_tokens)[:k],
             np.asarray(out.top_logprobs)[:k])
+
+  def _prepare_plan(self, layout, impl):
+    """The model's attention plan over `layout` for one query token per row (decode), prepared
+    on the host, outside the jitted step (the layout itself for NO_ATTENTION)."""
+    return self.model.prepare_attention(layout, query_tokens=1, cache=self.kv, impl=impl)
 
   def _empty_layout(self, b: int, j: int, policy):
     """A layout of b empty rows with J = j segment slots (0: none), as the cache would shape it."""

@@ -31,6 +31,7 @@ class EngineStats:
   decode_prepare_s: float = 0.0  # host: the tree, layout and batch arrays, before the dispatch
   decode_dispatch_s: float = 0.0  # host: the jitted call's dispatch (arguments, uploads)
   decode_wait_s: float = 0.0
+  plan_builds: int = 0  # decode attention plans prepared (once per tree change, not per step)
   new_shape_steps: int = 0
   new_shape_s: float = 0.0
   prefill_calls: int = 0

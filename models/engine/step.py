@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hydrajax import AttentionPlan
 from models.sampling import SamplingRows, request_keys, sample_batch
 
 
@@ -15,7 +16,9 @@ def model_step(graphdef, treedef, params, cache, tokens, positions, slots, layou
   tokens, positions, slots [B, T]; one token is sampled per row, or with
   `sample_rows` [S] one per entry, from that row's logits. seeds [S] uint32,
   streams [S], indices [S] make each entry's key (`request_keys`); `rows` are
-  the entries' sampling parameters. `params` are the model's state leaves
+  the entries' sampling parameters. `layout` is a TreeLayout (the model
+  prepares its attention plan in the call) or an AttentionPlan prepared on the
+  host once per tree change (decode steps). `params` are the model's state leaves
   (`treedef` rebuilds the state). `feed` = (previous tokens [B], src [B])
   replaces the tokens of rows with src >= 0. Returns (`Sampled` of [S], cache).
   """
@@ -32,5 +35,7 @@ def model_step(graphdef, treedef, params, cache, tokens, positions, slots, layou
 
 
 def segment_slots(layout) -> int:
-  """J of a layout made with fixed shapes (0: no segment group)."""
+  """J of a layout (or of a plan's) made with fixed shapes (0: no segment group)."""
+  if isinstance(layout, AttentionPlan):
+    layout = layout.layout
   return int(layout.groups[0].kv_start.shape[0]) if layout.groups else 0
