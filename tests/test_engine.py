@@ -444,3 +444,20 @@ def test_warmup_compiles_every_shape_the_traffic_runs(model, reference):
   assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
   assert engine.stats.new_shape_steps == 0
   assert_no_leak(engine)
+
+
+def test_interpret_runs_the_mosaic_tpu_kernels_on_a_cpu():
+  """EngineConfig(interpret=True): the TPU kernels in interpret mode give the XLA path's tokens."""
+  # The TPU kernels want a head dim of 128 lanes: one small layer of that shape.
+  model = Llama(get_config('tiny_gqa', num_layers=1, num_heads=2, num_kv_heads=1, head_dim=128),
+                rngs=nnx.Rngs(1))
+  prompts = _prompts(1)[:2]
+  expected = Engine(model, CONFIG).generate(prompts, SamplingParams(max_new_tokens=3))
+  config = dataclasses.replace(CONFIG, impl='mosaic_tpu', prefill_impl='mosaic_tpu',
+                               interpret=True)
+  engine = Engine(model, config)
+  plan = engine._prepare_plan(engine._empty_layout(8, 8, engine.cache.config.layout), config.impl)
+  assert plan.impl.name == 'MOSAIC_TPU' and plan.interpret
+  assert engine.generate(prompts, SamplingParams(max_new_tokens=3)) == expected
+  with pytest.raises(ValueError, match='interpret'):
+    dataclasses.replace(CONFIG, interpret='yes')

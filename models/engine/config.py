@@ -83,6 +83,8 @@ class EngineConfig:
     sharing_policy: which shared segments decode steps read per row instead of batched
       (`SharingPolicy`, applied once per tree change as `generate` does); None: every
       segment stays shared.
+    interpret: run `impl`/`prefill_impl`'s Mosaic kernels in interpret mode (e.g. 'mosaic_tpu'
+      or 'mosaic_gpu' on a CPU), as `hj.tree_attention(..., interpret=True)` does.
   """
 
   cache: ChunkCacheConfig
@@ -98,6 +100,7 @@ class EngineConfig:
   overlap_decode: bool
   max_top_logprobs: int
   sharing_policy: SharingPolicy | None
+  interpret: bool
 
   def __init__(self, cache: ChunkCacheConfig | None = None, *, max_prefill_tokens: int = 8192,
                max_prefill_rows: int = 8, decode_buckets: tuple[int, ...] = (),
@@ -106,7 +109,7 @@ class EngineConfig:
                prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
                cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
                max_top_logprobs: int = 5, sharing_policy: SharingPolicy | None = None,
-               **cache_fields: Any):
+               interpret: bool = False, **cache_fields: Any):
     unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
     if unknown:
       raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
@@ -128,7 +131,7 @@ class EngineConfig:
         decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
         prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
         cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
-        max_top_logprobs=max_top_logprobs, sharing_policy=sharing_policy,
+        max_top_logprobs=max_top_logprobs, sharing_policy=sharing_policy, interpret=interpret,
     )
     for name, value in values.items():
       object.__setattr__(self, name, value)
@@ -145,6 +148,8 @@ class EngineConfig:
             and 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS):
       raise ValueError(f'EngineConfig.max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], '
                        f'got {self.max_top_logprobs!r}')
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f'EngineConfig.interpret must be a bool, got {self.interpret!r}')
     if self.sharing_policy is not None and not isinstance(self.sharing_policy, SharingPolicy):
       raise ValueError(f'EngineConfig.sharing_policy must be a SharingPolicy or None, got '
                        f'{self.sharing_policy!r}')

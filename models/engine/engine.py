@@ -229,7 +229,7 @@ class Engine(Prefill, DecodeLoop):
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       self._warm(('decode', b, j), np.zeros((b, 1), np.int32), layout, b, c.impl, None, feed)
     for t, b, j in self._budget.prefill:
-      layout = self._empty_layout(b, j, self._prefill_policy)
+      layout = self._prepare_plan(self._empty_layout(b, j, self._prefill_policy), c.prefill_impl, t)
       self._warm(('prefill', t, b, j), np.zeros((b, t), np.int32), layout, s, c.prefill_impl,
                  np.zeros(s, np.int32), None)
     for size in self._budget.copies:
@@ -311,10 +311,11 @@ class Engine(Prefill, DecodeLoop):
     return (tokens, np.asarray(out.logprobs)[:k], np.asarray(out.top_tokens)[:k],
             np.asarray(out.top_logprobs)[:k])
 
-  def _prepare_plan(self, layout, impl):
-    """The model's attention plan over `layout` for one query token per row (decode), prepared
+  def _prepare_plan(self, layout, impl, query_tokens: int = 1):
+    """The model's attention plan over `layout` for `query_tokens` per row (1: decode), prepared
     on the host, outside the jitted step (the layout itself for NO_ATTENTION)."""
-    return self.model.prepare_attention(layout, query_tokens=1, cache=self.kv, impl=impl)
+    return self.model.prepare_attention(layout, query_tokens=query_tokens, cache=self.kv,
+                                        impl=impl, interpret=self.config.interpret)
 
   def _empty_layout(self, b: int, j: int, policy):
     """A layout of b empty rows with J = j segment slots (0: none), as the cache would shape it."""

@@ -94,8 +94,10 @@ class Prefill:
       tokens[r, t - n :] = group[0].prompt[adm.prefill_start :]
       positions[r, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
       slots[r, t - n :] = adm.prefill_slots
-    layout = cache.device_layout([adm.seq_id for _, adm in items], num_rows=b,
-                                 policy=self._prefill_policy)
+    layout = self._prepare_plan(
+        cache.device_layout([adm.seq_id for _, adm in items], num_rows=b,
+                            policy=self._prefill_policy),
+        self.config.prefill_impl, t)
     samples = [req for group, _ in items for req in group]
     # Every prefill samples a fixed number of rows (a prompt's samples each draw): one shape.
     rows = np.zeros(self.config.prefill_sample_rows(), np.int32)
