@@ -7,6 +7,7 @@ interpret mode is slow); `TestMosaicGpuCompiled` runs compiled on a Hopper GPU.
 import importlib
 
 import jax.numpy as jnp
+import pytest
 
 import hydrajax as hj
 from hydrajax import dispatch
@@ -47,3 +48,15 @@ class TestMosaicGpuCompiled(_MosaicGpu):
   @classmethod
   def skip_reason(cls):
     return _import_reason() or dispatch.hopper_reason()
+
+
+def test_interpret_mode_prepares_the_kernels_not_a_fallback():
+  """A plan_tree layout of the conformance shapes resolves to the kernels (no silent XLA run)."""
+  if _import_reason():
+    pytest.skip(_import_reason())
+  tree = hj.PromptNode(24, children=(hj.PromptNode(8, num_samples=2), hj.PromptNode(5)))
+  plan = hj.plan_tree(tree, private_capacity=8, private_lengths=1)
+  shapes = hj.AttentionShapes(num_rows=plan.num_rows, query_tokens=1, num_heads=4, num_kv_heads=2,
+                              head_dim=64, kv_tokens=plan.kv_tokens, dtype=jnp.bfloat16)
+  attn = hj.prepare_attention(plan.to_device(), shapes, impl='mosaic_gpu', interpret=True)
+  assert attn.impl is hj.AttentionImpl.MOSAIC_GPU and attn.interpret
