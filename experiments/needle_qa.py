@@ -108,17 +108,6 @@ def _budget(model) -> int:
   return int(0.85 * (stats.get('bytes_limit', 16 * 2**30) - params))
 
 
-def document_tokens(tokenizer, task: needle.NeedleTask, length: int) -> list[int]:
-  """The document's tokens cut to `length` (the filler is cut, the few-shot tail kept)."""
-  split = task.document.index('\nQuestion:')
-  body, shots = task.document[:split], task.document[split:]
-  body_ids = tokenizer.encode(body)
-  shot_ids = tokenizer.encode(shots, add_bos=False)
-  keep = length - len(shot_ids)
-  if keep < 16:
-    raise ValueError(f'doc_tokens={length} leaves no room for the document before the few-shot '
-                     f'examples ({len(shot_ids)} tokens)')
-  return body_ids[:keep] + shot_ids
 
 
 def timed_decode(model, forest, *, new_tokens: int, impl):
@@ -168,7 +157,7 @@ def main(argv):
   byte_level = isinstance(tokenizer, ByteTokenizer)
   task = needle.make_task(num_chars=FLAGS.doc_tokens * (1 if byte_level else 5),
                           num_questions=qs[-1], seed=FLAGS.seed)
-  doc = document_tokens(tokenizer, task, FLAGS.doc_tokens)
+  doc = needle.document_tokens(tokenizer, task, FLAGS.doc_tokens)
   questions = [tokenizer.encode(q, add_bos=False) for q in task.questions]
   per_token = model.config.kv_bytes_per_token(jnp.dtype(model.dtype).itemsize)
   budget = _budget(model)

@@ -30,8 +30,8 @@ from hydrajax.benchmarking import JsonlWriter, progress
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models.config import LlamaConfig
 from models.hf_loading import save_params
-from models import llama
 from models.llama import Llama
+from models.training.forward import causal_logits
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 
@@ -84,24 +84,6 @@ def _batch(examples, index, length=None):
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def causal_logits(model: Llama, tokens):
-  """Training forward: the model's own layers with causal `jax.nn.dot_product_attention`.
-
-  The same math as `Llama.forward_naive` (tested equal in tests/test_apps_eval.py), without the
-  dense cache scatter and float32-HIGHEST oracle attention that make that path slow to train.
-  """
-  c = model.config
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  inv_freq = model.inv_freq()
-  x = model.embed.get_value()[tokens]
-  for layer in model.layers:
-    p = layer.arrays()
-    q, k, v = llama._qkv(p, x, positions, inv_freq, c.norm_eps)
-    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
-    x = llama._mlp(p, x, c.norm_eps)
-  return model.logits(llama.rms_norm(x, model.final_norm.get_value(), c.norm_eps))
 
 
 def loss_fn(model: Llama, tokens, mask):

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,12 +63,12 @@ def test_text_helpers():
 
 
 def test_training_forward_equals_the_models_naive_forward(tiny_coder):
-  from experiments import train_tiny_coder
+  from models.training.forward import causal_logits
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 24)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
   expected, _ = tiny_coder.forward_naive(
       tokens, positions, DenseKVCache.zeros(tiny_coder.config, 2, 24, jnp.float32))
-  got = train_tiny_coder.causal_logits(tiny_coder, tokens)
+  got = causal_logits(tiny_coder, tokens)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 

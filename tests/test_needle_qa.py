@@ -35,10 +35,9 @@ def test_answer_parsing_and_validation():
 
 
 def test_document_tokens_keep_the_fewshot_tail():
-  from experiments import needle_qa
   task = needle.make_task(num_chars=3000, num_questions=2)
   tok = ByteTokenizer()
-  ids = needle_qa.document_tokens(tok, task, 1000)
+  ids = needle.document_tokens(tok, task, 1000)
   assert len(ids) == 1000
   assert tok.decode(ids).endswith(task.document[task.document.index('\nQuestion:'):])
 

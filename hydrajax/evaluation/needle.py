@@ -89,3 +89,16 @@ def answer_of(completion: str) -> str:
   """The first word of a completion, lower-cased, without punctuation."""
   words = completion.strip().split()
   return words[0].strip('.,;:!?').lower() if words else ''
+
+
+def document_tokens(tokenizer, task: NeedleTask, length: int) -> list[int]:
+  """The document's tokens cut to `length` (the filler is cut, the few-shot tail kept)."""
+  split = task.document.index('\nQuestion:')
+  body, shots = task.document[:split], task.document[split:]
+  body_ids = tokenizer.encode(body)
+  shot_ids = tokenizer.encode(shots, add_bos=False)
+  keep = length - len(shot_ids)
+  if keep < 16:
+    raise ValueError(f'doc_tokens={length} leaves no room for the document before the few-shot '
+                     f'examples ({len(shot_ids)} tokens)')
+  return body_ids[:keep] + shot_ids

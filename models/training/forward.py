@@ -113,3 +113,23 @@ def per_sequence_forward(model: Llama, prompts, completions, prompt_lengths, gro
   prev = jnp.repeat(prompt_lengths, group_size)[:, None] - 1 + jnp.arange(t)[None, :]  # [B, T]
   h = rms_norm(x[jnp.arange(b)[:, None], prev], model.final_norm.get_value(), c.norm_eps)
   return _token_logprobs(model, h, completions)
+
+
+def causal_logits(model: Llama, tokens):
+  """Training forward: the model's own layers with causal `jax.nn.dot_product_attention`.
+
+  The same math as `Llama.forward_naive` (tested equal in tests/test_apps_eval.py; experiments/train_tiny_coder.py trains with it), without the
+  dense cache scatter and float32-HIGHEST oracle attention that make that path slow to train.
+  """
+  c = model.config
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  inv_freq = model.inv_freq()
+  x = model.embed.get_value()[tokens]
+  for layer in model.layers:
+    p = layer.arrays()
+    q, k, v = _qkv(p, x, positions, inv_freq, c.norm_eps)
+    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
+    x = _mlp(p, x, c.norm_eps)
+  return model.logits(rms_norm(x, model.final_norm.get_value(), c.norm_eps))
