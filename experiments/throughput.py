@@ -53,6 +53,7 @@ import time
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from hydrajax.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl,
@@ -127,8 +128,12 @@ def main(argv):
     ceilings = measure_ceilings(copy_bytes=2**22, matmul_size=256, repeats=1)
   logging.info('ceilings: %.0f GB/s copy, %.1f TFLOP/s bf16 matmul',
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
+  start = time.perf_counter()
   model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype)
+  jax.block_until_ready(nnx.state(model))
+  logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
+               time.perf_counter() - start)
   writer = JsonlWriter(os.path.join(FLAGS.workdir, 'raw.jsonl'))
   memory_limit = _memory_limit()
   prefixes, prefill = {}, {}

@@ -236,6 +236,8 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   compiled = decode.lower(graphdef, params, state, layout, setup.rows, key, stops, jnp.int32(1),
                           sampling=GREEDY, impl=impl).compile()
   record['compile_s'] = time.perf_counter() - start
+  log.info('%s B=%d P=%d: decode compiled in %.1f s', case.name, case.batch, case.prefix,
+           record['compile_s'])
   mem = compiled.memory_analysis()
   if mem is not None:
     program = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
