@@ -94,6 +94,8 @@ _MAX_KV_GIB = flags.DEFINE_float('max_kv_gib', 24.0, 'skip points whose K+V buff
 _SLACK = flags.DEFINE_float('slack', 0.03, 'batched counts as not slower at ratio <= 1 + slack')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
 _WORKDIR = flags.DEFINE_string('workdir', 'workdir/break_even', 'output folder (scratch)')
+_RESUME = flags.DEFINE_bool('resume', False, 'keep --workdir/results.jsonl and replay its points '
+                            'of the same workload: a sweep cut by --budget_s goes on')
 _WRITE_THRESHOLDS = flags.DEFINE_string(
     'write_thresholds', '', 'also write the derived thresholds JSON here (SharingPolicy.load)'
 )
@@ -492,17 +494,40 @@ def check_config(lengths, page: int, query_len: int, suffix: int) -> None:
     raise app.UsageError('need 1 <= --query_len <= --suffix <= --page_size')
 
 
+def _point_key(rec: dict) -> tuple:
+  return ((rec['num_q_heads'], rec['num_kv_heads']), rec['batch'], rec['length'], rec['rows'])
+
+
+# What must match for a point of an earlier run to stand for this run's (with --resume).
+_SAME_WORKLOAD = ('head_dim', 'dtype', 'query_len', 'suffix', 'page_size')
+
+
+def earlier_points(path: str, config: dict) -> dict[tuple, dict]:
+  """Points of an earlier run in `path` measured on this workload, by (heads, B, n, r)."""
+  if not os.path.exists(path):
+    return {}
+  out = {}
+  for rec in report.read_jsonl(path):
+    if rec.get('kind') == 'point' and all(rec.get(k) == config[k] for k in _SAME_WORKLOAD):
+      out[_point_key(rec)] = rec
+  return out
+
+
 def run(cells, config: dict, workdir: str, *, slack: float, search: str = 'full',
         budget_s: float = 0.0, max_kv_bytes: float = float('inf'),
-        time_fn: Callable[..., timing.Timing] = timing.device_time, check: str = 'first'):
+        time_fn: Callable[..., timing.Timing] = timing.device_time, check: str = 'first',
+        resume: bool = False):
   """Walks the points of each (heads, batch) cell in turn into workdir.
 
   Returns (records, thresholds or None). `config['lengths']`, `config['rows']`: the grid.
-  Writes results.jsonl (replaced), table.md and ratio.png (when a point was timed).
+  Writes results.jsonl (replaced; with `resume`, kept, and the walks replay its points of the
+  same workload without running them, so a sweep cut by --budget_s goes on where it stopped),
+  table.md and ratio.png (when a point was timed).
   """
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'results.jsonl')
-  if os.path.exists(path):
+  earlier = earlier_points(path, config) if resume else {}
+  if os.path.exists(path) and not resume:
     os.remove(path)
   writer = report.JsonlWriter(path)
   records, notes, skipped = [], [], []
@@ -520,18 +545,20 @@ def run(cells, config: dict, workdir: str, *, slack: float, search: str = 'full'
   while walks:
     for w in list(walks):
       heads, b, walk, last, first = w
-      if budget_s and time.monotonic() - start > budget_s:
-        notes.append(f'{heads[0]}/{heads[1]} heads, B={b}: cut by --budget_s={budget_s:g} '
-                     'before its walk ended')
-        walks.remove(w)
-        continue
       try:
         n, r = walk.send(last) if last is not None else next(walk)
       except StopIteration:
         walks.remove(w)
         continue
-      rec = writer.append(run_point(heads, b, n, r, config, time_fn=time_fn,
-                                    check=first or check == 'all', buffers=buffers))
+      rec = earlier.get((heads, b, n, r))  # replayed: no device time, no budget
+      if rec is None:
+        if budget_s and time.monotonic() - start > budget_s:
+          notes.append(f'{heads[0]}/{heads[1]} heads, B={b}: cut by --budget_s={budget_s:g} '
+                       'before its walk ended')
+          walks.remove(w)
+          continue
+        rec = writer.append(run_point(heads, b, n, r, config, time_fn=time_fn,
+                                      check=first or check == 'all', buffers=buffers))
       records.append(rec)
       w[3], w[4] = rec, False
       logging.info('%d/%d B=%d n=%d r=%d: %s %s (%.0f s)', heads[0], heads[1], b, n, r,
@@ -596,7 +623,8 @@ def main(argv):
   cells = [(h, b) for b in batches for h in heads_list]
   records, thresholds = run(cells, config, _WORKDIR.value, slack=_SLACK.value,
                             search=_SEARCH.value, budget_s=_BUDGET_S.value,
-                            max_kv_bytes=max_bytes, time_fn=time_fn, check=_CHECK.value)
+                            max_kv_bytes=max_bytes, time_fn=time_fn, check=_CHECK.value,
+                            resume=_RESUME.value)
   with open(os.path.join(_WORKDIR.value, 'table.md')) as f:
     print(f.read())
   if _WRITE_THRESHOLDS.value:

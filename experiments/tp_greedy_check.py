@@ -8,6 +8,11 @@ of `--meshes` and checks that every mesh gives the tokens of the first. On two H
 
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
+
+Where a row differs, the record says at which step and how close the reference's top two
+log-probs were there (`first_difference`): a random model's top two logits are often within a
+few bf16 ulps, and TP sums each projection in two halves before its all-reduce, so a margin
+below ~0.05 is a near-tie flipped by rounding, a large one a real difference.
 """
 
 import json
@@ -22,6 +27,7 @@ from hydrajax.parallel import parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.generate import generate, prompt_node
+from models.sampling import SamplingParams
 
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (models.config.PRESETS)')
 _LAYERS = flags.DEFINE_integer('num_layers', 0, 'override the layer count (0: keep)')
@@ -31,6 +37,21 @@ _PREFIX = flags.DEFINE_integer('prefix_tokens', 1000, 'shared prompt length')
 _SAMPLES = flags.DEFINE_integer('samples', 8, 'rows under each of the two problems')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'greedy tokens per row')
 _WORKDIR = flags.DEFINE_string('workdir', '/tmp/tp_greedy', 'output folder')
+_REDUCE = flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
+                            'dtype of the all-reduces after wo and w_down with tp > 1')
+
+
+def first_differences(tokens, reference, top_logprobs, top_tokens):
+  """Per differing row: the first differing step, the reference's top-2 log-prob margin there
+  and whether the two tokens there are the reference's top two."""
+  out = []
+  for row in np.flatnonzero((tokens != reference).any(axis=1)):
+    step = int(np.flatnonzero(tokens[row] != reference[row])[0])
+    lp = top_logprobs[row, step]
+    out.append(dict(row=int(row), step=step, margin=float(lp[0] - lp[1]),
+                    swapped_top2=bool({int(tokens[row, step]), int(reference[row, step])}
+                                      == set(int(t) for t in top_tokens[row, step, :2]))))
+  return out
 
 
 def _prompts(vocab: int):
@@ -47,17 +68,24 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   prompts = _prompts(config.vocab_size)
   records, reference = [], None
+  sampling = SamplingParams(top_logprobs=2)
   for spec in _MESHES.value:
     mesh = parse_mesh(spec)
-    model = sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16)
-    out = generate(model, prompts, max_new_tokens=_NEW.value, impl=_IMPL.value)
+    model = sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
+    out = generate(model, prompts, max_new_tokens=_NEW.value, impl=_IMPL.value,
+                   sampling=sampling)
     tokens = np.asarray(out.tokens)
-    reference = tokens if reference is None else reference
+    if reference is None:
+      reference, ref_lp, ref_top = tokens, np.asarray(out.top_logprobs), np.asarray(out.top_tokens)
     same = bool(np.array_equal(tokens, reference))
+    diffs = first_differences(tokens, reference, ref_lp, ref_top)
+    margins = sorted(d['margin'] for d in diffs)
     records.append(dict(mesh=spec, preset=_PRESET.value, layers=config.num_layers,
                         impl=_IMPL.value, rows=int(tokens.shape[0]), new_tokens=_NEW.value,
                         identical_to_first=same,
                         rows_differing=int((tokens != reference).any(axis=1).sum()),
+                        tp_reduce_dtype=_REDUCE.value, first_difference=diffs,
+                        max_margin_at_difference=margins[-1] if margins else None,
                         device=jax.devices()[0].device_kind))
     logging.info('%s', records[-1])
   with open(os.path.join(_WORKDIR.value, 'results.jsonl'), 'w') as f:

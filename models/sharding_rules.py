@@ -216,11 +216,11 @@ def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, r
                tp_reduce_dtype=None):
   """A `Llama` with random parameters created straight in their shards (no whole copy anywhere).
 
-  The parameters are made by one jitted init whose `out_shardings` come from
-  their `logical_axes`, so each device computes only its own slices.
-  `tp_reduce_dtype`: see `Llama` (default float32).
+  Each parameter is drawn by a small jitted program whose `out_shardings` come
+  from its `logical_axes`, so each device computes only its own slices; the
+  values equal the one-device model's. `tp_reduce_dtype`: see `Llama` (default float32).
   """
-  from models.llama import Llama  # llama imports this module
+  from models.llama import PARAM_PLACEMENT, Llama  # llama imports this module
   import jax.numpy as jnp
 
   dtype = jnp.float32 if dtype is None else dtype
@@ -230,10 +230,13 @@ def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, r
   make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **extra)
   if mesh is None:
     return make()
-  graphdef, abstract = nnx.split(nnx.eval_shape(make))
-  shardings = param_shardings(abstract, mesh, rules)
-  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
+  placement = lambda names, shape: NamedSharding(
+      mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
+  token = PARAM_PLACEMENT.set(placement)
+  try:
+    return make()
+  finally:
+    PARAM_PLACEMENT.reset(token)
 
 
 def describe(state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:

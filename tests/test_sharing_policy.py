@@ -534,3 +534,45 @@ def test_generate_applies_the_policy_without_changing_tokens(tiny_model, monkeyp
   # min_rows=2: the one-row leaves that can move do; the shared ones stay.
   assert [(s.kv_length, s.num_rows) for s in applied[2][3].segments] == [
       (64, 4), (128, 2), (64, 2), (5, 1)]
+
+
+def test_break_even_resume_replays_earlier_points_and_runs_only_the_rest(tmp_path):
+  """--resume: a sweep cut short goes on where it stopped, with the same walk and thresholds."""
+  from experiments import break_even
+  from hydrajax.benchmarking import timing
+
+  ratios = {(128, 1): 1.5, (128, 2): 0.5, (64, 2): 1.5, (64, 4): 0.4}
+  timed = []
+
+  def ratio_time(points):
+    """Batched takes ratio µs, per-sequence 1 µs, for the given points in turn."""
+    calls = iter([t for p in points for t in (ratios[p], 1.0)])
+
+    def time_fn(fn, q, k, v, plan, **kw):
+      timed.append(plan)
+      us = next(calls)
+      return timing.Timing(us * 1e-6, (us * 1e-6,), 1, 'given', 0)
+    return time_fn
+
+  config = dict(head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
+                impl='xla', rows_checked=2, seed=0, timing={}, lengths=[64, 128], rows=[1, 2, 4])
+  walk = [(128, 1), (128, 2), (64, 2), (64, 4)]  # staircase at B=4: 128 from r=1, 64 from r=2
+  full, th_full = break_even.run([((2, 1), 4)], config, str(tmp_path / 'a'), slack=0.03,
+                                 search='staircase', time_fn=ratio_time(list(walk)))
+  assert [(r['length'], r['rows']) for r in full] == walk
+  # A run cut after two points, then resumed: only the last two points are timed again.
+  lines = (tmp_path / 'a' / 'results.jsonl').read_text().splitlines(keepends=True)
+  (tmp_path / 'b').mkdir()
+  (tmp_path / 'b' / 'results.jsonl').write_text(''.join(lines[:2]))
+  timed.clear()
+  resumed, th_resumed = break_even.run([((2, 1), 4)], config, str(tmp_path / 'b'), slack=0.03,
+                                       search='staircase', time_fn=ratio_time(list(walk[2:])),
+                                       resume=True)
+  assert len(timed) == 4  # two points, two variants each
+  assert [(r['length'], r['rows'], r['ratio']) for r in resumed] == [
+      (r['length'], r['rows'], r['ratio']) for r in full]
+  assert th_resumed['tables'] == th_full['tables']
+  assert len(break_even.report.read_jsonl(str(tmp_path / 'b' / 'results.jsonl'))) == 4
+  # Another workload (page size) replays nothing.
+  other = dict(config, page_size=128)
+  assert break_even.earlier_points(str(tmp_path / 'b' / 'results.jsonl'), other) == {}
