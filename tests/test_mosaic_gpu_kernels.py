@@ -111,6 +111,42 @@ PACKED_CASES = [
 ]
 
 
+LONG_LENGTHS = (64, 65, 127, 128, 129, 200)  # whole 64-token steps of one row, and past them
+
+LONG_CASES = [  # (page size, query tokens T, query heads N, kv heads K, num_sms, private lengths)
+    # rows of 64..200 tokens after a 3-token row: their fast steps start mid-page and cross
+    # into the next page, which follows (contiguous, one copy) or not (8 copies)
+    (64, 1, 8, 2, None, (3, *LONG_LENGTHS)),  # GQA 4:1, 2 rows per frame
+    (128, 1, 8, 1, 1, (1, 129, 64, 200, 3, 65, 128, 127)),  # MQA, one frame of 8 rows
+    (16, 2, 8, 2, 1, (200, 5, *LONG_LENGTHS)),  # pages below a step: fast steps over 4-5 pages
+    (64, 2, 8, 1, None, (*LONG_LENGTHS, 9)),  # MQA, T = 2: one row per frame
+    (128, 2, 8, 2, None, (129, 2, 200, 64, 127)),
+    (16, 1, 8, 1, None, (65, 128, 2, 200)),
+]
+
+
+def _long_rows_plan(page: int, lengths, *, prefix: int = 19):
+  """One shared prefix of `prefix` tokens, then each row's private tokens over pages of `page`
+  tokens: the pages of even rows follow one another, those of odd rows run backwards (a step
+  that crosses a page boundary is one copy only in even rows)."""
+  base = hydrajax.plan_tree(PromptNode(prefix, num_samples=len(lengths)), private_capacity=page)
+  first = -(-base.shared_tokens() // page)
+  pages, next_page = [], first
+  for b, n in enumerate(lengths):
+    count = max(1, -(-n // page))
+    row = list(range(next_page, next_page + count))
+    pages.append(tuple(row if b % 2 == 0 else row[::-1]))
+    next_page += count
+  return hydrajax.SharingPlan(
+      len(lengths), base.segments, page, tuple(pages), tuple(lengths), next_page * page
+  )
+
+
+def _long_case_id(case):
+  page, t, n, k, sms, _ = case
+  return f'page={page}_T={t}_heads={n}/{k}_sms={sms}'
+
+
 def _flat_buffer(plan, kc, vc, *, layers: int, layer: int, dirty: bool):
   """The layer's caches at `layer` of a flat [layers * L', K, H] buffer (L' = L rounded up to
   a page), and its offset. `dirty`: every slot no row attends (the other layers, padding,
@@ -199,6 +235,26 @@ class TestMosaicGpuKernels:
     got = self._run(q, kc, vc, plan.to_device(), scale=0.05)
     want = hydrajax.naive_tree_attention(q, kc, vc, plan, scale=0.05)
     _assert_states_close(got, want, jnp.float16)
+
+  @pytest.mark.parametrize('case', LONG_CASES, ids=_long_case_id)
+  def test_long_rows(self, case):
+    """Private rows of 64..200 tokens (the private kernel's one-row fast steps, the steps
+    around them that mix rows or end a row) at a layer offset in a buffer whose every
+    unattended slot is NaN/inf: bitwise equal to the clean buffer, close to XLA and the oracle."""
+    page, t, n, k, sms, lengths = case
+    plan = _long_rows_plan(page, lengths)
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=60 + LONG_CASES.index(case))
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=False)
+    got = self._attend(q, fk, fv, layout, kv_offset=jnp.int32(offset), num_sms=sms)
+    _assert_states_close(got, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
+    _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    dirty = self._attend(q, fk, fv, layout, kv_offset=jnp.int32(offset), num_sms=sms)
+    as_f32 = lambda x: np.asarray(x, np.float32)
+    np.testing.assert_array_equal(as_f32(dirty.out), as_f32(got.out))
+    np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
 
   @pytest.mark.parametrize('case', PACKED_CASES, ids=_case_id)
   def test_packed_frames(self, case):

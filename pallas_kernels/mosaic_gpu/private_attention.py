@@ -19,6 +19,16 @@ those V rows in shared memory while its QK wgmma runs, so unwritten or stale
 slots never reach an output through 0 * inf. Token indices are `kv_offset` (an
 operand) plus the page's.
 
+Per step, the scalar work is a plan of the step `slots` ahead (its chunks' first
+tokens, page ids read while this step's QK wgmma runs so the refill copy goes
+out as soon as the slot is free, and its valid tokens per lane packed in
+one int32 carried to the step that consumes it). A step of 8 more chunks of one
+row (long rows: 64 tokens, one or two page-id reads, one copy when they are
+contiguous) is planned in closed form; others walk their 8 lanes. The score
+mask needs no walk: each query row sees one range of the packed lane-token
+positions (its row's chunks, cut at its length and causal bound), two per-row
+bounds computed once, so a step's mask is two compares per score.
+
 Merge phase: the rows' shared partial states are read from the shared kernel's
 item buffers straight into registers, one 64-row window per (path column, kv
 split, run of the frame's rows under one segment); the next window is loaded
@@ -59,6 +69,9 @@ from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operan
 
 _BLK = PRIVATE_BLOCK
 _LANES = PRIVATE_BLOCK // CHUNK  # chunks per step
+# A step's valid tokens per lane, 4 bits a lane (lane j at bits 4j..4j+3), as an int32:
+_FULL = 0x88888888 - (1 << 32)  # every lane 8
+_FULL_BUT_LAST = 0x08888888  # lanes 0..6 8, lane 7 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +193,8 @@ def private_attention(
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
     smem, (q_bar, k_bars, v_bars) = refs[2:]
-    q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, o_staging, lse_staging = smem
+    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
+     lse_staging) = smem
 
     frame = lax.axis_index('frame')
     kv_head = lax.axis_index('kv_head')
@@ -206,48 +220,56 @@ def private_attention(
     else:  # the last query token among this tile's rows
       t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(g_size)), t_tok - 1)
 
-    # The frame's private lengths, read once (independent loads) into shared memory: the
-    # chunk walks below read them at dynamic rows, one after the other.
-    for r in range(r_rows):
-      length = lengths_ref[jnp.minimum(row0 + r, b_rows - 1)]
-      len_smem[r] = jnp.where(r < rows_here, length, 0)
-
-    def row_length(r):
-      """(inside the frame and batch, private length, tokens the frame's queries see)."""
-      inside = r < rows_here
-      length = jnp.where(inside, len_smem[jnp.minimum(r, r_rows - 1)], 0)
-      seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
-      return inside, length, seen
-
-    def lane_at(cursor):
-      """The chunk at cursor (row r, chunk i) and the next cursor; a row with no chunk
-      still takes one (empty) lane, so the walk needs no search."""
-      r, i = cursor
-      inside, length, seen = row_length(r)
-      chunks = lax.div(seen + (CHUNK - 1), jnp.int32(CHUNK))
-      real = inside & (i < chunks)
-      more = i + 1 < jnp.maximum(chunks, 1)
-      nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
-      return (r, i * CHUNK, real, length), nxt
-
+    # Per row of the frame, once (independent loads): its private length and its chunks (of
+    # the tokens the frame's queries see), into shared memory for the chunk walk, which reads
+    # them at dynamic rows; its lanes (a row with no chunk takes one empty lane) and its first
+    # lane, as scalars for the score mask below.
+    lengths, chunk_counts, lane_starts = [], [], []
     lanes_total = jnp.int32(0)
     for r in range(r_rows):
-      inside, _, seen = row_length(jnp.int32(r))
-      chunks = lax.div(seen + (CHUNK - 1), jnp.int32(CHUNK))
+      inside = r < rows_here
+      length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
+      seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
+      chunks = lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))  # seen >= 0: // CHUNK
+      len_smem[r] = length
+      chunk_smem[r] = chunks
+      lengths.append(length)
+      chunk_counts.append(chunks)
+      lane_starts.append(lanes_total)
       lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
-    num_steps = lax.div(lanes_total + (_LANES - 1), jnp.int32(_LANES))
+    num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // _LANES
 
-    def walk(cursor):
-      """The next 8 lanes [(r, pos, real)] and the cursor after them (no memory reads)."""
-      lanes = []
-      for _ in range(_LANES):
-        (r, pos, real, _), cursor = lane_at(cursor)
-        lanes.append((r, pos, real))
-      return lanes, cursor
+    # ---- the chunk walk: which chunks a step copies, read one step ahead ----
+    # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
+    # row. A step's plan is its 8 first KV tokens (the layer's first 8 for a lane with no
+    # chunk), whether they are 64 contiguous tokens, the cursor after it, and its valid
+    # tokens per lane packed 4 bits a lane (`_FULL`: every lane 8 valid tokens).
+    def row_chunks(r):
+      """(chunks, length) of frame row r; (0, 0) past the frame's rows."""
+      rr = jnp.minimum(r, r_rows - 1)
+      here = r < r_rows
+      return jnp.where(here, chunk_smem[rr], 0), jnp.where(here, len_smem[rr], 0)
+
+    def lane_at(cursor):
+      """The chunk at cursor: (r, pos, real, valid tokens), and the next cursor. One shared-
+      memory read on the walk's dependent chain (chunks and lengths were counted once)."""
+      r, i = cursor
+      chunks, length = row_chunks(r)
+      real = i < chunks
+      more = i + 1 < jnp.maximum(chunks, 1)
+      nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
+      pos = i * CHUNK
+      return (r, pos, real, jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)), nxt
+
+    def pack(valids):
+      packed = jnp.int32(0)
+      for j, valid in enumerate(valids):
+        packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
+      return packed
 
     def tokens(lanes):
-      """First KV token of each lane's chunk (the layer's first 8 for a lane with none) and
-      whether the 8 chunks are 64 contiguous tokens."""
+      """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
+      tokens (8 independent page-id reads)."""
       toks, contiguous = [], lanes[0][2]
       for j, (r, pos, real) in enumerate(lanes):
         page = lax.div(pos, jnp.int32(c))
@@ -257,6 +279,51 @@ def private_attention(
         if j:
           contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
       return toks, contiguous
+
+    def run_tokens(r, pos0):
+      """`tokens` of 8 chunks of row r from token pos0 (a fast step). With pages of >= 64
+      tokens the step spans at most two pages: two page-id reads, and the step is one copy
+      unless it crosses into a page that does not follow."""
+      if c < _BLK:
+        return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(_LANES)])
+      row = jnp.minimum(row0 + r, b_rows - 1)
+      page = lax.div(pos0, jnp.int32(c))
+      left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
+      id0 = pages_ref[row, jnp.minimum(page, max_pages - 1)]
+      id1 = pages_ref[row, jnp.minimum(page + 1, max_pages - 1)]
+      first = kv_offset + id0 * c + (pos0 - page * c)
+      second = kv_offset + id1 * c - left
+      toks = [first] + [
+          jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, _LANES)
+      ]
+      return toks, (left >= _BLK) | (id1 == id0 + 1)
+
+    def plan_step(cursor):
+      """The next step's plan (see above). Fast path: 8 more chunks of the cursor's row (a long
+      row), in closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
+      r, i = cursor
+      chunks, length = row_chunks(r)
+
+      def fast():
+        pos0 = i * CHUNK
+        more = i + _LANES < chunks
+        nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + _LANES, 0))
+        # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
+        last = jnp.clip(length - pos0 - (_LANES - 1) * CHUNK, 0, CHUNK)
+        packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (_LANES - 1)))
+        return (*run_tokens(r, pos0), *nxt, packed)
+
+      def general():
+        lanes, valids, cur = [], [], cursor
+        for _ in range(_LANES):
+          (lr, pos, real, valid), cur = lane_at(cur)
+          lanes.append((lr, pos, real))
+          valids.append(valid)
+        return (*tokens(lanes), *cur, pack(valids))
+
+      toks, contiguous, *rest = lax.cond(i + _LANES <= chunks, fast, general)
+      nr, ni, packed = rest
+      return (nr, ni), (toks, contiguous), packed
 
     def copy_step(slot, toks, contiguous):
       """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
@@ -279,74 +346,58 @@ def private_attention(
         for j in range(_LANES):
           copy(toks[j], CHUNK, j)
 
-    def issue(slot, cursor, active):
-      """Walks the next 8 lanes; when `active`, reads their pages and copies their chunks."""
-      lanes, cursor = walk(cursor)
-
-      @pl.when(active)
-      def _():
-        copy_step(slot, *tokens(lanes))
-
-      return cursor
-
-    # The first steps: every lane walked and every page read before the first copy, so the
-    # page reads of all slots share one round trip.
+    # The first steps: every plan (page ids included) before the first copy.
     cursor = (jnp.int32(0), jnp.int32(0))
     first_steps = []
     for _ in range(slots):
-      lanes, cursor = walk(cursor)
-      first_steps.append(tokens(lanes))
-    for slot, (toks, contiguous) in enumerate(first_steps):
-      pl.when(slot < num_steps)(lambda slot=slot, t=toks, cont=contiguous: copy_step(slot, t, cont))
+      cursor, toks, packed = plan_step(cursor)
+      first_steps.append((toks, packed))
+    for slot, (toks, _) in enumerate(first_steps):
+      pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
+    packs = tuple(packed for _, packed in first_steps)
 
-    # ---- static index vectors of the 64 x BLK score tile ----
-    rows = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 0, layout=plgpu.Layout.WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-    lane = floor_div(cols, CHUNK)
-    sub = cols - lane * CHUNK  # token within the chunk
+    # ---- the score mask: two compares against per-row bounds ----
+    # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
+    # g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
+    # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
+    # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
+    # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
+    index = osm.row_index(WG_M)  # [64] score row, ROWS layout
     if r_rows > 1:
-      row_of = floor_div(rows, tgp)
-      within = rows - row_of * tgp
+      rho = floor_div(index, tgp)  # frame row of each score row
+      within = index - rho * tgp
     else:
-      row_of = None
-      within = rows + q0
-    if t_tok > 1:  # query token of each score row
-      t_of = floor_div(within, g_size)
+      rho = None
+      within = index + q0
+    t_of = floor_div(within, g_size) if t_tok > 1 else None  # query token of each score row
 
-    def step_mask(cursor):
-      """Visibility [64, BLK] of the next 8 lanes, their valid tokens (8 scalars in 0..8)
-      and the cursor after them.
+    def per_row(values):
+      """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
+      if rho is None:
+        return jnp.zeros_like(index) + values[0]
+      out = jnp.zeros_like(index)
+      for r, value in enumerate(values):
+        out = jnp.where(rho == r, value, out)
+      return out
 
-      Per lane, key = 16 * row + valid tokens (0..8): a score is visible iff
-      sub < key - 16 * its own row < 16, i.e. the chunk is its row's and the
-      token is valid; for T > 1 also sub < (length - T + 1 - pos) + t.
-      """
-      key = jnp.zeros_like(cols)
-      causal = jnp.zeros_like(cols) if t_tok > 1 else None
-      valids = []
-      for j in range(_LANES):
-        (r, pos, real, length), cursor = lane_at(cursor)
-        valid = jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)
-        valids.append(valid)
-        key = jnp.where(lane == j, r * 16 + valid, key)
-        if causal is not None:
-          causal = jnp.where(lane == j, length - t_tok + 1 - pos, causal)
-      x = key - row_of * 16 if row_of is not None else key
-      visible = (sub < x) & (x < 16)
-      if causal is not None:
-        visible = visible & (sub < causal + t_of)
-      return visible, valids, cursor
+    lo_rows = per_row([s * CHUNK for s in lane_starts])
+    bound = per_row([jnp.minimum(n, k * CHUNK) for n, k in zip(lengths, chunk_counts)])
+    if t_of is not None:
+      bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
+    hi_rows = lo_rows + jnp.maximum(bound, 0)
+    cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
 
-    def any_partial(valids):
-      """Whether a lane of the step holds fewer than 8 valid tokens."""
-      partial = valids[0] < CHUNK
-      for valid in valids[1:]:
-        partial = partial | (valid < CHUNK)
-      return partial
+    def step_mask(step):
+      first = step * _BLK
+      lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
+      hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
+      return (cols >= lo) & (cols < hi)
 
-    def zero_unseen(v_smem, valids):
+    def zero_unseen(v_smem, packed):
       """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
       lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
+      valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(_LANES)]
+
       def keep(r):
         lane_r = floor_div(r, CHUNK)
         count = jnp.zeros_like(r)
@@ -405,10 +456,11 @@ def private_attention(
     plgpu.barrier_wait(q_bar.at[0])
 
     def private_step(step, carry):
-      acc, m_i, l_i, issue_at, consume_at = carry
+      acc, m_i, l_i, cursor, packs = carry
       slot = lax.rem(step, jnp.int32(slots))
-      visible, valids, consume_at = step_mask(consume_at)
-      partial = any_partial(valids)
+      packed = packs[0]
+      partial = packed != _FULL  # a lane with fewer than 8 valid tokens
+      visible = step_mask(step)
       plgpu.barrier_wait(k_bars.at[slot])
       # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
       # other waits after the softmax, so V's arrival overlaps QK (long rows).
@@ -416,27 +468,32 @@ def private_attention(
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-        pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], valids))
-        return acc_ref[...]
+        # While the QK wgmma runs: the plan of step + slots (its page ids included), so the
+        # refill of this slot after the PV wgmma is only the copy.
+        plan = plan_step(cursor)
+        pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
+        return acc_ref[...], plan
 
-      s = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
+      s, (cursor, next_toks, next_packed) = pl.run_scoped(
+          qk, plgpu.ACC((WG_M, _BLK), jnp.float32)
+      )
       acc, m_new, l_i, p16 = osm.step(
           s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
       )
       pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
       acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
-      issue_at = issue(slot, issue_at, step + slots < num_steps)
-      return acc, m_new, l_i, issue_at, consume_at
+      pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
+      return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
 
     acc, m_i, l_i, _, _ = lax.fori_loop(
-        0, num_steps, private_step, (acc, m_i, l_i, cursor, (jnp.int32(0), jnp.int32(0)))
+        0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
     )
 
     # ---- merge phase ----
     if merging:
-      if r_rows > 1:
-        frame_row = row_of.astype(jnp.float32).max(axis=1)  # [64]: each score row's frame row
+      if rho is not None:
+        frame_row = rho.astype(jnp.float32)  # [64]: each score row's frame row
       else:
         frame_row = None
 
@@ -533,6 +590,7 @@ def private_attention(
       plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
       plgpu.SMEM((WG_M,), jnp.float32),
       plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
+      plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
       # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
       plgpu.SMEM((WG_M // g_size, g_size, h), dtype) if interpret and direct else None,
       plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
