@@ -8,9 +8,13 @@ Per point (G completions of T tokens sharing one P-token prompt):
   per-sequence causal attention over every sample's own P + T tokens,
   `jax.nn.dot_product_attention` with implementation 'cudnn' (`per_seq_cudnn`,
   GPU only) and 'xla' (`per_seq_xla`, skipped where its score matrix passes
-  --max_scores_gb). Outputs are checked against the first per-sequence
-  baseline that ran before timing. floor_s: the roofline of the shared
-  computation (`hydrajax.training.costs`, measured ceilings).
+  --max_scores_gb). `shared_mosaic_gpu`: `shared_xla` with the shared prompts'
+  forward and backward in the Hopper kernels of
+  `pallas_kernels/mosaic_gpu/training_attention.py` (`impl='mosaic_gpu'`; Hopper and
+  bf16 / f16 only, recorded 'unsupported' elsewhere, e.g. in the CPU smoke).
+  Outputs are checked against the first per-sequence baseline that ran before
+  timing. floor_s: the roofline of the shared computation (`hydrajax.training.costs`,
+  measured ceilings).
 * step: value and gradient of the GRPO loss of a Llama (`--step_preset` with
   `--step_layers` layers) over the same shapes, with `shared_forward` against
   `per_sequence_forward` (cuDNN / XLA attention). floor_s: dense matmul FLOPs
@@ -25,6 +29,12 @@ The H200 command (one GPU, sized to finish in under 5 minutes):
   PYTHONPATH=. python -m experiments.train_bench --nosmoke \
       --workdir=experiments/results/train_bench
 
+With the Mosaic GPU kernels next to cuDNN at the issue's point (attention only):
+
+  PYTHONPATH=. python -m experiments.train_bench --nosmoke --points=64:8192:1024 \
+      --impls=per_seq_cudnn,shared_xla,shared_mosaic_gpu --step_points= \
+      --workdir=experiments/results/train_bench_mgpu
+
 (--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024 at 32/8 heads, d=128, bf16;
 --step_points=32:8192:1024 with llama3_8b at 2 layers and a 32K vocabulary. The whole
 issue grid, G in {8, 16, 64} x prompt 1K-8K x completion 256-2K, is --points=... over
@@ -33,6 +43,7 @@ Writes, into --workdir: results.jsonl (one record per implementation and point,
 plus the ceilings), table.md, time.png.
 """
 
+import functools
 import gc
 import os
 import time
@@ -48,6 +59,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hydrajax.benchmarking import report, roofline, timing
+from hydrajax.dispatch import hopper_reason
 from hydrajax.training import costs
 from hydrajax.training import prefill_layout as pl
 from models.config import get_config
@@ -65,7 +77,8 @@ _STEP_PRESET = flags.DEFINE_string('step_preset', None,
 _STEP_LAYERS = flags.DEFINE_integer('step_layers', 2, 'layers of the step model (reduced to fit)')
 _STEP_VOCAB = flags.DEFINE_integer(
     'step_vocab', None, 'vocabulary of the step model (smoke: the preset\'s; H200: 32000)')
-_IMPLS = flags.DEFINE_list('impls', ['shared_xla', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
+_IMPLS = flags.DEFINE_list(
+    'impls', ['shared_xla', 'shared_mosaic_gpu', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
 _KV_BLOCK = flags.DEFINE_integer('kv_block', 1024, 'kv tokens per score block of shared_xla')
 _MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0,
                                     'skip per_seq_xla above this f32 score size, GB')
@@ -98,10 +111,21 @@ def _per_seq_attention(impl):
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
 
 
-def _unsupported(impl):
+def _unsupported(impl, dtype=None):
   if impl == 'per_seq_cudnn' and jax.default_backend() != 'gpu':
     return 'cuDNN needs a GPU'
+  if impl == 'shared_mosaic_gpu':
+    if hopper_reason() is not None:
+      return f'Mosaic GPU kernels: {hopper_reason()}'
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                      jnp.dtype(jnp.float16)):
+      return f'Mosaic GPU kernels need bf16 / f16, got {jnp.dtype(dtype).name}'
   return None
+
+
+def _impl(name):
+  """impl argument of prefill_attention for a shared_* variant."""
+  return 'mosaic_gpu' if name == 'shared_mosaic_gpu' else 'xla'
 
 
 def _time(fn, *args):
@@ -123,10 +147,11 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
   q_p, q_c, k_p, k_c, v_p, v_c = shared_args
   seq_args = (seq(q_p, q_c), seq(k_p, k_c), seq(v_p, v_c))  # [G, P + T, ...]
 
-  def shared(*a):
+  def shared(*a, impl='xla'):
     q_p, q_c, k_p, k_c, v_p, v_c = a
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value)
+    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value,
+                                              impl=impl)
     return prompt.out, completion.out
 
   def fwd_bwd(fn, args):
@@ -140,14 +165,14 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
               per_seq=costs.training_attention_cost(1, g, p, t, n, kh, head_dim, shared=False,
                                                     dtype_bytes=jnp.dtype(dtype).itemsize))
   records, reference = [], None
-  order = sorted(_IMPLS.value, key=lambda i: i == 'shared_xla')  # baselines first: the check
+  order = sorted(_IMPLS.value, key=lambda i: i.startswith('shared'))  # baselines first: the check
   for impl in order:
     rec = dict(kind='attention', impl=impl, G=g, P=p, T=t, N=n, K=kh, H=head_dim,
                dtype=jnp.dtype(dtype).name)
-    kind = 'shared' if impl == 'shared_xla' else 'per_seq'
+    kind = 'shared' if impl.startswith('shared') else 'per_seq'
     rec['floor_s'] = cost[kind].floor_s(ceilings)
     rec['flops'] = cost[kind].flops
-    reason = _unsupported(impl)
+    reason = _unsupported(impl, dtype)
     scores_gb = g * n * (p + t) ** 2 * 4 / 1e9
     if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
       reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
@@ -155,9 +180,9 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
       records.append(dict(rec, status='unsupported', reason=reason))
       continue
     try:
-      if impl == 'shared_xla':
-        fn, args = fwd_bwd(shared, shared_args)
-        prompt_out, completion_out = jax.jit(shared)(*args)
+      if kind == 'shared':
+        fn, args = fwd_bwd(functools.partial(shared, impl=_impl(impl)), shared_args)
+        prompt_out, completion_out = jax.jit(functools.partial(shared, impl=_impl(impl)))(*args)
         out = jnp.concatenate([prompt_out[0], completion_out.reshape(-1, n, head_dim)])
       else:
         fn, args = fwd_bwd(_per_seq_attention(impl), seq_args)
@@ -201,7 +226,7 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
   head_flops = 6 * g * t * config.dim * config.vocab_size
   records = []
   for impl in _IMPLS.value:
-    shared = impl == 'shared_xla'
+    shared = impl.startswith('shared')
     tokens = p + g * t if shared else g * (p + t)
     attn = costs.training_attention_cost(1, g, p, t, config.num_heads, config.num_kv_heads,
                                          config.head_dim, shared=shared)
@@ -211,6 +236,8 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
                dtype=jnp.dtype(dtype).name, flops=float(flops),
                floor_s=flops / ceilings.matmul_rate)
     reason = _unsupported(impl)
+    if impl == 'shared_mosaic_gpu':
+      reason = 'the step model does not take impl yet (attention points only)'
     scores_gb = g * config.num_heads * (p + t) ** 2 * 4 / 1e9
     if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
       reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
@@ -247,11 +274,12 @@ def _speedups(records):
   for r in records:
     by_point.setdefault((r['kind'], r['G'], r['P'], r['T']), {})[r['impl']] = r
   for impls in by_point.values():
-    ours = impls.get('shared_xla', {}).get('time_s')
-    for name in ('per_seq_cudnn', 'per_seq_xla'):
-      base = impls.get(name, {}).get('time_s')
-      if ours and base:
-        impls['shared_xla'][f'speedup_vs_{name}'] = base / ours
+    for shared in ('shared_xla', 'shared_mosaic_gpu'):
+      ours = impls.get(shared, {}).get('time_s')
+      for name in ('per_seq_cudnn', 'per_seq_xla'):
+        base = impls.get(name, {}).get('time_s')
+        if ours and base:
+          impls[shared][f'speedup_vs_{name}'] = base / ours
 
 
 def main(argv):

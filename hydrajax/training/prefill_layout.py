@@ -152,16 +152,20 @@ def prefill_attention(
     *,
     scale: float | None = None,
     kv_block: int = 1024,
+    impl: str = 'xla',
+    interpret: bool = False,
 ) -> tuple[PartialState, PartialState]:
   """Causal attention of the prompts and of the completions (over their shared prompt).
 
   Differentiable in every argument but the layout. Returns the prompt state
   (out [Bp, P, N, H], lse [Bp, P, N]) and the completion state (out [Bp * G, T, N, H], ...).
+  impl, interpret: as in `tree_attention_differentiable` ('mosaic_gpu': the completions'
+  shared prompts by the Hopper kernels; the prompts' own causal attention stays on XLA).
   """
-  prompt = tree_attention_differentiable(
-      q_prompt, k_buffer, v_buffer, layout.prompt_layout, scale=scale, kv_block=kv_block)
+  kw = dict(scale=scale, kv_block=kv_block, impl=impl, interpret=interpret)
+  prompt = tree_attention_differentiable(q_prompt, k_buffer, v_buffer, layout.prompt_layout, **kw)
   completion = tree_attention_differentiable(
-      q_completion, k_buffer, v_buffer, layout.completion_layout, scale=scale, kv_block=kv_block)
+      q_completion, k_buffer, v_buffer, layout.completion_layout, **kw)
   return prompt, completion
 
 

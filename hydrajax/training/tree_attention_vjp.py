@@ -18,6 +18,11 @@ A shared segment's dK and dV contract the M = rows x T x G dimension away in one
 matmul per kv block: the prompt's gradient is accumulated once, never per row.
 Both passes walk long segments in kv blocks (a scan), so memory is bounded by
 one block of scores.
+
+`impl='mosaic_gpu'` computes the shared segments' partial states (forward) and
+their dQ, dK, dV (backward) with the Hopper kernels of
+`pallas_kernels.mosaic_gpu.training_attention`, one call per segment; the private
+(causal, per-row) parts and the merge stay on this XLA path.
 """
 
 import dataclasses
@@ -32,6 +37,15 @@ from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.tree_attention import merge_into_rows
 from hydrajax.validation import check_tree_attention_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """Which kernels compute the shared segments (static): 'xla', 'mosaic_tpu' or 'mosaic_gpu'."""
+
+  forward: str = 'xla'
+  backward: str = 'xla'
+  interpret: object = False  # the kernels' interpret mode (see tree_attention_differentiable)
 
 
 def _precision(dtype):
@@ -135,12 +149,36 @@ def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
   return out, lse
 
 
-def _forward(q, k_cache, v_cache, layout, scale, kv_block):
+def _segment_args(x, j, kh):
+  """x [Z, M, K, G, ...] (`_fold`) -> segment j's [M, N, ...], N = K * G (kv-head major)."""
+  return x[j].reshape(x.shape[1:2] + (kh * x.shape[3],) + x.shape[4:])
+
+
+def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interpret):
+  """`_part_forward` of a segment group with the Mosaic GPU kernel, one call per segment."""
+  from pallas_kernels.mosaic_gpu.training_attention import segment_forward  # imports hydrajax
+
+  kh = k_cache.shape[1]
+  qz = _fold(q_pad, part.rows, kh)  # [Z, M, K, G, H]
+  outs, lses = [], []
+  for j in range(part.rows.shape[0]):  # segments of one group: few
+    tok = part.tokens[j]
+    out, lse = segment_forward(_segment_args(qz, j, kh), k_cache[tok], v_cache[tok],
+                               part.limit[j, 0], scale=scale, interpret=interpret)
+    outs.append(out.astype(jnp.float32).reshape(qz.shape[1:]))
+    lses.append(lse.reshape(qz.shape[1:-1]))
+  return jnp.stack(outs), jnp.stack(lses)
+
+
+def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   b, t, n, h = q.shape
   q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
   rows, outs, lses = [], [], []
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
-    out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
+    if part.shared and kernels.forward == 'mosaic_gpu':
+      out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels.interpret)
+    else:
+      out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
     z, r = part.rows.shape
     rows.append(jnp.broadcast_to(part.rows.reshape(-1), (z * r,)))
     outs.append(out.reshape(z * r, t, n, h))
@@ -213,8 +251,33 @@ def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, p
   return jnp.stack(dqs), dk, dv
 
 
+def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
+                              scale, dk, dv, interpret):
+  """`_part_backward` of a segment group with the Mosaic GPU kernels, one call per segment.
+
+  Each call reduces dK, dV over the segment's rows and GQA heads in the kernel.
+  """
+  from pallas_kernels.mosaic_gpu.training_attention import segment_backward
+
+  kh = k_cache.shape[1]
+  qz, doz = _fold(q_pad, part.rows, kh), _fold(do_pad, part.rows, kh)  # [Z, M, K, G, H]
+  lsez, deltaz = _fold(lse_pad, part.rows, kh), _fold(delta_pad, part.rows, kh)  # [Z, M, K, G]
+  args = lambda j: [_segment_args(x, j, kh) for x in (qz, doz, lsez, deltaz)]
+  dqs = []
+  for j in range(part.rows.shape[0]):
+    q_j, do_j, lse_j, delta_j = args(j)
+    tok = part.tokens[j]
+    dq, dk_j, dv_j = segment_backward(q_j, k_cache[tok], v_cache[tok], do_j, lse_j, delta_j,
+                                      part.limit[j, 0], scale=scale, interpret=interpret)
+    dqs.append(dq.astype(jnp.float32).reshape(qz.shape[1:]))
+    # Positions past the segment's length get exact zeros (their tokens belong to others).
+    dk = dk.at[tok].add(dk_j.astype(jnp.float32))
+    dv = dv.at[tok].add(dv_j.astype(jnp.float32))
+  return jnp.stack(dqs), dk, dv
+
+
 def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
-              kernel_interpret):
+              kernels: _Kernels):
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
@@ -226,9 +289,12 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
   dk = jnp.zeros(k_cache.shape, jnp.float32)
   dv = jnp.zeros(v_cache.shape, jnp.float32)
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
-    if part.shared and kernel_interpret is not None:
+    if part.shared and kernels.backward == 'mosaic_tpu':
       dq_z, dk, dv = _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
-                                           part, scale, dk, dv, kernel_interpret)
+                                           part, scale, dk, dv, kernels.interpret)
+    elif part.shared and kernels.backward == 'mosaic_gpu':
+      dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
+                                               v_cache, part, scale, dk, dv, kernels.interpret)
     else:
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)
@@ -238,12 +304,12 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret):
-  return _forward(q, k_cache, v_cache, layout, scale, kv_block)
+def _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels):
+  return _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels)
 
 
-def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret):
-  state = _forward(q, k_cache, v_cache, layout, scale, kv_block)
+def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block, kernels):
+  state = _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels)
   return state, (q, k_cache, v_cache, layout, state.out, state.lse)
 
 
@@ -251,11 +317,11 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attention_bwd(scale, kv_block, kernel_interpret, residuals, cotangent):
+def _attention_bwd(scale, kv_block, kernels, residuals, cotangent):
   q, k_cache, v_cache, layout, out, lse = residuals
   d_out, d_lse = cotangent
   dq, dk, dv = _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
-                         kernel_interpret)
+                         kernels)
   return dq, dk, dv, jax.tree.map(_zero_cotangent, layout)
 
 
@@ -270,7 +336,8 @@ def tree_attention_differentiable(
     *,
     scale: float | None = None,
     kv_block: int = 1024,
-    shared_backward: str = 'xla',
+    shared_backward: str | None = None,
+    impl: str = 'xla',
     interpret=False,
 ) -> PartialState:
   """`hydrajax.tree_attention` (same semantics, XLA path) with a flash-style custom VJP.
@@ -278,15 +345,24 @@ def tree_attention_differentiable(
   Differentiable in q, k_cache, v_cache (and through both outputs: out and lse).
   Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   kv_block: kv tokens per block of scores in both passes (bounds memory).
-  shared_backward: 'xla' (jnp) or 'mosaic_tpu': the shared segments' dQ, dK, dV by the
-    Mosaic TPU kernels of `pallas_kernels.tpu.shared_segment_bwd` (`interpret`: their
-    interpret mode, e.g. `pltpu.InterpretParams()` on CPU).
+  impl: 'xla', or 'mosaic_gpu': the shared segments' forward and backward by the Hopper
+    kernels of `pallas_kernels.mosaic_gpu.training_attention` (bf16 / f16, head dim a
+    multiple of 64; `interpret=True` runs them in Pallas interpret mode, e.g. on CPU).
+  shared_backward: the shared segments' dQ, dK, dV only (default: as `impl`): 'xla',
+    'mosaic_gpu', or 'mosaic_tpu' (the Mosaic TPU kernels of
+    `pallas_kernels.tpu.shared_segment_bwd`; `interpret`: their interpret mode, e.g.
+    `pltpu.InterpretParams()` on CPU).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   if kv_block < 1:
     raise ValueError(f'kv_block must be >= 1, got {kv_block}')
-  if shared_backward not in ('xla', 'mosaic_tpu'):
-    raise ValueError(f"shared_backward must be 'xla' or 'mosaic_tpu', got {shared_backward!r}")
+  if impl not in ('xla', 'mosaic_gpu'):
+    raise ValueError(f"impl must be 'xla' or 'mosaic_gpu', got {impl!r}")
+  shared_backward = impl if shared_backward is None else shared_backward
+  if shared_backward not in ('xla', 'mosaic_tpu', 'mosaic_gpu'):
+    raise ValueError(
+        f"shared_backward must be 'xla', 'mosaic_tpu' or 'mosaic_gpu', got {shared_backward!r}")
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  kernel_interpret = interpret if shared_backward == 'mosaic_tpu' else None
-  return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernel_interpret)
+  uses_kernels = impl != 'xla' or shared_backward != 'xla'
+  kernels = _Kernels(impl, shared_backward, interpret if uses_kernels else False)
+  return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels)

@@ -1,0 +1,147 @@
+"""Checks and times the training kernels of `training_attention.py` on a Hopper GPU.
+
+On the GPU machine, from the repository root (about a minute):
+
+  PYTHONPATH=. python3 pallas_kernels/mosaic_gpu/check_training.py > $OUT/check_training.txt 2>&1
+
+checks segment_forward / segment_backward against their jnp references on small
+shapes (GQA, MQA, MHA, a kv_length that is no block multiple, an empty segment, NaN
+in the masked K/V), then times each kernel at the benchmark shape (G=64 x T=1024
+query rows, a 8192-token prompt, 32/8 heads, d=128, bf16) with CUPTI.
+
+On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
+(Pallas -> Mosaic GPU MLIR, TMA and layout checks; not ptxas).
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mosaic_gpu import training_attention as ta
+
+BENCH = dict(m=65536, n=32, k=8, h=128, s=8192)
+CHECKS = (  # (M, N, K, H, S, kv_length)
+    (384, 8, 2, 128, 512, 300),
+    (256, 4, 1, 128, 256, 256),
+    (128, 4, 4, 64, 384, 129),
+    (128, 4, 2, 128, 256, 0),
+)
+
+
+def inputs(m, n, k, h, s, length, seed=0, dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  q, do = draw(keys[0], (m, n, h)), draw(keys[3], (m, n, h))
+  kk, v = draw(keys[1], (s, k, h)), draw(keys[2], (s, k, h))
+  kk, v = (x.at[length:].set(jnp.nan) for x in (kk, v))  # masked: must not reach outputs
+  return q, kk, v, do
+
+
+def check(m, n, k, h, s, length):
+  q, kk, v, do = inputs(m, n, k, h, s, length)
+  scale = h**-0.5
+  out, lse = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale))(q, kk, v, length)
+  r_out, r_lse = ta.segment_forward_reference(q, kk, v, length, scale=scale)
+  delta = jnp.sum(do.astype(jnp.float32) * r_out.astype(jnp.float32), -1)
+  grads = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale))(
+      q, kk, v, do, r_lse, delta, length)
+  refs = ta.segment_backward_reference(q, kk, v, do, r_lse, delta, length, scale=scale)
+  errs = {}
+  for name, a, r in zip(('out', 'lse', 'dq', 'dk', 'dv'), (out, lse) + tuple(grads),
+                        (r_out, r_lse) + tuple(refs)):
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    fin = np.isfinite(r)
+    ok = (np.isfinite(a) == fin).all()
+    errs[name] = float(np.abs(a[fin] - r[fin]).max(initial=0.0)) if ok else float('nan')
+  print(f'check M={m} N={n} K={k} H={h} S={s} kv_length={length}: max abs err {errs}', flush=True)
+  return all(e <= 3e-2 for e in errs.values())
+
+
+def cupti_ms(fn, *args):
+  from jax.experimental.mosaic.gpu import profiler
+
+  _, timings = profiler.measure(fn, aggregate=False, iterations=5)(*args)
+  per_call = [sum(t for _, t in it) for it in timings]
+  by_kernel = {}
+  for name, t in timings[-1]:  # kernels of one name (several launches) summed
+    by_kernel[name] = by_kernel.get(name, 0.0) + t
+  return statistics.median(per_call), by_kernel
+
+
+def bench():
+  b = BENCH
+  q, kk, v, do = inputs(b['m'], b['n'], b['k'], b['h'], b['s'], b['s'])
+  scale = b['h']**-0.5
+  fwd = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale))
+  out, lse = fwd(q, kk, v, b['s'])
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  bwd = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale))
+  flops = 4 * b['m'] * b['n'] * b['s'] * b['h']  # QK^T and PV; the backward has 7 such matmuls
+  for name, fn, args, mult in (('forward', fwd, (q, kk, v, b['s']), 1),
+                               ('backward', bwd, (q, kk, v, do, lse, delta, b['s']), 3.5)):
+    ms, kernels = cupti_ms(fn, *args)
+    print(f'{name}: {ms:.2f} ms, {mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
+          + ', '.join(f'{k[:60]}={t:.2f}' for k, t in kernels.items()), flush=True)
+
+
+def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
+  """CUPTI kernel times of prefill_attention's forward + backward (impl='mosaic_gpu'), top 15."""
+  from hydrajax.training import prefill_layout as pl
+
+  layout = pl.plan_prefill([p], g, t).to_device()
+  keys = iter(jax.random.split(jax.random.key(0), 6))
+  draw = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(jnp.bfloat16)
+  args = (draw(1, p, n, h), draw(g, t, n, h), draw(1, p, kh, h), draw(g, t, kh, h),
+          draw(1, p, kh, h), draw(g, t, kh, h))
+
+  def shared(q_p, q_c, k_p, k_c, v_p, v_c):
+    kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
+    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, impl='mosaic_gpu')
+    return prompt.out, completion.out
+
+  def run(*a):
+    out, vjp = jax.vjp(shared, *a)
+    return vjp(jax.tree.map(jnp.ones_like, out))
+
+  ms, kernels = cupti_ms(jax.jit(run), *args)
+  print(f'prefill fwd+bwd G={g} P={p} T={t}: {ms:.1f} ms (kernel sum); top kernels (ms):')
+  for name, t_ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+    print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
+
+
+def lower_only():
+  b = BENCH
+  sd = jax.ShapeDtypeStruct
+  q, kv = sd((b['m'], b['n'], b['h']), jnp.bfloat16), sd((b['s'], b['k'], b['h']), jnp.bfloat16)
+  stat, length = sd((b['m'], b['n']), jnp.float32), sd((), jnp.int32)
+  t0 = time.time()
+  jax.jit(lambda *a: ta.segment_forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
+      lowering_platforms=('cuda',))
+  jax.jit(lambda *a: ta.segment_backward(*a, scale=0.1)).trace(
+      q, kv, kv, q, stat, stat, length).lower(lowering_platforms=('cuda',))
+  print(f'lowered forward and backward at {b} in {time.time() - t0:.1f}s')
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--lower_only', action='store_true')
+  parser.add_argument('--no_bench', action='store_true')
+  parser.add_argument('--breakdown', action='store_true', help='prefill_attention kernel times')
+  args = parser.parse_args()
+  if args.lower_only:
+    return lower_only()
+  print(jax.devices(), jax.__version__, flush=True)
+  if args.breakdown:
+    return prefill_breakdown()
+  ok = all([check(*c) for c in CHECKS])
+  print('checks', 'passed' if ok else 'FAILED', flush=True)
+  if not args.no_bench:
+    bench()
+
+
+if __name__ == '__main__':
+  main()
