@@ -15,13 +15,12 @@ over the mesh.
 """
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import SharingPolicy
-from hydrajax import parallel
+from hydrajax import SharingPolicy, parallel
 from models.generate import (PrefillCall, RowSpec, TreePrompts, _Node, plan_forest, prefill_call,
                              prefill_rounds, prefill_shape, private_capacity, tree_rows)
 
@@ -81,10 +80,10 @@ class ShardedPrompts:
 
   @property
   def row_node(self) -> np.ndarray:
-    """Per global row, its last prompt node as a global node id (`_node_offsets`)."""
-    return np.concatenate([s.row_node + o for s, o in zip(self.shards, self._node_offsets())])
+    """Per global row, its last prompt node as a global node id (`node_offsets`)."""
+    return np.concatenate([s.row_node + o for s, o in zip(self.shards, self.node_offsets())])
 
-  def _node_offsets(self) -> list[int]:
+  def node_offsets(self) -> list[int]:
     return np.cumsum([0] + [len(s.nodes) for s in self.shards])[:-1].tolist()
 
 
@@ -121,7 +120,7 @@ def prefill_calls(sp: ShardedPrompts, chunk: int
   t, width = prefill_shape(sp.shards, chunk)
   rounds = [prefill_rounds(tp, t) for tp in sp.shards]
   num_rows = max(len(work) for r in rounds for work in r)
-  offsets = sp._node_offsets()
+  offsets = sp.node_offsets()
   out = []
   for i in range(max(len(r) for r in rounds)):
     calls = [prefill_call(tp, r[i] if i < len(r) else [], t, width, num_rows)

@@ -23,6 +23,9 @@ The attention plan (`hydrajax.prepare_attention`: implementation resolved, backe
 metadata precomputed) is prepared once per tree change: once per prefill round,
 once for the whole decode loop (whose steps only swap the private lengths).
 
+With a model mesh of `dp` > 1 the forest's sharing groups are split over the dp shards
+(`models.data_parallel`): prefill rounds and the decode loop are each one program over the mesh.
+
 `impl=ModelMode.DENSE` (alias `NAIVE`) runs the ground truth instead: every
 sequence's full prompt in its own dense cache and `hydrajax.naive_attention`.
 """
@@ -40,8 +43,8 @@ import hydrajax
 from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
                       TreeLayout)
 from hydrajax.parallel import ShardedLayout
-from models.kv_cache import DenseKVCache, KVCache
 from models import sharding_rules as sr
+from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
 from models.sampling import SamplingParams, SamplingRows, row_keys, sample_batch
 
@@ -600,7 +603,10 @@ def generate(
   """Samples `max_new_tokens` tokens per sequence from a prompt forest.
 
   Args:
-    model: the Llama.
+    model: the Llama. With a mesh, tensor parallel over its `tp` axis; with `dp` > 1 the
+      independent sharing groups (the forest's roots) are split over the dp shards, each
+      shard its own rows and part of the KV buffer (`models.data_parallel`; an idle shard
+      runs padding rows); the outputs are the same, in the same order.
     prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
       `num_samples`), or a list of token-id lists (shared prefixes found
       automatically, `num_samples` each).
@@ -671,6 +677,8 @@ def generate(
                                    interpret=interpret)  # once for the decode loop
     state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                          sampling=sampling)
+    if dp > 1:  # padding rows are done at once: the loop still ends when the real rows stop
+      state = dataclasses.replace(state, done=state.done | jnp.asarray(tp.prompt_ids < 0))
     state = decode(graphdef, params, state, plan, rows, key, stops, jnp.int32(max_new_tokens),
                    sampling=sampling, impl=mode)
   real = np.flatnonzero(tp.prompt_ids >= 0)  # without dp's padding rows
