@@ -1,10 +1,13 @@
-r"""Greedy tokens under tensor parallelism equal one device's (issue 11), on any backend.
+r"""Greedy tokens under tensor and data parallelism equal one device's (issue 11), on any backend.
 
-Generates greedily from one shared-prefix prompt tree with the same random model on each mesh
-of `--meshes` and checks that every mesh gives the tokens of the first. On two H200s:
+Generates greedily from `--groups` shared-prefix prompt trees (independent sharing groups) with
+the same random model on each mesh of `--meshes` and checks that every mesh gives the tokens of
+the first. On two H200s:
 
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
       --meshes=none,tp:2 --impl=mosaic_gpu --workdir=$OUT/tp_greedy
+  PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
+      --groups=3 --meshes=none,dp:2 --impl=mosaic_gpu --workdir=$OUT/dp_greedy
 
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
@@ -35,6 +38,7 @@ _MESHES = flags.DEFINE_list('meshes', ['none', 'tp:2'], 'meshes to compare, the 
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation of decode')
 _PREFIX = flags.DEFINE_integer('prefix_tokens', 1000, 'shared prompt length')
 _SAMPLES = flags.DEFINE_integer('samples', 8, 'rows under each of the two problems')
+_GROUPS = flags.DEFINE_integer('groups', 1, 'independent sharing groups (split over dp)')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'greedy tokens per row')
 _WORKDIR = flags.DEFINE_string('workdir', '/tmp/tp_greedy', 'output folder')
 _REDUCE = flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
@@ -57,8 +61,11 @@ def first_differences(tokens, reference, top_logprobs, top_tokens):
 def _prompts(vocab: int):
   rng = np.random.default_rng(0)
   ids = lambda n: rng.integers(1, vocab, n).tolist()
-  problems = [prompt_node(ids(n), num_samples=_SAMPLES.value) for n in (37, 203)]
-  return [prompt_node(ids(_PREFIX.value), children=problems)]
+  groups = []
+  for _ in range(_GROUPS.value):
+    problems = [prompt_node(ids(n), num_samples=_SAMPLES.value) for n in (37, 203)]
+    groups.append(prompt_node(ids(_PREFIX.value), children=problems))
+  return groups
 
 
 def main(argv):

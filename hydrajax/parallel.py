@@ -245,6 +245,15 @@ class ShardedLayout:
   def page_size(self) -> int:
     return self._layout.page_size
 
+  def with_private_lengths(self, lengths: jax.Array) -> 'ShardedLayout':
+    """Every row's private length replaced (lengths [B] int32, global row order)."""
+    def one(layout, n):
+      if isinstance(layout, TreeLayout):
+        return dataclasses.replace(layout, private_lengths=n)
+      return layout.with_private_lengths(n)
+    per_shard = jnp.reshape(lengths, (self.num_shards, -1))
+    return ShardedLayout(jax.vmap(one)(self.layouts, per_shard), self.num_shards)
+
 
 def stack_shards(values: Sequence[Any]) -> ShardedLayout:
   """Per-shard pytrees of one structure (e.g. `AttentionPlan`s of each shard) stacked."""

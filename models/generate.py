@@ -23,6 +23,9 @@ The attention plan (`hydrajax.prepare_attention`: implementation resolved, backe
 metadata precomputed) is prepared once per tree change: once per prefill round,
 once for the whole decode loop (whose steps only swap the private lengths).
 
+With a model mesh of `dp` > 1 the forest's sharing groups are split over the dp shards
+(`models.data_parallel`): prefill rounds and the decode loop are each one program over the mesh.
+
 `impl=ModelMode.DENSE` (alias `NAIVE`) runs the ground truth instead: every
 sequence's full prompt in its own dense cache and `hydrajax.naive_attention`.
 """
@@ -39,6 +42,8 @@ from flax import nnx
 import hydrajax
 from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
                       TreeLayout)
+from hydrajax.parallel import ShardedLayout
+from models import sharding_rules as sr
 from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
 from models.sampling import SamplingParams, SamplingRows, row_keys, sample_batch
@@ -171,11 +176,13 @@ class TreePrompts:
   def num_rows(self) -> int:
     return self.plan.num_rows
 
+  @property
+  def kv_tokens(self) -> int:
+    return self.plan.kv_tokens
 
-def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreePrompts:
-  """Plans a forest of `PromptNode`s with tokens, or token lists, for `max_new_tokens`."""
-  if max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+
+def prompt_forest(prompts, *, num_samples: int = 1) -> list[_Node]:
+  """The forest of a `PromptNode` forest with tokens, or of token lists (shared prefixes found)."""
   if num_samples < 1:
     raise ValueError(f'num_samples must be >= 1, got {num_samples}')
   if isinstance(prompts, PromptNode):
@@ -186,14 +193,29 @@ def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreeP
   if all(isinstance(p, PromptNode) for p in prompts):
     if num_samples != 1:
       raise ValueError('with PromptNode trees, give num_samples on the leaves (num_samples=1 here)')
-    forest = _from_prompt_nodes(prompts)
-  elif any(isinstance(p, PromptNode) for p in prompts):
+    return _from_prompt_nodes(prompts)
+  if any(isinstance(p, PromptNode) for p in prompts):
     raise ValueError('prompts must be all PromptNodes or all token lists')
-  else:
-    forest = _from_token_lists(prompts, num_samples)
+  return _from_token_lists(prompts, num_samples)
+
+
+def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreePrompts:
+  """Plans a forest of `PromptNode`s with tokens, or token lists, for `max_new_tokens`."""
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  return plan_forest(prompt_forest(prompts, num_samples=num_samples), max_new_tokens)
+
+
+def private_capacity(max_new_tokens: int) -> int:
+  """Tokens of a row's private region (and the decode plan's page size)."""
+  return -(-max_new_tokens // PRIVATE_ALIGN) * PRIVATE_ALIGN
+
+
+def plan_forest(forest: list[_Node], max_new_tokens: int) -> TreePrompts:
+  """Plans a forest (of `prompt_forest`) for `max_new_tokens`."""
   order = _preorder(forest)
-  capacity = -(-max_new_tokens // PRIVATE_ALIGN) * PRIVATE_ALIGN
-  plan = hydrajax.plan_tree(_to_prompt_nodes(forest), private_capacity=capacity)
+  plan = hydrajax.plan_tree(_to_prompt_nodes(forest),
+                            private_capacity=private_capacity(max_new_tokens))
   row_node, prompt_ids, sample_ids = [], [], []
   for j, (node, _, ancestors) in enumerate(order):
     if node.children:
@@ -242,12 +264,24 @@ def prefill_calls(tp: TreePrompts, chunk: int) -> list[PrefillCall]:
   padded to the largest round (dummy rows write nothing), so that rounds of
   one tree share a compile.
   """
+  t, width = prefill_shape([tp], chunk)
+  rounds = prefill_rounds(tp, t)
+  num_rows = max(len(r) for r in rounds)
+  return [prefill_call(tp, work, t, width, num_rows) for work in rounds]
+
+
+def prefill_shape(trees: Sequence[TreePrompts], chunk: int) -> tuple[int, int]:
+  """(T, private width) of the prefill calls of these trees (one shape for all of them)."""
   if chunk < 1:
     raise ValueError(f'prefill_chunk must be >= 1, got {chunk}')
-  plan, length = tp.plan, tp.plan.kv_tokens
+  longest = max(len(toks) for tp in trees for toks, _, _ in tp.nodes)
+  t = min(chunk, -(-longest // 8) * 8)
+  return t, -(-longest // t) * t
+
+
+def prefill_rounds(tp: TreePrompts, t: int) -> list[list[tuple[int, int]]]:
+  """Per round, (node, first token) of every node prefilled in it (see `prefill_calls`)."""
   sizes = {j: len(toks) for j, (toks, _, _) in enumerate(tp.nodes) if toks}
-  t = min(chunk, -(-max(sizes.values()) // 8) * 8)
-  width = -(-max(sizes.values()) // t) * t
   done = dict.fromkeys(sizes, 0)
   rounds = []
   while any(done[j] < n for j, n in sizes.items()):
@@ -258,38 +292,42 @@ def prefill_calls(tp: TreePrompts, chunk: int) -> list[PrefillCall]:
     rounds.append([(j, done[j]) for j in ready])
     for j in ready:
       done[j] = min(done[j] + t, sizes[j])
-  num_rows = max(len(r) for r in rounds)
-  calls = []
-  for work in rounds:
-    tokens = np.zeros((num_rows, t), np.int32)
-    positions = np.zeros((num_rows, t), np.int32)
-    slots = np.full((num_rows, t), length, np.int32)
-    last = np.full((num_rows,), -1, np.int32)
-    ids = np.full((num_rows,), -1, np.int32)
-    pages = [(0,) * width] * num_rows
-    lengths = [t] * num_rows
-    for r, (j, start) in enumerate(work):
-      toks, seg = tp.nodes[j][0], plan.segments[j]
-      offsets = start + np.arange(t)
-      valid = offsets < len(toks)
-      tokens[r, valid] = np.asarray(toks, np.int32)[offsets[valid]]
-      positions[r] = seg.position + offsets
-      slots[r, valid] = seg.kv_start + offsets[valid]
-      if start <= len(toks) - 1 < start + t:
-        last[r] = len(toks) - 1 - start
-      ids[r] = j
-      own = np.arange(width)
-      pages[r] = tuple(int(p) for p in np.where(own < len(toks), seg.kv_start + own, 0))
-      lengths[r] = start + t
-    segments = []  # the ancestors of this round's rows, restricted to them
-    for a in sorted({a for j, _ in work for a in tp.nodes[j][2] if a in sizes}):
-      rows = [r for r, (j, _) in enumerate(work) if a in tp.nodes[j][2]]
-      s = plan.segments[a]
-      segments.append(Segment(s.kv_start, s.kv_length, rows[0], rows[-1] + 1, -1, s.position))
-    segments = [dataclasses.replace(s, parent=_parent(segments, i)) for i, s in enumerate(segments)]
-    step_plan = SharingPlan(num_rows, tuple(segments), 1, tuple(pages), tuple(lengths), length)
-    calls.append(PrefillCall(tokens, positions, slots, step_plan, width, last, ids))
-  return calls
+  return rounds
+
+
+def prefill_call(tp: TreePrompts, work: list[tuple[int, int]], t: int, width: int,
+                 num_rows: int) -> PrefillCall:
+  """One round's call: `work` rows, then dummy rows (which write nothing) up to `num_rows`."""
+  plan, length = tp.plan, tp.plan.kv_tokens
+  sizes = {j: len(toks) for j, (toks, _, _) in enumerate(tp.nodes) if toks}
+  tokens = np.zeros((num_rows, t), np.int32)
+  positions = np.zeros((num_rows, t), np.int32)
+  slots = np.full((num_rows, t), length, np.int32)
+  last = np.full((num_rows,), -1, np.int32)
+  ids = np.full((num_rows,), -1, np.int32)
+  pages = [(0,) * width] * num_rows
+  lengths = [t] * num_rows
+  for r, (j, start) in enumerate(work):
+    toks, seg = tp.nodes[j][0], plan.segments[j]
+    offsets = start + np.arange(t)
+    valid = offsets < len(toks)
+    tokens[r, valid] = np.asarray(toks, np.int32)[offsets[valid]]
+    positions[r] = seg.position + offsets
+    slots[r, valid] = seg.kv_start + offsets[valid]
+    if start <= len(toks) - 1 < start + t:
+      last[r] = len(toks) - 1 - start
+    ids[r] = j
+    own = np.arange(width)
+    pages[r] = tuple(int(p) for p in np.where(own < len(toks), seg.kv_start + own, 0))
+    lengths[r] = start + t
+  segments = []  # the ancestors of this round's rows, restricted to them
+  for a in sorted({a for j, _ in work for a in tp.nodes[j][2] if a in sizes}):
+    rows = [r for r, (j, _) in enumerate(work) if a in tp.nodes[j][2]]
+    s = plan.segments[a]
+    segments.append(Segment(s.kv_start, s.kv_length, rows[0], rows[-1] + 1, -1, s.position))
+  segments = [dataclasses.replace(s, parent=_parent(segments, i)) for i, s in enumerate(segments)]
+  step_plan = SharingPlan(num_rows, tuple(segments), 1, tuple(pages), tuple(lengths), length)
+  return PrefillCall(tokens, positions, slots, step_plan, width, last, ids)
 
 
 def _parent(segments: list[Segment], i: int) -> int:
@@ -311,17 +349,29 @@ def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_
 
 
 def _mode_of(plan) -> ModelMode:
-  """What a prepared plan (or a bare layout: no attention) runs."""
+  """What a prepared plan (or a bare layout: no attention) runs; per-dp-shard plans too."""
+  if isinstance(plan, ShardedLayout):
+    plan = plan.layouts
   return ModelMode.TREE if isinstance(plan, AttentionPlan) else ModelMode.NO_ATTENTION
 
 
 def prefill(model: Llama, tp: TreePrompts, cache: KVCache, *, impl=AttentionImpl.AUTO,
             chunk: int = 512, interpret: bool = False) -> tuple[jax.Array, KVCache]:
   """Writes every node's KV once; returns (first-token logits [rows, V], cache)."""
+  calls = [(c, c.plan.to_device(max_private_pages=c.max_private_pages))
+           for c in prefill_calls(tp, chunk)]
+  return run_prefill(model, calls, tp.row_node, cache, impl=impl, interpret=interpret)
+
+
+def run_prefill(model: Llama, calls, row_node, cache: KVCache, *, impl=AttentionImpl.AUTO,
+                interpret: bool = False) -> tuple[jax.Array, KVCache]:
+  """Runs (PrefillCall, its device layout) calls; returns (logits of row_node's last tokens, cache).
+
+  The layout is a `TreeLayout`, or a `ShardedLayout` with dp (`models.data_parallel`).
+  """
   graphdef, params = nnx.split(model)
   node_logits: dict[int, jax.Array] = {}
-  for call in prefill_calls(tp, chunk):
-    layout = call.plan.to_device(max_private_pages=call.max_private_pages)
+  for call, layout in calls:
     plan = model.prepare_attention(layout, query_tokens=call.tokens.shape[1], cache=cache,
                                    impl=impl, interpret=interpret)
     logits, cache = _prefill_step(
@@ -329,7 +379,7 @@ def prefill(model: Llama, tp: TreePrompts, cache: KVCache, *, impl=AttentionImpl
         jnp.asarray(call.write_slots), plan, jnp.asarray(call.last_index))
     for r in np.flatnonzero(call.last_index >= 0):
       node_logits[int(call.segment_ids[r])] = logits[r]
-  first = jnp.stack([node_logits[int(j)] for j in tp.row_node])
+  first = jnp.stack([node_logits[int(j)] for j in row_node])
   return first, cache
 
 
@@ -368,9 +418,12 @@ class DecodeState:
   top_logprobs: jax.Array  # [B, M, n] float32
 
 
-def _sequence_ids(tp: TreePrompts) -> np.ndarray:
-  """A row's identity for its random draws: (prompt, sample), independent of the row order."""
-  return (tp.prompt_ids * (int(tp.sample_ids.max()) + 1) + tp.sample_ids).astype(np.int32)
+def _sequence_ids(tp) -> np.ndarray:
+  """A row's identity for its random draws: (prompt, sample), independent of the row order
+  and of the dp shard (padding rows, prompt -1, get 0)."""
+  real = tp.prompt_ids >= 0
+  width = int(tp.sample_ids[real].max(initial=0)) + 1
+  return np.where(real, tp.prompt_ids * width + tp.sample_ids, 0).astype(np.int32)
 
 
 def tree_rows(tp: TreePrompts, decode_plan: SharingPlan | None = None) -> RowSpec:
@@ -487,7 +540,7 @@ def decode(graphdef, params, state: DecodeState, plan: AttentionPlan | TreeLayou
 
   def forward(cache, last, j):
     lengths = rows.private_base + j + 1
-    if mode is ModelMode.TREE:
+    if mode is ModelMode.TREE or isinstance(plan, ShardedLayout):
       step_plan = plan.with_private_lengths(lengths)
     else:
       step_plan = dataclasses.replace(plan, private_lengths=lengths)
@@ -550,7 +603,10 @@ def generate(
   """Samples `max_new_tokens` tokens per sequence from a prompt forest.
 
   Args:
-    model: the Llama.
+    model: the Llama. With a mesh, tensor parallel over its `tp` axis; with `dp` > 1 the
+      independent sharing groups (the forest's roots) are split over the dp shards, each
+      shard its own rows and part of the KV buffer (`models.data_parallel`; an idle shard
+      runs padding rows); the outputs are the same, in the same order.
     prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
       `num_samples`), or a list of token-id lists (shared prefixes found
       automatically, `num_samples` each).
@@ -584,7 +640,15 @@ def generate(
   if sampling.seed is not None:
     seed = sampling.seed
   sampling = static
-  tp = plan_prompts(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples)
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  forest = prompt_forest(prompts, num_samples=num_samples)
+  dp = sr.axis_size(model.mesh, sr.DP)
+  if dp > 1:  # each dp shard its own sharing groups (models.data_parallel)
+    from models import data_parallel  # it builds on this module
+    tp = data_parallel.plan_shards(forest, dp, max_new_tokens)
+  else:
+    tp = plan_forest(forest, max_new_tokens)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
@@ -596,19 +660,29 @@ def generate(
   else:
     if prefill_impl is None:
       prefill_impl = AttentionImpl.XLA if attention is AttentionImpl.XLA else AttentionImpl.AUTO
-    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype, mesh=model.mesh)
-    first, cache = prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
-                           interpret=interpret)
+    cache = KVCache.zeros(model.config, tp.kv_tokens, dtype, mesh=model.mesh)
     policy = SharingPolicy.default() if sharing_policy is None else sharing_policy
-    decode_plan = policy.apply(tp.plan, group_size=_group_size(model))
-    rows = tree_rows(tp, decode_plan)
-    plan = model.prepare_attention(decode_plan.to_device(), query_tokens=1, cache=cache,
-                                   impl=impl, interpret=interpret)  # once for the decode loop
+    if dp > 1:
+      calls = data_parallel.prefill_calls(tp, prefill_chunk)
+      layout, rows = data_parallel.decode_layout(tp, policy, group_size=_group_size(model),
+                                                 sequence_ids=_sequence_ids(tp))
+    else:
+      calls = [(c, c.plan.to_device(max_private_pages=c.max_private_pages))
+               for c in prefill_calls(tp, prefill_chunk)]
+      decode_plan = policy.apply(tp.plan, group_size=_group_size(model))
+      layout, rows = decode_plan.to_device(), tree_rows(tp, decode_plan)
+    first, cache = run_prefill(model, calls, tp.row_node, cache, impl=prefill_impl,
+                               interpret=interpret)
+    plan = model.prepare_attention(layout, query_tokens=1, cache=cache, impl=impl,
+                                   interpret=interpret)  # once for the decode loop
     state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                          sampling=sampling)
+    if dp > 1:  # padding rows are done at once: the loop still ends when the real rows stop
+      state = dataclasses.replace(state, done=state.done | jnp.asarray(tp.prompt_ids < 0))
     state = decode(graphdef, params, state, plan, rows, key, stops, jnp.int32(max_new_tokens),
                    sampling=sampling, impl=mode)
-  order = np.lexsort((tp.sample_ids, tp.prompt_ids))
+  real = np.flatnonzero(tp.prompt_ids >= 0)  # without dp's padding rows
+  order = real[np.lexsort((tp.sample_ids[real], tp.prompt_ids[real]))]
   tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
   return GenerateOutput(
       tokens=tokens[order],
@@ -622,15 +696,9 @@ def generate(
 
 
 def _check_mesh(model: Llama, impl) -> None:
-  """generate runs tensor parallel (the model's mesh); data parallelism is the model's API."""
-  mesh = getattr(model, 'mesh', None)
-  if mesh is None:
+  """generate runs on the model's mesh: tp splits heads, dp the sharing groups."""
+  if getattr(model, 'mesh', None) is None:
     return
-  if mesh.shape.get('dp', 1) > 1:
-    raise ValueError(
-        f'generate runs tensor parallel only: the model mesh has dp={mesh.shape["dp"]}; give '
-        'each dp shard its own sharing groups through the model call with a '
-        'hydrajax.parallel.ShardedLayout (see hydrajax/PARALLELISM.md), or use a tp-only mesh')
   if parse_impl(impl)[0] is ModelMode.DENSE:
     raise ValueError('impl=DENSE (the ground truth) runs on one device: use a model without '
                      'a mesh')

@@ -179,10 +179,9 @@ def test_generate_greedy_tokens_equal_one_device(kind, mesh_name, dtype):
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2 if dtype == 'bfloat16' else 1e-5)
 
 
-def test_generate_and_engine_refuse_dp_clearly():
+def test_engine_refuses_dp_clearly():
+  """generate runs data parallel (tests/test_data_parallel.py); the engine not yet."""
   model = sr.init_model(CONFIGS['mha'], mesh=_mesh('dp2_tp2'), seed=0)
-  with pytest.raises(ValueError, match='tensor parallel only'):
-    generate(model, _prompts(96), max_new_tokens=2, impl='xla')
   with pytest.raises(ValueError, match='tensor parallel only'):
     Engine(model, EngineConfig(num_chunks=8, chunk_size=16))
 

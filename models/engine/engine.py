@@ -46,7 +46,8 @@ class Engine(Prefill, DecodeLoop):
     mesh = getattr(model, 'mesh', None)  # tensor parallel over the model's mesh
     if mesh is not None and mesh.shape.get('dp', 1) > 1:
       raise ValueError(f'the engine runs tensor parallel only (one chunk pool); the model mesh '
-                       f'has dp={mesh.shape["dp"]}: run one engine per dp group instead')
+                       f'has dp={mesh.shape["dp"]}: run one engine per dp group, or use '
+                       'models.generate.generate, which splits sharing groups over dp')
     self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype,
                             mesh=mesh)
     self.kv_bytes_per_token = model.config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)

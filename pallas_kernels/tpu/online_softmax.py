@@ -23,6 +23,14 @@ NEG = -1e30  # finite stand-in for -inf in running maxima
 TRANS_B = (((1,), (1,)), ((), ()))  # q [M, H] . k [S, H] -> [M, S]
 
 
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """A pallas_call output varying over every mesh axis its operands vary over: inside a
+  `jax.shard_map` (with check_vma, the default) an output must say so."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in operands))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
 def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu import online_softmax
-from pallas_kernels.tpu.online_softmax import LANES
+from pallas_kernels.tpu.online_softmax import LANES, out_struct
 
 
 def _kernel(
@@ -145,6 +145,7 @@ def private_attention(
   )
   k_flat = k_pages.reshape(k_pages.shape[:2] + (-1,))  # [L // C, C, K * H], free
   v_flat = v_pages.reshape(v_pages.shape[:2] + (-1,))
+  operands = (lengths, pages, q, k_pages, v_pages)
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -162,8 +163,8 @@ def private_attention(
           ],
       ),
       out_shape=[
-          jax.ShapeDtypeStruct((bq, tg, kv_heads * head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((bq, tg, kv_heads * LANES), jnp.float32),
+          out_struct((bq, tg, kv_heads * head_dim), jnp.float32, *operands),
+          out_struct((bq, tg, kv_heads * LANES), jnp.float32, *operands),
       ],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'arbitrary'),

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu import online_softmax
-from pallas_kernels.tpu.online_softmax import LANES
+from pallas_kernels.tpu.online_softmax import LANES, out_struct
 from pallas_kernels.tpu.work_list import FIRST, LAST, WorkList
 
 
@@ -155,6 +155,7 @@ def shared_attention(
     return kv_block[s * num_items + e] + refs[-1][0], h
   wide = lambda x: x.reshape(x.shape[0], -1)  # [X, K, Y] -> [X, K * Y], free
   kernel = functools.partial(_kernel, heads=hb, head_dim=head_dim, scale=scale)
+  operands = (*jax.tree.leaves(work), q, k_cache, v_cache, init_out, init_lse)
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -178,8 +179,8 @@ def shared_attention(
           ],
       ),
       out_shape=[
-          jax.ShapeDtypeStruct((rows, kv_heads * head_dim), q.dtype),
-          jax.ShapeDtypeStruct((rows, kv_heads * LANES), jnp.float32),
+          out_struct((rows, kv_heads * head_dim), q.dtype, *operands),
+          out_struct((rows, kv_heads * LANES), jnp.float32, *operands),
       ],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'arbitrary'),
