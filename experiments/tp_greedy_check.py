@@ -5,9 +5,9 @@ the same random model on each mesh of `--meshes` and checks that every mesh give
 the first. On two H200s:
 
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
-      --meshes=none,tp:2 --impl=mosaic_gpu --workdir=$OUT/tp_greedy
+      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$OUT/tp_greedy
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
-      --groups=3 --meshes=none,dp:2 --impl=mosaic_gpu --workdir=$OUT/dp_greedy
+      --groups=3 --meshes='none;dp:2;dp:2,tp:2' --impl=mosaic_gpu --workdir=$OUT/dp_greedy
 
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
@@ -34,7 +34,8 @@ from models.sampling import SamplingParams
 
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (models.config.PRESETS)')
 _LAYERS = flags.DEFINE_integer('num_layers', 0, 'override the layer count (0: keep)')
-_MESHES = flags.DEFINE_list('meshes', ['none', 'tp:2'], 'meshes to compare, the first is the reference')
+_MESHES = flags.DEFINE_string('meshes', 'none;tp:2', "meshes to compare, ';'-separated (a mesh "
+                              "itself may hold commas: 'none;dp:2,tp:2'); the first is the reference")
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation of decode')
 _PREFIX = flags.DEFINE_integer('prefix_tokens', 1000, 'shared prompt length')
 _SAMPLES = flags.DEFINE_integer('samples', 8, 'rows under each of the two problems')
@@ -76,7 +77,7 @@ def main(argv):
   prompts = _prompts(config.vocab_size)
   records, reference = [], None
   sampling = SamplingParams(top_logprobs=2)
-  for spec in _MESHES.value:
+  for spec in [m.strip() for m in _MESHES.value.split(';') if m.strip()]:
     mesh = parse_mesh(spec)
     model = sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
     out = generate(model, prompts, max_new_tokens=_NEW.value, impl=_IMPL.value,

@@ -43,6 +43,10 @@ class ShapeBudget:
             f'{len(self.prefill)} prefill over lengths {lengths}), {len(self.copies)} copy sizes')
 
 
+# EngineConfig's default sharing policy: `SharingPolicy.default()`, loaded when a config is made.
+_DEFAULT_POLICY = object()
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class EngineConfig:
   """Sizes and policies of an engine.
@@ -81,8 +85,10 @@ class EngineConfig:
     max_top_logprobs: the most `top_logprobs` a request may ask for (a static size of
       every step).
     sharing_policy: which shared segments decode steps read per row instead of batched
-      (`SharingPolicy`, applied once per tree change as `generate` does); None: every
-      segment stays shared.
+      (`SharingPolicy`, applied once per tree change as `generate` does). Default:
+      `SharingPolicy.default()`, the break-even thresholds measured on an H200 (a segment too
+      short or shared by too few rows for batching to win is read per row); None or
+      `SharingPolicy.never()`: every segment stays shared.
     interpret: run `impl`/`prefill_impl`'s Mosaic kernels in interpret mode (e.g. 'mosaic_tpu'
       or 'mosaic_gpu' on a CPU), as `hj.tree_attention(..., interpret=True)` does.
   """
@@ -108,7 +114,7 @@ class EngineConfig:
                impl: AttentionImpl | str = AttentionImpl.AUTO,
                prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
                cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
-               max_top_logprobs: int = 5, sharing_policy: SharingPolicy | None = None,
+               max_top_logprobs: int = 5, sharing_policy: SharingPolicy | None = _DEFAULT_POLICY,
                interpret: bool = False, **cache_fields: Any):
     unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
     if unknown:
@@ -126,6 +132,8 @@ class EngineConfig:
           _CACHE_KEYWORDS[k]: v for k, v in fields.items()
           if k != 'retain_prefixes'
       }, retain_prefixes=bool(fields['retain_prefixes'] and fields['share_prefixes']))
+    if sharing_policy is _DEFAULT_POLICY:
+      sharing_policy = SharingPolicy.default()
     values = dict(
         cache=cache, max_prefill_tokens=max_prefill_tokens, max_prefill_rows=max_prefill_rows,
         decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
