@@ -162,11 +162,21 @@ def lean_prefill_calls(tp: gen.TreePrompts, chunk: int) -> list[gen.PrefillCall]
   return out
 
 
-def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int):
-  """Writes every node's KV once (see `lean_prefill_calls`); returns (first logits, cache)."""
+def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int,
+                 written: frozenset[int] = frozenset()):
+  """Writes every node's KV once (see `lean_prefill_calls`); returns (first logits, cache).
+
+  written: nodes (segment indices) whose KV the cache already holds at their place in the
+  plan (e.g. a document shared by every point of a sweep): their calls are skipped. No row may
+  end on such a node (its first logits would be missing).
+  """
+  if any(int(j) in written for j in tp.row_node):
+    raise ValueError(f'written={sorted(written)} holds a node that ends a row: its logits are needed')
   graphdef, params = nnx.split(model)
   node_logits = {}
   for call in lean_prefill_calls(tp, chunk):
+    if all(int(j) in written for j in call.segment_ids[call.segment_ids >= 0]):
+      continue
     layout = call.plan.to_device(max_private_pages=call.max_private_pages)
     plan = model.prepare_attention(layout, query_tokens=call.tokens.shape[1], cache=cache,
                                    impl=impl)  # once per call, outside the jitted step

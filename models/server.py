@@ -570,17 +570,25 @@ def make_server(engine: Engine, *, host: str = '127.0.0.1', port: int = 8000,
 def main(argv):
   del argv
   import jax.numpy as jnp
-  from flax import nnx
 
+  from absl import app
+
+  from hydrajax.parallel import initialize_distributed, parse_mesh
+  from models import sharding_rules as sr
   from models.config import get_config
   from models.engine import EngineConfig
   from models.hf_loading import load_hf_checkpoint
-  from models.llama import Llama
 
+  initialize_distributed(_DISTRIBUTED.value)
+  mesh = parse_mesh(_MESH.value)  # errors before any work: unknown axes, too many devices
+  if mesh is not None and mesh.shape.get('dp', 1) > 1:
+    raise app.UsageError(f'--mesh={_MESH.value}: the engine runs tensor parallel (one chunk '
+                         'pool); use tp only, or one server per dp group')
+  dtype = jnp.dtype(_DTYPE.value)
   if _CHECKPOINT.value:
-    model = load_hf_checkpoint(_CHECKPOINT.value, dtype=jnp.dtype(_DTYPE.value))
-  else:
-    model = Llama(get_config(_MODEL.value), rngs=nnx.Rngs(0), dtype=jnp.dtype(_DTYPE.value))
+    model = load_hf_checkpoint(_CHECKPOINT.value, dtype=dtype, mesh=mesh)
+  else:  # made straight into its shards with a mesh
+    model = sr.init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
   tokenizer = None
   if _TOKENIZER.value or _CHECKPOINT.value:
     try:
@@ -620,4 +628,8 @@ if __name__ == '__main__':
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _BACKLOG = flags.DEFINE_integer('backlog', 2048, 'listen backlog')
   _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape before serving')
+  _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel over the "
+                              "local devices; '' or 'none': one device); see hydrajax/PARALLELISM.md")
+  _DISTRIBUTED = flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' or "
+                                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID'")
   app.run(main)

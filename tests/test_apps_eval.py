@@ -138,3 +138,30 @@ def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk):
                                  for s in tp.plan.segments])
   np.testing.assert_allclose(np.asarray(cache.k)[:, prompt_slots],
                              np.asarray(expected_cache.k)[:, prompt_slots], rtol=1e-5, atol=1e-5)
+
+
+def test_lean_prefill_skips_nodes_already_written(tiny_coder):
+  """`written=`: a document's KV copied in from another plan gives the same logits and cache as
+  prefilling it (what needle_qa does across its points); a node that ends a row is refused."""
+  seed = int(np.random.SeedSequence().entropy % 2**31)  # a fresh case each run, named on failure
+  rng = np.random.default_rng(seed)
+  doc = rng.integers(0, 256, 70).tolist()
+  question = lambda: gen.prompt_node(rng.integers(0, 256, int(rng.integers(3, 9))).tolist())
+  empty = lambda tp: gen.KVCache.zeros(tiny_coder.config, tp.plan.kv_tokens, jnp.float32)
+  first = gen.plan_prompts([gen.prompt_node(doc, [question() for _ in range(2)])],
+                           max_new_tokens=8)
+  _, cache1 = aw.lean_prefill(tiny_coder, first, empty(first), impl='xla', chunk=32)
+  tp = gen.plan_prompts([gen.prompt_node(doc, [question() for _ in range(5)])], max_new_tokens=8)
+  assert (tp.plan.segments[0].kv_start, tp.plan.segments[0].kv_length) == (0, len(doc))
+  expected, full = aw.lean_prefill(tiny_coder, tp, empty(tp), impl='xla', chunk=32)
+  start = empty(tp)
+  start = gen.KVCache(start.k.at[:, :70].set(cache1.k[:, :70]), start.v.at[:, :70].set(cache1.v[:, :70]))
+  got, cache = aw.lean_prefill(tiny_coder, tp, start, impl='xla', chunk=32, written=frozenset({0}))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5,
+                             err_msg=f'seed {seed}')
+  slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length) for s in tp.plan.segments])
+  np.testing.assert_allclose(np.asarray(cache.k)[:, slots], np.asarray(full.k)[:, slots],
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='written'):
+    aw.lean_prefill(tiny_coder, tp, start, impl='xla', chunk=32,
+                    written=frozenset({int(tp.row_node[0])}))

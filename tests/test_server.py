@@ -564,3 +564,46 @@ def test_completions_map_seed_top_p_and_logprobs_onto_the_engine(reference, serv
   reply = json.loads(data)
   assert reply['outputs'] == [want.output]
   np.testing.assert_allclose(reply['logprobs'][0], want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_command_line_server_on_a_tensor_parallel_mesh_answers_as_one_device(tmp_path):
+  """`python -m models.server --mesh=tp:2` (2 fake CPU devices): the same greedy tokens as one
+  device's engine; a dp mesh is refused before any work."""
+  import os
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  args = [sys.executable, '-m', 'models.server', '--model=tiny_gqa', '--num_chunks=32',
+          '--chunk_size=16', '--max_batch=4', '--max_sequence_length=128', '--nowarmup']
+  refused = subprocess.run(args + ['--mesh=dp:2'], env=env, capture_output=True, text=True,
+                           timeout=HANG_GUARD_S * 4)
+  assert refused.returncode != 0 and 'tensor parallel' in refused.stderr + refused.stdout
+  log = open(tmp_path / 'server.log', 'w+')
+  proc = subprocess.Popen(args + ['--mesh=tp:2', f'--port={port}'], env=env, stdout=log,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 240  # bounded: import, init, first compile on a loaded machine
+    while 'serving' not in (tmp_path / 'server.log').read_text():
+      assert proc.poll() is None, (tmp_path / 'server.log').read_text()[-3000:]
+      assert time.monotonic() < deadline, 'server did not start'
+      time.sleep(0.5)
+    conn = http.client.HTTPConnection('127.0.0.1', port, timeout=240)
+    prompt = _prompts(0, 1)[0]
+    conn.request('POST', '/v1/generate', body=json.dumps({'prompt': prompt, 'max_new_tokens': 6}),
+                 headers={'Content-Type': 'application/json'})
+    resp = conn.getresponse()
+    reply = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, reply
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
+  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0), dtype=np.float32)
+  one = Engine(model, EngineConfig(num_chunks=32, chunk_size=16, max_batch=4,
+                                   max_sequence_length=128))
+  assert reply['outputs'] == one.generate([prompt], SamplingParams(max_new_tokens=6))
