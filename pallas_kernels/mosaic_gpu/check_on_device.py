@@ -37,6 +37,13 @@ Run 5 (the kernels write [B, T, N, H] themselves), about 2.5 minutes:
   PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py \
     --out $OUT --check_shapes all --attend_only --shapes 1,0,3,4 > $OUT/check.txt 2>&1
 
+Does the decode step's layout cost the private kernel more than this microbenchmark's (issue 10:
+about 190 µs a layer in the model against 41.5 µs here at S=1)? Shapes 5 and 6 with the model's
+128-token private pages, also timed at layer 31 of a 32-layer buffer (about 2 minutes):
+
+  PYTHONPATH=. timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT \
+    --attend_only --shapes 1,5,6 --capacity=128 --deep_layer=31
+
 `--variants all` adds the block_kv=64 variants (slower on every shape on the
 H200); batches <= 64 also time smaller `max_splits`.
 """
@@ -63,6 +70,10 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     (1024, 32768, 1, 8, 1),
     (256, 16384, 128, 32, 8),
     (32, 2048, 1, 32, 8),
+    # The decode step of experiments.throughput (B=1024, P=16K, 128-token private pages: use
+    # --capacity=128 --deep_layer=31): 8 private tokens (one whole chunk) and 9 (two chunks).
+    (1024, 16384, 8, 32, 8),
+    (1024, 16384, 9, 32, 8),
 )
 CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
@@ -80,8 +91,11 @@ HEAD_DIM = 128
 DTYPE = jnp.bfloat16
 
 
+CAPACITY = 0  # private tokens reserved per row (--capacity; 0: S rounded up to 64)
+
+
 def problem(b, p, s, n, k, t=1, seed=0):
-  capacity = max(64, -(-s // 64) * 64)
+  capacity = CAPACITY or max(64, -(-s // 64) * 64)
   plan = hydrajax.plan_tree(
       hydrajax.PromptNode(p, num_samples=b), private_capacity=capacity, private_lengths=s
   )
@@ -157,6 +171,18 @@ def dirty_layer(plan, mask, cache):
   return buf.at[stride : stride + plan.kv_tokens].set(layer), stride
 
 
+def deep_layer_time(fn_a, prepared, plan, sets, layer):
+  """CUPTI time of attend on each set's K/V placed at `layer` of a (layer + 1)-layer buffer."""
+  stride = -(-plan.kv_tokens // plan.page_size) * plan.page_size
+  deep = []
+  for q_, k_, v_, _ in sets:
+    place = lambda x: jnp.zeros(((layer + 1) * stride,) + x.shape[1:], x.dtype).at[
+        layer * stride : layer * stride + x.shape[0]].set(x)
+    deep.append((q_, place(k_), place(v_), prepared))
+  offset = jnp.int32(layer * stride)
+  return cupti_us(lambda q, k, v, p: fn_a(q, k, v, p, offset), deep)
+
+
 def attend_fn(q, kc, layout, variant):
   """jit(q, k, v, prepared, offset) -> attend, and the prepared plan."""
   config = mosaic.MosaicGpuConfig(**variant)
@@ -190,7 +216,14 @@ def main():
   parser.add_argument(
       '--check_shapes', default='', help="comma-separated indices into CHECK_SHAPES, or 'all'"
   )
+  parser.add_argument('--capacity', type=int, default=0,
+                      help='private tokens reserved per row (0: S rounded up to 64)')
+  parser.add_argument('--deep_layer', type=int, default=0,
+                      help='also time attend at this layer of a buffer of deep_layer + 1 layers '
+                           '(kv_offset as in a model step)')
   args = parser.parse_args()
+  global CAPACITY
+  CAPACITY = args.capacity
   shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',')]
   checks = (
       CHECK_SHAPES if args.check_shapes == 'all'
@@ -297,6 +330,11 @@ def main():
         )
         record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels)
         row[name] = (us, err['out_rel_l2'])
+        if args.deep_layer:
+          deep = deep_layer_time(fn_a, prepared, plan, sets, args.deep_layer)
+          record(kind='time', shape=shape, impl=name + f',layer={args.deep_layer}',
+                 x_floor=deep[0] / fl, us=deep[0], kernels=deep[1])
+          row[name + f' layer {args.deep_layer}'] = (deep[0], err['out_rel_l2'])
       except Exception as e:
         trace = ''.join(traceback.format_exception(e))[-3000:]
         record(kind='error', shape=shape, impl=name, error=trace)
