@@ -24,6 +24,7 @@ import numpy as np
 from pallas_kernels.mosaic_gpu import training_attention as ta
 
 BENCH = dict(m=65536, n=32, k=8, h=128, s=8192)
+CAUSAL_BENCH = dict(completions=(64, 1024), prompt=(1, 8192))  # (Z rows, T tokens)
 CHECKS = (  # (M, N, K, H, S, kv_length)
     (384, 8, 2, 128, 512, 300),
     (256, 4, 1, 128, 256, 256),
@@ -113,17 +114,26 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
     print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
 
 
+def _lower(forward, backward, q, kv, stat, length):
+  sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
+  jax.jit(lambda *a: forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
+      lowering_platforms=('cuda',))
+  jax.jit(lambda *a: backward(*a, scale=0.1)).trace(q, kv, kv, q, stat, stat, length).lower(
+      lowering_platforms=('cuda',))
+
+
 def lower_only():
   b = BENCH
-  sd = jax.ShapeDtypeStruct
-  q, kv = sd((b['m'], b['n'], b['h']), jnp.bfloat16), sd((b['s'], b['k'], b['h']), jnp.bfloat16)
-  stat, length = sd((b['m'], b['n']), jnp.float32), sd((), jnp.int32)
+  n, k, h = b['n'], b['k'], b['h']
   t0 = time.time()
-  jax.jit(lambda *a: ta.segment_forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
-      lowering_platforms=('cuda',))
-  jax.jit(lambda *a: ta.segment_backward(*a, scale=0.1)).trace(
-      q, kv, kv, q, stat, stat, length).lower(lowering_platforms=('cuda',))
-  print(f'lowered forward and backward at {b} in {time.time() - t0:.1f}s')
+  _lower(ta.segment_forward, ta.segment_backward, (b['m'], n, h), (b['s'], k, h), (b['m'], n), ())
+  print(f'lowered segment forward and backward at {b} in {time.time() - t0:.1f}s', flush=True)
+  for name, (z, t) in CAUSAL_BENCH.items():
+    t0 = time.time()
+    _lower(ta.causal_forward, ta.causal_backward, (z, t, n, h), (z, t, k, h), (z, t, n), (z,))
+    print(f'lowered causal forward and backward, {name}: Z={z} x T={t}, {n}/{k} heads, d={h}, '
+          f'in {time.time() - t0:.1f}s', flush=True)
 
 
 def main():
