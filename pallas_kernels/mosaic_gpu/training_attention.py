@@ -248,6 +248,15 @@ def _kv_steps(kv_len, queries_end, causal_t, bk, s):
   return jnp.clip(lax.div(seen + (bk - 1), jnp.int32(bk)), 1, s // bk)
 
 
+def _query_tile(rows_per_tile, num_tiles, causal_t):
+  """First query row of this program's tile. Causal: the last (longest) tiles get the first
+  program ids, so that short tiles fill the launch's tail."""
+  tile = lax.axis_index('q_tiles')
+  if causal_t is not None:
+    tile = num_tiles - 1 - tile
+  return tile * rows_per_tile
+
+
 # Forward.
 
 def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
@@ -264,7 +273,7 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
-    tile = lax.axis_index('q_tiles') * (wgs * bq)
+    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
     row = tile + wg * bq
     qo_smem = qo_smem2.at[wg]
 
@@ -460,7 +469,7 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
-    tile = lax.axis_index('q_tiles') * (wgs * bq)
+    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
     row = tile + wg * bq
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: q, do, lse, delta
