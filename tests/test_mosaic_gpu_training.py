@@ -281,6 +281,41 @@ class TestTrainingKernels:
       for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
         _close(name, a, e)
 
+  def test_scattered_private_pages(self):
+    """impl='mosaic_gpu' with several private pages per row, out of order and not contiguous
+    (the kernels get them gathered), NaN in every unattended token, against XLA and the oracle."""
+    t, n, kh, h = 5, 4, 2, 64
+    plan = hj.SharingPlan(
+        num_rows=2, segments=(hj.Segment(kv_start=0, kv_length=20, row_begin=0, row_end=2),),
+        page_size=16, private_pages=((4, 2), (5, 3)), private_lengths=(30, 20), kv_tokens=96)
+    layout = plan.to_device()
+    rng = np.random.default_rng(41)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
+    q, k, v = draw(2, t, n, h), draw(96, kh, h), draw(96, kh, h)
+    indices, lengths = plan.row_token_indices()
+    attended = np.zeros(96, bool)
+    for row, count in zip(indices, lengths):
+      attended[row[:count]] = True
+    k, v = (jnp.where(jnp.asarray(~attended)[:, None, None], jnp.nan, x) for x in (k, v))
+    w = jax.random.normal(jax.random.key(8), q.shape)
+
+    def loss(impl):
+      return lambda q, k, v: jnp.sum(impl(q, k, v).out.astype(jnp.float32) * w)
+
+    ours = lambda q, k, v: tree_attention_differentiable(
+        q, k, v, layout, impl='mosaic_gpu', interpret=self.interpret)
+    xla = lambda q, k, v: tree_attention_differentiable(q, k, v, layout)
+    oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
+    state = ours(q, k, v)
+    assert_states_close(state, xla(q, k, v))
+    assert_states_close(state, oracle(q, k, v))
+    actual = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
+    for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
+      _close(name, a, e)
+    for name, a in zip(('dk', 'dv'), actual[1:]):  # unattended tokens: exact zeros
+      np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
+
   def test_prefill_attention_impl(self):
     """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention)
     against the XLA path: values of both states and gradients of q_p, q_c, k, v."""
