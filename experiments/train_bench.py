@@ -8,16 +8,18 @@ Per point (G completions of T tokens sharing one P-token prompt):
   per-sequence causal attention over every sample's own P + T tokens,
   `jax.nn.dot_product_attention` with implementation 'cudnn' (`per_seq_cudnn`,
   GPU only) and 'xla' (`per_seq_xla`, skipped where its score matrix passes
-  --max_scores_gb). `shared_mosaic_gpu`: `shared_xla` with the shared prompts'
-  forward and backward in the Hopper kernels of
-  `pallas_kernels/mosaic_gpu/training_attention.py` (`impl='mosaic_gpu'`; Hopper and
-  bf16 / f16 only, recorded 'unsupported' elsewhere, e.g. in the CPU smoke).
+  --max_scores_gb). `shared_mosaic_gpu`: `shared_xla` with all of its attention (the
+  shared prompts, each completion's and each prompt's causal self-attention), forward
+  and backward, in the Hopper kernels of `pallas_kernels/mosaic_gpu/training_attention.py`
+  (`impl='mosaic_gpu'`; Hopper and bf16 / f16 only, recorded 'unsupported' elsewhere,
+  e.g. in the CPU smoke).
   Outputs are checked against the first per-sequence baseline that ran before
   timing. floor_s: the roofline of the shared computation (`hydrajax.training.costs`,
   measured ceilings).
 * step: value and gradient of the GRPO loss of a Llama (`--step_preset` with
-  `--step_layers` layers) over the same shapes, with `shared_forward` against
-  `per_sequence_forward` (cuDNN / XLA attention). floor_s: dense matmul FLOPs
+  `--step_layers` layers) over the same shapes, with `shared_forward` (its attention on
+  XLA or, `shared_mosaic_gpu`, the Hopper kernels) against `per_sequence_forward`
+  (cuDNN / XLA attention). floor_s: dense matmul FLOPs
   + attention FLOPs over the measured matmul rate.
 
 CPU smoke (the default, seconds to minutes on a laptop):
@@ -29,11 +31,12 @@ The H200 command (one GPU, sized to finish in under 5 minutes):
   PYTHONPATH=. python -m experiments.train_bench --nosmoke \
       --workdir=experiments/results/train_bench
 
-With the Mosaic GPU kernels next to cuDNN at the issue's point (attention only):
+With the Mosaic GPU kernels next to cuDNN at the issue's point (attention, and the
+GRPO step at the default --step_points):
 
   PYTHONPATH=. python -m experiments.train_bench --nosmoke --points=64:8192:1024 \
-      --impls=per_seq_cudnn,shared_xla,shared_mosaic_gpu --step_points= \
-      --workdir=experiments/results/train_bench_mgpu
+      --impls=per_seq_cudnn,shared_xla,shared_mosaic_gpu \
+      --workdir=experiments/results/train_bench_mgpu_causal
 
 (--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024 at 32/8 heads, d=128, bf16;
 --step_points=32:8192:1024 with llama3_8b at 2 layers and a 32K vocabulary. The whole
@@ -235,9 +238,7 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
                vocab=config.vocab_size,
                dtype=jnp.dtype(dtype).name, flops=float(flops),
                floor_s=flops / ceilings.matmul_rate)
-    reason = _unsupported(impl)
-    if impl == 'shared_mosaic_gpu':
-      reason = 'the step model does not take impl yet (attention points only)'
+    reason = _unsupported(impl, dtype)
     scores_gb = g * config.num_heads * (p + t) ** 2 * 4 / 1e9
     if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
       reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
@@ -249,7 +250,7 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
       model = nnx.merge(graphdef, params)
       if shared:
         logp = shared_forward(model, batch.prompts, batch.completions, layout,
-                              kv_block=_KV_BLOCK.value)
+                              kv_block=_KV_BLOCK.value, impl=_impl(impl))
       else:
         logp = per_sequence_forward(model, batch.prompts, batch.completions,
                                     layout.prompt_lengths, g, _per_seq_attention(impl))

@@ -1,4 +1,6 @@
-"""Tests of the Mosaic GPU training kernels (`pallas_kernels/mosaic_gpu/training_attention.py`).
+"""Tests of the Mosaic GPU training kernels (`pallas_kernels/mosaic_gpu/training_attention.py`):
+the shared segment's and the batched causal mode's, and their use in tree / prefill attention
+and a GRPO step.
 
 `TestTrainingKernels` runs compiled on a Hopper GPU (skipped elsewhere);
 `TestTrainingKernelsInterpret` runs the same cases on CPU in Mosaic GPU interpret
@@ -15,11 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import hydrajax as hj
 from hydrajax.dispatch import hopper_reason
 from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_attention_differentiable
+from models.config import get_config
+from models.llama import Llama
+from models.training import grpo
 from pallas_kernels.mosaic_gpu import training_attention as ta
 from tests.conftest import assert_states_close, random_inputs, random_tree
 
@@ -49,6 +55,28 @@ CASES = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class CausalCase:
+  heads: tuple[int, int]  # (N, K)
+  t: int  # queries per row
+  s: int  # kv capacity per row
+  lengths: tuple[int, ...]  # keys per row (Z = len(lengths)); the queries are the last T
+  h: int = 64
+
+  @property
+  def id(self):
+    return f'N={self.heads[0]}_K={self.heads[1]}_T={self.t}_S={self.s}_len={self.lengths}'
+
+
+CAUSAL_CASES = [
+    # GQA 4:1, T no block multiple; row 1 has 30 keys before its queries, row 2 is T exactly.
+    CausalCase((8, 2), 70, 130, (100, 70)),
+    CausalCase((4, 1), 128, 128, (128, 128), h=128),  # MQA, full blocks (two diagonal blocks)
+    # MHA; row 1: length < T (its first 14 queries see no key); row 2: 129 = one key into a block.
+    CausalCase((2, 2), 40, 150, (40, 26, 129)),
+]
+
+
 def _inputs(case: Case, seed: int):
   """q, k, v, and output weights (w_out, w_lse); K/V past kv_length hold NaN."""
   n, kh = case.heads
@@ -66,6 +94,27 @@ def _oracle(q, k, v, length):
   rows = lambda x: jnp.broadcast_to(x[:length], (m, length) + x.shape[1:])
   state = hj.naive_attention(q[:, None], rows(k), rows(v), jnp.full((m,), length, jnp.int32))
   return state.out[:, 0], state.lse[:, 0]
+
+
+def _causal_inputs(case: CausalCase, seed: int):
+  """q [Z, T, N, H], k, v [Z, S, K, H] with NaN past each row's length, weights (w_out, w_lse)."""
+  n, kh = case.heads
+  z = len(case.lengths)
+  keys = jax.random.split(jax.random.key(seed), 5)
+  draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32)
+  q = draw(keys[0], (z, case.t, n, case.h)).astype(BF16)
+  unseen = (jnp.arange(case.s)[None, :] >= jnp.asarray(case.lengths)[:, None])[..., None, None]
+  k, v = (jnp.where(unseen, jnp.nan, draw(key, (z, case.s, kh, case.h))).astype(BF16)
+          for key in keys[1:3])
+  return q, k, v, (draw(keys[3], q.shape), draw(keys[4], q.shape[:3]))
+
+
+def _causal_oracle(q, k, v, lengths):
+  """Naive causal attention (bottom-right aligned); K/V past the lengths zeroed (no NaN path)."""
+  lengths = jnp.asarray(lengths, jnp.int32)
+  seen = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[..., None, None]
+  k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
+  return hj.naive_attention(q, k, v, lengths)
 
 
 def _close(name, actual, expected, **tol):
@@ -147,6 +196,53 @@ class TestTrainingKernels:
     _close('dk', dk, dk_ref)
     _close('dv', dv, dv_ref)
 
+  @pytest.mark.parametrize('case', CAUSAL_CASES, ids=lambda c: c.id)
+  def test_causal_forward(self, case, request):
+    seed = zlib.crc32(request.node.name.encode())
+    q, k, v, _ = _causal_inputs(case, seed)
+    scale = case.h**-0.5
+    out, lse = ta.causal_forward(q, k, v, jnp.asarray(case.lengths), scale=scale,
+                                 interpret=self.interpret)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+    ref_out, ref_lse = ta.causal_forward_reference(q, k, v, jnp.asarray(case.lengths),
+                                                   scale=scale)
+    _close('out', out, ref_out)
+    _close('lse', lse, ref_lse, **LSE_TOL)
+    oracle = _causal_oracle(q, k, v, case.lengths)
+    _close('out vs oracle', out, oracle.out)
+    _close('lse vs oracle', lse, oracle.lse, **LSE_TOL)
+
+  @pytest.mark.parametrize('case', CAUSAL_CASES, ids=lambda c: c.id)
+  def test_causal_backward(self, case, request):
+    seed = zlib.crc32(request.node.name.encode())
+    q, k, v, (w_out, w_lse) = _causal_inputs(case, seed)
+    lengths = jnp.asarray(case.lengths)
+    scale = case.h**-0.5
+    out, lse = ta.causal_forward_reference(q, k, v, lengths, scale=scale)
+    w_lse = jnp.where(jnp.isfinite(lse), w_lse, 0.0)  # queries that see no key: no lse
+    # The cotangents of out and lse of loss = sum(out * w_out) + sum(lse * w_lse).
+    delta = jnp.sum(w_out * out.astype(jnp.float32), -1) - w_lse
+    args = (q, k, v, w_out.astype(BF16), lse, delta, lengths)
+    grads = ta.causal_backward(*args, scale=scale, interpret=self.interpret)
+    refs = ta.causal_backward_reference(*args, scale=scale)
+    for name, a, r, x in zip(('dq', 'dk', 'dv'), grads, refs, (q, k, v)):
+      assert a.shape == x.shape and a.dtype == x.dtype, name
+      _close(name, a, r)
+    # Tokens past a row's length (NaN in K / V) get exactly zero gradient.
+    for z, n in enumerate(case.lengths):
+      for name, g in (('dk', grads[1]), ('dv', grads[2])):
+        np.testing.assert_array_equal(np.asarray(g[z, n:], np.float32), 0.0, err_msg=name)
+
+    def loss(q, k, v):
+      state = _causal_oracle(q, k, v, lengths)
+      lse = jnp.where(jnp.isfinite(state.lse), state.lse, 0.0)
+      return jnp.sum(state.out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
+
+    expected = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for name, a, e in zip(('dq', 'dk', 'dv'), grads, expected):
+      assert np.abs(np.asarray(e, np.float32)).max() > 0.1, f'{name}: no gradient exercised'
+      _close(f'{name} vs oracle grad', a, e)
+
   def test_tree_attention_differentiable_matches_xla(self):
     """impl='mosaic_gpu' (shared segments by the kernels) against the XLA impl and the oracle."""
     rng = np.random.default_rng(23)
@@ -185,7 +281,44 @@ class TestTrainingKernels:
       for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
         _close(name, a, e)
 
+  def test_scattered_private_pages(self):
+    """impl='mosaic_gpu' with several private pages per row, out of order and not contiguous
+    (the kernels get them gathered), NaN in every unattended token, against XLA and the oracle."""
+    t, n, kh, h = 5, 4, 2, 64
+    plan = hj.SharingPlan(
+        num_rows=2, segments=(hj.Segment(kv_start=0, kv_length=20, row_begin=0, row_end=2),),
+        page_size=16, private_pages=((4, 2), (5, 3)), private_lengths=(30, 20), kv_tokens=96)
+    layout = plan.to_device()
+    rng = np.random.default_rng(41)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
+    q, k, v = draw(2, t, n, h), draw(96, kh, h), draw(96, kh, h)
+    indices, lengths = plan.row_token_indices()
+    attended = np.zeros(96, bool)
+    for row, count in zip(indices, lengths):
+      attended[row[:count]] = True
+    k, v = (jnp.where(jnp.asarray(~attended)[:, None, None], jnp.nan, x) for x in (k, v))
+    w = jax.random.normal(jax.random.key(8), q.shape)
+
+    def loss(impl):
+      return lambda q, k, v: jnp.sum(impl(q, k, v).out.astype(jnp.float32) * w)
+
+    ours = lambda q, k, v: tree_attention_differentiable(
+        q, k, v, layout, impl='mosaic_gpu', interpret=self.interpret)
+    xla = lambda q, k, v: tree_attention_differentiable(q, k, v, layout)
+    oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
+    state = ours(q, k, v)
+    assert_states_close(state, xla(q, k, v))
+    assert_states_close(state, oracle(q, k, v))
+    actual = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
+    for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
+      _close(name, a, e)
+    for name, a in zip(('dk', 'dv'), actual[1:]):  # unattended tokens: exact zeros
+      np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
+
   def test_prefill_attention_impl(self):
+    """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention)
+    against the XLA path: values of both states and gradients of q_p, q_c, k, v."""
     lengths, g, t, p, n, kh, h = (5, 11), 3, 6, 12, 4, 2, 64
     layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
     rng = np.random.default_rng(9)
@@ -194,19 +327,57 @@ class TestTrainingKernels:
     q_p, q_c = draw(bp, p, n, h), draw(b, t, n, h)
     kb = pl.write_kv(layout, draw(bp, p, kh, h), draw(b, t, kh, h))
     vb = pl.write_kv(layout, draw(bp, p, kh, h), draw(b, t, kh, h))
-    w = jax.random.normal(jax.random.key(6), q_c.shape)
+    keys = jax.random.split(jax.random.key(6), 4)
+    w_c, w_p = (jax.random.normal(key, x.shape) for key, x in zip(keys, (q_c, q_p)))
+    w_lc, w_lp = (jax.random.normal(key, x.shape[:-1]) for key, x in zip(keys[2:], (q_c, q_p)))
+
+    def states(impl):
+      return lambda *a: pl.prefill_attention(*a, layout, impl=impl, interpret=self.interpret)
 
     def loss(impl):
-      def f(q_c, kb, vb):
-        _, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, impl=impl,
-                                             interpret=self.interpret)
-        return jnp.sum(completion.out.astype(jnp.float32) * w)
+      def f(*a):
+        total = 0.0
+        for state, w, w_lse in zip(states(impl)(*a), (w_p, w_c), (w_lp, w_lc)):
+          total += jnp.sum(state.out.astype(jnp.float32) * w) + jnp.sum(state.lse * w_lse)
+        return total
       return f
 
-    actual = jax.grad(loss('mosaic_gpu'), argnums=(0, 1, 2))(q_c, kb, vb)
-    expected = jax.grad(loss('xla'), argnums=(0, 1, 2))(q_c, kb, vb)
-    for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
+    args = (q_p, q_c, kb, vb)
+    for actual, expected in zip(states('mosaic_gpu')(*args), states('xla')(*args)):
+      assert_states_close(actual, expected)
+    actual = jax.grad(loss('mosaic_gpu'), argnums=(0, 1, 2, 3))(*args)
+    expected = jax.grad(loss('xla'), argnums=(0, 1, 2, 3))(*args)
+    for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual, expected):
       _close(name, a, e)
+
+  def test_grpo_step_impl(self):
+    """A GRPO loss and gradient (bf16 Llama, head dim 64) with impl='mosaic_gpu' equal to XLA's."""
+    config = get_config('tiny_gqa', head_dim=64, num_layers=1)
+    lengths, g, t = (5, 9), 2, 7
+    layout = pl.plan_prefill(lengths, g, t).to_device()
+    rng = np.random.default_rng(31)
+    bp, b = len(lengths), len(lengths) * g
+    base = -float(np.log(config.vocab_size))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    batch = grpo.GrpoBatch(
+        prompts=jnp.asarray(rng.integers(1, config.vocab_size, (bp, max(lengths))), jnp.int32),
+        completions=jnp.asarray(rng.integers(1, config.vocab_size, (b, t)), jnp.int32),
+        mask=jnp.ones((b, t)), advantages=f32(rng.standard_normal(b)),
+        old_logp=f32(base + 0.3 * rng.standard_normal((b, t))),
+        ref_logp=f32(base + 0.3 * rng.standard_normal((b, t))))
+    graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(4), dtype=BF16))
+    cfg = grpo.GrpoConfig()
+    run = lambda impl: grpo.loss_and_grads(graphdef, params, batch, layout, cfg, impl=impl,
+                                           interpret=self.interpret)
+    (loss_k, _), grads_k = run('mosaic_gpu')
+    (loss_x, _), grads_x = run('xla')
+    np.testing.assert_allclose(float(loss_k), float(loss_x), rtol=1e-2, atol=1e-3)
+    for (path, a), e in zip(jax.tree.leaves_with_path(grads_k), jax.tree.leaves(grads_x)):
+      a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+      scale = float(np.abs(e).max())
+      assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
+      np.testing.assert_allclose(a, e, rtol=0, atol=3e-2 * scale,
+                                 err_msg=jax.tree_util.keystr(path))
 
 
 class TestTrainingKernelsInterpret(TestTrainingKernels):
@@ -223,6 +394,11 @@ def test_arguments_are_checked():
   with pytest.raises(ValueError, match='head dim'):
     ta.segment_forward(q[..., :32].astype(BF16), k[..., :32].astype(BF16),
                        k[..., :32].astype(BF16), 64, scale=1.0, interpret=True)
+  qb, kb = jnp.zeros((2, 64, 4, 64), BF16), jnp.zeros((2, 64, 2, 64), BF16)
+  with pytest.raises(ValueError, match='expected q'):
+    ta.causal_forward(qb, kb[:1], kb[:1], 64, scale=1.0, interpret=True)
+  with pytest.raises(ValueError, match='lengths'):
+    ta.causal_forward(qb, kb, kb, jnp.array([64, 64, 64]), scale=1.0, interpret=True)
   with pytest.raises(ValueError, match='block_q'):
     ta.TrainingKernelConfig(block_q=32)
   plan = hj.plan_tree(hj.PromptNode(3, num_samples=2), private_capacity=2, private_lengths=1)

@@ -159,8 +159,9 @@ def prefill_attention(
 
   Differentiable in every argument but the layout. Returns the prompt state
   (out [Bp, P, N, H], lse [Bp, P, N]) and the completion state (out [Bp * G, T, N, H], ...).
-  impl, interpret: as in `tree_attention_differentiable` ('mosaic_gpu': the completions'
-  shared prompts by the Hopper kernels; the prompts' own causal attention stays on XLA).
+  impl, interpret: as in `tree_attention_differentiable` ('mosaic_gpu': all of it by the
+  Hopper kernels: the completions' shared prompts, each completion's causal self-attention
+  and each prompt's own causal attention; only the LSE merges stay on XLA).
   """
   kw = dict(scale=scale, kv_block=kv_block, impl=impl, interpret=interpret)
   prompt = tree_attention_differentiable(q_prompt, k_buffer, v_buffer, layout.prompt_layout, **kw)

@@ -21,8 +21,12 @@ one block of scores.
 
 `impl='mosaic_gpu'` computes the shared segments' partial states (forward) and
 their dQ, dK, dV (backward) with the Hopper kernels of
-`pallas_kernels.mosaic_gpu.training_attention`, one call per segment; the private
-(causal, per-row) parts and the merge stay on this XLA path.
+`pallas_kernels.mosaic_gpu.training_attention`, one call per segment, and the
+private part (each row causal over its own pages) with their batched causal mode,
+one call for all rows; the merge stays on XLA. The private K/V are gathered into
+[B, pages * page_size] first (`k_cache[part.tokens]`, one copy of the private K/V),
+so any page layout works, contiguous or not, and T or page sizes that are no
+block multiple are padded and masked in the kernels' wrappers.
 """
 
 import dataclasses
@@ -45,6 +49,7 @@ class _Kernels:
 
   forward: str = 'xla'
   backward: str = 'xla'
+  private: str = 'xla'  # the private (causal, per-row) parts, both passes: 'xla' or 'mosaic_gpu'
   interpret: object = False  # the kernels' interpret mode (see tree_attention_differentiable)
 
 
@@ -170,6 +175,27 @@ def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interp
   return jnp.stack(outs), jnp.stack(lses)
 
 
+def _private_args(q_pad, part: _Part):
+  """Queries [B, T, N, H] of a private part (one row per item) and each row's length [B].
+
+  The last query's causal limit is the row's private length (see `_parts`).
+  """
+  return q_pad[part.rows[:, 0]], part.limit[:, -1]
+
+
+def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interpret):
+  """`_part_forward` of the private part with the batched causal kernel, all rows in one call."""
+  from pallas_kernels.mosaic_gpu.training_attention import causal_forward
+
+  q, lengths = _private_args(q_pad, part)
+  b, t, n, h = q.shape
+  kh = k_cache.shape[1]
+  out, lse = causal_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths, scale=scale,
+                            interpret=interpret)
+  return (out.astype(jnp.float32).reshape(b, t, kh, n // kh, h),
+          lse.reshape(b, t, kh, n // kh))
+
+
 def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   b, t, n, h = q.shape
   q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
@@ -177,6 +203,9 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
     if part.shared and kernels.forward == 'mosaic_gpu':
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels.interpret)
+    elif not part.shared and kernels.private == 'mosaic_gpu':
+      out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale,
+                                             kernels.interpret)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
     z, r = part.rows.shape
@@ -276,6 +305,27 @@ def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
   return jnp.stack(dqs), dk, dv
 
 
+def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
+                                 part: _Part, scale, dk, dv, interpret):
+  """`_part_backward` of the private part with the batched causal kernels, all rows in one call.
+
+  Each row's dK, dV are summed over its queries and GQA heads in the kernel.
+  """
+  from pallas_kernels.mosaic_gpu.training_attention import causal_backward
+
+  q, lengths = _private_args(q_pad, part)
+  rows = part.rows[:, 0]
+  b, t, n, h = q.shape
+  kh = k_cache.shape[1]
+  dq, dk_b, dv_b = causal_backward(q, k_cache[part.tokens], v_cache[part.tokens], do_pad[rows],
+                                   lse_pad[rows], delta_pad[rows], lengths, scale=scale,
+                                   interpret=interpret)
+  # Positions past a row's length (and the block padding's clamped tokens) get exact zeros.
+  dk = dk.at[part.tokens].add(dk_b.astype(jnp.float32))
+  dv = dv.at[part.tokens].add(dv_b.astype(jnp.float32))
+  return dq.astype(jnp.float32).reshape(b, t, kh, n // kh, h), dk, dv
+
+
 def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
               kernels: _Kernels):
   b, t, n, h = q.shape
@@ -295,6 +345,9 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
     elif part.shared and kernels.backward == 'mosaic_gpu':
       dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                v_cache, part, scale, dk, dv, kernels.interpret)
+    elif not part.shared and kernels.private == 'mosaic_gpu':
+      dq_z, dk, dv = _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
+                                                  v_cache, part, scale, dk, dv, kernels.interpret)
     else:
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)
@@ -345,9 +398,10 @@ def tree_attention_differentiable(
   Differentiable in q, k_cache, v_cache (and through both outputs: out and lse).
   Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   kv_block: kv tokens per block of scores in both passes (bounds memory).
-  impl: 'xla', or 'mosaic_gpu': the shared segments' forward and backward by the Hopper
-    kernels of `pallas_kernels.mosaic_gpu.training_attention` (bf16 / f16, head dim a
-    multiple of 64; `interpret=True` runs them in Pallas interpret mode, e.g. on CPU).
+  impl: 'xla', or 'mosaic_gpu': the shared segments' and the private (causal) parts' forward
+    and backward by the Hopper kernels of `pallas_kernels.mosaic_gpu.training_attention`
+    (bf16 / f16, head dim a multiple of 64; `interpret=True` runs them in Pallas interpret
+    mode, e.g. on CPU); only the merge of the parts stays on XLA.
   shared_backward: the shared segments' dQ, dK, dV only (default: as `impl`): 'xla',
     'mosaic_gpu', or 'mosaic_tpu' (the Mosaic TPU kernels of
     `pallas_kernels.tpu.shared_segment_bwd`; `interpret`: their interpret mode, e.g.
@@ -364,5 +418,5 @@ def tree_attention_differentiable(
         f"shared_backward must be 'xla', 'mosaic_tpu' or 'mosaic_gpu', got {shared_backward!r}")
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   uses_kernels = impl != 'xla' or shared_backward != 'xla'
-  kernels = _Kernels(impl, shared_backward, interpret if uses_kernels else False)
+  kernels = _Kernels(impl, shared_backward, impl, interpret if uses_kernels else False)
   return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels)

@@ -39,8 +39,11 @@ def _token_logprobs(model: Llama, h_prev, completions):
 
 
 def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
-                  kv_block: int = 1024):
-  """Final-norm hidden states of the prompts [Bp, P, D] and completions [Bp * G, T, D]."""
+                  kv_block: int = 1024, impl: str = 'xla', interpret: bool = False):
+  """Final-norm hidden states of the prompts [Bp, P, D] and completions [Bp * G, T, D].
+
+  impl, interpret: the attention's kernels, as in `prefill_attention`.
+  """
   c = model.config
   _check(prompts, completions, layout)
   bp, p = prompts.shape
@@ -54,7 +57,8 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
     q_p, k_p, v_p = _qkv(w, x_p, pos_p, inv_freq, c.norm_eps)
     q_c, k_c, v_c = _qkv(w, x_c, pos_c, inv_freq, c.norm_eps)
     k_buf, v_buf = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    a_p, a_c = pl.prefill_attention(q_p, q_c, k_buf, v_buf, layout, kv_block=kv_block)
+    a_p, a_c = pl.prefill_attention(q_p, q_c, k_buf, v_buf, layout, kv_block=kv_block,
+                                    impl=impl, interpret=interpret)
     x_p = _mlp(w, x_p + jnp.einsum('btnh,nhd->btd', a_p.out.astype(x_p.dtype), w['wo']),
                c.norm_eps)
     x_c = _mlp(w, x_c + jnp.einsum('btnh,nhd->btd', a_c.out.astype(x_c.dtype), w['wo']),
@@ -64,13 +68,15 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
 
 
 def shared_forward(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
-                   kv_block: int = 1024) -> jax.Array:
+                   kv_block: int = 1024, impl: str = 'xla', interpret: bool = False) -> jax.Array:
   """log p(completion tokens) [Bp * G, T] float32, each prompt computed once.
 
   prompts [Bp, P] int32 (right-padded), completions [Bp * G, T] int32 (row r
-  continues prompt r // G), layout from `plan_prefill(...).to_device()`.
+  continues prompt r // G), layout from `plan_prefill(...).to_device()`. impl, interpret:
+  the attention's kernels ('mosaic_gpu': Hopper, bf16 / f16), as in `prefill_attention`.
   """
-  h_p, h_c = shared_hidden(model, prompts, completions, layout, kv_block=kv_block)
+  h_p, h_c = shared_hidden(model, prompts, completions, layout, kv_block=kv_block, impl=impl,
+                           interpret=interpret)
   g = layout.group_size
   last = h_p[jnp.arange(prompts.shape[0]), layout.prompt_lengths - 1]  # [Bp, D]
   h_prev = jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], h_c[:, :-1]], axis=1)

@@ -83,34 +83,44 @@ def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, di
 
 
 def policy_logprobs(model, batch: GrpoBatch, layout: PrefillLayout, *, shared: bool = True,
-                    kv_block: int = 1024) -> jax.Array:
-  """log p(batch.completions) [B, T] under `model`, shared or per-sample forward."""
+                    kv_block: int = 1024, impl: str = 'xla', interpret: bool = False) -> jax.Array:
+  """log p(batch.completions) [B, T] under `model`, shared or per-sample forward.
+
+  impl, interpret: the shared forward's attention kernels (`prefill_attention`).
+  """
   if shared:
-    return shared_forward(model, batch.prompts, batch.completions, layout, kv_block=kv_block)
+    return shared_forward(model, batch.prompts, batch.completions, layout, kv_block=kv_block,
+                          impl=impl, interpret=interpret)
   return unshared_forward(model, batch.prompts, batch.completions, layout.prompt_lengths,
                           layout.group_size)
 
 
 def loss_and_grads(graphdef, params, batch: GrpoBatch, layout: PrefillLayout,
-                   config: GrpoConfig, *, shared: bool = True, kv_block: int = 1024):
+                   config: GrpoConfig, *, shared: bool = True, kv_block: int = 1024,
+                   impl: str = 'xla', interpret: bool = False):
   """((loss, metrics), grads) with respect to the parameter state `params`."""
 
   def loss(params):
     model = nnx.merge(graphdef, params)
-    logp = policy_logprobs(model, batch, layout, shared=shared, kv_block=kv_block)
+    logp = policy_logprobs(model, batch, layout, shared=shared, kv_block=kv_block, impl=impl,
+                           interpret=interpret)
     return grpo_loss(logp, batch, config)
 
   return jax.value_and_grad(loss, has_aux=True)(params)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig, *,
-                    shared: bool = True, kv_block: int = 1024):
-  """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics)."""
+                    shared: bool = True, kv_block: int = 1024, impl: str = 'xla',
+                    interpret: bool = False):
+  """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics).
+
+  impl, interpret: the shared forward's attention kernels (`prefill_attention`).
+  """
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch: GrpoBatch, layout: PrefillLayout):
     (_, metrics), grads = loss_and_grads(graphdef, params, batch, layout, config, shared=shared,
-                                         kv_block=kv_block)
+                                         kv_block=kv_block, impl=impl, interpret=interpret)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     metrics['grad_norm'] = optax.tree.norm(grads)
     return optax.apply_updates(params, updates), opt_state, metrics

@@ -6,8 +6,10 @@ On the GPU machine, from the repository root (about a minute):
 
 checks segment_forward / segment_backward against their jnp references on small
 shapes (GQA, MQA, MHA, a kv_length that is no block multiple, an empty segment, NaN
-in the masked K/V), then times each kernel at the benchmark shape (G=64 x T=1024
-query rows, a 8192-token prompt, 32/8 heads, d=128, bf16) with CUPTI.
+in the masked K/V), and causal_forward / causal_backward likewise (T no block
+multiple, lengths above and below T), then times each kernel at the benchmark shape
+(G=64 x T=1024 query rows, a 8192-token prompt, 32/8 heads, d=128, bf16; causal: the
+64 completions of 1024 tokens, and the prompt's 8192 x 8192) with CUPTI.
 
 On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 (Pallas -> Mosaic GPU MLIR, TMA and layout checks; not ptxas).
@@ -24,6 +26,12 @@ import numpy as np
 from pallas_kernels.mosaic_gpu import training_attention as ta
 
 BENCH = dict(m=65536, n=32, k=8, h=128, s=8192)
+CAUSAL_BENCH = dict(completions=(64, 1024), prompt=(1, 8192))  # (Z rows, T tokens)
+CAUSAL_CHECKS = (  # (N, K, H, T, S, lengths)
+    (8, 2, 128, 200, 384, (384, 200, 150)),
+    (4, 1, 128, 256, 256, (256, 256)),
+    (4, 4, 64, 130, 260, (259, 130)),
+)
 CHECKS = (  # (M, N, K, H, S, kv_length)
     (384, 8, 2, 128, 512, 300),
     (256, 4, 1, 128, 256, 256),
@@ -61,6 +69,33 @@ def check(m, n, k, h, s, length):
   return all(e <= 3e-2 for e in errs.values())
 
 
+def check_causal(n, k, h, t, s, lengths):
+  keys = jax.random.split(jax.random.key(1), 4)
+  draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+  z = len(lengths)
+  q, do = draw(keys[0], (z, t, n, h)), draw(keys[3], (z, t, n, h))
+  unseen = (jnp.arange(s)[None, :] >= jnp.asarray(lengths)[:, None])[..., None, None]
+  kk, v = (jnp.where(unseen, jnp.nan, draw(key, (z, s, k, h))) for key in keys[1:3])
+  lengths, scale = jnp.asarray(lengths), h**-0.5
+  out, lse = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale))(q, kk, v, lengths)
+  r_out, r_lse = ta.causal_forward_reference(q, kk, v, lengths, scale=scale)
+  delta = jnp.sum(do.astype(jnp.float32) * r_out.astype(jnp.float32), -1)
+  args = (q, kk, v, do, r_lse, delta, lengths)
+  grads = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale))(*args)
+  refs = ta.causal_backward_reference(*args, scale=scale)
+  errs = {}
+  for name, a, r in zip(('out', 'lse', 'dq', 'dk', 'dv'), (out, lse) + tuple(grads),
+                        (r_out, r_lse) + tuple(refs)):
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    fin = np.isfinite(r)
+    ok = (np.isfinite(a) == fin).all()
+    size = max(1.0, float(np.abs(r[fin]).max(initial=0.0)))  # bf16 outputs: relative to that
+    errs[name] = float(np.abs(a[fin] - r[fin]).max(initial=0.0)) / size if ok else float('nan')
+  print(f'check causal N={n} K={k} H={h} T={t} S={s} lengths={lengths.tolist()}: '
+        f'max err / max(1, max |ref|) {errs}', flush=True)
+  return all(e <= 3e-2 for e in errs.values())
+
+
 def cupti_ms(fn, *args):
   from jax.experimental.mosaic.gpu import profiler
 
@@ -86,6 +121,23 @@ def bench():
     ms, kernels = cupti_ms(fn, *args)
     print(f'{name}: {ms:.2f} ms, {mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
           + ', '.join(f'{k[:60]}={t:.2f}' for k, t in kernels.items()), flush=True)
+  for label, (z, t) in CAUSAL_BENCH.items():
+    keys = jax.random.split(jax.random.key(2), 4)
+    draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    q, do = draw(keys[0], (z, t, b['n'], b['h'])), draw(keys[3], (z, t, b['n'], b['h']))
+    kk, v = (draw(key, (z, t, b['k'], b['h'])) for key in keys[1:3])
+    lengths = jnp.full((z,), t, jnp.int32)
+    fwd = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale))
+    out, lse = fwd(q, kk, v, lengths)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    bwd = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale))
+    flops = 2 * z * b['n'] * t * t * b['h']  # QK^T and PV over the lower half of T x T
+    for name, fn, args, mult in (('forward', fwd, (q, kk, v, lengths), 1),
+                                 ('backward', bwd, (q, kk, v, do, lse, delta, lengths), 3.5)):
+      ms, kernels = cupti_ms(fn, *args)
+      print(f'causal {label} (Z={z}, T={t}) {name}: {ms:.2f} ms, '
+            f'{mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
+            + ', '.join(f'{k[:60]}={t_ms:.2f}' for k, t_ms in kernels.items()), flush=True)
 
 
 def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
@@ -113,17 +165,26 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
     print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
 
 
+def _lower(forward, backward, q, kv, stat, length):
+  sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
+  jax.jit(lambda *a: forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
+      lowering_platforms=('cuda',))
+  jax.jit(lambda *a: backward(*a, scale=0.1)).trace(q, kv, kv, q, stat, stat, length).lower(
+      lowering_platforms=('cuda',))
+
+
 def lower_only():
   b = BENCH
-  sd = jax.ShapeDtypeStruct
-  q, kv = sd((b['m'], b['n'], b['h']), jnp.bfloat16), sd((b['s'], b['k'], b['h']), jnp.bfloat16)
-  stat, length = sd((b['m'], b['n']), jnp.float32), sd((), jnp.int32)
+  n, k, h = b['n'], b['k'], b['h']
   t0 = time.time()
-  jax.jit(lambda *a: ta.segment_forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
-      lowering_platforms=('cuda',))
-  jax.jit(lambda *a: ta.segment_backward(*a, scale=0.1)).trace(
-      q, kv, kv, q, stat, stat, length).lower(lowering_platforms=('cuda',))
-  print(f'lowered forward and backward at {b} in {time.time() - t0:.1f}s')
+  _lower(ta.segment_forward, ta.segment_backward, (b['m'], n, h), (b['s'], k, h), (b['m'], n), ())
+  print(f'lowered segment forward and backward at {b} in {time.time() - t0:.1f}s', flush=True)
+  for name, (z, t) in CAUSAL_BENCH.items():
+    t0 = time.time()
+    _lower(ta.causal_forward, ta.causal_backward, (z, t, n, h), (z, t, k, h), (z, t, n), (z,))
+    print(f'lowered causal forward and backward, {name}: Z={z} x T={t}, {n}/{k} heads, d={h}, '
+          f'in {time.time() - t0:.1f}s', flush=True)
 
 
 def main():
@@ -137,7 +198,7 @@ def main():
   print(jax.devices(), jax.__version__, flush=True)
   if args.breakdown:
     return prefill_breakdown()
-  ok = all([check(*c) for c in CHECKS])
+  ok = all([check(*c) for c in CHECKS] + [check_causal(*c) for c in CAUSAL_CHECKS])
   print('checks', 'passed' if ok else 'FAILED', flush=True)
   if not args.no_bench:
     bench()

@@ -1,4 +1,5 @@
-"""Forward and backward of one shared segment for training, on Hopper (Pallas Mosaic GPU).
+"""Forward and backward of training attention on Hopper (Pallas Mosaic GPU): a shared
+segment, and Z independent causal sequences.
 
 A shared segment (a prompt) is attended, non-causally, by all M query rows of
 every sample that shares it: q [M, N, H] (rows x T tokens flattened), k, v
@@ -11,28 +12,42 @@ exact (see `hydrajax/training/tree_attention_vjp.py`):
 
     dV = P^T dO    dS = P * (dO V^T - delta)    dK = scale dS^T Q    dQ = scale dS K
 
+`causal_forward` / `causal_backward` are the batched causal mode of the same
+kernels, for the private parts (each completion over its own tokens, each
+prompt over itself): q [Z, T, N, H] against k, v [Z, S, K, H] and lengths [Z],
+query t of row z seeing keys < lengths[z] - T + t + 1 (bottom-right aligned, as
+in `_parts` of tree_attention_vjp.py). A leading grid axis runs the rows; the
+forward and dQ kernels stream only the kv blocks up to their tile's diagonal,
+and the dK/dV kernel only the query blocks from its tile's diagonal on (a traced
+pipeline grid), so the square's upper half is never loaded nor multiplied.
+
 Three kernels, after JAX's FlashAttention-3 for Hopper
 (`jax/experimental/pallas/ops/gpu/attention_mgpu.py`, Copyright 2024 The JAX
 Authors, Apache License 2.0): the forward and dQ kernels run one program per
-(query head, tile of query rows) and stream K/V blocks; the dK/dV kernel runs
-one program per (kv block, kv head) and streams the query blocks of all G query
-heads of the kv head's group, so the GQA sum and the sum over all M rows happen
-in its float32 accumulators (nothing per row or per query head is written).
-On the GPU each kernel is warp-specialised: `compute_wgs` compute warpgroups
-and one memory warpgroup that feeds them by TMA (`emit_pipeline_warp_specialized`).
-Differences from the JAX kernels: the input dtype everywhere (bf16 or f16; its
-scratch is float16), a dynamic kv_length (scores past it masked by a where),
-the in-kernel GQA reduction, natural-log lse at the interface.
+(query head, tile of query rows, row z) and stream K/V blocks; the dK/dV kernel
+runs one program per (kv block, kv head, row z) and streams the query blocks of
+all G query heads of the kv head's group, so the GQA sum and the sum over all M
+rows happen in its float32 accumulators (nothing per row or per query head is
+written). On the GPU each kernel is warp-specialised: `compute_wgs` compute
+warpgroups and one memory warpgroup that feeds them by TMA
+(`emit_pipeline_warp_specialized`). Differences from the JAX kernels: the input
+dtype everywhere (bf16 or f16; its scratch is float16), dynamic lengths (scores
+past them masked by a where), the in-kernel GQA reduction, natural-log lse at the
+interface, a causal backward.
+
+Every block is masked by a where (length and, causal, the diagonal), also the
+blocks that need none: Lane-semantics Pallas has no value-returning branch in
+the step, and the where is a few VPU ops next to the exp2.
 
 Interpret mode (`interpret=True`, CPU) runs the same step functions pipelined by
 one warpgroup (`emit_pipeline`) and stages register operands of wgmma through
 shared memory (interpret mode takes wgmma operands from shared memory only);
 several warpgroups waiting on each other's barriers can starve a two-core CPU.
 
-K/V rows past kv_length may hold anything (NaN included): the wrappers zero
-them (one pass over the segment's K/V) before the kernels, so 0 * NaN never
-reaches P @ V, dS K or dP = dO V^T; scores there are masked by a where.
-Query rows are padded to the row tile (zeros, lse = +inf so P = 0) and dropped.
+K/V rows past the length may hold anything (NaN included): the wrappers zero
+them (one pass over K/V) before the kernels, so 0 * NaN never reaches P @ V,
+dS K or dP = dO V^T; scores there are masked by a where. Query rows are padded
+to the row tile (zeros, lse = +inf so P = 0) and dropped.
 """
 
 import dataclasses
@@ -86,14 +101,17 @@ def _config(config, interpret):
   return INTERPRET_CONFIG if interpret else TrainingKernelConfig()
 
 
-def _check(q, k, v, *others):
-  if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
-    raise ValueError(f'q must be [M, N, H] and k, v [S, K, H]; got q {q.shape}, k {k.shape}, '
-                     f'v {v.shape}')
-  if q.shape[1] % k.shape[1]:
-    raise ValueError(f'query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})')
-  if q.shape[2] % 64:
-    raise ValueError(f'head dim must be a multiple of 64, got {q.shape[2]}')
+def _check(q, k, v, *others, batched=False):
+  want = 'q [Z, T, N, H] and k, v [Z, S, K, H]' if batched else 'q [M, N, H] and k, v [S, K, H]'
+  ndim = 3 + batched
+  if (q.ndim != ndim or k.ndim != ndim or k.shape != v.shape or q.shape[-1] != k.shape[-1]
+      or (batched and q.shape[0] != k.shape[0])):
+    raise ValueError(f'expected {want}; got q {q.shape}, k {k.shape}, v {v.shape}')
+  if q.shape[-2] % k.shape[-2]:
+    raise ValueError(f'query heads ({q.shape[-2]}) must be a multiple of kv heads '
+                     f'({k.shape[-2]})')
+  if q.shape[-1] % 64:
+    raise ValueError(f'head dim must be a multiple of 64, got {q.shape[-1]}')
   dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, *others)}
   if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError('q, k, v (and do) must share one dtype, bfloat16 or float16 (wgmma); got '
@@ -109,12 +127,14 @@ def _pad_to(x, axis, multiple, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _prepare_kv(k, v, kv_length, multiple):
-  """Clamped kv_length [1] int32; k, v with rows >= kv_length zeroed, padded to `multiple`."""
-  length = jnp.clip(jnp.asarray(kv_length, jnp.int32).reshape(()), 0, k.shape[0])
-  seen = (jnp.arange(k.shape[0]) < length)[:, None, None]
-  k, v = (_pad_to(jnp.where(seen, x, jnp.zeros((), x.dtype)), 0, multiple) for x in (k, v))
-  return length.reshape(1), k, v
+def _prepare_kv(k, v, lengths, multiple):
+  """k, v [Z, S, K, H] -> (lengths [Z] int32 clamped to [0, S], k, v with tokens >= the row's
+  length zeroed, padded along S to `multiple`)."""
+  z, s = k.shape[:2]
+  length = jnp.clip(jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (z,)), 0, s)
+  seen = (jnp.arange(s)[None, :] < length[:, None])[:, :, None, None]
+  k, v = (_pad_to(jnp.where(seen, x, jnp.zeros((), x.dtype)), 1, multiple) for x in (k, v))
+  return length, k, v
 
 
 def _lcm(*xs):
@@ -197,33 +217,68 @@ def _schedule(barrier):
     plgpu.barrier_wait(barrier)
 
 
+def _check_lengths(lengths, z):
+  if jnp.shape(lengths) not in ((), (z,)):
+    raise ValueError(f'lengths must be a scalar or [Z] = [{z}], got shape {jnp.shape(lengths)}')
+
+
+def _visible(shape, keys_axis, kv_len, key0, query0, causal_t):
+  """[rows, cols] bool (wgmma layout): key key0 + i is visible to query query0 + j.
+
+  i runs along `keys_axis`, j along the other. Keys >= kv_len are never visible;
+  causal (bottom-right aligned): query j sees keys < kv_len - T + j + 1, T = causal_t.
+  """
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  keys = iota(keys_axis)
+  visible = keys < kv_len - key0
+  if causal_t is not None:
+    visible &= keys - iota(1 - keys_axis) < kv_len - causal_t + 1 + query0 - key0
+  return visible
+
+
+def _kv_steps(kv_len, queries_end, causal_t, bk, s):
+  """kv blocks a query tile streams: all S / bk, or (causal) those up to its last query's diagonal.
+
+  The causal count is traced (a dynamic pipeline grid): blocks above the diagonal are
+  never loaded. At least 1 (a pipeline needs a step; a tile that sees no key masks it).
+  """
+  if causal_t is None:
+    return s // bk
+  seen = jnp.minimum(kv_len, kv_len - causal_t + queries_end)
+  return jnp.clip(lax.div(seen + (bk - 1), jnp.int32(bk)), 1, s // bk)
+
+
+def _query_tile(rows_per_tile, num_tiles, causal_t):
+  """First query row of this program's tile. Causal: the last (longest) tiles get the first
+  program ids, so that short tiles fill the launch's tail."""
+  tile = lax.axis_index('q_tiles')
+  if causal_t is not None:
+    tile = num_tiles - 1 - tile
+  return tile * rows_per_tile
+
+
 # Forward.
 
-def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False,
-                    config: TrainingKernelConfig | None = None):
-  """(out [M, N, H] in q.dtype, lse [M, N] float32 natural log, -inf for no key)."""
-  _check(q, k, v)
-  cfg = _config(config, interpret)
-  m, n, h = q.shape
-  kh = k.shape[1]
+def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
+  """out [Z, Mp, N, H], lse [Z, N, Mp] (natural log) of prepared, padded inputs."""
+  z, mp, n, h = q.shape
+  s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q, cfg.block_kv
   dtype = q.dtype
-  length, k, v = _prepare_kv(k, v, kv_length, bk)
-  qp = _pad_to(q, 0, wgs * bq)
-  mp, s = qp.shape[0], k.shape[0]
-  scale_log2 = float(scale) * LOG2E
+  scale_log2 = scale * LOG2E
 
-  def segment_fwd_kernel(q_ref, k_ref, v_ref, len_ref, out_ref, lse_ref, qo_smem2, lse_smem2,
-                         stage, q_barriers, schedule_barrier):
-    head = lax.axis_index('heads')
+  def training_fwd_kernel(q_ref, k_ref, v_ref, len_ref, out_ref, lse_ref, qo_smem2, lse_smem2,
+                          stage, q_barriers, schedule_barrier):
+    head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
-    kv_len = len_ref[0]
-    row = lax.axis_index('q_tiles') * (wgs * bq) + wg * bq
+    kv_len = len_ref[seq]
+    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
+    row = tile + wg * bq
     qo_smem = qo_smem2.at[wg]
 
     def context(pipeline):
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, bq), head], qo_smem, q_barriers.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(row, bq), head], qo_smem, q_barriers.at[wg])
       plgpu.barrier_wait(q_barriers.at[wg])
       if wgs == 2:
         pl.when(wg == 1)(lambda: _schedule(schedule_barrier))
@@ -231,8 +286,8 @@ def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False
       if wgs == 2:
         pl.when(wg == 0)(lambda: _schedule(schedule_barrier))
       osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[head, pl.ds(row, bq)])
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[seq, pl.ds(row, bq), head])
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[seq, head, pl.ds(row, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     def step(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
@@ -245,9 +300,9 @@ def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False
 
       s_blk = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       _arrive(k_consumed)
-      cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+      visible = _visible((bq, bk), 1, kv_len, idx[0] * bk, row, causal_t)
       acc, m_i, l_i, p16 = osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
-                                    visible=cols < kv_len - idx[0] * bk)
+                                    visible=visible)
       _schedule(schedule_barrier)
       acc = _mma(acc, p16, v_smem, stage)
       _arrive(v_consumed)
@@ -255,8 +310,9 @@ def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False
 
     kv_spec = plgpu.BlockSpec((bk, h), lambda i: (i, 0), transforms=_TILED)
     kv_head = lax.div(head, jnp.int32(g))
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(s // bk,),
-              in_specs=[kv_spec, kv_spec])(k_ref.at[:, kv_head], v_ref.at[:, kv_head])
+    steps = _kv_steps(kv_len, tile + wgs * bq, causal_t, bk, s)
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(steps,),
+              in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
   scratch = [
       plgpu.SMEM((wgs, bq, h), dtype, transforms=_TILED),  # Q, then the output
@@ -265,37 +321,108 @@ def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False
       plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else None,
   ]
-  out, lse = _launch(
-      segment_fwd_kernel, interpret=interpret, config=cfg, grid=(n, mp // (wgs * bq)),
-      grid_names=('heads', 'q_tiles'),
-      out_type=(jax.ShapeDtypeStruct((mp, n, h), dtype),
-                jax.ShapeDtypeStruct((n, mp), jnp.float32)),  # rows minor: 1D TMA per head
-      scratch=scratch)(qp, k, v, length)
-  return out[:m], lse[:, :m].T
+  return _launch(
+      training_fwd_kernel, interpret=interpret, config=cfg, grid=(n, mp // (wgs * bq), z),
+      grid_names=('heads', 'q_tiles', 'rows'),
+      out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((z, n, mp), jnp.float32)),  # rows minor: 1D TMA per head
+      scratch=scratch)(q, k, v, length)
+
+
+def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False,
+                    config: TrainingKernelConfig | None = None):
+  """(out [M, N, H] in q.dtype, lse [M, N] float32 natural log, -inf for no key)."""
+  _check(q, k, v)
+  cfg = _config(config, interpret)
+  m = q.shape[0]
+  length, k, v = _prepare_kv(k[None], v[None], kv_length, cfg.block_kv)
+  out, lse = _forward(_pad_to(q, 0, cfg.compute_wgs * cfg.block_q)[None], k, v, length,
+                      scale=float(scale), causal_t=None, interpret=interpret, cfg=cfg)
+  return out[0, :m], lse[0, :, :m].T
+
+
+def causal_forward(q, k, v, lengths, *, scale: float, interpret: bool = False,
+                   config: TrainingKernelConfig | None = None):
+  """Z causal sequences: (out [Z, T, N, H] in q.dtype, lse [Z, T, N] float32 natural log).
+
+  q [Z, T, N, H] are the queries of the last T of each row's lengths[z] keys in
+  k, v [Z, S, K, H]: query t sees keys < lengths[z] - T + t + 1 (lse -inf for none).
+  """
+  _check(q, k, v, batched=True)
+  _check_lengths(lengths, q.shape[0])
+  cfg = _config(config, interpret)
+  t = q.shape[1]
+  length, k, v = _prepare_kv(k, v, lengths, cfg.block_kv)
+  out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k, v, length,
+                      scale=float(scale), causal_t=t, interpret=interpret, cfg=cfg)
+  return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def _reference_inputs(q, k, v, lengths, causal):
+  """float32 q [Z, M, K, G, H], k, v [Z, S, K, H] (zeroed where no query looks), and the
+  visibility [Z, M, 1, 1, S] of the batched kernels (`causal_forward`'s convention)."""
+  z, m, n, h = q.shape
+  s, kh = k.shape[1:3]
+  lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (z,))[:, None, None]
+  keys = jnp.arange(s)[None, None, :]
+  visible = keys < lengths  # [Z, 1 or M, S]
+  if causal:
+    visible = visible & (keys < lengths - m + jnp.arange(m)[None, :, None] + 1)
+  seen = jnp.any(visible, axis=1)[:, :, None, None]
+  kf, vf = (jnp.where(seen, x.astype(jnp.float32), 0.0) for x in (k, v))
+  return q.astype(jnp.float32).reshape(z, m, kh, n // kh, h), kf, vf, visible[:, :, None, None]
+
+
+def _forward_reference(q, k, v, lengths, scale, causal):
+  z, m, n, h = q.shape
+  qf, kf, vf, visible = _reference_inputs(q, k, v, lengths, causal)
+  sc = jnp.einsum('zmkgh,zskh->zmkgs', qf, kf, precision=lax.Precision.HIGHEST) * scale
+  sc = jnp.where(visible, sc, -jnp.inf)
+  mx = jnp.max(sc, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.exp(sc - mx)
+  l = p.sum(-1)
+  o = jnp.einsum('zmkgs,zskh->zmkgh', p, vf, precision=lax.Precision.HIGHEST)
+  out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(z, m, n, h).astype(q.dtype)
+  lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  return out, lse.reshape(z, m, n)
 
 
 def segment_forward_reference(q, k, v, kv_length, *, scale: float, interpret: bool = False,
                               config=None):
   """`segment_forward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
-  m, n, h = q.shape
-  s, kh, _ = k.shape
-  seen = jnp.arange(s) < jnp.asarray(kv_length, jnp.int32)
-  kf, vf = (jnp.where(seen[:, None, None], x.astype(jnp.float32), 0.0) for x in (k, v))
-  qf = q.astype(jnp.float32).reshape(m, kh, n // kh, h)
-  sc = jnp.einsum('mkgh,skh->mkgs', qf, kf, precision=lax.Precision.HIGHEST) * scale
-  sc = jnp.where(seen, sc, -jnp.inf)
-  mx = jnp.max(sc, axis=-1, keepdims=True)
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  p = jnp.exp(sc - mx)
-  l = p.sum(-1)
-  o = jnp.einsum('mkgs,skh->mkgh', p, vf, precision=lax.Precision.HIGHEST)
-  out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(m, n, h).astype(q.dtype)
-  lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return out, lse.reshape(m, n)
+  out, lse = _forward_reference(q[None], k[None], v[None], kv_length, scale, False)
+  return out[0], lse[0]
+
+
+def causal_forward_reference(q, k, v, lengths, *, scale: float, interpret: bool = False,
+                             config=None):
+  """`causal_forward` in jnp, float32 math; same arguments and outputs."""
+  del interpret, config
+  return _forward_reference(q, k, v, lengths, scale, True)
 
 
 # Backward.
+
+def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, cfg):
+  """(dq [Z, M, N, H], dk, dv [Z, S, K, H]) of q [Z, M, N, H], k, v [Z, S, K, H] and
+  merged lse, delta [Z, M, N]; pads and prepares, then runs the dQ and dK/dV kernels."""
+  z, m = q.shape[:2]
+  s_in = k.shape[1]
+  length, k, v = _prepare_kv(
+      k, v, lengths, _lcm(cfg.block_kv_dq, cfg.compute_wgs * cfg.block_kv_dkv))
+  rows = _lcm(cfg.compute_wgs * cfg.block_q_dq, cfg.block_q_dkv)
+  qp, dop = _pad_to(q, 1, rows), _pad_to(do, 1, rows)
+  # Base-2 lse, rows minor (1D TMA per head); padded rows get +inf: P = 0 there.
+  lse2 = jnp.swapaxes(_pad_to(lse.astype(jnp.float32) * LOG2E, 1, rows, jnp.inf), 1, 2)
+  delta_t = jnp.swapaxes(_pad_to(delta.astype(jnp.float32), 1, rows), 1, 2)
+  args = (qp, k, v, dop, lse2, delta_t, length)
+  kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
+  dq = _dq(*args, **kw)
+  dk, dv = _dkv(*args, **kw)
+  return dq[:, :m], dk[:, :s_in], dv[:, :s_in]
+
 
 def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
                      interpret: bool = False, config: TrainingKernelConfig | None = None):
@@ -308,44 +435,51 @@ def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
   if lse.shape != q.shape[:2] or delta.shape != q.shape[:2]:
     raise ValueError(f'lse and delta must be [M, N] = {q.shape[:2]}, got {lse.shape}, '
                      f'{delta.shape}')
-  cfg = _config(config, interpret)
-  s_in = k.shape[0]
-  length, k, v = _prepare_kv(
-      k, v, kv_length, _lcm(cfg.block_kv_dq, cfg.compute_wgs * cfg.block_kv_dkv))
-  rows = _lcm(cfg.compute_wgs * cfg.block_q_dq, cfg.block_q_dkv)
-  m = q.shape[0]
-  qp, dop = _pad_to(q, 0, rows), _pad_to(do, 0, rows)
-  # Base-2 lse, rows minor (1D TMA per head); padded rows get +inf: P = 0 there.
-  lse2 = _pad_to(lse.astype(jnp.float32) * LOG2E, 0, rows, jnp.inf).T
-  delta_t = _pad_to(delta.astype(jnp.float32), 0, rows).T
-  args = (qp, k, v, dop, lse2, delta_t, length)
-  dq = _dq(*args, scale=float(scale), interpret=interpret, cfg=cfg)
-  dk, dv = _dkv(*args, scale=float(scale), interpret=interpret, cfg=cfg)
-  return dq[:m], dk[:s_in], dv[:s_in]
+  grads = _backward(q[None], k[None], v[None], do[None], lse[None], delta[None], kv_length,
+                    scale=scale, causal_t=None, interpret=interpret,
+                    cfg=_config(config, interpret))
+  return tuple(x[0] for x in grads)
 
 
-def _dq(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
-  mp, n, h = q.shape
-  s, kh, _ = k.shape
+def causal_backward(q, k, v, do, lse, delta, lengths, *, scale: float, interpret: bool = False,
+                    config: TrainingKernelConfig | None = None):
+  """(dq [Z, T, N, H] in q.dtype, dk, dv [Z, S, K, H] in k.dtype) of `causal_forward`.
+
+  lse, delta [Z, T, N]: the rows' MERGED statistics (as in `segment_backward`). Each
+  row's dK / dV is summed over its queries and the G heads of a kv head in the kernel.
+  """
+  _check(q, k, v, do, batched=True)
+  _check_lengths(lengths, q.shape[0])
+  if lse.shape != q.shape[:3] or delta.shape != q.shape[:3]:
+    raise ValueError(f'lse and delta must be [Z, T, N] = {q.shape[:3]}, got {lse.shape}, '
+                     f'{delta.shape}')
+  return _backward(q, k, v, do, lse, delta, lengths, scale=scale, causal_t=q.shape[1],
+                   interpret=interpret, cfg=_config(config, interpret))
+
+
+def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
+  z, mp, n, h = q.shape
+  s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dq, cfg.block_kv_dq
   dtype = q.dtype
 
-  def segment_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dq_ref,
-                        q_smem2, do_smem2, lse_smem2, delta_smem2, stage, barriers):
-    head = lax.axis_index('heads')
+  def training_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dq_ref,
+                         q_smem2, do_smem2, lse_smem2, delta_smem2, stage, barriers):
+    head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
-    kv_len = len_ref[0]
-    row = lax.axis_index('q_tiles') * (wgs * bq) + wg * bq
+    kv_len = len_ref[seq]
+    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
+    row = tile + wg * bq
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: q, do, lse, delta
 
     def context(pipeline):
       rows = pl.ds(row, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar(0))
-      plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar(1))
-      plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem2.at[wg], bar(2))
-      plgpu.copy_gmem_to_smem(delta_ref.at[head, rows], delta_smem2.at[wg], bar(3))
+      plgpu.copy_gmem_to_smem(q_ref.at[seq, rows, head], q_smem, bar(0))
+      plgpu.copy_gmem_to_smem(do_ref.at[seq, rows, head], do_smem, bar(1))
+      plgpu.copy_gmem_to_smem(lse_ref.at[seq, head, rows], lse_smem2.at[wg], bar(2))
+      plgpu.copy_gmem_to_smem(delta_ref.at[seq, head, rows], delta_smem2.at[wg], bar(3))
       for i in range(4):
         plgpu.barrier_wait(bar(i))
       lse = plgpu.load(lse_smem2.at[wg], layout=_ROWS)
@@ -354,15 +488,14 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       dq, _, _ = pipeline((zeros, lse, delta))
       q_smem[...] = (dq * scale).astype(dtype)  # Q is no longer needed: its buffer stages dQ
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows, head])
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, rows, head])
       plgpu.wait_smem_to_gmem(0)
 
     def step(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
       dq, lse, delta = carry
       s_blk = _matmul(q_smem, k_smem.transpose((1, 0)), (bq, bk))
-      cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       p = jnp.exp2(s_blk * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bq, bk), [0]))
-      p = jnp.where(cols < kv_len - idx[0] * bk, p, 0.0)
+      p = jnp.where(_visible((bq, bk), 1, kv_len, idx[0] * bk, row, causal_t), p, 0.0)
       dp = _matmul(do_smem, v_smem.transpose((1, 0)), (bq, bk))
       _arrive(v_consumed)
       ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
@@ -372,8 +505,9 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
 
     kv_spec = plgpu.BlockSpec((bk, h), lambda i: (i, 0), transforms=_TILED)
     kv_head = lax.div(head, jnp.int32(g))
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(s // bk,),
-              in_specs=[kv_spec, kv_spec])(k_ref.at[:, kv_head], v_ref.at[:, kv_head])
+    steps = _kv_steps(kv_len, tile + wgs * bq, causal_t, bk, s)
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(steps,),
+              in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
   scratch = [
       plgpu.SMEM((wgs, bq, h), dtype, transforms=_TILED),
@@ -383,32 +517,46 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       plgpu.SMEM((bq, bk), dtype, transforms=_TILED) if interpret else None,
       plgpu.Barrier(num_barriers=4 * wgs),
   ]
-  return _launch(segment_dq_kernel, interpret=interpret, config=cfg,
-                 grid=(n, mp // (wgs * bq)),
-                 grid_names=('heads', 'q_tiles'), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+  return _launch(training_dq_kernel, interpret=interpret, config=cfg,
+                 grid=(n, mp // (wgs * bq), z), grid_names=('heads', 'q_tiles', 'rows'),
+                 out_type=jax.ShapeDtypeStruct(q.shape, dtype),
                  scratch=scratch)(q, k, v, do, lse2, delta, length)
 
 
-def _dkv(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
-  mp, n, h = q.shape
-  s, kh, _ = k.shape
+def _first_q_block(kv_len, first_key, causal_t, bq, num_q_blocks):
+  """The first query block that sees key `first_key`: 0, or (causal) its diagonal block.
+
+  Query m sees key p iff p < kv_len - T + m + 1, i.e. m >= p - (kv_len - T). Traced;
+  at most the last block (a tile no query sees streams one block and masks it).
+  """
+  if causal_t is None:
+    return 0
+  first = jnp.maximum(first_key - (kv_len - causal_t), 0)
+  return jnp.minimum(lax.div(first, jnp.int32(bq)), num_q_blocks - 1)
+
+
+def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
+  z, mp, n, h = q.shape
+  s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dkv, cfg.block_kv_dkv
   dtype = k.dtype
 
-  def segment_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dk_ref,
-                         dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers):
-    kv_head = lax.axis_index('kv_heads')
+  def training_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dk_ref,
+                          dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers):
+    kv_head, seq = lax.axis_index('kv_heads'), lax.axis_index('rows')
     wg = _wg(interpret)
-    kv_len = len_ref[0]
-    first = lax.axis_index('kv_tiles') * (wgs * bk) + wg * bk
+    kv_len = len_ref[seq]
+    tile = lax.axis_index('kv_tiles') * (wgs * bk)
+    first = tile + wg * bk
+    q0 = _first_q_block(kv_len, tile, causal_t, bq, mp // bq)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: k, v
 
     def context(pipeline):
       toks = pl.ds(first, bk)
-      plgpu.copy_gmem_to_smem(k_ref.at[toks, kv_head], k_smem, bar(0))
-      plgpu.copy_gmem_to_smem(v_ref.at[toks, kv_head], v_smem, bar(1))
+      plgpu.copy_gmem_to_smem(k_ref.at[seq, toks, kv_head], k_smem, bar(0))
+      plgpu.copy_gmem_to_smem(v_ref.at[seq, toks, kv_head], v_smem, bar(1))
       plgpu.barrier_wait(bar(0))
       plgpu.barrier_wait(bar(1))
       zeros = plgpu.layout_cast(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
@@ -416,8 +564,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer needed: they stage dK, dV
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[toks, kv_head])
-      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[toks, kv_head])
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[seq, toks, kv_head])
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, q_consumed, do_consumed, lse_consumed,
@@ -428,8 +576,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       lse = plgpu.load(lse_smem, layout=_COLS)
       _arrive(lse_consumed)
       p_t = jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bk, bq), [1]))
-      toks = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-      p_t = jnp.where(toks < kv_len - first, p_t, 0.0)
+      visible = _visible((bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq, causal_t)
+      p_t = jnp.where(visible, p_t, 0.0)
       dv = _mma(dv, p_t.astype(dtype), do_smem, stage_p)
       dp_t = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, bq))
       _arrive(do_consumed)
@@ -440,13 +588,15 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       _arrive(q_consumed)
       return dk, dv
 
-    # Steps walk the G query heads of this kv head, and the query blocks of each.
+    # Steps walk the G query heads of this kv head, and the query blocks of each from q0 on
+    # (causal: the blocks above the diagonal see none of this tile's keys).
     head = lambda j: kv_head * g + j
-    row_spec = plgpu.BlockSpec((bq, None, h), lambda j, i: (i, head(j), 0), transforms=_TILED)
-    stat_spec = plgpu.BlockSpec((None, bq), lambda j, i: (head(j), i))
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(g, mp // bq),
-              in_specs=[row_spec, row_spec, stat_spec, stat_spec])(q_ref, do_ref, lse_ref,
-                                                                   delta_ref)
+    row_spec = plgpu.BlockSpec((bq, None, h), lambda j, i: (q0 + i, head(j), 0),
+                               transforms=_TILED)
+    stat_spec = plgpu.BlockSpec((None, bq), lambda j, i: (head(j), q0 + i))
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(g, mp // bq - q0),
+              in_specs=[row_spec, row_spec, stat_spec, stat_spec])(
+                  q_ref.at[seq], do_ref.at[seq], lse_ref.at[seq], delta_ref.at[seq])
 
   scratch = [
       plgpu.SMEM((wgs, bk, h), dtype, transforms=_TILED),
@@ -456,29 +606,40 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, interpret, cfg):
       plgpu.Barrier(num_barriers=2 * wgs),
   ]
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  return _launch(segment_dkv_kernel, interpret=interpret, config=cfg,
-                 grid=(s // (wgs * bk), kh),
-                 grid_names=('kv_tiles', 'kv_heads'), out_type=(kv_type, kv_type),
+  return _launch(training_dkv_kernel, interpret=interpret, config=cfg,
+                 grid=(s // (wgs * bk), kh, z),
+                 grid_names=('kv_tiles', 'kv_heads', 'rows'), out_type=(kv_type, kv_type),
                  scratch=scratch)(q, k, v, do, lse2, delta, length)
+
+
+def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal):
+  z, m, n, h = q.shape
+  s, kh = k.shape[1:3]
+  g = n // kh
+  qf, kf, vf, visible = _reference_inputs(q, k, v, lengths, causal)
+  dof = do.astype(jnp.float32).reshape(z, m, kh, g, h)
+  hi = lax.Precision.HIGHEST
+  sc = jnp.einsum('zmkgh,zskh->zmkgs', qf, kf, precision=hi) * scale
+  p = jnp.where(visible, jnp.exp(sc - lse.reshape(z, m, kh, g)[..., None]), 0.0)
+  dp = jnp.einsum('zmkgh,zskh->zmkgs', dof, vf, precision=hi)
+  ds = p * (dp - delta.reshape(z, m, kh, g)[..., None])
+  dv = jnp.einsum('zmkgs,zmkgh->zskh', p, dof, precision=hi)
+  dk = jnp.einsum('zmkgs,zmkgh->zskh', ds, qf, precision=hi) * scale
+  dq = jnp.einsum('zmkgs,zskh->zmkgh', ds, kf, precision=hi) * scale
+  return dq.reshape(z, m, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def segment_backward_reference(q, k, v, do, lse, delta, kv_length, *, scale: float,
                                interpret: bool = False, config=None):
   """`segment_backward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
-  m, n, h = q.shape
-  s, kh, _ = k.shape
-  g = n // kh
-  f32 = lambda x: x.astype(jnp.float32)
-  seen = jnp.arange(s) < jnp.asarray(kv_length, jnp.int32)
-  kf, vf = (jnp.where(seen[:, None, None], f32(x), 0.0) for x in (k, v))
-  qf, dof = f32(q).reshape(m, kh, g, h), f32(do).reshape(m, kh, g, h)
-  hi = lax.Precision.HIGHEST
-  sc = jnp.einsum('mkgh,skh->mkgs', qf, kf, precision=hi) * scale
-  p = jnp.where(seen, jnp.exp(sc - lse.reshape(m, kh, g)[..., None]), 0.0)
-  dp = jnp.einsum('mkgh,skh->mkgs', dof, vf, precision=hi)
-  ds = p * (dp - delta.reshape(m, kh, g)[..., None])
-  dv = jnp.einsum('mkgs,mkgh->skh', p, dof, precision=hi)
-  dk = jnp.einsum('mkgs,mkgh->skh', ds, qf, precision=hi) * scale
-  dq = jnp.einsum('mkgs,skh->mkgh', ds, kf, precision=hi) * scale
-  return dq.reshape(m, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  grads = _backward_reference(q[None], k[None], v[None], do[None], lse[None], delta[None],
+                              kv_length, scale, False)
+  return tuple(x[0] for x in grads)
+
+
+def causal_backward_reference(q, k, v, do, lse, delta, lengths, *, scale: float,
+                              interpret: bool = False, config=None):
+  """`causal_backward` in jnp, float32 math; same arguments and outputs."""
+  del interpret, config
+  return _backward_reference(q, k, v, do, lse, delta, lengths, scale, True)
