@@ -102,6 +102,18 @@ def test_greedy_outputs_equal_one_device(kind, mesh):
   assert len(engine.stats.shapes) <= engine.compiled_shape_budget().num_steps
 
 
+@pytest.mark.parametrize('share,retain', [(True, False), (False, False)],
+                         ids=['sharing_no_retention', 'no_sharing'])
+def test_greedy_outputs_without_sharing_or_retention(share, retain):
+  engine = Engine(_model('gqa', 'dp:2,tp:2'),
+                  dataclasses.replace(CONFIG, share_prefixes=share, retain_prefixes=retain))
+  got = engine.generate(_prompts(96), SamplingParams(max_new_tokens=NEW))
+  assert got == _one_device('gqa')[0]
+  reqs = list(engine.requests.values())
+  assert share or all(r.shared_tokens == 0 for r in reqs)
+  assert_no_leak(engine)
+
+
 def test_routing_follows_the_cached_prefix_and_room():
   """A prefix cached on shard 1 draws a later request there (shard 0 would win the tie
   otherwise); a prompt whose prefix shard is full goes to the other shard instead of waiting."""

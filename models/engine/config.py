@@ -65,6 +65,9 @@ class EngineConfig:
   cache's `max_pages` columns, and segment slots J are powers of two from the layout's
   `min_segments` to what the pool can hold.
 
+  With a data parallel model (mesh dp > 1) the pool, `max_batch` and `max_prefill_tokens`
+  are per dp shard (one chunk cache each; see `Engine`).
+
   Attributes:
     cache: the chunk cache (pool size, chunk size, sequences, sharing, decode layout).
     max_prefill_tokens: padded prefill tokens per iteration (one request may exceed it alone).
