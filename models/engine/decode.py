@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -172,7 +173,7 @@ class DecodeLoop:
     key = (tuple((cache.structure_version, cache.pages_version) for cache in caches), b)
     if self._plan is not None and self._plan[0] == key:
       _, plan, lead = self._plan
-      return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+      return self._swap_lengths(plan, lengths if lead is None else lengths + lead)
     policy, model = self.config.sharing_policy, self.model.config
     plans, leads = [], []
     for cache in caches:
@@ -189,7 +190,8 @@ class DecodeLoop:
         max_private_pages=config.max_pages)
     plan = self._prepare_plan(layout, self.config.impl)
     if isinstance(plan.layouts, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
-      self._plan = (key, plan, None if lead is None else jnp.asarray(lead))
+      plan = jax.device_put(plan, self._shard_leading)  # in its shards once, not every step
+      self._plan = (key, plan, lead)
       self.stats.plan_builds += 1
     return plan
 

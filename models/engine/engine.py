@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hydrajax import SharingPlan, parallel
 from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout
@@ -89,6 +90,10 @@ class Engine(Prefill, DecodeLoop):
     if dp > 1:  # KV copies keep the buffer's sharding (tokens over dp)
       self._copy_fn = jax.jit(copy_slots, donate_argnums=(0, 1),
                               out_shardings=(self.kv.k.sharding, self.kv.v.sharding))
+      # Stacked per-shard plans: leading axis over dp, replicated over tp.
+      self._shard_leading = NamedSharding(model.mesh, PartitionSpec('dp'))
+      self._swap_lengths = jax.jit(lambda plan, n: plan.with_private_lengths(n),
+                                   out_shardings=self._shard_leading)
 
   @property
   def cache(self) -> ChunkCache:
