@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hydrajax.attention_plan import attend, tree_attention
 from hydrajax.dispatch import AttentionImpl
-from hydrajax.layout import SegmentGroup, SharingPlan, TreeLayout
+from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
 
 TP = 'tp'  # tensor parallelism: heads
@@ -265,9 +265,16 @@ def stack_shards(values: Sequence[Any]) -> ShardedLayout:
 
 
 def stack_layouts(plans: Sequence[SharingPlan], *, bucket: bool = True,
-                  max_private_pages: int | None = None) -> ShardedLayout:
-  """The device layouts of per-shard plans, padded to one static shape and stacked."""
-  layouts = [p.to_device(bucket=bucket, max_private_pages=max_private_pages) for p in plans]
+                  max_private_pages: int | None = None,
+                  policy: LayoutPolicy | None = None) -> ShardedLayout:
+  """The device layouts of per-shard plans, padded to one static shape and stacked.
+
+  `policy` (a `LayoutPolicy`, e.g. the engine's fixed shapes) shapes each shard's layout as
+  `SharingPlan.to_device` does; the segment slots of each group are then padded to the most
+  any shard has (with fixed shapes: J is the largest shard's J).
+  """
+  layouts = [p.to_device(bucket=bucket, max_private_pages=max_private_pages, policy=policy)
+             for p in plans]
   caps = sorted({(g.row_capacity, g.kv_capacity) for lay in layouts for g in lay.groups})
   counts = {c: max(sum(g.num_segments for g in lay.groups
                        if (g.row_capacity, g.kv_capacity) == c) for lay in layouts) for c in caps}

@@ -179,11 +179,14 @@ def test_generate_greedy_tokens_equal_one_device(kind, mesh_name, dtype):
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2 if dtype == 'bfloat16' else 1e-5)
 
 
-def test_engine_refuses_dp_clearly():
-  """generate runs data parallel (tests/test_data_parallel.py); the engine not yet."""
+def test_engine_runs_dp_and_refuses_overlap_decode_clearly():
+  """The engine runs data parallel (tests/test_engine_data_parallel.py): one chunk cache per dp
+  shard; overlap_decode is not supported there and says so."""
   model = sr.init_model(CONFIGS['mha'], mesh=_mesh('dp2_tp2'), seed=0)
-  with pytest.raises(ValueError, match='tensor parallel only'):
-    Engine(model, EngineConfig(num_chunks=8, chunk_size=16))
+  engine = Engine(model, EngineConfig(num_chunks=8, chunk_size=16))
+  assert len(engine.caches) == 2 and engine.kv.k.shape[1] == 2 * 8 * 16
+  with pytest.raises(ValueError, match='overlap_decode is not supported with data parallel'):
+    Engine(model, EngineConfig(num_chunks=8, chunk_size=16, overlap_decode=True))
 
 
 def test_engine_greedy_outputs_equal_one_device():

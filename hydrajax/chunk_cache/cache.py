@@ -190,7 +190,9 @@ class _Seq:
 class ChunkCache:
   """Host side of the prefix-aware chunked KV cache; see the module docstring."""
 
-  def __init__(self, config: ChunkCacheConfig):
+  def __init__(self, config: ChunkCacheConfig, *, first_seq_id: int = 0):
+    """`first_seq_id`: the first sequence id it hands out (an engine with one cache per data
+    parallel shard gives each cache its own range, so that ids never collide)."""
     self.config = config
     c = config.chunk_size
     self._c = c
@@ -200,7 +202,7 @@ class ChunkCache:
     self._cached = CachedChunks(self._alloc, self._fill)  # retained chunks (retain_prefixes)
     self._seqs: dict[int, _Seq] = {}
     self._held_rows = 0  # rows held for forks
-    self._next_id = 0
+    self._next_id = int(first_seq_id)
     self._rows: list[int] = []  # sequence ids in row (depth-first) order
     self._shared_nodes: list[Node] = []  # nodes with >= 2 holders, depth-first pre-order
     self._row = RowArrays(config.max_sequences, config.max_pages)  # per-row arrays, row order
@@ -278,6 +280,14 @@ class ChunkCache:
   def lengths(self) -> np.ndarray:
     """Tokens per row [num_rows] int64 (a copy)."""
     return self._row.lengths[: self.num_rows].copy()
+
+  def private_lengths(self, num_rows: int | None = None) -> np.ndarray:
+    """Private tokens per row (its length minus its shared tokens) [num_rows] int32, rows past
+    the live ones 0: the private lengths of `plan(num_rows=...)` without building it."""
+    b = self.num_rows
+    out = np.zeros(max(b, 1) if num_rows is None else num_rows, np.int32)
+    out[:b] = self._row.lengths[:b] - self._row.shared[:b]
+    return out
 
   def chunks(self, seq_id: int) -> np.ndarray:
     """The sequence's chunk ids, root first."""

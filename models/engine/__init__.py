@@ -51,6 +51,15 @@ seed of its own on (its seed, sample index, token index): its tokens do not
 depend on which other requests share its batch, and sample i of a prompt
 draws what a lone request with id rid + i would.
 
+Parallelism: the model's mesh decides. With tp only, one chunk cache and every step over
+the mesh. With dp > 1, one chunk cache per dp shard (`Engine.caches`, each of the config's
+size: `num_chunks`, `max_batch` and `max_prefill_tokens` are per shard) over its own part of
+the one KV buffer; a prompt is routed at admission (with its samples) to the shard that holds
+its longest cached prefix among those with room (then the fewest rows, the most free chunks)
+and stays there; each prefill call and decode step stacks every shard's rows, padded to one
+bucket, into one program over the mesh. `overlap_decode` is refused with dp. See
+hydrajax/PARALLELISM.md.
+
 Modules: `config` (EngineConfig, the shape budget), `requests` (Request,
 TokenEvent, prompt checks), `scheduler` (queue and admission), `prefill`,
 `decode` (the decode loop, waited or overlapped), `step` (the jitted model

@@ -22,8 +22,9 @@ class ShapeBudget:
   """Every shape the engine's jitted calls run, fixed by its config (see `EngineConfig`).
 
   Attributes:
-    decode: (rows B, segment slots J) of each decode step (J = 0: no segment group).
-    prefill: (tokens T, rows B, segment slots J) of each prefill call.
+    decode: (rows B, segment slots J) of each decode step (J = 0: no segment group); with
+      data parallelism B and J are each shard's (the step stacks dp shards of B rows).
+    prefill: (tokens T, rows B, segment slots J) of each prefill call (B, J: per dp shard).
     copies: padded sizes of KV copies (copy on write).
   """
 
@@ -63,6 +64,9 @@ class EngineConfig:
   power of two, every layout is built with `fixed_shapes` and a page table of the
   cache's `max_pages` columns, and segment slots J are powers of two from the layout's
   `min_segments` to what the pool can hold.
+
+  With a data parallel model (mesh dp > 1) the pool, `max_batch` and `max_prefill_tokens`
+  are per dp shard (one chunk cache each; see `Engine`).
 
   Attributes:
     cache: the chunk cache (pool size, chunk size, sequences, sharing, decode layout).
@@ -222,8 +226,14 @@ class EngineConfig:
       j *= 2
     return tuple(out)
 
-  def shape_budget(self) -> ShapeBudget:
+  def shape_budget(self, num_shards: int = 1) -> ShapeBudget:
     """Every (padded) shape of the engine's jitted calls, whatever the traffic.
+
+    With `num_shards` = dp > 1 (a model mesh with data parallelism) the sizes are per
+    shard: a decode step (B, J) runs dp x B rows, each shard's layout padded to the step's
+    J (the largest of the shards'), a prefill call (T, B, J) likewise; the model-step shapes
+    are the same set as one device's. KV copies gather every shard's, so their sizes go up
+    to dp times one shard's.
 
     Segment slots J hold pieces of at most kv_piece tokens of shared segments; a segment
     is whole chunks, so a chunk holds at most ceil(C / kv_piece) pieces. A prefill of B
@@ -250,6 +260,6 @@ class EngineConfig:
         policy = self.prefill_policy()
         pieces = min(b * c.max_pages, c.num_chunks) * -(-c.chunk_size // policy.kv_piece)
         prefill += [(t, b, j) for j in self._segment_slots(policy, pieces)]
-    largest = next_power_of_two(max(64, 2 * self.max_batch * self.chunk_size))
+    largest = next_power_of_two(max(64, 2 * num_shards * self.max_batch * self.chunk_size))
     copies = tuple(1 << i for i in range(6, largest.bit_length()))
     return ShapeBudget(tuple(decode), tuple(prefill), copies)

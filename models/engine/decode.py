@@ -2,10 +2,12 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import AttentionPlan
+from hydrajax import AttentionPlan, parallel
+from hydrajax.chunk_cache.layout_cache import no_empty_groups
 from hydrajax.layout import device_groups, make_layout, page_table
 from models.sampling import Sampled
 
@@ -21,6 +23,7 @@ class DecodeStep:
   feed: tuple | None  # (previous step's tokens [b], src [b]) for overlapped steps
   patch: tuple  # (seq ids, positions, rows of the previous step): placeholders to record
   used_chunks: int
+  sample_rows: np.ndarray | None = None  # dp: the row of each request's draw ([S] entries)
   new_shape: bool = False
   out: Sampled | None = None  # on the device
   host: tuple = (0.0, 0.0)  # prepare, dispatch seconds
@@ -75,8 +78,10 @@ class DecodeLoop:
     t0 = self.clock()
     step = self._prepare_decode(prev)
     tp = self.clock()
-    step.out = self._run_model(*step.model_args, step.reqs, step.b, self.config.impl,
-                               ahead=step.ahead, feed=step.feed, kind=('decode', step.b))
+    rows = step.sample_rows
+    step.out = self._run_model(*step.model_args, step.reqs, step.b if rows is None else rows.size,
+                               self.config.impl, rows, ahead=step.ahead, feed=step.feed,
+                               kind=('decode', step.b))
     step.new_shape = self._last_new_shape
     step.host = (tp - t0, self.clock() - tp)
     return step
@@ -97,6 +102,8 @@ class DecodeLoop:
 
   def _prepare_decode(self, prev: 'DecodeStep | None') -> 'DecodeStep':
     """The next decode step's inputs; rows in `prev` take their token from its device output."""
+    if self.num_shards > 1:
+      return self._prepare_decode_sharded()
     cache = self.cache
     rows = cache.rows
     reqs = [self._by_seq[sid] for sid in rows]
@@ -124,6 +131,69 @@ class DecodeLoop:
         model_args=(tokens, positions, slots, layout), reqs=reqs, b=b, ahead=ahead, feed=feed,
         patch=([rows[i] for i in fed], (lengths[fed] - 1).tolist(), src[fed]),
         used_chunks=cache.num_used_chunks)
+
+  def _prepare_decode_sharded(self) -> 'DecodeStep':
+    """A data parallel decode step's inputs: every shard's live rows padded to one bucket b
+    (the largest shard's), shard d's at rows [d b, (d+1) b) with global write slots; each
+    request draws from its row (`sample_rows`)."""
+    dp, caches = self.num_shards, self.caches
+    rows_of = [cache.rows for cache in caches]
+    b = self.config.decode_rows(max(len(rows) for rows in rows_of))
+    tokens = np.zeros((dp * b, 1), np.int32)
+    positions = np.zeros((dp * b, 1), np.int32)
+    slots = np.full((dp * b, 1), self._drop_slot, np.int32)
+    lengths = np.zeros(dp * b, np.int32)  # private lengths, after the append
+    reqs, where = [], []
+    for d, (cache, rows) in enumerate(zip(caches, rows_of)):
+      if not rows:
+        continue
+      live = [self._by_seq[sid] for sid in rows]
+      n, g = len(rows), d * b
+      last = np.array([req.output[-1] for req in live], np.int64)
+      slots[g : g + n, 0] = self._global_slots(cache.append(last), d)
+      tokens[g : g + n, 0] = last
+      positions[g : g + n, 0] = cache.lengths() - 1
+      lengths[g : g + b] = cache.private_lengths(b)
+      reqs += live
+      where += range(g, g + n)
+    sample_rows = np.zeros(dp * b, np.int32)
+    sample_rows[: len(where)] = where
+    layout = self._decode_plan_sharded(b, lengths)
+    self._track_peak()
+    return DecodeStep(
+        model_args=(tokens, positions, slots, layout), reqs=reqs, b=b,
+        ahead=np.zeros(len(reqs), np.int32), feed=None, patch=((), (), ()),
+        used_chunks=sum(cache.num_used_chunks for cache in caches), sample_rows=sample_rows)
+
+  def _decode_plan_sharded(self, b: int, lengths: np.ndarray):
+    """`_decode_plan` over dp shards: each shard's tree (after the `sharing_policy`) padded
+    to one shape and stacked, its plans prepared once per change of any shard's tree; then
+    only the private lengths ([dp b], global rows) are swapped."""
+    caches = self.caches
+    key = (tuple((cache.structure_version, cache.pages_version) for cache in caches), b)
+    if self._plan is not None and self._plan[0] == key:
+      _, plan, lead = self._plan
+      return self._swap_lengths(plan, lengths if lead is None else lengths + lead)
+    policy, model = self.config.sharing_policy, self.model.config
+    plans, leads = [], []
+    for cache in caches:
+      tree = cache.plan(num_rows=b)
+      if policy is not None:
+        demoted = policy.apply(tree, group_size=model.num_heads // model.num_kv_heads)
+        leads.append(np.subtract(demoted.private_lengths, tree.private_lengths))
+        tree = demoted
+      plans.append(tree)
+    lead = np.concatenate(leads).astype(np.int32) if leads and np.any(leads) else None
+    config = caches[0].config
+    layout = parallel.stack_layouts(
+        plans, policy=no_empty_groups(config.layout, config.share_prefixes),
+        max_private_pages=config.max_pages)
+    plan = self._prepare_plan(layout, self.config.impl)
+    if isinstance(plan.layouts, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
+      plan = jax.device_put(plan, self._shard_leading)  # in its shards once, not every step
+      self._plan = (key, plan, lead)
+      self.stats.plan_builds += 1
+    return plan
 
   def _decode_plan(self, layout, b: int):
     """The decode step's attention plan: prepared on the host once per tree change (the cache's

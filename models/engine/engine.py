@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from hydrajax import SharingPlan
-from hydrajax.chunk_cache import ChunkCache, device_layout
+from hydrajax import SharingPlan, parallel
+from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout
 from models.engine.config import EngineConfig, ShapeBudget
 from models.engine.decode import DecodeLoop, DecodeStep
 from models.engine.prefill import Prefill
@@ -32,7 +33,12 @@ _FINISHED = ('done', 'cancelled', 'error')
 
 
 class Engine(Prefill, DecodeLoop):
-  """Continuous batching over a `Llama` with a prefix-aware chunk cache (see the package doc)."""
+  """Continuous batching over a `Llama` with a prefix-aware chunk cache (see the package doc).
+
+  With a model mesh of dp > 1 (data parallel) it keeps one chunk cache per shard
+  (`caches`; `cache` is one device's only) and runs every step as one program over the
+  mesh (see the package doc).
+  """
 
   def __init__(self, model: Llama, config: EngineConfig, *,
                clock: Callable[[], float] = time.perf_counter):
@@ -41,18 +47,24 @@ class Engine(Prefill, DecodeLoop):
     self.model = model
     self.config = config
     self.clock = clock
-    self.cache = ChunkCache(dataclasses.replace(config.cache, layout=config.decode_policy()))
+    mesh = getattr(model, 'mesh', None)  # tensor and data parallel over the model's mesh
+    dp = 1 if mesh is None else mesh.shape.get('dp', 1)
+    if dp > 1 and config.overlap_decode:
+      raise ValueError(f'EngineConfig.overlap_decode is not supported with data parallelism '
+                       f'(the model mesh has dp={dp}); set overlap_decode=False')
+    self.num_shards = dp
+    # One chunk cache per dp shard (one device: one), each over its own L_s = num_chunks * C
+    # tokens; shard d's tokens are [d L_s, (d+1) L_s) of the one KV buffer (sharded over dp).
+    cache_config = dataclasses.replace(config.cache, layout=config.decode_policy())
+    self.caches = tuple(ChunkCache(cache_config, first_seq_id=d << 40) for d in range(dp))
+    self._cache = self.caches[0] if dp == 1 else None
+    self._shard_tokens = cache_config.kv_tokens
+    self._drop_slot = dp * cache_config.kv_tokens  # a write slot that no shard writes
     dtype = jnp.dtype(config.cache_dtype) if config.cache_dtype else model.dtype
-    mesh = getattr(model, 'mesh', None)  # tensor parallel over the model's mesh
-    if mesh is not None and mesh.shape.get('dp', 1) > 1:
-      raise ValueError(f'the engine runs tensor parallel only (one chunk pool); the model mesh '
-                       f'has dp={mesh.shape["dp"]}: run one engine per dp group, or use '
-                       'models.generate.generate, which splits sharing groups over dp')
-    self.kv = KVCache.zeros(model.config, config.num_chunks * config.chunk_size, dtype,
-                            mesh=mesh)
+    self.kv = KVCache.zeros(model.config, dp * cache_config.kv_tokens, dtype, mesh=mesh)
     self.kv_bytes_per_token = model.config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
     self._prefill_policy = config.prefill_policy()
-    self._budget = config.shape_budget()
+    self._budget = config.shape_budget(dp)
     self._allowed = ({('decode', *s) for s in self._budget.decode}
                      | {('prefill', *s) for s in self._budget.prefill})
     log.info('engine: %s', self._budget)
@@ -67,7 +79,7 @@ class Engine(Prefill, DecodeLoop):
                                static_argnames=('impl', 'top_logprobs'),
                                donate_argnames=('cache',))
     self.stats = EngineStats()
-    self._scheduler = Scheduler(config, self.cache, self.stats, clock)
+    self._scheduler = Scheduler(config, self.caches, self.stats, clock)
     self._by_seq: dict[int, Request] = {}
     self.requests: dict[int, Request] = {}
     self._next_id = 0
@@ -75,6 +87,21 @@ class Engine(Prefill, DecodeLoop):
     self._last_new_shape = False
     self._inflight: DecodeStep | None = None  # overlap_decode: the step on the device
     self._plan: tuple | None = None  # (tree key, AttentionPlan) of the decode steps
+    if dp > 1:  # KV copies keep the buffer's sharding (tokens over dp)
+      self._copy_fn = jax.jit(copy_slots, donate_argnums=(0, 1),
+                              out_shardings=(self.kv.k.sharding, self.kv.v.sharding))
+      # Stacked per-shard plans: leading axis over dp, replicated over tp.
+      self._shard_leading = NamedSharding(model.mesh, PartitionSpec('dp'))
+      self._swap_lengths = jax.jit(lambda plan, n: plan.with_private_lengths(n),
+                                   out_shardings=self._shard_leading)
+
+  @property
+  def cache(self) -> ChunkCache:
+    """The chunk cache (one device, or tensor parallel only); with dp > 1 see `caches`."""
+    if self._cache is None:
+      raise AttributeError(f'with data parallelism (dp={self.num_shards}) the engine has one '
+                           'chunk cache per shard: engine.caches')
+    return self._cache
 
   @property
   def stats(self) -> EngineStats:
@@ -117,7 +144,7 @@ class Engine(Prefill, DecodeLoop):
       )
     if params.n > c.max_batch:
       raise ValueError(f'n={params.n} samples exceed max_batch={c.max_batch}: it can never fit')
-    worst = self.cache.max_chunks(prompt.size, reserve_tokens=params.max_new_tokens - 1,
+    worst = self.caches[0].max_chunks(prompt.size, reserve_tokens=params.max_new_tokens - 1,
                                   num_samples=params.n)
     if worst > c.num_chunks:
       raise ValueError(
@@ -216,7 +243,8 @@ class Engine(Prefill, DecodeLoop):
     return [list(self.requests[i].output) for i in ids]
 
   def kv_bytes_in_use(self) -> int:
-    return self.cache.num_used_chunks * self.config.chunk_size * self.kv_bytes_per_token
+    used = sum(cache.num_used_chunks for cache in self.caches)
+    return used * self.config.chunk_size * self.kv_bytes_per_token
 
   def compiled_shape_budget(self) -> ShapeBudget:
     """Every shape the engine's jitted calls may run (fixed by the config; see EngineConfig)."""
@@ -224,18 +252,20 @@ class Engine(Prefill, DecodeLoop):
 
   def warmup(self) -> None:
     """Compiles every shape of the budget now (model steps on empty rows, KV copies)."""
-    c, s = self.config, self.config.prefill_sample_rows()
+    c, dp = self.config, self.num_shards
+    s = dp * c.prefill_sample_rows()
     for b, j in self._budget.decode:
-      layout = self._prepare_plan(self._empty_layout(b, j, self.cache.config.layout), c.impl)
+      layout = self._prepare_plan(self._empty_layout(b, j, self.caches[0].config.layout), c.impl)
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
-      self._warm(('decode', b, j), np.zeros((b, 1), np.int32), layout, b, c.impl, None, feed)
+      rows = None if dp == 1 else np.zeros(dp * b, np.int32)  # dp: decode samples by row index
+      self._warm(('decode', b, j), np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl,
+                 rows, feed)
     for t, b, j in self._budget.prefill:
       layout = self._prepare_plan(self._empty_layout(b, j, self._prefill_policy), c.prefill_impl, t)
-      self._warm(('prefill', t, b, j), np.zeros((b, t), np.int32), layout, s, c.prefill_impl,
-                 np.zeros(s, np.int32), None)
+      self._warm(('prefill', t, b, j), np.zeros((dp * b, t), np.int32), layout, s,
+                 c.prefill_impl, np.zeros(s, np.int32), None)
     for size in self._budget.copies:
-      self._copy_padded(np.zeros(size, np.int32), np.full(size, self.cache.config.kv_tokens,
-                                                          np.int32))
+      self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
     jax.block_until_ready(self.kv)
 
   # ---- the iteration ----------------------------------------------------------------------
@@ -319,16 +349,20 @@ class Engine(Prefill, DecodeLoop):
                                         impl=impl, interpret=self.config.interpret)
 
   def _empty_layout(self, b: int, j: int, policy):
-    """A layout of b empty rows with J = j segment slots (0: none), as the cache would shape it."""
-    c = self.cache.config
+    """A layout of b empty rows with J = j segment slots (0: none), as the cache would shape it
+    (with dp: one per shard, stacked)."""
+    c = self.caches[0].config
     plan = SharingPlan(b, (), c.chunk_size, ((),) * b, (0,) * b, c.kv_tokens)
     policy = (dataclasses.replace(policy, fixed_shapes=False) if j == 0
               else dataclasses.replace(policy, min_segments=j))
+    if self.num_shards > 1:
+      return parallel.stack_layouts([plan] * self.num_shards, policy=policy,
+                                    max_private_pages=c.max_pages)
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
   def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
     b, t = tokens.shape
-    slots = np.full((b, t), self.cache.config.kv_tokens, np.int32)  # writes nothing
+    slots = np.full((b, t), self._drop_slot, np.int32)  # writes nothing
     seeds, streams, index, rows = self._sampling_inputs([], s)
     out, self.kv = self._model_step(
         self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
@@ -376,7 +410,7 @@ class Engine(Prefill, DecodeLoop):
       return
     if self._by_seq.get(req.seq_id) is req:
       del self._by_seq[req.seq_id]
-      self.cache.remove(req.seq_id)
+      self.caches[req.shard].remove(req.seq_id)
     req.reason, req.finished = reason, self.clock()
     if reason in ('cancelled', 'error'):
       req.state = reason
@@ -401,5 +435,10 @@ class Engine(Prefill, DecodeLoop):
       self._finish(req, 'error', events, error=error)
 
   def _track_peak(self) -> None:
+    if self.num_shards > 1:  # the sums over the shards
+      self.stats.peak_chunks = max(self.stats.peak_chunks,
+                                   sum(cache.num_used_chunks for cache in self.caches))
+      self.stats.peak_rows = max(self.stats.peak_rows, sum(c.num_rows for c in self.caches))
+      return
     self.stats.peak_chunks = max(self.stats.peak_chunks, self.cache.num_used_chunks)
     self.stats.peak_rows = max(self.stats.peak_rows, self.cache.num_rows)

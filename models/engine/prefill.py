@@ -3,7 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax import SharingPlan, parallel
 from hydrajax.chunk_cache import copy_slots, next_power_of_two
+from hydrajax.chunk_cache.layout_cache import no_empty_groups
 from models.kv_cache import KVCache
 
 
@@ -15,12 +17,17 @@ class Prefill:
     if src.size:
       size = next_power_of_two(max(src.size, 64))
       src = np.concatenate([src, np.zeros(size - src.size, np.int32)])
-      dst = np.concatenate([dst, np.full(size - dst.size, self.cache.config.kv_tokens, np.int32)])
+      dst = np.concatenate([dst, np.full(size - dst.size, self._drop_slot, np.int32)])
       self._copy_padded(src, dst)
 
   def _copy_padded(self, src: np.ndarray, dst: np.ndarray) -> None:
-    k, v = copy_slots(self.kv.k, self.kv.v, jnp.asarray(src), jnp.asarray(dst))
+    copy = copy_slots if self.num_shards == 1 else self._copy_fn
+    k, v = copy(self.kv.k, self.kv.v, jnp.asarray(src), jnp.asarray(dst))
     self.kv = KVCache(k, v)
+
+  def _global_slots(self, slots: np.ndarray, shard: int) -> np.ndarray:
+    """A shard's flat slots in the one KV buffer (shard d's tokens start at d L_s)."""
+    return slots if shard == 0 else slots + shard * self._shard_tokens
 
   def _prefill(self, admitted, events):
     """Prefills the admitted prompts (only their unshared tokens), then forks their samples.
@@ -28,11 +35,12 @@ class Prefill:
     Calls group rows of the same padded length; each sample's first token is drawn from
     its prompt's last position. A failed call fails its prompts only.
     """
-    c, cache = self.config, self.cache
+    c, caches = self.config, self.caches
     t0 = self.clock()
     try:
-      self._copy(np.concatenate([a.copy_src for _, a in admitted]),
-                 np.concatenate([a.copy_dst for _, a in admitted]))
+      self._copy(
+          np.concatenate([self._global_slots(a.copy_src, g[0].shard) for g, a in admitted]),
+          np.concatenate([self._global_slots(a.copy_dst, g[0].shard) for g, a in admitted]))
     except Exception as e:  # noqa: BLE001
       for group, _ in admitted:
         self._fail_group(group, events, e)
@@ -43,8 +51,12 @@ class Prefill:
       by_len.setdefault(t, []).append((group, adm))
     forks = []  # (samples, their draws), forked once every prefill call has run
     for t, items in sorted(by_len.items()):
-      items.sort(key=lambda x: cache.row(x[1].seq_id))
       per_call = c.prefill_rows_per_call(t)
+      if self.num_shards > 1:  # each call: every shard's next rows of length t, stacked
+        forks += self._prefill_sharded(items, t, per_call, events)
+        continue
+      cache = caches[0]
+      items.sort(key=lambda x: cache.row(x[1].seq_id))
       for i in range(0, len(items), per_call):
         batch = items[i : i + per_call]
         try:
@@ -55,14 +67,15 @@ class Prefill:
     src, dst = [], []
     for group, _ in forks:
       if len(group) > 1:
+        shard = group[0].shard
         try:
-          f = cache.fork(group[0].seq_id, len(group),
-                         reserve_tokens=group[0].params.max_new_tokens - 1)
+          f = caches[shard].fork(group[0].seq_id, len(group),
+                                 reserve_tokens=group[0].params.max_new_tokens - 1)
         except Exception as e:  # noqa: BLE001
           self._fail_group(group, events, e)
           continue
-        src.append(f.copy_src)
-        dst.append(f.copy_dst)
+        src.append(self._global_slots(f.copy_src, shard))
+        dst.append(self._global_slots(f.copy_dst, shard))
         for req, sid in zip(group[1:], f.seq_ids[1:]):
           req.seq_id = sid
           self._by_seq[sid] = req
@@ -113,4 +126,70 @@ class Prefill:
       cache.commit(adm.seq_id)  # its KV is written: others may share it now
       result.append((group, tuple(None if x is None else x[i : i + len(group)] for x in drawn)))
       i += len(group)
+    return result
+
+  def _prefill_sharded(self, items, t: int, per_call: int, events) -> list:
+    """Data parallel prefill of (samples, admission) items of padded length t: each call
+    stacks up to `per_call` rows of every shard (a shard with fewer runs empty rows)."""
+    shards = [[x for x in items if x[0][0].shard == d] for d in range(self.num_shards)]
+    for d, xs in enumerate(shards):
+      xs.sort(key=lambda x, cache=self.caches[d]: cache.row(x[1].seq_id))
+    forks = []
+    for i in range(0, max(len(xs) for xs in shards), per_call):
+      batches = [xs[i : i + per_call] for xs in shards]
+      try:
+        forks += self._prefill_call_sharded(batches, t)
+      except Exception as e:  # noqa: BLE001 - these prompts fail, the others go on
+        for batch in batches:
+          for group, _ in batch:
+            self._fail_group(group, events, e)
+    return forks
+
+  def _prefill_call_sharded(self, batches, t: int) -> list:
+    """One model call over every dp shard's batch (`_prefill_call`'s result, for all of them).
+
+    Shard d's rows are [d b, (d+1) b) of the call, with its layout over its own cache
+    (stacked: `parallel.stack_layouts`); write slots are global (d L_s + the cache's slot).
+    """
+    dp, c = self.num_shards, self.config
+    b = next_power_of_two(max(1, max(len(x) for x in batches)))
+    tokens = np.zeros((dp * b, t), np.int32)
+    positions = np.zeros((dp * b, t), np.int32)
+    slots = np.full((dp * b, t), self._drop_slot, np.int32)
+    plans, samples, rows = [], [], []
+    for d, items in enumerate(batches):
+      cache = self.caches[d]
+      for r, (group, adm) in enumerate(items):  # left-padded: a row's new tokens are its last T
+        g, n = d * b + r, adm.num_tokens - adm.prefill_start
+        tokens[g, t - n :] = group[0].prompt[adm.prefill_start :]
+        positions[g, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
+        slots[g, t - n :] = self._global_slots(adm.prefill_slots, d)
+        samples += group
+        rows += [g] * len(group)
+      if items:
+        plans.append(cache.plan([adm.seq_id for _, adm in items], num_rows=b))
+      else:
+        cc = cache.config
+        plans.append(SharingPlan(b, (), cc.chunk_size, ((),) * b, (0,) * b, cc.kv_tokens))
+    cc = self.caches[0].config
+    policy = no_empty_groups(self._prefill_policy, cc.share_prefixes)
+    layout = self._prepare_plan(
+        parallel.stack_layouts(plans, policy=policy, max_private_pages=cc.max_pages),
+        c.prefill_impl, t)
+    sample_rows = np.zeros(dp * c.prefill_sample_rows(), np.int32)
+    sample_rows[: len(rows)] = rows
+    out = self._run_model(tokens, positions, slots, layout, samples, sample_rows.size,
+                          c.prefill_impl, sample_rows, kind=('prefill', t, b))
+    drawn = self._fetch(out, samples)
+    self.stats.prefill_calls += 1
+    self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start
+                                     for items in batches for _, adm in items)
+    self.stats.prefill_padded_tokens += dp * b * t
+    result, i = [], 0
+    for d, items in enumerate(batches):
+      for group, adm in items:
+        self.caches[d].commit(adm.seq_id)  # its KV is written: others may share it now
+        result.append((group, tuple(None if x is None else x[i : i + len(group)]
+                                    for x in drawn)))
+        i += len(group)
     return result

@@ -53,6 +53,7 @@ class Request:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
   seq_id: int = -1
+  shard: int = 0  # the data parallel shard (chunk cache) it runs on, chosen at admission
   shared_tokens: int = 0
   cached_tokens: int = 0
   prefilled_tokens: int = 0

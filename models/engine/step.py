@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrajax import AttentionPlan
+from hydrajax.parallel import ShardedLayout
 from models.sampling import SamplingRows, request_keys, sample_batch
 
 
@@ -35,7 +36,10 @@ def model_step(graphdef, treedef, params, cache, tokens, positions, slots, layou
 
 
 def segment_slots(layout) -> int:
-  """J of a layout (or of a plan's) made with fixed shapes (0: no segment group)."""
+  """J of a layout (or of a plan's, or of per-dp-shard ones stacked) made with fixed shapes
+  (0: no segment group)."""
+  if isinstance(layout, ShardedLayout):
+    layout = layout.layouts
   if isinstance(layout, AttentionPlan):
     layout = layout.layout
-  return int(layout.groups[0].kv_start.shape[0]) if layout.groups else 0
+  return int(layout.groups[0].kv_start.shape[-1]) if layout.groups else 0
