@@ -210,7 +210,8 @@ def main(argv):
   initialize_distributed(_DISTRIBUTED.value)
   mesh = parse_mesh(_MESH.value)  # bad meshes fail here, before any work
   if mesh is not None and mesh.shape.get('dp', 1) > 1:
-    raise ValueError(f'--mesh={_MESH.value}: the engine is tensor parallel; use tp only')
+    raise ValueError(f'--mesh={_MESH.value}: this experiment profiles one chunk cache; use tp '
+                     'only (the engine itself runs dp: hydrajax/PARALLELISM.md)')
   sr.check_mesh(config, mesh)
   dtype = jnp.float32 if _SMOKE.value else jnp.bfloat16
   t0 = time.perf_counter()

@@ -581,9 +581,9 @@ def main(argv):
 
   initialize_distributed(_DISTRIBUTED.value)
   mesh = parse_mesh(_MESH.value)  # errors before any work: unknown axes, too many devices
-  if mesh is not None and mesh.shape.get('dp', 1) > 1:
-    raise app.UsageError(f'--mesh={_MESH.value}: the engine runs tensor parallel (one chunk '
-                         'pool); use tp only, or one server per dp group')
+  if mesh is not None and mesh.shape.get('dp', 1) > 1 and _OVERLAP.value:
+    raise app.UsageError(f'--mesh={_MESH.value} has dp > 1: --overlap_decode is not supported '
+                         'with data parallelism (see EngineConfig.overlap_decode)')
   dtype = jnp.dtype(_DTYPE.value)
   if _CHECKPOINT.value:
     model = load_hf_checkpoint(_CHECKPOINT.value, dtype=dtype, mesh=mesh)
@@ -628,8 +628,9 @@ if __name__ == '__main__':
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _BACKLOG = flags.DEFINE_integer('backlog', 2048, 'listen backlog')
   _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape before serving')
-  _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel over the "
-                              "local devices; '' or 'none': one device); see hydrajax/PARALLELISM.md")
+  _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' or 'dp:2,tp:4' (tensor and "
+                              "data parallel over the local devices; '' or 'none': one device); "
+                              'see hydrajax/PARALLELISM.md')
   _DISTRIBUTED = flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' or "
                                      "'HOST:PORT,NUM_PROCESSES,PROCESS_ID'")
   app.run(main)

@@ -566,9 +566,10 @@ def test_completions_map_seed_top_p_and_logprobs_onto_the_engine(reference, serv
   np.testing.assert_allclose(reply['logprobs'][0], want.logprobs, rtol=1e-5, atol=1e-5)
 
 
-def test_command_line_server_on_a_tensor_parallel_mesh_answers_as_one_device(tmp_path):
-  """`python -m models.server --mesh=tp:2` (2 fake CPU devices): the same greedy tokens as one
-  device's engine; a dp mesh is refused before any work."""
+@pytest.mark.parametrize('mesh', ['tp:2', 'dp:2'])
+def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
+  """`python -m models.server --mesh=...` (2 fake CPU devices): the same greedy tokens as one
+  device's engine; dp with --overlap_decode is refused before any work."""
   import os
   import subprocess
   import sys
@@ -580,11 +581,12 @@ def test_command_line_server_on_a_tensor_parallel_mesh_answers_as_one_device(tmp
              PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   args = [sys.executable, '-m', 'models.server', '--model=tiny_gqa', '--num_chunks=32',
           '--chunk_size=16', '--max_batch=4', '--max_sequence_length=128', '--nowarmup']
-  refused = subprocess.run(args + ['--mesh=dp:2'], env=env, capture_output=True, text=True,
-                           timeout=HANG_GUARD_S * 4)
-  assert refused.returncode != 0 and 'tensor parallel' in refused.stderr + refused.stdout
+  if mesh.startswith('dp'):
+    refused = subprocess.run(args + [f'--mesh={mesh}', '--overlap_decode'], env=env,
+                             capture_output=True, text=True, timeout=HANG_GUARD_S * 4)
+    assert refused.returncode != 0 and 'overlap_decode' in refused.stderr + refused.stdout
   log = open(tmp_path / 'server.log', 'w+')
-  proc = subprocess.Popen(args + ['--mesh=tp:2', f'--port={port}'], env=env, stdout=log,
+  proc = subprocess.Popen(args + [f'--mesh={mesh}', f'--port={port}'], env=env, stdout=log,
                           stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 240  # bounded: import, init, first compile on a loaded machine
