@@ -248,24 +248,32 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
                     'exceeds device memory')
       return record
   run = lambda state, n: compiled(params, state, layout, setup.rows, key, stops, jnp.int32(n))
-  start = time.perf_counter()
-  state = jax.block_until_ready(run(state, 1))  # warm-up step
-  warm = time.perf_counter() - start
+
+  def timed(state, n):
+    start = time.perf_counter()
+    state = jax.block_until_ready(run(state, n))
+    return state, time.perf_counter() - start
+
+  state, warm = timed(state, 1)  # warm-up step: first-run costs (e.g. NCCL set-up at tp > 1)
+  state, one = timed(state, 1)  # one step plus the call's fixed cost
   left = case.new_tokens - int(state.step)
-  steps = max(1, min(left, int(max_decode_s / max(warm, 1e-6))))
   first_step = int(state.step)
-  start = time.perf_counter()
-  state = jax.block_until_ready(run(state, steps))
-  elapsed = time.perf_counter() - start
+  steps = max(1, min(left, int(max_decode_s / max(one, 1e-6))))
+  state, elapsed = timed(state, steps)
   steps = int(state.step) - first_step
-  step_s = elapsed / steps
+  # The step time is the slope: a call's fixed cost (dispatch, argument checks, the final
+  # sync) is paid once per call, i.e. once per generation, not once per token.
+  step_s = (elapsed - one) / (steps - 1) if steps > 1 else elapsed
+  if step_s <= 0:  # noise larger than the steps (a loaded CPU): the plain mean instead
+    step_s = elapsed / steps
   if profile_kernels and int(state.step) < case.new_tokens:
     state, kernels = timing.kernel_times(run, state, 1)
     record['top_kernels'] = kernels[:profile_kernels]
   stats = jax.devices()[0].memory_stats() or {}
   record.update(
       status='ok', steps_timed=steps, first_step=first_step, decode_s=elapsed, step_s=step_s,
-      warmup_step_s=warm, tokens_per_s=case.batch / step_s,
+      warmup_step_s=warm, one_step_call_s=one, call_overhead_s=max(0.0, one - step_s),
+      tokens_per_s=case.batch / step_s,
       suffix_mid=first_step + steps / 2,
       peak_bytes_in_use=stats.get('peak_bytes_in_use'),
   )
