@@ -67,7 +67,7 @@ flags.DEFINE_float('memory_budget_gb', 0.0, 'KV budget deciding where no_sharing
                    'memory minus weights, less 15%; 1 GiB on CPU)')
 flags.DEFINE_integer('no_sharing_max_questions', 0, 'run no_sharing only up to this Q (0: where '
                      'it fits); its prefill of Q document copies is slow')
-flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per node per model call')
+flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per model call, over all its rows')
 flags.DEFINE_integer('seed', 0, 'document seed')
 flags.DEFINE_string('workdir', '/tmp/hydrajax/needle_qa', 'output folder')
 
@@ -145,8 +145,10 @@ def timed_decode(model, forest, *, new_tokens: int, impl, document=None):
     k, v = document['kv']
     cache = KVCache(cache.k.at[:, :doc_len].set(k), cache.v.at[:, :doc_len].set(v))
     written = frozenset({node})
-  first, cache = aw.lean_prefill(model, tp, cache, impl=prefill_impl, chunk=FLAGS.prefill_chunk,
-                                 written=written)
+  # Rows x chunk query tokens per prefill call (the attention's scores grow with both: 16 rows of
+  # a private 20K-token document at 2048 ran out of an H200's memory).
+  chunk = max(64, FLAGS.prefill_chunk // max(1, len(forest)) // 8 * 8)
+  first, cache = aw.lean_prefill(model, tp, cache, impl=prefill_impl, chunk=chunk, written=written)
   if node is not None and 'kv' not in document:
     document['kv'] = (cache.k[:, :doc_len], cache.v[:, :doc_len])
   jax.block_until_ready(first)

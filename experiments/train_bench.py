@@ -299,17 +299,20 @@ def main(argv):
   writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
                      matmul_rate=ceilings.matmul_rate, details=ceilings.details))
   records = []
+
+  def add(point):  # a point's records, written as soon as it is done (a cut run keeps them)
+    _speedups(point)
+    for r in point:
+      writer.append(r)
+    records.extend(point)
+
   for g, p, t in s['points']:
     logging.info('attention G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
-    records += attention_point(g, p, t, s['heads'], s['head_dim'], s['dtype'], ceilings,
-                               _SEED.value)
+    add(attention_point(g, p, t, s['heads'], s['head_dim'], s['dtype'], ceilings, _SEED.value))
   for g, p, t in s['step_points']:
     logging.info('step G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
-    records += step_point(g, p, t, s['step_preset'], _STEP_LAYERS.value, s['step_vocab'],
-                          s['dtype'], ceilings, _SEED.value)
-  _speedups(records)
-  for r in records:
-    writer.append(r)
+    add(step_point(g, p, t, s['step_preset'], _STEP_LAYERS.value, s['step_vocab'], s['dtype'],
+                   ceilings, _SEED.value))
   table = report.markdown_table(records, [
       ('kind', 'kind'), ('impl', 'impl'), ('G', 'G'), ('P', 'P'), ('T', 'T'),
       ('time ms', lambda r: r.get('time_s') and 1e3 * r['time_s']),

@@ -86,6 +86,9 @@ CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
     (99, 2048, 3, 32, 32, 1),  # MHA: out direct (last frame past the batch), lse folded
     (99, 2048, 8, 32, 8, 2),  # T = 2, G = 4: out and lse direct, last frame past the batch
+    (16, 2048, 3, 64, 8, 1),  # G = 8 at a small batch: one row a frame (Llama-2-70B's heads)
+    (8, 2048, 3, 32, 1, 1),  # MQA: G = 32, one row a frame
+    (8, 0, 300, 64, 8, 1),  # no shared prefix at G = 8
 )
 VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
     dict(block_kv=128, max_concurrent_steps=2),
@@ -240,7 +243,7 @@ def main():
   args = parser.parse_args()
   global CAPACITY
   CAPACITY = args.capacity
-  shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',')]
+  shapes = SHAPES if args.shapes == 'all' else [SHAPES[int(i)] for i in args.shapes.split(',') if i]
   checks = (
       CHECK_SHAPES if args.check_shapes == 'all'
       else [CHECK_SHAPES[int(i)] for i in args.check_shapes.split(',') if i]

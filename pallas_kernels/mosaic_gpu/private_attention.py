@@ -373,8 +373,8 @@ def private_attention(
 
     def per_row(values):
       """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
-      if rho is None:
-        return jnp.zeros_like(index) + values[0]
+      if rho is None:  # derived from index: a splat constant has no broadcast to the tile
+        return index * 0 + values[0]
       out = jnp.zeros_like(index)
       for r, value in enumerate(values):
         out = jnp.where(rho == r, value, out)

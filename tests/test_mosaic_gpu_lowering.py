@@ -1,0 +1,63 @@
+"""Every Mosaic GPU kernel configuration lowers for CUDA, on a CPU-only machine.
+
+Interpret mode (the conformance tests) runs the kernels' semantics but not Mosaic GPU's
+layout inference, so a register layout the lowering cannot handle only shows up on a GPU:
+a kernel for Llama-2-70B's 8:1 heads failed there at small batches (a frame of one row:
+its per-row bounds were a splat constant, which has no broadcast to the score tile).
+Here each configuration is traced and lowered to Mosaic GPU MLIR (TMA, wgmma and layout
+checks; not ptxas) at small shapes: the head ratios G = 1, 4, 8, 32, one and several rows a
+frame, T = 1 and 2, no shared prefix (the paged kernel), and the training kernels.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hydrajax
+from pallas_kernels.mosaic_gpu import training_attention as ta
+from pallas_kernels.mosaic_gpu import tree_attention as mosaic
+
+HEAD_DIM = 128
+CUDA = ('cuda',)
+
+
+def _lower_tree(b, p, s, n, k, t):
+  plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b),
+                            private_capacity=max(64, -(-s // 64) * 64),
+                            private_lengths=s)
+  layout = plan.to_device()
+  sd = jax.ShapeDtypeStruct
+  q = sd((b, t, n, HEAD_DIM), jnp.bfloat16)
+  kv = sd((plan.kv_tokens, k, HEAD_DIM), jnp.bfloat16)
+  jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(lowering_platforms=CUDA)
+
+
+@pytest.mark.parametrize('b, p, s, n, k, t', [
+    (1024, 1024, 9, 32, 32, 1),  # MHA (G = 1), 64 rows a frame
+    (16, 2048, 3, 32, 8, 1),  # G = 4
+    (16, 2048, 3, 64, 8, 1),  # G = 8 at a small batch: one row a frame
+    (256, 2048, 3, 64, 8, 1),  # G = 8, several rows a frame
+    (8, 2048, 9, 32, 4, 2),  # G = 8, T = 2: 16 query rows a row
+    (8, 2048, 3, 32, 1, 1),  # MQA: G = 32
+    (99, 2048, 3, 32, 8, 2),  # a last frame past the batch
+    (32, 0, 300, 32, 8, 1),  # no shared prefix: the paged kernel
+    (4, 0, 300, 64, 8, 1),  # the paged kernel at G = 8
+])
+def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
+  _lower_tree(b, p, s, n, k, t)
+
+
+@pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])
+def test_training_kernels_lower_for_cuda(n, k):
+  sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  m, s, z, t = 256, 512, 2, 192
+  for forward, backward, q, kv, stat, length in (
+      (ta.segment_forward, ta.segment_backward, (m, n, HEAD_DIM), (s, k, HEAD_DIM), (m, n), ()),
+      (ta.causal_forward, ta.causal_backward, (z, t, n, HEAD_DIM), (z, t, k, HEAD_DIM), (z, t, n),
+       (z,)),
+  ):
+    q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
+    jax.jit(lambda *a, f=forward: f(*a, scale=0.1)).trace(q, kv, kv, length).lower(
+        lowering_platforms=CUDA)
+    jax.jit(lambda *a, f=backward: f(*a, scale=0.1)).trace(q, kv, kv, q, stat, stat, length).lower(
+        lowering_platforms=CUDA)
