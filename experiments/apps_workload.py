@@ -173,7 +173,7 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
   if any(int(j) in written for j in tp.row_node):
     raise ValueError(f'written={sorted(written)} holds a node that ends a row: its logits are needed')
   graphdef, params = nnx.split(model)
-  node_logits = {}
+  ends = []
   for call in lean_prefill_calls(tp, chunk):
     if all(int(j) in written for j in call.segment_ids[call.segment_ids >= 0]):
       continue
@@ -183,9 +183,9 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
     logits, cache = _prefill_step(
         graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
         jnp.asarray(call.write_slots), plan, jnp.asarray(call.last_index))
-    for r in np.flatnonzero(call.last_index >= 0):
-      node_logits[int(call.segment_ids[r])] = logits[r]
-  return jnp.stack([node_logits[int(j)] for j in tp.row_node]), cache
+    if (call.last_index >= 0).any():  # a call that ends nodes (others' logits are dropped)
+      ends.append((logits, call.segment_ids, call.last_index))
+  return gen.node_logits(ends, tp.row_node), cache
 
 
 @dataclasses.dataclass(frozen=True)

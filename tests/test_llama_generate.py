@@ -152,3 +152,17 @@ def test_generate_rejects_bad_prompts():
     gen.generate(model, [[1]], max_new_tokens=0)
   with pytest.raises(ValueError, match='tokens has 2 ids but length is 3'):
     PromptNode(3, tokens=(1, 2))
+
+
+def test_node_logits_gathers_each_rows_node_across_calls():
+  # Two calls: the first ends nodes 0 and 2 (rows 0 and 2), the second ends node 1 (row 1).
+  vocab = 5
+  first = jnp.arange(3 * vocab, dtype=jnp.float32).reshape(3, vocab)
+  second = 100 + jnp.arange(2 * vocab, dtype=jnp.float32).reshape(2, vocab)
+  ends = [(first, np.array([0, 7, 2]), np.array([3, -1, 0])),
+          (second, np.array([-1, 1]), np.array([-1, 5]))]
+  row_node = np.array([2, 1, 1, 0])
+  got = gen.node_logits(ends, row_node)
+  want = jnp.stack([first[2], second[1], second[1], first[0]])
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(gen.node_logits(ends[:1], np.array([0])), first[:1])
