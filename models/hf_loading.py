@@ -7,7 +7,7 @@ over layers:
 
   model.embed_tokens.weight             [V, D]    -> embed [V, D]
   layers.i.self_attn.q_proj.weight      [N*H, D]  -> layers.wq [layers, D, N, H]
-  layers.i.self_attn.{k,v}_proj.weight  [K*H, D]  -> layers.wk, wv [layers, D, K, H]
+  layers.i.self_attn.{k,v}_proj.weight  [K*H, D]  -> layers.wkv [layers, D, 2, K, H] (k, v)
   layers.i.self_attn.o_proj.weight      [D, N*H]  -> layers.wo [layers, N, H, D]
   layers.i.mlp.{gate,up}_proj.weight    [F, D]    -> layers.w_gate, w_up [layers, D, F]
   layers.i.mlp.down_proj.weight         [D, F]    -> layers.w_down [layers, F, D]
@@ -46,14 +46,31 @@ _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints sav
 _LAYER_TENSORS: dict[str, tuple[str, Callable[[np.ndarray, LlamaConfig], np.ndarray]]] = {
     'input_layernorm.weight': ('attn_norm', lambda w, c: w),
     'self_attn.q_proj.weight': ('wq', lambda w, c: w.T.reshape(c.dim, c.num_heads, c.head_dim)),
-    'self_attn.k_proj.weight': ('wk', lambda w, c: w.T.reshape(c.dim, c.num_kv_heads, c.head_dim)),
-    'self_attn.v_proj.weight': ('wv', lambda w, c: w.T.reshape(c.dim, c.num_kv_heads, c.head_dim)),
     'self_attn.o_proj.weight': ('wo', lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.dim)),
     'post_attention_layernorm.weight': ('mlp_norm', lambda w, c: w),
     'mlp.gate_proj.weight': ('w_gate', lambda w, c: w.T),
     'mlp.up_proj.weight': ('w_up', lambda w, c: w.T),
     'mlp.down_proj.weight': ('w_down', lambda w, c: w.T),
 }
+# HF's k_proj and v_proj -> one parameter [D, 2, K, H], k at 0 and v at 1 (`DecoderLayer.wkv`).
+_KV_TENSORS = ('self_attn.k_proj.weight', 'self_attn.v_proj.weight')
+
+
+def _kv_weight(get: Callable[[str], np.ndarray], layer: int, c: LlamaConfig) -> np.ndarray:
+  kv = [get(f'model.layers.{layer}.{name}').T.reshape(c.dim, c.num_kv_heads, c.head_dim)
+        for name in _KV_TENSORS]
+  return np.stack(kv, axis=1)
+
+
+def fuse_kv(layer: dict) -> dict:
+  """A layer's parameters saved before K and V were one weight (`wk`, `wv`) -> with `wkv`."""
+  if 'wk' not in layer:
+    return layer
+  layer = dict(layer)
+  wk, wv = layer.pop('wk'), layer.pop('wv')
+  stack = np.stack if isinstance(wk, np.ndarray) else jnp.stack
+  layer['wkv'] = stack([wk, wv], axis=1)
+  return layer
 
 
 def expected_hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -212,11 +229,11 @@ def convert_hf_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, dt
   np_dtype = np.dtype(jnp.dtype(dtype))
   place = place or (lambda path, x: x)
   cast = lambda path, x: place(path, np.asarray(x).astype(np_dtype))
-  layers = {
-      i: {ours: cast(('layers', i, ours), convert(get(f'model.layers.{i}.{hf_name}'), config))
-          for hf_name, (ours, convert) in _LAYER_TENSORS.items()}
-      for i in range(config.num_layers)
-  }
+  layers = {}
+  for i in range(config.num_layers):
+    layers[i] = {ours: cast(('layers', i, ours), convert(get(f'model.layers.{i}.{hf_name}'), config))
+                 for hf_name, (ours, convert) in _LAYER_TENSORS.items()}
+    layers[i]['wkv'] = cast(('layers', i, 'wkv'), _kv_weight(get, i, config))
   params = {
       'embed': cast(('embed',), get('model.embed_tokens.weight')),
       'layers': layers,
@@ -356,6 +373,29 @@ def save_params(model: Llama, directory: str | os.PathLike) -> None:
   checkpointer.wait_until_finished()
 
 
+def _saved_with_separate_kv(checkpointer, path: str) -> bool:
+  """Whether the checkpoint predates the fused K/V weight (its layers hold `wk` and `wv`)."""
+  metadata = checkpointer.metadata(path)
+  tree = getattr(metadata, 'item_metadata', metadata)
+  names = {getattr(keys[-1], 'key', None) for keys, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return 'wk' in names
+
+
+def _split_kv(layer: dict) -> dict:
+  """A layer's restore target with `wkv` [D, 2, K, H] as the `wk`, `wv` [D, K, H] it was saved as."""
+  layer = dict(layer)
+  wkv = layer.pop('wkv')
+  shape = wkv.shape[:1] + wkv.shape[2:]
+  sharding = getattr(wkv, 'sharding', None)
+  if sharding is not None:  # the same spec without the pair axis
+    spec = tuple(sharding.spec) + (None,) * (len(wkv.shape) - len(sharding.spec))
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        spec[0], *spec[2:]))
+  one = jax.ShapeDtypeStruct(shape, wkv.dtype, sharding=sharding)
+  layer['wk'], layer['wv'] = one, one
+  return layer
+
+
 def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None) -> Llama:
   """Restores a `Llama` written by `save_params` (in its saved dtype unless `dtype` is given).
 
@@ -378,7 +418,12 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None) -> Ll
   if mesh is not None:  # abstract arrays carrying their target sharding
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           target, param_shardings(config, saved_dtype, mesh))
-  restored = ocp.StandardCheckpointer().restore(os.path.join(directory, _PARAMS_DIR), target)
+  path = os.path.join(directory, _PARAMS_DIR)
+  checkpointer = ocp.StandardCheckpointer()
+  if _saved_with_separate_kv(checkpointer, path):
+    target['layers'] = {i: _split_kv(layer) for i, layer in target['layers'].items()}
+  restored = checkpointer.restore(path, target)
+  restored['layers'] = {i: fuse_kv(layer) for i, layer in restored['layers'].items()}
   dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
   restored = jax.tree.map(lambda x: x.astype(dtype), restored)  # keeps the sharding
   return model_from_params(config, restored, dtype, mesh)

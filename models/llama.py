@@ -141,10 +141,11 @@ class DecoderLayer(nnx.Module):
     self.attn_norm = _param(rngs, (c.dim,), (sr.EMBED,), dtype, None)
     self.wq = _param(rngs, (c.dim, c.num_heads, c.head_dim), (sr.EMBED, sr.HEADS, sr.HEAD_DIM),
                      dtype, c.dim**-0.5)
-    self.wk = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
-                     (sr.EMBED, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
-    self.wv = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
-                     (sr.EMBED, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
+    # K and V projections as one weight [D, 2, K, H] (k at 0, v at 1): one GEMM. Kept apart, XLA
+    # merges the two products of one input into one GEMM anyway and concatenates wk and wv for
+    # it on every step (64 MB a layer at 7B; 31 µs a layer at B=1024 on an H200).
+    self.wkv = _param(rngs, (c.dim, 2, c.num_kv_heads, c.head_dim),
+                      (sr.EMBED, None, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
     self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim), (sr.HEADS, sr.HEAD_DIM, sr.EMBED),
                      dtype, (c.num_heads * c.head_dim) ** -0.5)
     self.mlp_norm = _param(rngs, (c.dim,), (sr.EMBED,), dtype, None)
@@ -156,7 +157,7 @@ class DecoderLayer(nnx.Module):
     return {name: getattr(self, name).get_value() for name in LAYER_PARAMS}
 
 
-LAYER_PARAMS = ('attn_norm', 'wq', 'wk', 'wv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
+LAYER_PARAMS = ('attn_norm', 'wq', 'wkv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
 
 
 def _mlp(p, x, eps, reduce_dtype=None):
@@ -170,8 +171,9 @@ def _mlp(p, x, eps, reduce_dtype=None):
 def _qkv(p, x, positions, inv_freq, eps):
   y = rms_norm(x, p['attn_norm'], eps)
   q = apply_rope(jnp.einsum('btd,dnh->btnh', y, p['wq']), positions, inv_freq)
-  k = apply_rope(jnp.einsum('btd,dkh->btkh', y, p['wk']), positions, inv_freq)
-  v = jnp.einsum('btd,dkh->btkh', y, p['wv'])
+  kv = jnp.einsum('btd,dckh->btckh', y, p['wkv'])
+  k = apply_rope(kv[:, :, 0], positions, inv_freq)
+  v = kv[:, :, 1]
   return q, k, v
 
 

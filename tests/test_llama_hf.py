@@ -152,6 +152,28 @@ def test_orbax_round_trip(tmp_path):
     hf_loading.restore_params(tmp_path)
 
 
+def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
+  # Saved before K and V were one weight: layers hold `wk` and `wv` [D, K, H].
+  import orbax.checkpoint as ocp
+
+  model = hf_loading.load_hf_checkpoint(_folder('tiny_gqa'), dtype=jnp.float32)
+  hf_loading.save_params(model, tmp_path / 'saved')
+  old = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  old['layers'] = {i: {**{k: v for k, v in layer.items() if k != 'wkv'},
+                       'wk': layer['wkv'][:, 0], 'wv': layer['wkv'][:, 1]}
+                   for i, layer in old['layers'].items()}
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / 'saved' / 'params', old, force=True)
+  checkpointer.wait_until_finished()
+  restored = hf_loading.restore_params(tmp_path / 'saved')
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(restored, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+  tensors = _tensors('tiny_gqa')
+  k = tensors['model.layers.0.self_attn.k_proj.weight'].T.reshape(restored.layers[0].wkv.shape[0], -1)
+  np.testing.assert_array_equal(restored.layers[0].wkv.get_value()[:, 0].reshape(k.shape), k)
+
+
 def test_tokenizer_json(tmp_path):
   from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, decoders
 

@@ -176,7 +176,10 @@ def test_generate_greedy_tokens_equal_one_device(kind, mesh_name, dtype):
   got = generate(sr.init_model(config, mesh=_mesh(mesh_name), seed=2, dtype=dtype),
                  _prompts(config.vocab_size), max_new_tokens=6, impl='xla', return_logprobs=True)
   np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2 if dtype == 'bfloat16' else 1e-5)
+  # bf16: per-device GEMMs sum in another order and the cache is rounded to bf16 each step, so
+  # log-probs drift by a few bf16 ulps (0.4% each) over the steps.
+  tol = dict(atol=2e-2, rtol=1e-2) if dtype == 'bfloat16' else dict(atol=1e-5)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, **tol)
 
 
 def test_engine_runs_dp_and_refuses_overlap_decode_clearly():
