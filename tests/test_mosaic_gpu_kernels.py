@@ -471,6 +471,19 @@ class TestSupportAndSchedule:
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
 
+  @pytest.mark.parametrize('questions,splits', [(4, 8), (16, 8), (64, 7), (256, 1)])
+  def test_a_long_segment_among_short_ones_is_still_split(self, questions, splits):
+    """A 20K-token document above one-row question segments (needle_qa, G = 8, 4 kv heads): the
+    questions' many one-block programs do not leave the document to a few unsplit programs."""
+    doc = hydrajax.PromptNode(20000, children=tuple(
+        PromptNode(12, num_samples=1) for _ in range(questions)))
+    plan = hydrajax.plan_tree(doc, private_capacity=64)
+    sched = schedule.shared_schedule(plan.to_device(), rows_per_query=8, num_kv_heads=4,
+                                     block_kv=128, num_sms=132, max_splits=8)
+    assert sched.num_splits == splits
+    longest = max(gs.split_tokens for gs in sched.groups)
+    assert longest * splits >= 20000
+
   @pytest.mark.parametrize('tg,want', [(1, 1), (3, 4), (4, 4), (6, 8), (8, 8), (33, 64), (64, 64),
                                        (65, 128), (80, 128), (128, 128)])
   def test_padded_rows_per_query(self, tg, want):

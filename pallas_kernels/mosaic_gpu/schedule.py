@@ -80,16 +80,21 @@ class SharedSchedule:
     return sum(g.num_segments for g in self.groups)
 
 
-def choose_splits(num_tiles: int, max_blocks: int, *, num_sms: int, max_splits: int) -> int:
-  """KV splits per segment so that the programs fill the chip about once.
+def choose_splits(total_blocks: int, max_blocks: int, *, num_sms: int, max_splits: int) -> int:
+  """KV splits per segment: the longest program cut to about an even share of the work.
 
-  With at least one program per multiprocessor there is no split; otherwise as
-  many splits as still fit in one wave, never more than the kv blocks of the
-  longest segment (a split with no block is an empty program).
+  total_blocks: kv blocks over every unsplit program (segment x row tile x kv head);
+  max_blocks: those of the longest segment. S splits cut the longest program to
+  max_blocks / S blocks; below total_blocks / num_sms there is no gain (the chip is full).
+  With segments of one length this is num_sms // programs (no split at one program per
+  multiprocessor). With one long segment among many short ones (a document and its
+  questions) the long one is still split: counting programs instead, 16 one-block questions
+  would leave a 20K-token document to 8 programs on a 132-multiprocessor GPU.
+  A split with no block is an empty program.
   """
-  if num_tiles >= num_sms:
+  if total_blocks <= 0:
     return 1
-  return max(1, min(max_splits, num_sms // max(num_tiles, 1), max_blocks))
+  return max(1, min(max_splits, max_blocks * num_sms // total_blocks, max_blocks))
 
 
 def shared_schedule(
@@ -106,11 +111,13 @@ def shared_schedule(
   row_tiles = [cdiv(g.row_capacity * rows_per_query + pad, TILE_M) for g in layout.groups]
   # Splits are chosen from the tiles with rows in them: the frame's extra tile (when the
   # first row is not 8-aligned) is an empty program for 8-aligned segments such as roots.
-  tiles = num_kv_heads * sum(
-      g.num_segments * cdiv(g.row_capacity * rows_per_query, TILE_M) for g in layout.groups
+  blocks = [cdiv(g.kv_capacity + ALIGN - 1, block_kv) for g in layout.groups]
+  total_blocks = num_kv_heads * sum(
+      g.num_segments * cdiv(g.row_capacity * rows_per_query, TILE_M) * b
+      for g, b in zip(layout.groups, blocks)
   )
-  max_blocks = max((cdiv(g.kv_capacity + ALIGN - 1, block_kv) for g in layout.groups), default=1)
-  splits = choose_splits(tiles, max_blocks, num_sms=num_sms, max_splits=max_splits)
+  splits = choose_splits(total_blocks, max(blocks, default=1), num_sms=num_sms,
+                         max_splits=max_splits)
   groups, item, segment = [], 0, 0
   for g, t in zip(layout.groups, row_tiles):
     split_tokens = round_up(cdiv(g.kv_capacity + ALIGN - 1, splits), block_kv)
