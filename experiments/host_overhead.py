@@ -280,8 +280,8 @@ def main(argv):
           f'+ layout {r["layout"]:.3f}; {r["structure_changes"]} of {_STEPS.value} steps changed '
           'the tree')
   r = measure_engine()
-  print(f'engine, model call {_MODEL_CALL.value} (mean ms per step, batch {r["mean_batch"]:.0f}, mesh '
-        f'{_MESH.value or "none"}): decode host {r["decode_host_ms"]:.3f} = prepare '
+  print(f'engine, model call {_MODEL_CALL.value} (mean ms per step, batch '
+        f'{r["mean_batch"]:.0f}, mesh {_MESH.value or "none"}): decode host {r["decode_host_ms"]:.3f} = prepare '
         f'{r["prepare_ms"]:.3f} + dispatch {r["dispatch_ms"]:.3f} + emit, iteration '
         f'{r["iteration_ms"]:.3f} (median {r["median_iteration_ms"]:.3f}); '
         f'{r["plan_builds"]} plan builds in {r["decode_steps"]} steps; {r["finished"]} '
