@@ -26,8 +26,15 @@ Flags are checked before any work: without churn every sequence appends
 `WARMUP_STEPS + --steps` tokens, which must fit in the `--new_tokens` it reserved.
 On a laptop in seconds: --batch=8 --system_len=64 --user_len=8 --new_tokens=48 --steps=20
 --chunk_size=16 --kv_piece=64
+
+`--mesh=dp:2` runs the engine data parallel (one chunk cache per shard, `--batch` rows in
+all, split over the shards); on CPU the devices are fake, one per mesh entry:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python3 -m \
+      experiments.host_overhead --mesh=dp:2
 """
 
+import functools
 import statistics
 import time
 
@@ -36,12 +43,12 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from hydrajax import parallel
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from models import engine as engine_lib
+from models import sharding_rules
 from models.config import get_config
-from models.llama import Llama
 
 _BATCH = flags.DEFINE_integer('batch', 256, 'live sequences')
 _SYSTEMS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
@@ -51,6 +58,13 @@ _NEW = flags.DEFINE_integer('new_tokens', 512, 'tokens generated per request')
 _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
 _STEPS = flags.DEFINE_integer('steps', 300, 'timed decode steps per measurement')
 _KV_PIECE = flags.DEFINE_integer('kv_piece', 1024, 'shared tokens per partial state')
+_MODEL_CALL = flags.DEFINE_enum(
+    'model_call', 'stub', ['stub', 'jitted_stub', 'model'],
+    "the engine's model call: 'stub' returns zeros in Python (no dispatch); 'jitted_stub' is a "
+    'jitted call that takes every argument and returns zeros (the dispatch: arguments, uploads; '
+    "no model); 'model' the tiny model's step (on CPU its compute runs partly in the dispatch)")
+_MESH = flags.DEFINE_string('mesh', None, "the engine's model mesh, e.g. 'dp:2' (default: one "
+                            'device); --batch rows in all, split over the dp shards')
 
 WARMUP_STEPS = 20  # untimed first steps of the cache measurements (numpy/JAX caches warm up)
 
@@ -65,6 +79,13 @@ def check_flags() -> None:
         f'need --steps + {WARMUP_STEPS} warm-up steps <= --new_tokens (without churn every '
         f'sequence appends that many tokens to the --new_tokens it reserved), got --steps='
         f'{_STEPS.value}, --new_tokens={_NEW.value}')
+  try:
+    mesh = parallel.parse_mesh(_MESH.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  dp = 1 if mesh is None else mesh.shape.get('dp', 1)
+  if _BATCH.value % dp:
+    raise app.UsageError(f'--batch={_BATCH.value} must divide over the mesh\'s dp={dp} shards')
 
 
 def _layout_policy() -> LayoutPolicy:
@@ -179,22 +200,42 @@ def _stub_model(engine) -> None:
   engine._model_step = fake
 
 
+def _jitted_stub(engine) -> None:
+  """Replaces the engine's model call by a jitted one that takes every argument (uploaded,
+  in the shardings the compiler picks) and returns zeros: the dispatch without the model."""
+
+  @functools.partial(jax.jit, static_argnames=('impl', 'top_logprobs'),
+                     donate_argnames=('cache',), keep_unused=True)
+  def fake(params, cache, tokens, positions, slots, layout, seeds, streams, *args, impl,
+           top_logprobs, **kwargs):
+    del params, tokens, positions, slots, layout, seeds, args, impl, top_logprobs, kwargs
+    return jnp.zeros(streams.shape[0], jnp.int32), cache
+
+  engine._model_step = fake
+
+
 def measure_engine() -> dict:
   """Engine steps at batch `--batch` with the model stubbed: decode host ms and iteration ms."""
   b, c, new = _BATCH.value, _CHUNK.value, _NEW.value
-  model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(0))
+  mesh = parallel.parse_mesh(_MESH.value)
+  model = sharding_rules.init_model(get_config('tiny_gqa'), mesh=mesh)
+  dp = 1 if mesh is None else mesh.shape.get('dp', 1)
+  per_shard = b // dp  # the pool, max_batch and buckets are per dp shard
   vocab = model.config.vocab_size
   rng = np.random.default_rng(2)
   systems = [rng.integers(0, vocab, _SYSTEM_LEN.value).tolist() for _ in range(_SYSTEMS.value)]
-  sizes = _cache(b, len(systems)).config
+  sizes = _cache(per_shard, len(systems)).config
   config = engine_lib.EngineConfig(
-      num_chunks=sizes.num_chunks, chunk_size=c, max_batch=b,
+      num_chunks=sizes.num_chunks, chunk_size=c, max_batch=per_shard,
       max_sequence_length=sizes.max_sequence_length,
-      max_prefill_rows=1, max_prefill_tokens=8192, decode_buckets=(b,), layout=_layout_policy(),
-      impl='xla', prefill_impl='xla')
+      max_prefill_rows=1, max_prefill_tokens=8192, decode_buckets=(per_shard,),
+      layout=_layout_policy(), impl='xla', prefill_impl='xla')
   params = engine_lib.SamplingParams(max_new_tokens=new)
   engine = engine_lib.Engine(model, config)
-  _stub_model(engine)
+  if _MODEL_CALL.value == 'stub':
+    _stub_model(engine)
+  elif _MODEL_CALL.value == 'jitted_stub':
+    _jitted_stub(engine)
   submitted = 0
   # One arrival per step until the batch is full (staggered lengths), then one per finish;
   # `new` more steps reach the steady state (about b / new requests finish per step).
@@ -216,6 +257,8 @@ def measure_engine() -> dict:
       iteration.append(time.perf_counter() - t0)
   s = engine.stats.summary()
   return dict(decode_host_ms=s['mean_decode_host_ms'], decode_step_ms=s['mean_decode_step_ms'],
+              prepare_ms=s['mean_decode_prepare_ms'], dispatch_ms=s['mean_decode_dispatch_ms'],
+              plan_builds=s['plan_builds'], decode_steps=s['decode_steps'],
               iteration_ms=1e3 * statistics.mean(iteration),
               median_iteration_ms=1e3 * statistics.median(iteration),
               mean_batch=s['decode_rows'] / max(s['decode_steps'], 1),
@@ -237,9 +280,12 @@ def main(argv):
           f'+ layout {r["layout"]:.3f}; {r["structure_changes"]} of {_STEPS.value} steps changed '
           'the tree')
   r = measure_engine()
-  print(f'engine, model stubbed (mean ms per step, batch {r["mean_batch"]:.0f}): decode host '
-        f'{r["decode_host_ms"]:.3f}, iteration {r["iteration_ms"]:.3f} (median '
-        f'{r["median_iteration_ms"]:.3f}); {r["finished"]} requests finished')
+  print(f'engine, model call {_MODEL_CALL.value} (mean ms per step, batch '
+        f'{r["mean_batch"]:.0f}, mesh {_MESH.value or "none"}): decode host {r["decode_host_ms"]:.3f} = prepare '
+        f'{r["prepare_ms"]:.3f} + dispatch {r["dispatch_ms"]:.3f} + emit, iteration '
+        f'{r["iteration_ms"]:.3f} (median {r["median_iteration_ms"]:.3f}); '
+        f'{r["plan_builds"]} plan builds in {r["decode_steps"]} steps; {r["finished"]} '
+        'requests finished')
 
 
 if __name__ == '__main__':

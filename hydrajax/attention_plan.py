@@ -115,13 +115,19 @@ class AttentionPlan:
   config: Any  # the backend's frozen config
   interpret: bool
 
+  @property
+  def swaps_private_lengths(self) -> bool:
+    """Whether `with_private_lengths` swaps the lengths in (else it prepares the plan again)."""
+    return (hasattr(dispatch.backend(self.impl), 'with_private_lengths')
+            or 'private_lengths' in {f.name for f in dataclasses.fields(self.prepared)})
+
   def with_private_lengths(self, lengths: jax.Array) -> 'AttentionPlan':
     """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token)."""
     layout = dataclasses.replace(self.layout, private_lengths=lengths)
     module = dispatch.backend(self.impl)
     if hasattr(module, 'with_private_lengths'):
       prepared = module.with_private_lengths(self.prepared, lengths)
-    elif 'private_lengths' in {f.name for f in dataclasses.fields(self.prepared)}:
+    elif self.swaps_private_lengths:
       prepared = dataclasses.replace(self.prepared, private_lengths=lengths)  # the convention
     else:
       prepared = module.prepare(layout, self.shapes, self.config, interpret=self.interpret)

@@ -462,6 +462,20 @@ def build_layout(plan: SharingPlan, policy: LayoutPolicy, *,
   ).with_host_facts(plan)
 
 
+def host_layout(plan: SharingPlan, policy: LayoutPolicy, *,
+                max_private_pages: int | None = None) -> 'TreeLayout':
+  """`build_layout` with numpy leaves, nothing uploaded: per-shard layouts are stacked on
+  the host and uploaded once (`hydrajax.parallel.stack_layouts`)."""
+  widest = max((len(p) for p in plan.private_pages), default=0)
+  width = max_private_pages if max_private_pages is not None else max(1, widest)
+  groups, row_pieces = group_arrays(plan, policy)
+  groups = tuple(SegmentGroup(*np.ascontiguousarray(columns), row_capacity=rows,
+                              kv_capacity=tokens) for rows, tokens, columns in groups)
+  return make_layout(groups, row_pieces, page_table(plan, width),
+                     np.array(plan.private_lengths, np.int32), plan.page_size
+                     ).with_host_facts(plan)
+
+
 def path_columns(pieces: Sequence[tuple[int, int]], num_rows: int) -> np.ndarray:
   """Column of each (row_begin, num_rows) piece in the rows' path table, parents first.
 

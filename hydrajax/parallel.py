@@ -34,7 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hydrajax.attention_plan import attend, tree_attention
 from hydrajax.dispatch import AttentionImpl
-from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout
+from hydrajax.attention_plan import AttentionPlan
+from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout, host_layout
 from hydrajax.partial_state import PartialState
 
 TP = 'tp'  # tensor parallelism: heads
@@ -245,8 +246,16 @@ class ShardedLayout:
   def page_size(self) -> int:
     return self._layout.page_size
 
-  def with_private_lengths(self, lengths: jax.Array) -> 'ShardedLayout':
-    """Every row's private length replaced (lengths [B] int32, global row order)."""
+  def with_private_lengths(self, lengths: jax.Array | np.ndarray) -> 'ShardedLayout':
+    """Every row's private length replaced (lengths [B] int32, global row order).
+
+    A host array where the swap only replaces leaves (every backend's) is swapped in on
+    the host as [dp, B/dp], no device op: the jitted step that takes the layout uploads it.
+    """
+    if isinstance(lengths, np.ndarray):
+      swapped = _swap_on_host(self.layouts, lengths.reshape(self.num_shards, -1))
+      if swapped is not None:
+        return ShardedLayout(swapped, self.num_shards)
     def one(layout, n):
       if isinstance(layout, TreeLayout):
         return dataclasses.replace(layout, private_lengths=n)
@@ -255,26 +264,52 @@ class ShardedLayout:
     return ShardedLayout(jax.vmap(one)(self.layouts, per_shard), self.num_shards)
 
 
-def stack_shards(values: Sequence[Any]) -> ShardedLayout:
-  """Per-shard pytrees of one structure (e.g. `AttentionPlan`s of each shard) stacked."""
+def _swap_on_host(layouts, per_shard: np.ndarray):
+  """Stacked layouts (or plans) with their private lengths replaced by `per_shard` [dp, b]
+  as it is, or None where the swap does more than replace leaves (it then runs per shard)."""
+  if isinstance(layouts, TreeLayout):
+    return dataclasses.replace(layouts, private_lengths=per_shard)
+  if not (isinstance(layouts, AttentionPlan) and layouts.swaps_private_lengths):
+    return None
+  swapped = layouts.with_private_lengths(per_shard)
+  kept = {id(x) for x in jax.tree.leaves(layouts)}
+  if all(x is per_shard or id(x) in kept for x in jax.tree.leaves(swapped)):
+    return swapped
+  return None
+
+
+def stack_shards(values: Sequence[Any], sharding: jax.sharding.Sharding | None = None
+                 ) -> ShardedLayout:
+  """Per-shard pytrees of one structure (e.g. `AttentionPlan`s of each shard) stacked.
+
+  With `sharding` (e.g. `NamedSharding(mesh, P('dp'))`) and concrete leaves, they are
+  stacked on the host and put in their shards in one upload (stacking on the device costs
+  an op per leaf, then a copy per leaf into the shards).
+  """
   structures = {jax.tree.structure(v) for v in values}
   if len(structures) != 1:
     raise ValueError('per-shard plans must have one structure and equal static fields (pad the '
                      f'layouts to one shape first: stack_layouts), got {len(structures)}')
-  return ShardedLayout(jax.tree.map(lambda *xs: jnp.stack(xs), *values), len(values))
+  leaves = jax.tree.leaves(list(values))
+  if sharding is None or any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return ShardedLayout(jax.tree.map(lambda *xs: jnp.stack(xs), *values), len(values))
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *jax.device_get(list(values)))
+  return ShardedLayout(jax.device_put(stacked, sharding), len(values))
 
 
 def stack_layouts(plans: Sequence[SharingPlan], *, bucket: bool = True,
                   max_private_pages: int | None = None,
-                  policy: LayoutPolicy | None = None) -> ShardedLayout:
+                  policy: LayoutPolicy | None = None, upload: bool = True) -> ShardedLayout:
   """The device layouts of per-shard plans, padded to one static shape and stacked.
 
   `policy` (a `LayoutPolicy`, e.g. the engine's fixed shapes) shapes each shard's layout as
   `SharingPlan.to_device` does; the segment slots of each group are then padded to the most
-  any shard has (with fixed shapes: J is the largest shard's J).
+  any shard has (with fixed shapes: J is the largest shard's J). `upload=False` keeps the
+  leaves numpy arrays (for a plan prepared on the host, then uploaded once: `stack_shards`).
   """
-  layouts = [p.to_device(bucket=bucket, max_private_pages=max_private_pages, policy=policy)
-             for p in plans]
+  if policy is None:
+    policy = LayoutPolicy.BUCKETED if bucket else LayoutPolicy.EXACT
+  layouts = [host_layout(p, policy, max_private_pages=max_private_pages) for p in plans]
   caps = sorted({(g.row_capacity, g.kv_capacity) for lay in layouts for g in lay.groups})
   counts = {c: max(sum(g.num_segments for g in lay.groups
                        if (g.row_capacity, g.kv_capacity) == c) for lay in layouts) for c in caps}
@@ -304,8 +339,8 @@ def stack_layouts(plans: Sequence[SharingPlan], *, bucket: bool = True,
     private[:, : lay.private_pages.shape[1]] = np.asarray(lay.private_pages)
     shards.append(TreeLayout(tuple(groups), private, np.asarray(lay.private_lengths),
                              lay.page_size, lay.num_rows, row_segments))
-  stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *shards)
-  return ShardedLayout(stacked, len(plans))
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *shards)
+  return ShardedLayout(jax.tree.map(jnp.asarray, stacked) if upload else stacked, len(plans))
 
 
 # ---------------------------------------------------------------------------

@@ -261,8 +261,16 @@ class Llama(nnx.Module):
                                                      interpret=interpret)
     if isinstance(layout, parallel.ShardedLayout):  # dp: each shard's plan, stacked
       return parallel.stack_shards([prepare(jax.tree.map(lambda x: x[d], layout.layouts))
-                                    for d in range(layout.num_shards)])
+                                    for d in range(layout.num_shards)],
+                                   sharding=self._shard_leading(layout.num_shards))
     return prepare(layout)
+
+  def _shard_leading(self, num_shards: int) -> 'jax.sharding.NamedSharding | None':
+    """Where stacked per-dp-shard plans live: their leading axis over dp, replicated over tp
+    (None without a mesh of `num_shards` dp shards)."""
+    if sr.axis_size(self.mesh, sr.DP) != num_shards or num_shards == 1:
+      return None
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(sr.DP))
 
   def forward_hidden(self, tokens, positions, cache: KVCache, write_slots,
                      layout: TreeLayout | AttentionPlan, *, impl=AttentionImpl.AUTO):

@@ -186,3 +186,41 @@ def test_dp_refuses_overlap_decode_and_one_cache():
   assert len(engine.caches) == 2
   with pytest.raises(AttributeError, match='engine.caches'):
     engine.cache  # noqa: B018
+
+
+
+def test_decode_plan_is_reused_until_a_shard_tree_changes():
+  """The stacked plan is prepared (and put in its shards) once per change of any shard's tree;
+  the steps between pass the same plan arrays with the private lengths swapped in from the
+  host: each shard's rows' lengths after the append, plus the demoted lead."""
+  engine = Engine(_model('gqa', 'dp:2'), CONFIG)
+  step, seen = engine._model_step, []
+
+  def recording(params, cache, tokens, positions, slots, layout, *args, **kwargs):
+    if tokens.shape[1] == 1:  # a decode step
+      key = tuple((c.structure_version, c.pages_version) for c in engine.caches)
+      lengths = np.concatenate([c.private_lengths(layout.num_rows // 2) for c in engine.caches])
+      lead = engine._plan[2]
+      seen.append((key, engine.stats.plan_builds, layout,
+                   lengths if lead is None else lengths + lead))
+    return step(params, cache, tokens, positions, slots, layout, *args, **kwargs)
+
+  engine._model_step = recording
+  assert engine.generate(_prompts(96), SamplingParams(max_new_tokens=NEW)) == _one_device('gqa')[0]
+  reused = rebuilt = 0
+  for (key0, builds0, plan0, _), (key, builds, plan, lengths) in zip(seen, seen[1:]):
+    swapped = plan.layouts.layout.private_lengths
+    assert isinstance(swapped, np.ndarray)  # uploaded by the step's dispatch
+    np.testing.assert_array_equal(swapped.reshape(-1), lengths)
+    on_device = [x for x in jax.tree.leaves(plan) if not isinstance(x, np.ndarray)]
+    if key == key0:
+      reused += 1
+      assert builds == builds0
+      before = {id(x) for x in jax.tree.leaves(plan0)}
+      assert all(id(x) in before for x in on_device)  # the same arrays, not uploaded again
+    else:
+      rebuilt += 1
+      assert builds == builds0 + 1
+      assert all(x.sharding.is_equivalent_to(engine.model._shard_leading(2), x.ndim)
+                 for x in on_device)  # in their shards
+  assert reused and rebuilt

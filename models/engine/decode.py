@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -167,13 +166,23 @@ class DecodeLoop:
 
   def _decode_plan_sharded(self, b: int, lengths: np.ndarray):
     """`_decode_plan` over dp shards: each shard's tree (after the `sharing_policy`) padded
-    to one shape and stacked, its plans prepared once per change of any shard's tree; then
-    only the private lengths ([dp b], global rows) are swapped."""
+    to one shape and stacked on the host, its plans prepared and put in their shards once per
+    change of any shard's tree; then only the private lengths ([dp b], global rows) are
+    swapped in, on the host (the step's dispatch uploads them)."""
     caches = self.caches
     key = (tuple((cache.structure_version, cache.pages_version) for cache in caches), b)
-    if self._plan is not None and self._plan[0] == key:
-      _, plan, lead = self._plan
-      return self._swap_lengths(plan, lengths if lead is None else lengths + lead)
+    if self._plan is None or self._plan[0] != key:
+      plan, lead = self._build_plan_sharded(b)
+      if not isinstance(plan.layouts, AttentionPlan):  # NO_ATTENTION: nothing to prepare
+        return plan
+      self._plan = (key, plan, lead)
+      self.stats.plan_builds += 1
+    _, plan, lead = self._plan
+    return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+
+  def _build_plan_sharded(self, b: int):
+    """(the stacked per-shard plans, lead [dp b] int32 or None: see `_apply_sharing_policy`)."""
+    caches = self.caches
     policy, model = self.config.sharing_policy, self.model.config
     plans, leads = [], []
     for cache in caches:
@@ -187,13 +196,8 @@ class DecodeLoop:
     config = caches[0].config
     layout = parallel.stack_layouts(
         plans, policy=no_empty_groups(config.layout, config.share_prefixes),
-        max_private_pages=config.max_pages)
-    plan = self._prepare_plan(layout, self.config.impl)
-    if isinstance(plan.layouts, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
-      plan = jax.device_put(plan, self._shard_leading)  # in its shards once, not every step
-      self._plan = (key, plan, lead)
-      self.stats.plan_builds += 1
-    return plan
+        max_private_pages=config.max_pages, upload=False)  # prepared on the host, then uploaded
+    return self._prepare_plan(layout, self.config.impl), lead
 
   def _decode_plan(self, layout, b: int):
     """The decode step's attention plan: prepared on the host once per tree change (the cache's

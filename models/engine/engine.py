@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from hydrajax import SharingPlan, parallel
 from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout
@@ -90,10 +89,6 @@ class Engine(Prefill, DecodeLoop):
     if dp > 1:  # KV copies keep the buffer's sharding (tokens over dp)
       self._copy_fn = jax.jit(copy_slots, donate_argnums=(0, 1),
                               out_shardings=(self.kv.k.sharding, self.kv.v.sharding))
-      # Stacked per-shard plans: leading axis over dp, replicated over tp.
-      self._shard_leading = NamedSharding(model.mesh, PartitionSpec('dp'))
-      self._swap_lengths = jax.jit(lambda plan, n: plan.with_private_lengths(n),
-                                   out_shardings=self._shard_leading)
 
   @property
   def cache(self) -> ChunkCache:
@@ -256,6 +251,8 @@ class Engine(Prefill, DecodeLoop):
     s = dp * c.prefill_sample_rows()
     for b, j in self._budget.decode:
       layout = self._prepare_plan(self._empty_layout(b, j, self.caches[0].config.layout), c.impl)
+      if dp > 1:  # as a decode step passes it: private lengths swapped in from the host
+        layout = layout.with_private_lengths(np.zeros(dp * b, np.int32))
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       rows = None if dp == 1 else np.zeros(dp * b, np.int32)  # dp: decode samples by row index
       self._warm(('decode', b, j), np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl,
@@ -357,7 +354,7 @@ class Engine(Prefill, DecodeLoop):
               else dataclasses.replace(policy, min_segments=j))
     if self.num_shards > 1:
       return parallel.stack_layouts([plan] * self.num_shards, policy=policy,
-                                    max_private_pages=c.max_pages)
+                                    max_private_pages=c.max_pages, upload=False)
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
   def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:

@@ -174,7 +174,8 @@ class Prefill:
     cc = self.caches[0].config
     policy = no_empty_groups(self._prefill_policy, cc.share_prefixes)
     layout = self._prepare_plan(
-        parallel.stack_layouts(plans, policy=policy, max_private_pages=cc.max_pages),
+        parallel.stack_layouts(plans, policy=policy, max_private_pages=cc.max_pages,
+                               upload=False),  # prepared on the host, then uploaded once
         c.prefill_impl, t)
     sample_rows = np.zeros(dp * c.prefill_sample_rows(), np.int32)
     sample_rows[: len(rows)] = rows
