@@ -413,19 +413,17 @@ def group_arrays(plan: SharingPlan, policy: LayoutPolicy):
   return groups, table
 
 
-def device_groups(plan: SharingPlan, policy: LayoutPolicy):
-  """(segment groups on the device, row_pieces [B, D] on the device)."""
+def host_groups(plan: SharingPlan, policy: LayoutPolicy):
+  """(segment groups of numpy arrays, row_pieces [B, D]): the layout's groups, not uploaded."""
   groups, table = group_arrays(plan, policy)
-  out = []
-  for rows, tokens, columns in groups:  # one upload per column (slicing on the device costs more)
-    start, length, begin, count = (jnp.asarray(c) for c in np.ascontiguousarray(columns))
-    out.append(
-        SegmentGroup(
-            kv_start=start, kv_length=length, row_begin=begin, row_count=count,
-            row_capacity=rows, kv_capacity=tokens,
-        )
-    )
-  return tuple(out), jnp.asarray(table)
+  return tuple(SegmentGroup(*np.ascontiguousarray(columns), row_capacity=rows, kv_capacity=tokens)
+               for rows, tokens, columns in groups), table
+
+
+def device_groups(plan: SharingPlan, policy: LayoutPolicy):
+  """(segment groups on the device, row_pieces [B, D] on the device): one upload per column
+  (slicing on the device costs more)."""
+  return jax.tree.map(jnp.asarray, host_groups(plan, policy))
 
 
 def page_table(plan: SharingPlan, width: int) -> np.ndarray:
@@ -447,33 +445,27 @@ def make_layout(groups, row_pieces, private_pages, private_lengths, page_size: i
   )
 
 
-def build_layout(plan: SharingPlan, policy: LayoutPolicy, *,
-                 max_private_pages: int | None = None) -> 'TreeLayout':
-  """`plan` as a `TreeLayout` whose static shapes follow `policy`: the one conversion.
+def host_layout(plan: SharingPlan, policy: LayoutPolicy, *,
+                max_private_pages: int | None = None) -> 'TreeLayout':
+  """`plan` as a `TreeLayout` of numpy arrays whose static shapes follow `policy`.
 
   The page table is `max_private_pages` wide if given, else as wide as the widest row.
+  Per-shard layouts are stacked on the host and uploaded once (`hydrajax.parallel`).
   """
   widest = max((len(p) for p in plan.private_pages), default=0)
   width = max_private_pages if max_private_pages is not None else max(1, widest)
-  groups, row_pieces = device_groups(plan, policy)
-  return make_layout(
-      groups, row_pieces, jnp.asarray(page_table(plan, width)),
-      jnp.asarray(np.array(plan.private_lengths, np.int32)), plan.page_size,
-  ).with_host_facts(plan)
-
-
-def host_layout(plan: SharingPlan, policy: LayoutPolicy, *,
-                max_private_pages: int | None = None) -> 'TreeLayout':
-  """`build_layout` with numpy leaves, nothing uploaded: per-shard layouts are stacked on
-  the host and uploaded once (`hydrajax.parallel.stack_layouts`)."""
-  widest = max((len(p) for p in plan.private_pages), default=0)
-  width = max_private_pages if max_private_pages is not None else max(1, widest)
-  groups, row_pieces = group_arrays(plan, policy)
-  groups = tuple(SegmentGroup(*np.ascontiguousarray(columns), row_capacity=rows,
-                              kv_capacity=tokens) for rows, tokens, columns in groups)
+  groups, row_pieces = host_groups(plan, policy)
   return make_layout(groups, row_pieces, page_table(plan, width),
                      np.array(plan.private_lengths, np.int32), plan.page_size
                      ).with_host_facts(plan)
+
+
+def build_layout(plan: SharingPlan, policy: LayoutPolicy, *,
+                 max_private_pages: int | None = None) -> 'TreeLayout':
+  """`plan` as a device `TreeLayout` whose static shapes follow `policy`: the one conversion
+  (`host_layout`, uploaded)."""
+  layout = host_layout(plan, policy, max_private_pages=max_private_pages)
+  return jax.tree.map(jnp.asarray, layout).with_host_facts(plan)
 
 
 def path_columns(pieces: Sequence[tuple[int, int]], num_rows: int) -> np.ndarray:

@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hydrajax.attention_plan import attend, tree_attention
+from hydrajax.attention_plan import AttentionPlan, attend, tree_attention
 from hydrajax.dispatch import AttentionImpl
-from hydrajax.attention_plan import AttentionPlan
 from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout, host_layout
 from hydrajax.partial_state import PartialState
 
