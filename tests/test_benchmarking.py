@@ -317,4 +317,4 @@ def test_host_overhead_laptop_settings_run():
   lines = done.stdout.splitlines()
   assert lines[0].startswith('batch 8, 4 system prompts x 64 tokens')
   assert '0 of 20 steps changed the tree' in lines[2]  # without churn nothing changes
-  assert lines[4].startswith('engine, model stubbed') and 'requests finished' in lines[4]
+  assert lines[4].startswith('engine, model call stub') and 'requests finished' in lines[4]
