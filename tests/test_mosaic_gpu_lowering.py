@@ -9,6 +9,8 @@ checks; not ptxas) at small shapes: the head ratios G = 1, 4, 8, 32, one and sev
 frame, T = 1 and 2, no shared prefix (the paged kernel), and the training kernels.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,6 +23,11 @@ HEAD_DIM = 128
 CUDA = ('cuda',)
 
 
+def _kernels(lowered) -> set[str]:
+  """Names of the Mosaic GPU kernels a lowered program calls (their custom calls' names)."""
+  return set(re.findall(r'([a-z][a-z0-9_]*_kernel)_mosaic_gpu', lowered.as_text()))
+
+
 def _lower_tree(b, p, s, n, k, t):
   plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b),
                             private_capacity=max(64, -(-s // 64) * 64),
@@ -29,7 +36,8 @@ def _lower_tree(b, p, s, n, k, t):
   sd = jax.ShapeDtypeStruct
   q = sd((b, t, n, HEAD_DIM), jnp.bfloat16)
   kv = sd((plan.kv_tokens, k, HEAD_DIM), jnp.bfloat16)
-  jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(lowering_platforms=CUDA)
+  return _kernels(jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(
+      lowering_platforms=CUDA))
 
 
 @pytest.mark.parametrize('b, p, s, n, k, t', [
@@ -44,7 +52,11 @@ def _lower_tree(b, p, s, n, k, t):
     (4, 0, 300, 64, 8, 1),  # the paged kernel at G = 8
 ])
 def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
-  _lower_tree(b, p, s, n, k, t)
+  kernels = _lower_tree(b, p, s, n, k, t)
+  if p:  # a shared prefix: its kernel, then the rows' private part merged with it
+    assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
+  else:  # no shared segment: one paged kernel, nothing to merge
+    assert kernels and not kernels & {'shared_segment_kernel', 'private_merge_kernel'}, kernels
 
 
 @pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])
@@ -57,7 +69,9 @@ def test_training_kernels_lower_for_cuda(n, k):
        (z,)),
   ):
     q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
-    jax.jit(lambda *a, f=forward: f(*a, scale=0.1)).trace(q, kv, kv, length).lower(
-        lowering_platforms=CUDA)
-    jax.jit(lambda *a, f=backward: f(*a, scale=0.1)).trace(q, kv, kv, q, stat, stat, length).lower(
-        lowering_platforms=CUDA)
+    fwd = _kernels(jax.jit(lambda *a, f=forward: f(*a, scale=0.1)).trace(
+        q, kv, kv, length).lower(lowering_platforms=CUDA))
+    bwd = _kernels(jax.jit(lambda *a, f=backward: f(*a, scale=0.1)).trace(
+        q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA))
+    assert fwd == {'training_fwd_kernel'}, fwd
+    assert bwd == {'training_dq_kernel', 'training_dkv_kernel'}, bwd
