@@ -204,12 +204,26 @@ class BatchRun:
   rows: int
 
 
+def _root_segment(forest, tp: gen.TreePrompts) -> int | None:
+  """The segment holding the forest's one root at tokens [0, n) of the plan when the root has
+  children (a document above its questions), else None."""
+  seg = tp.plan.segments[0] if tp.plan.segments else None
+  if len(forest) != 1 or not forest[0].children or seg is None:
+    return None
+  return 0 if (seg.kv_start, seg.kv_length) == (0, len(forest[0].tokens)) else None
+
+
 def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
               stop_tokens: Sequence[int], impl, prefill_chunk: int = 512,
-              cache_dtype=None, warm_prefill: bool = False) -> BatchRun:
+              cache_dtype=None, warm_prefill: bool = False,
+              root_kv: dict | None = None) -> BatchRun:
   """`models.generate.generate`'s steps, with prefill and decode timed apart (device synced).
 
   warm_prefill: run the prefill once untimed first, so its time excludes compiling.
+  root_kv: a dict shared across calls whose forests have the same root (a document under
+  different questions): the first call whose plan holds the root as its first segment stores
+  its KV there, later ones copy it in instead of prefilling it again (bitwise the same KV:
+  the root's prefill does not depend on its children).
   """
   tp = gen.plan_prompts(forest, max_new_tokens=max_new_tokens)
   dtype = cache_dtype or model.dtype
@@ -225,7 +239,17 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
     del cache
   start = time.perf_counter()
   cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
-  first, cache = lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk)
+  node = None if root_kv is None else _root_segment(forest, tp)
+  n = len(forest[0].tokens)
+  written = frozenset()
+  if node is not None and 'kv' in root_kv:
+    k, v = root_kv['kv']
+    cache = KVCache(cache.k.at[:, :n].set(k), cache.v.at[:, :n].set(v))
+    written = frozenset({node})
+  first, cache = lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
+                              written=written)
+  if node is not None and 'kv' not in root_kv:
+    root_kv['kv'] = (cache.k[:, :n], cache.v[:, :n])
   jax.block_until_ready(first)
   prefill_s = time.perf_counter() - start
   rows = gen.tree_rows(tp)

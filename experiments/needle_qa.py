@@ -30,7 +30,6 @@ vocabulary; a 20K-token document; Q = 1..1024; no sharing up to Q = 64):
 """
 
 import os
-import time
 
 from absl import app, flags, logging
 import jax
@@ -39,11 +38,9 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax import AttentionImpl
 from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_sweeps, progress
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import generate as gen
-from models.kv_cache import KVCache
 from models.llama import NO_ATTENTION
 from models.sampling import SamplingConfig
 
@@ -112,62 +109,15 @@ def _budget(model) -> int:
 
 
 
-def _document_node(forest, tp: gen.TreePrompts) -> int | None:
-  """The segment holding the document at tokens [0, n) of the plan (the forest's one root,
-  above the questions), or None (no_sharing: each row its own copy)."""
-  seg = tp.plan.segments[0] if tp.plan.segments else None
-  n = len(forest[0].tokens)
-  if len(forest) != 1 or not forest[0].children or seg is None or (seg.kv_start, seg.kv_length) != (0, n):
-    return None
-  return 0
-
-
 def timed_decode(model, forest, *, new_tokens: int, impl, document=None):
   """Prefill, one warm-up decode step (compiles), then the rest timed; greedy, no stop tokens.
 
-  document: a dict reused across calls: the document's KV, written by the first call whose
-  plan holds it as its root segment and copied into later such plans instead of being
-  prefilled again (bitwise the same KV: the document's prefill does not depend on Q).
+  document: a dict reused across calls that keeps the document's KV (`run_batch`'s `root_kv`).
   """
-  tp = gen.plan_prompts(forest, max_new_tokens=new_tokens)
-  graphdef, params = nnx.split(model)
-  key = jax.random.key(0)
-  stops = jnp.zeros((0,), jnp.int32)
-  sampling = SamplingConfig()
-  attn = AttentionImpl.AUTO if impl == NO_ATTENTION else impl
-  prefill_impl = AttentionImpl.XLA if attn in (AttentionImpl.XLA, 'xla') else AttentionImpl.AUTO
-  t0 = time.perf_counter()
-  cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype)
-  doc_len = len(forest[0].tokens)
-  node = None if document is None else _document_node(forest, tp)
-  written = frozenset()
-  if node is not None and 'kv' in document:
-    k, v = document['kv']
-    cache = KVCache(cache.k.at[:, :doc_len].set(k), cache.v.at[:, :doc_len].set(v))
-    written = frozenset({node})
-  # Rows x chunk query tokens per prefill call (the attention's scores grow with both: 16 rows of
-  # a private 20K-token document at 2048 ran out of an H200's memory).
-  chunk = max(64, FLAGS.prefill_chunk // max(1, len(forest)) // 8 * 8)
-  first, cache = aw.lean_prefill(model, tp, cache, impl=prefill_impl, chunk=chunk, written=written)
-  if node is not None and 'kv' not in document:
-    document['kv'] = (cache.k[:, :doc_len], cache.v[:, :doc_len])
-  jax.block_until_ready(first)
-  prefill_s = time.perf_counter() - t0
-  rows = gen.tree_rows(tp)
-  layout = tp.plan.to_device()
-  state = gen.start_decode(cache, first, rows, key, stops, max_new_tokens=new_tokens,
-                           sampling=sampling)
-  state = gen.decode(graphdef, params, state, layout, rows, key, stops, jnp.int32(1),
-                     sampling=sampling, impl=impl)
-  jax.block_until_ready(state.tokens)
-  t1 = time.perf_counter()
-  state = gen.decode(graphdef, params, state, layout, rows, key, stops, jnp.int32(new_tokens),
-                     sampling=sampling, impl=impl)
-  tokens = np.asarray(state.tokens)
-  timed_steps = new_tokens - 2
-  decode_s = (time.perf_counter() - t1) / timed_steps * new_tokens
-  order = np.lexsort((tp.sample_ids, tp.prompt_ids))
-  return tokens[order], prefill_s, decode_s, tp.plan.kv_tokens
+  run = aw.run_batch(model, forest, max_new_tokens=new_tokens, sampling=SamplingConfig(), seed=0,
+                     stop_tokens=(), impl=impl, prefill_chunk=FLAGS.prefill_chunk,
+                     prefill_call_tokens=FLAGS.prefill_chunk, root_kv=document)
+  return run.tokens, run.prefill_s, run.decode_s, run.kv_tokens
 
 
 def main(argv):

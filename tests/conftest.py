@@ -8,11 +8,29 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
   os.environ['XLA_FLAGS'] = (
       os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import hydrajax as hj
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _free_compiled_programs():
+  """Drops every compiled program after each test module.
+
+  An XLA CPU executable holds a few memory mappings for its code, and a test worker compiles
+  thousands of programs over the suite: the process's mappings climbed past 20K in minutes,
+  towards the kernel's limit (vm.max_map_count, 65530), where XLA aborts the worker mid-compile
+  (it cannot start a thread or map code). Module fixtures recompile what they need.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
+
 
 # Per-dtype tolerances of a fast path against the naive oracle (which computes in float32).
 # bf16: the probabilities are rounded to bf16 before the PV product, and the output is bf16.

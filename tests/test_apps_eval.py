@@ -165,3 +165,21 @@ def test_lean_prefill_skips_nodes_already_written(tiny_coder):
   with pytest.raises(ValueError, match='written'):
     aw.lean_prefill(tiny_coder, tp, start, impl='xla', chunk=32,
                     written=frozenset({int(tp.row_node[0])}))
+
+
+def test_run_batch_reuses_a_root_kv_across_calls(tiny_coder):
+  """`root_kv=`: the second forest under the same root copies its KV and decodes the same tokens
+  as a run that prefills everything."""
+  rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
+  doc = rng.integers(0, 256, 70).tolist()
+  forest = lambda q: [gen.prompt_node(doc, [gen.prompt_node(rng.integers(0, 256, 5).tolist())
+                                            for _ in range(q)])]
+  run = lambda f, root_kv: aw.run_batch(tiny_coder, f, max_new_tokens=6,
+                                        sampling=SamplingConfig(), seed=0, stop_tokens=(),
+                                        impl='xla', prefill_chunk=32, root_kv=root_kv)
+  root_kv = {}
+  run(forest(2), root_kv)
+  assert root_kv['kv'][0].shape[1] == len(doc)
+  second = forest(3)
+  assert aw._root_segment(second, gen.plan_prompts(second, max_new_tokens=6)) == 0  # reused
+  np.testing.assert_array_equal(run(second, root_kv).tokens, run(second, None).tokens)
