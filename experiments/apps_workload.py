@@ -82,19 +82,24 @@ def prompt_forest(fewshot: Sequence[int], problems: Sequence[Sequence[int]], sam
 
 def kv_tokens(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
               new_tokens: int) -> int:
-  """KV tokens one batch stores in `mode` (rounded up as generate's layout does)."""
-  align = gen.PRIVATE_ALIGN
-  private = -(-new_tokens // align) * align
+  """KV tokens one batch stores in `mode`: generate's layout (`plan_prompts`), exactly.
+
+  Every node starts on a prefill page; the private region (a page of `new_tokens` rounded up
+  to PRIVATE_ALIGN per row) starts on one of its own pages.
+  """
+  up = lambda n, m: -(-n // m) * m
+  node = lambda n: up(n, gen.PREFILL_PAGE)
+  private = gen.private_capacity(new_tokens)
   rows = samples * len(problem_lens)
   if mode == 'two_level':
-    tokens = fewshot_len + sum(problem_lens) + rows * private
+    nodes = node(fewshot_len) + sum(map(node, problem_lens))
   elif mode == 'one_level':
-    tokens = fewshot_len + samples * sum(problem_lens) + rows * private
+    nodes = node(fewshot_len) + samples * sum(map(node, problem_lens))
   elif mode == 'no_sharing':
-    tokens = rows * fewshot_len + samples * sum(problem_lens) + rows * private
+    nodes = samples * sum(node(fewshot_len + n) for n in problem_lens)
   else:
     raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-  return -(-tokens // align) * align
+  return up(nodes, private) + rows * private
 
 
 def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
@@ -117,30 +122,43 @@ def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_
   return model.logits(last), cache  # [B, V] float32
 
 
-def lean_prefill_calls(tp: gen.TreePrompts, chunk: int) -> list[gen.PrefillCall]:
+def lean_prefill_calls(tp: gen.TreePrompts, chunk: int,
+                      call_tokens: int | None = None) -> list[gen.PrefillCall]:
   """`models.generate.prefill_calls` without its padding: fewer, smaller model calls.
 
   generate pads every round to the largest round's rows and every row to the longest node's
   chunk, so that a tree compiles once. With a long shared node and many short children (a 20K
   document and 1024 questions, or a few-shot prompt and 128 copies of a problem) that is
   (children + 1) x chunk tokens per round: most of the prefill is padding. Here each round is
-  split into groups of rows of one tree depth and one width (columns rounded up to 8); dummy rows
-  are dropped; a group runs after the groups of smaller depth of its round, so ancestors' KV is
-  written before children attend it. Rows whose own pages start at 0 get a page table as wide as
-  their columns; others keep generate's width (one compile across a long node's rounds).
+  split into groups of rows of one tree depth and one width (columns rounded up to a page);
+  dummy rows are dropped; a group runs after the groups of smaller depth of its round, so
+  ancestors' KV is written before children attend it. Rows whose own pages start at 0 get a
+  page table as wide as their columns; others keep generate's width (one compile across a long
+  node's rounds).
+
+  call_tokens: at most this many query tokens per call (rows x columns; a group is split by
+  rows), default unbounded. The attention's scores over private pages grow with rows x columns x
+  row length: 16 rows of private 20K-token documents at 2048 columns ran out of an H200's memory.
   """
+  if call_tokens is not None and call_tokens < 1:
+    raise ValueError(f'call_tokens must be >= 1, got {call_tokens}')
   out = []
   length = tp.plan.kv_tokens
   for call in gen.prefill_calls(tp, chunk):
     live = np.flatnonzero(call.segment_ids >= 0)
     need = (call.write_slots < length).sum(axis=1)
-    cols = {int(r): min(call.tokens.shape[1], -(-int(need[r]) // 8) * 8) for r in live}
+    page = call.plan.page_size  # columns and starts are whole pages
+    cols = {int(r): min(call.tokens.shape[1], -(-int(need[r]) // page) * page) for r in live}
     starts = {int(r): call.plan.private_lengths[r] - call.tokens.shape[1] for r in live}
     keys = sorted({(tp.nodes[call.segment_ids[r]][1], cols[int(r)]) for r in live})
+    batches = []
     for depth, c in keys:
       rows = [int(r) for r in live if (tp.nodes[call.segment_ids[r]][1], cols[int(r)]) == (depth, c)]
-      width = max(starts[r] + c for r in rows)
-      if width > c:
+      per_call = len(rows) if call_tokens is None else max(1, call_tokens // c)
+      batches += [(rows[i:i + per_call], c) for i in range(0, len(rows), per_call)]
+    for rows, c in batches:
+      width = max(starts[r] + c for r in rows) // page  # pages
+      if width * page > c:
         width = call.max_private_pages
       segments = []
       for seg in call.plan.segments:
@@ -154,7 +172,7 @@ def lean_prefill_calls(tp: gen.TreePrompts, chunk: int) -> list[gen.PrefillCall]
         segments[i] = dataclasses.replace(seg, parent=parent)
       pages = tuple(tuple(call.plan.private_pages[r][:width])
                     + (0,) * (width - len(call.plan.private_pages[r][:width])) for r in rows)
-      plan = SharingPlan(len(rows), tuple(segments), 1, pages,
+      plan = SharingPlan(len(rows), tuple(segments), page, pages,
                          tuple(starts[r] + c for r in rows), length)
       out.append(gen.PrefillCall(call.tokens[rows, :c], call.positions[rows, :c],
                                  call.write_slots[rows, :c], plan, width,
@@ -163,7 +181,7 @@ def lean_prefill_calls(tp: gen.TreePrompts, chunk: int) -> list[gen.PrefillCall]
 
 
 def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int,
-                 written: frozenset[int] = frozenset()):
+                 call_tokens: int | None = None, written: frozenset[int] = frozenset()):
   """Writes every node's KV once (see `lean_prefill_calls`); returns (first logits, cache).
 
   written: nodes (segment indices) whose KV the cache already holds at their place in the
@@ -174,7 +192,7 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
     raise ValueError(f'written={sorted(written)} holds a node that ends a row: its logits are needed')
   graphdef, params = nnx.split(model)
   ends = []
-  for call in lean_prefill_calls(tp, chunk):
+  for call in lean_prefill_calls(tp, chunk, call_tokens):
     if all(int(j) in written for j in call.segment_ids[call.segment_ids >= 0]):
       continue
     layout = call.plan.to_device(max_private_pages=call.max_private_pages)
@@ -215,10 +233,11 @@ def _root_segment(forest, tp: gen.TreePrompts) -> int | None:
 
 def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
               stop_tokens: Sequence[int], impl, prefill_chunk: int = 512,
-              cache_dtype=None, warm_prefill: bool = False,
-              root_kv: dict | None = None) -> BatchRun:
+              prefill_call_tokens: int | None = None, cache_dtype=None,
+              warm_prefill: bool = False, root_kv: dict | None = None) -> BatchRun:
   """`models.generate.generate`'s steps, with prefill and decode timed apart (device synced).
 
+  prefill_chunk, prefill_call_tokens: `lean_prefill_calls`' chunk and call_tokens.
   warm_prefill: run the prefill once untimed first, so its time excludes compiling.
   root_kv: a dict shared across calls whose forests have the same root (a document under
   different questions): the first call whose plan holds the root as its first segment stores
@@ -233,10 +252,10 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
   # As generate: XLA prefill for XLA decode, else the backend's kernel where it fits.
   prefill_impl = (AttentionImpl.XLA if impl in (AttentionImpl.XLA, 'xla')
                   else AttentionImpl.AUTO)
+  prefill = functools.partial(lean_prefill, model, tp, impl=prefill_impl, chunk=prefill_chunk,
+                              call_tokens=prefill_call_tokens)
   if warm_prefill:
-    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
-    jax.block_until_ready(lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk))
-    del cache
+    jax.block_until_ready(prefill(KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)))
   start = time.perf_counter()
   cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
   node = None if root_kv is None else _root_segment(forest, tp)
@@ -246,8 +265,7 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
     k, v = root_kv['kv']
     cache = KVCache(cache.k.at[:, :n].set(k), cache.v.at[:, :n].set(v))
     written = frozenset({node})
-  first, cache = lean_prefill(model, tp, cache, impl=prefill_impl, chunk=prefill_chunk,
-                              written=written)
+  first, cache = prefill(cache, written=written)
   if node is not None and 'kv' not in root_kv:
     root_kv['kv'] = (cache.k[:, :n], cache.v[:, :n])
   jax.block_until_ready(first)

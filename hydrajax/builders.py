@@ -12,6 +12,10 @@ import numpy as np
 
 from hydrajax.layout import Segment, SharingPlan, as_int
 
+# Pages of plan_from_tokens and the segment starts of generate's plans are multiples of this
+# (the Mosaic GPU kernels' TMA tiles).
+PAGE_ALIGN = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptNode:
@@ -68,6 +72,7 @@ def plan_tree(
     *,
     private_capacity: int,
     private_lengths: int | Sequence[int] = 0,
+    segment_align: int = 1,
 ) -> SharingPlan:
   """Plans explicit levels, e.g. few-shot prompt -> problems -> samples.
 
@@ -75,10 +80,17 @@ def plan_tree(
     roots: one tree, or a forest of independent trees (sharing groups).
     private_capacity: tokens reserved per row for its own suffix (max new tokens).
     private_lengths: valid private tokens per row now (an int for all rows).
+    segment_align: each segment's first KV token is a multiple of this (gaps are left
+      unused), so that pages of this size address a node's own tokens: a prefill row that
+      writes a node attends those tokens as private pages (`models.generate`, pages of
+      `PAGE_ALIGN`, which the Mosaic GPU kernels take).
   """
   roots = (roots,) if isinstance(roots, PromptNode) else tuple(roots)
   if not roots:
     raise ValueError('plan_tree needs at least one root')
+  segment_align = as_int(segment_align, 'segment_align')
+  if segment_align < 1:
+    raise ValueError(f'segment_align must be >= 1, got {segment_align}')
   segments: list[Segment | None] = []
   next_token = 0
   next_row = 0
@@ -95,6 +107,7 @@ def plan_tree(
       )
       continue
     index = len(segments)
+    next_token = -(-next_token // segment_align) * segment_align
     segments.append((next_token, next_row))  # rows are known after the children
     next_token += node.length
     if not node.children:
@@ -121,8 +134,6 @@ class TokenPlan:
   segment_tokens: tuple[tuple[int, ...], ...]
   private_tokens: tuple[tuple[int, ...], ...]
 
-
-PAGE_ALIGN = 8  # plan_from_tokens' page size is a multiple of this (Mosaic GPU TMA tiles)
 
 
 def plan_from_tokens(sequences: Sequence[Sequence[int]], *, max_new_tokens: int = 0) -> TokenPlan:

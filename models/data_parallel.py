@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax import SharingPolicy, parallel
-from models.generate import (PrefillCall, RowSpec, TreePrompts, _Node, plan_forest, prefill_call,
-                             prefill_rounds, prefill_shape, private_capacity, tree_rows)
+from models.generate import (PREFILL_PAGE, PrefillCall, RowSpec, TreePrompts, _Node, plan_forest,
+                             prefill_call, prefill_rounds, prefill_shape, private_capacity,
+                             tree_rows)
 
 
 def assign_groups(sizes: Sequence[tuple[int, int]], num_shards: int) -> list[list[int]]:
@@ -131,12 +132,13 @@ def prefill_calls(sp: ShardedPrompts, chunk: int
         positions=np.concatenate([c.positions for c in calls]),
         write_slots=np.concatenate([c.write_slots + b for c, b in zip(calls, base)]),
         plan=parallel.join_plans([c.plan for c in calls]),
-        max_private_pages=width,
+        max_private_pages=width // PREFILL_PAGE,
         last_index=np.concatenate([c.last_index for c in calls]),
         segment_ids=np.concatenate([np.where(c.segment_ids >= 0, c.segment_ids + o, -1)
                                     for c, o in zip(calls, offsets)]),
     )
-    layout = parallel.stack_layouts([c.plan for c in calls], max_private_pages=width)
+    layout = parallel.stack_layouts([c.plan for c in calls],
+                                    max_private_pages=width // PREFILL_PAGE)
     out.append((joined, layout))
   return out
 

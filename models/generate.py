@@ -10,8 +10,9 @@ up to PRIVATE_ALIGN) per row.
 Prefill: every tree node is one row of a model call, in rounds of at most
 `prefill_chunk` tokens per node (see `prefill_calls`). What a prefill row
 attends is a `SharingPlan`: its ancestors as shared segments, its own tokens
-as private pages of size 1. So a segment shared by 128 samples is prefilled
-once, not 128 times.
+as private pages of `PREFILL_PAGE` tokens (every node starts on such a page,
+`plan_tree(segment_align=)`, so the Mosaic GPU kernels take prefill too). So a
+segment shared by 128 samples is prefilled once, not 128 times.
 
 Decode: one jitted `lax.while_loop` (no host round trip per token) with the
 cache donated. Each step feeds every row's last token at its next private
@@ -42,6 +43,7 @@ from flax import nnx
 import hydrajax
 from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
                       TreeLayout)
+from hydrajax.builders import PAGE_ALIGN
 from hydrajax.parallel import ShardedLayout
 from models import sharding_rules as sr
 from models.kv_cache import DenseKVCache, KVCache
@@ -52,6 +54,9 @@ NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
 # Private regions are rounded up to this many tokens: the KV buffer length and the
 # page size are then multiples of it, as the Pallas kernels' TMA tiling wants.
 PRIVATE_ALIGN = 64
+# Prefill rows attend their own node's tokens as private pages of this many tokens; every
+# node's first KV token is a multiple of it.
+PREFILL_PAGE = PAGE_ALIGN
 
 
 def prompt_node(tokens: Sequence[int], children: Sequence[PromptNode] = (), *,
@@ -215,7 +220,8 @@ def plan_forest(forest: list[_Node], max_new_tokens: int) -> TreePrompts:
   """Plans a forest (of `prompt_forest`) for `max_new_tokens`."""
   order = _preorder(forest)
   plan = hydrajax.plan_tree(_to_prompt_nodes(forest),
-                            private_capacity=private_capacity(max_new_tokens))
+                            private_capacity=private_capacity(max_new_tokens),
+                            segment_align=PREFILL_PAGE)
   row_node, prompt_ids, sample_ids = [], [], []
   for j, (node, _, ancestors) in enumerate(order):
     if node.children:
@@ -248,7 +254,7 @@ class PrefillCall:
   tokens: np.ndarray  # [B, T] int32
   positions: np.ndarray  # [B, T] int32
   write_slots: np.ndarray  # [B, T] int32, >= L for padding
-  plan: SharingPlan
+  plan: SharingPlan  # private pages of PREFILL_PAGE tokens: each row's own node
   max_private_pages: int
   last_index: np.ndarray  # [B] int32: index in T of the row's last token, or -1
   segment_ids: np.ndarray  # [B] the segment (node) each row prefills, -1 for a dummy row
@@ -271,11 +277,13 @@ def prefill_calls(tp: TreePrompts, chunk: int) -> list[PrefillCall]:
 
 
 def prefill_shape(trees: Sequence[TreePrompts], chunk: int) -> tuple[int, int]:
-  """(T, private width) of the prefill calls of these trees (one shape for all of them)."""
+  """(T, private width in tokens) of the prefill calls of these trees (one shape for all of
+  them). T is a multiple of PREFILL_PAGE (`chunk` rounded down, at least one page)."""
   if chunk < 1:
     raise ValueError(f'prefill_chunk must be >= 1, got {chunk}')
+  page = PREFILL_PAGE
   longest = max(len(toks) for tp in trees for toks, _, _ in tp.nodes)
-  t = min(chunk, -(-longest // 8) * 8)
+  t = min(max(page, chunk // page * page), -(-longest // page) * page)
   return t, -(-longest // t) * t
 
 
@@ -305,7 +313,8 @@ def prefill_call(tp: TreePrompts, work: list[tuple[int, int]], t: int, width: in
   slots = np.full((num_rows, t), length, np.int32)
   last = np.full((num_rows,), -1, np.int32)
   ids = np.full((num_rows,), -1, np.int32)
-  pages = [(0,) * width] * num_rows
+  page = PREFILL_PAGE
+  pages = [(0,) * (width // page)] * num_rows
   lengths = [t] * num_rows
   for r, (j, start) in enumerate(work):
     toks, seg = tp.nodes[j][0], plan.segments[j]
@@ -317,8 +326,8 @@ def prefill_call(tp: TreePrompts, work: list[tuple[int, int]], t: int, width: in
     if start <= len(toks) - 1 < start + t:
       last[r] = len(toks) - 1 - start
     ids[r] = j
-    own = np.arange(width)
-    pages[r] = tuple(int(p) for p in np.where(own < len(toks), seg.kv_start + own, 0))
+    own = np.arange(0, width, page)  # the node's tokens, page by page (kv_start is aligned)
+    pages[r] = tuple(int(p) for p in np.where(own < len(toks), (seg.kv_start + own) // page, 0))
     lengths[r] = start + t
   segments = []  # the ancestors of this round's rows, restricted to them
   for a in sorted({a for j, _ in work for a in tp.nodes[j][2] if a in sizes}):
@@ -326,8 +335,8 @@ def prefill_call(tp: TreePrompts, work: list[tuple[int, int]], t: int, width: in
     s = plan.segments[a]
     segments.append(Segment(s.kv_start, s.kv_length, rows[0], rows[-1] + 1, -1, s.position))
   segments = [dataclasses.replace(s, parent=_parent(segments, i)) for i, s in enumerate(segments)]
-  step_plan = SharingPlan(num_rows, tuple(segments), 1, tuple(pages), tuple(lengths), length)
-  return PrefillCall(tokens, positions, slots, step_plan, width, last, ids)
+  step_plan = SharingPlan(num_rows, tuple(segments), page, tuple(pages), tuple(lengths), length)
+  return PrefillCall(tokens, positions, slots, step_plan, width // page, last, ids)
 
 
 def _parent(segments: list[Segment], i: int) -> int:

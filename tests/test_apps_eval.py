@@ -119,8 +119,8 @@ def test_check_solutions_mode(tmp_path):
   assert len(rows) == 4 and all(r['passed'] == r['solutions'] for r in rows)
 
 
-@pytest.mark.parametrize('chunk', [16, 512])
-def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk):
+@pytest.mark.parametrize('chunk, call_tokens', [(16, None), (512, None), (16, 24)])
+def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk, call_tokens):
   rng = np.random.default_rng(1)
   doc = rng.integers(0, 256, 70).tolist()
   kids = [gen.prompt_node(rng.integers(0, 256, n).tolist(), num_samples=s)
@@ -128,11 +128,15 @@ def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk):
   forest = [gen.prompt_node(doc, [gen.prompt_node(rng.integers(0, 256, 9).tolist(), kids)]),
             gen.prompt_node(rng.integers(0, 256, 30).tolist(), num_samples=2)]
   tp = gen.plan_prompts(forest, max_new_tokens=8)
-  calls = aw.lean_prefill_calls(tp, chunk)
+  calls = aw.lean_prefill_calls(tp, chunk, call_tokens)
   assert sum(c.tokens.size for c in calls) < sum(c.tokens.size for c in gen.prefill_calls(tp, chunk))
+  if call_tokens is not None:  # split by rows: a call holds one row or at most call_tokens
+    assert all(c.tokens.shape[0] == 1 or c.tokens.size <= call_tokens for c in calls)
+    assert len(calls) > len(aw.lean_prefill_calls(tp, chunk))
   empty = lambda: gen.KVCache.zeros(tiny_coder.config, tp.plan.kv_tokens, jnp.float32)
   expected, expected_cache = gen.prefill(tiny_coder, tp, empty(), impl='xla', chunk=chunk)
-  got, cache = aw.lean_prefill(tiny_coder, tp, empty(), impl='xla', chunk=chunk)
+  got, cache = aw.lean_prefill(tiny_coder, tp, empty(), impl='xla', chunk=chunk,
+                               call_tokens=call_tokens)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
   prompt_slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
                                  for s in tp.plan.segments])
@@ -176,7 +180,8 @@ def test_run_batch_reuses_a_root_kv_across_calls(tiny_coder):
                                             for _ in range(q)])]
   run = lambda f, root_kv: aw.run_batch(tiny_coder, f, max_new_tokens=6,
                                         sampling=SamplingConfig(), seed=0, stop_tokens=(),
-                                        impl='xla', prefill_chunk=32, root_kv=root_kv)
+                                        impl='xla', prefill_chunk=32, prefill_call_tokens=64,
+                                        root_kv=root_kv)
   root_kv = {}
   run(forest(2), root_kv)
   assert root_kv['kv'][0].shape[1] == len(doc)

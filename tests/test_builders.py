@@ -50,6 +50,25 @@ def test_plan_tree_layout_by_hand():
   assert plan.unshared_tokens() == 4 * 1103 + 2 * 1010 + 1004 + 1103
 
 
+def test_plan_tree_segment_align():
+  """segment_align=8: each segment starts on a multiple of 8 (gaps unused), the same rows and
+  positions; the attention is unchanged."""
+  plan = hj.plan_tree(_fewshot_tree(), private_capacity=10, private_lengths=3, segment_align=8)
+  starts = [s.kv_start for s in plan.segments]
+  assert starts == [0, 1000, 1104, 1104, 1112, 1120]
+  base = hj.plan_tree(_fewshot_tree(), private_capacity=10, private_lengths=3)
+  same = lambda s: (s.kv_length, s.row_begin, s.row_end, s.parent, s.position, s.label)
+  assert list(map(same, plan.segments)) == list(map(same, base.segments))
+  assert plan.private_pages[0] == (122,)  # 1220 shared tokens and gaps -> page 122
+  q, k, v = random_inputs(int(np.random.SeedSequence().entropy % 2**31), plan, 1, 2, 1, 8,
+                          jnp.float32)
+  assert_states_close(hj.tree_attention(q, k, v, plan.to_device()),
+                      naive_tree_attention(q, k, v, plan))
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match='segment_align'):
+      hj.plan_tree(_fewshot_tree(), private_capacity=10, segment_align=bad)
+
+
 def test_plan_tree_forest_and_ragged_private_lengths():
   roots = [hj.PromptNode(5, num_samples=2), hj.PromptNode(0), hj.PromptNode(3, num_samples=3)]
   plan = hj.plan_tree(roots, private_capacity=4, private_lengths=[0, 1, 2, 3, 4, 4])

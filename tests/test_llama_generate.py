@@ -90,6 +90,42 @@ def test_prefill_writes_every_node_token_once():
       assert all(a in seen for a in tp.nodes[j][2])
 
 
+def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():
+  """Nodes start on prefill pages and a prefill row attends its own node as pages of them, so
+  prefill runs the Mosaic GPU kernels (not an XLA fallback): in interpret mode they give the
+  logits and K/V of the XLA prefill."""
+  import dataclasses
+  from hydrajax import AttentionImpl, dispatch
+  if isinstance(error := dispatch.backend(AttentionImpl.MOSAIC_GPU), ImportError):
+    pytest.skip(f'cannot import the Mosaic GPU backend: {error}')
+  config = dataclasses.replace(get_config('tiny_gqa'), num_layers=1, head_dim=64)
+  model = Llama(config, rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)),
+                dtype=jnp.bfloat16)
+  rng = np.random.default_rng()
+  toks = lambda n: rng.integers(0, 97, n).tolist()
+  forest = [gen.prompt_node(toks(21), [gen.prompt_node(toks(5), num_samples=2),
+                                       gen.prompt_node(toks(11))]),
+            gen.prompt_node(toks(13))]
+  tp = gen.plan_prompts(forest, max_new_tokens=4)
+  assert all(s.kv_start % gen.PREFILL_PAGE == 0 for s in tp.plan.segments)
+  empty = lambda: gen.KVCache.zeros(config, tp.kv_tokens, jnp.bfloat16)
+  calls = gen.prefill_calls(tp, chunk=16)
+  assert all(c.plan.page_size == gen.PREFILL_PAGE for c in calls)
+  layout = calls[0].plan.to_device(max_private_pages=calls[0].max_private_pages)
+  attn = model.prepare_attention(layout, query_tokens=16, cache=empty(), impl='mosaic_gpu',
+                                 interpret=True)
+  assert attn.impl is AttentionImpl.MOSAIC_GPU
+  expected, expected_cache = gen.prefill(model, tp, empty(), impl='xla', chunk=16)
+  got, cache = gen.prefill(model, tp, empty(), impl='mosaic_gpu', chunk=16, interpret=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-2, atol=2e-2)
+  np.testing.assert_array_equal(np.asarray(got).argmax(-1), np.asarray(expected).argmax(-1))
+  slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
+                          for s in tp.plan.segments])
+  np.testing.assert_allclose(np.asarray(cache.k, np.float32)[:, slots],
+                             np.asarray(expected_cache.k, np.float32)[:, slots], rtol=2e-2,
+                             atol=2e-2)
+
+
 def test_long_prompts_in_chunks_match_naive():
   model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(12), dtype=jnp.float32)
   rng = np.random.default_rng(13)
