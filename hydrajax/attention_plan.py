@@ -20,9 +20,7 @@ Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_atte
     unsupported_reason(shapes, layout, *, interpret) -> str | None
     prepare(layout, shapes, config, *, interpret) -> pytree
     attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)
-    with_private_lengths(prepared, lengths) -> pytree    # optional: else a dataclass field
-                                                         # `private_lengths` is replaced, else
-                                                         # the layout is re-prepared
+    with_private_lengths(prepared, lengths) -> pytree    # only leaves swapped: no derived work
 """
 
 import dataclasses
@@ -115,22 +113,11 @@ class AttentionPlan:
   config: Any  # the backend's frozen config
   interpret: bool
 
-  @property
-  def swaps_private_lengths(self) -> bool:
-    """Whether `with_private_lengths` swaps the lengths in (else it prepares the plan again)."""
-    return (hasattr(dispatch.backend(self.impl), 'with_private_lengths')
-            or 'private_lengths' in {f.name for f in dataclasses.fields(self.prepared)})
-
   def with_private_lengths(self, lengths: jax.Array) -> 'AttentionPlan':
-    """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token)."""
+    """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token):
+    leaves swapped, nothing prepared again."""
     layout = dataclasses.replace(self.layout, private_lengths=lengths)
-    module = dispatch.backend(self.impl)
-    if hasattr(module, 'with_private_lengths'):
-      prepared = module.with_private_lengths(self.prepared, lengths)
-    elif self.swaps_private_lengths:
-      prepared = dataclasses.replace(self.prepared, private_lengths=lengths)  # the convention
-    else:
-      prepared = module.prepare(layout, self.shapes, self.config, interpret=self.interpret)
+    prepared = dispatch.backend(self.impl).with_private_lengths(self.prepared, lengths)
     return dataclasses.replace(self, layout=layout, prepared=prepared)
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hydrajax.attention_plan import AttentionPlan, attend, tree_attention
+from hydrajax.attention_plan import attend, tree_attention
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout, host_layout
 from hydrajax.partial_state import PartialState
@@ -248,33 +248,16 @@ class ShardedLayout:
   def with_private_lengths(self, lengths: jax.Array | np.ndarray) -> 'ShardedLayout':
     """Every row's private length replaced (lengths [B] int32, global row order).
 
-    A host array where the swap only replaces leaves (every backend's) is swapped in on
-    the host as [dp, B/dp], no device op: the jitted step that takes the layout uploads it.
+    The swap only replaces leaves (every backend's `with_private_lengths`), so the stacked
+    leaves take the lengths as [dp, B/dp] directly; a host array stays on the host (no device
+    op: the jitted step that takes the layout uploads it).
     """
-    if isinstance(lengths, np.ndarray):
-      swapped = _swap_on_host(self.layouts, lengths.reshape(self.num_shards, -1))
-      if swapped is not None:
-        return ShardedLayout(swapped, self.num_shards)
-    def one(layout, n):
-      if isinstance(layout, TreeLayout):
-        return dataclasses.replace(layout, private_lengths=n)
-      return layout.with_private_lengths(n)
-    per_shard = jnp.reshape(lengths, (self.num_shards, -1))
-    return ShardedLayout(jax.vmap(one)(self.layouts, per_shard), self.num_shards)
-
-
-def _swap_on_host(layouts, per_shard: np.ndarray):
-  """Stacked layouts (or plans) with their private lengths replaced by `per_shard` [dp, b]
-  as it is, or None where the swap does more than replace leaves (it then runs per shard)."""
-  if isinstance(layouts, TreeLayout):
-    return dataclasses.replace(layouts, private_lengths=per_shard)
-  if not (isinstance(layouts, AttentionPlan) and layouts.swaps_private_lengths):
-    return None
-  swapped = layouts.with_private_lengths(per_shard)
-  kept = {id(x) for x in jax.tree.leaves(layouts)}
-  if all(x is per_shard or id(x) in kept for x in jax.tree.leaves(swapped)):
-    return swapped
-  return None
+    per_shard = (lengths.reshape(self.num_shards, -1) if isinstance(lengths, np.ndarray)
+                 else jnp.reshape(lengths, (self.num_shards, -1)))
+    if isinstance(self.layouts, TreeLayout):
+      return ShardedLayout(dataclasses.replace(self.layouts, private_lengths=per_shard),
+                           self.num_shards)
+    return ShardedLayout(self.layouts.with_private_lengths(per_shard), self.num_shards)
 
 
 def stack_shards(values: Sequence[Any], sharding: jax.sharding.Sharding | None = None

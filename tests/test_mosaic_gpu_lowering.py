@@ -9,6 +9,7 @@ checks; not ptxas) at small shapes: the head ratios G = 1, 4, 8, 32, one and sev
 frame, T = 1 and 2, no shared prefix (the paged kernel), and the training kernels.
 """
 
+import json
 import re
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import hydrajax
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import training_attention as ta
 from pallas_kernels.mosaic_gpu import tree_attention as mosaic
 
@@ -28,7 +30,7 @@ def _kernels(lowered) -> set[str]:
   return set(re.findall(r'([a-z][a-z0-9_]*_kernel)_mosaic_gpu', lowered.as_text()))
 
 
-def _lower_tree(b, p, s, n, k, t):
+def _lower_tree(b, p, s, n, k, t, text=False):
   plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b),
                             private_capacity=max(64, -(-s // 64) * 64),
                             private_lengths=s)
@@ -36,8 +38,9 @@ def _lower_tree(b, p, s, n, k, t):
   sd = jax.ShapeDtypeStruct
   q = sd((b, t, n, HEAD_DIM), jnp.bfloat16)
   kv = sd((plan.kv_tokens, k, HEAD_DIM), jnp.bfloat16)
-  return _kernels(jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(
-      lowering_platforms=CUDA))
+  lowered = jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(
+      lowering_platforms=CUDA)
+  return lowered.as_text() if text else _kernels(lowered)
 
 
 @pytest.mark.parametrize('b, p, s, n, k, t', [
@@ -48,6 +51,8 @@ def _lower_tree(b, p, s, n, k, t):
     (8, 2048, 9, 32, 4, 2),  # G = 8, T = 2: 16 query rows a row
     (8, 2048, 3, 32, 1, 1),  # MQA: G = 32
     (99, 2048, 3, 32, 8, 2),  # a last frame past the batch
+    (2, 2048, 200, 32, 32, 128),  # prefill (T = 128 at G = 1): two 64-row frames a row
+    (3, 2048, 64, 32, 8, 64),  # prefill at G = 4: T*G = 256
     (32, 0, 300, 32, 8, 1),  # no shared prefix: the paged kernel
     (4, 0, 300, 64, 8, 1),  # the paged kernel at G = 8
 ])
@@ -75,3 +80,23 @@ def test_training_kernels_lower_for_cuda(n, k):
         q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA))
     assert fwd == {'training_fwd_kernel'}, fwd
     assert bwd == {'training_dq_kernel', 'training_dkv_kernel'}, bwd
+
+
+
+def test_profiler_switch_and_trace_summary(monkeypatch, tmp_path):
+  """The profiler is on only with its variable (its dump is a host callback, so a profiled
+  kernel lowers on the GPU only); `summarize` sums each region's time per warpgroup trace."""
+  monkeypatch.delenv(profiling.PROFILE_DIR, raising=False)
+  assert not profiling.compiler_params().profile_space
+  monkeypatch.setenv(profiling.PROFILE_DIR, str(tmp_path / 'traces'))
+  params = profiling.compiler_params()
+  assert params.profile_dir == str(tmp_path / 'traces') and params.profile_space == 512
+  assert params.approx_math and (tmp_path / 'traces').is_dir()
+  events = [('B', 'qk', 1, 0.0), ('E', 'qk', 1, 2.0), ('B', 'qk', 1, 5.0), ('E', 'qk', 1, 6.0),
+            ('B', 'pv', 2, 1.0), ('B', 'qk', 2, 1.5), ('E', 'qk', 2, 4.5), ('E', 'pv', 2, 7.0)]
+  trace = tmp_path / 'trace.json'
+  trace.write_text(json.dumps({'traceEvents': [dict(ph=ph, name=n, tid=t, ts=ts, pid=1)
+                                               for ph, n, t, ts in events]}))
+  summary = profiling.summarize(str(trace))
+  assert summary['qk'] == dict(count=3, total_us=6.0, mean_us=2.0, per_program_us=3.0)
+  assert summary['pv'] == dict(count=1, total_us=6.0, mean_us=6.0, per_program_us=3.0)

@@ -44,6 +44,11 @@ about 190 µs a layer in the model against 41.5 µs here at S=1)? Shapes 5-10 wi
   PYTHONPATH=. timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT \
     --attend_only --shapes 1,5,6,7,8,9,10 --capacity=128 --deep_layer=31
 
+`--profile` also runs each shape once with Mosaic GPU's in-kernel profiler (`profiling`): a
+Chrome trace per kernel launch under `--out/profile/<shape>/` and the time per named region
+(the private kernel's step phases: wait_k, plan, qk_wait, softmax, pv, refill, merge...) in
+results.jsonl (`kind: profile`).
+
 `--variants all` adds the block_kv=64 variants (slower on every shape on the
 H200); batches <= 64 also time smaller `max_splits`.
 """
@@ -62,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hydrajax
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import tree_attention as mosaic
 
 SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens each, T = 1
@@ -212,6 +218,24 @@ def attend_fn(q, kc, layout, variant):
   return fn, prepared
 
 
+def profile(shape, variant, folder):
+  """One `attend` of the shape with Mosaic GPU's in-kernel profiler on (`profiling`): per
+  kernel trace written, the time per named region (the private kernel's step phases)."""
+  os.makedirs(folder, exist_ok=True)
+  os.environ[profiling.PROFILE_DIR] = folder
+  jax.clear_caches()  # kernels are built when traced: build them with the profiler
+  try:
+    plan, layout, q, kc, vc = problem(*shape)
+    fn_a, prepared = attend_fn(q, kc, layout, variant)
+    jax.block_until_ready(fn_a(q, kc, vc, prepared, jnp.int32(0)))
+    jax.effects_barrier()  # the traces are written by a host callback
+  finally:
+    del os.environ[profiling.PROFILE_DIR]
+    jax.clear_caches()
+  return {name: profiling.summarize(os.path.join(folder, name))
+          for name in sorted(os.listdir(folder)) if name.endswith('.json')}
+
+
 def lower_only(shapes, variants):
   for shape in shapes:
     plan, layout, q, kc, vc = problem(*shape)
@@ -237,6 +261,9 @@ def main():
   )
   parser.add_argument('--capacity', type=int, default=0,
                       help='private tokens reserved per row (0: S rounded up to 64)')
+  parser.add_argument('--profile', action='store_true',
+                      help='also run each shape once with the in-kernel profiler (traces and '
+                           'time per region under --out/profile)')
   parser.add_argument('--deep_layer', type=int, default=0,
                       help='also time attend at this layer of a buffer of deep_layer + 1 layers '
                            '(kv_offset as in a model step)')
@@ -357,6 +384,13 @@ def main():
       except Exception as e:
         trace = ''.join(traceback.format_exception(e))[-3000:]
         record(kind='error', shape=shape, impl=name, error=trace)
+    if args.profile:
+      try:
+        folder = os.path.join(args.out, 'profile', '_'.join(map(str, shape)))
+        record(kind='profile', shape=shape, regions=profile(shape, variants[0], folder))
+      except Exception as e:
+        trace = ''.join(traceback.format_exception(e))[-3000:]
+        record(kind='error', shape=shape, stage='profile', error=trace)
     try:
       us, kernels = cupti_us(xla, sets)
       record(kind='time', shape=shape, impl='xla', us=us, x_floor=us / fl, kernels=kernels)

@@ -37,6 +37,7 @@ from jax import lax
 
 import numpy as np
 
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PRIVATE_BLOCK, WG_M, cdiv, frame_pad, round_up
@@ -294,9 +295,7 @@ def paged_attention(
       scratch_types=[smem, barriers],
       grid=(b_rows, tiles, kh),
       grid_names=('row', 'tile', 'kv_head'),
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
-      ),
+      compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
 

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import (
@@ -460,35 +461,46 @@ def private_attention(
       slot = lax.rem(step, jnp.int32(slots))
       packed = packs[0]
       partial = packed != _FULL  # a lane with fewer than 8 valid tokens
-      visible = step_mask(step)
-      plgpu.barrier_wait(k_bars.at[slot])
-      # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
-      # other waits after the softmax, so V's arrival overlaps QK (long rows).
-      pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
+      # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
+      with jax.named_scope('mask'):
+        visible = step_mask(step)
+      with jax.named_scope('wait_k'):
+        plgpu.barrier_wait(k_bars.at[slot])
+        # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
+        # other waits after the softmax, so V's arrival overlaps QK (long rows).
+        pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
         # While the QK wgmma runs: the plan of step + slots (its page ids included), so the
         # refill of this slot after the PV wgmma is only the copy.
-        plan = plan_step(cursor)
-        pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
-        return acc_ref[...], plan
+        with jax.named_scope('plan'):
+          plan = plan_step(cursor)
+        with jax.named_scope('zero_unseen'):
+          pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
+        with jax.named_scope('qk_wait'):
+          return acc_ref[...], plan
 
       s, (cursor, next_toks, next_packed) = pl.run_scoped(
           qk, plgpu.ACC((WG_M, _BLK), jnp.float32)
       )
-      acc, m_new, l_i, p16 = osm.step(
-          s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
-      )
-      pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
-      acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
+      with jax.named_scope('softmax'):
+        acc, m_new, l_i, p16 = osm.step(
+            s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
+        )
+      with jax.named_scope('wait_v'):
+        pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
+      with jax.named_scope('pv'):
+        acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
       # The slot's wgmmas are done (their results are in registers): refill it.
-      pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
+      with jax.named_scope('refill'):
+        pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
       return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
 
-    acc, m_i, l_i, _, _ = lax.fori_loop(
-        0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
-    )
+    with jax.named_scope('private'):
+      acc, m_i, l_i, _, _ = lax.fori_loop(
+          0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
+      )
 
     # ---- merge phase ----
     if merging:
@@ -526,9 +538,11 @@ def private_attention(
 
       zero = jnp.int32(0)
       carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
-      *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
+      with jax.named_scope('merge'):
+        *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
 
-    osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
+    with jax.named_scope('finish'):
+      osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
     if direct:
       store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
     else:
@@ -616,9 +630,7 @@ def private_attention(
       scratch_types=[smem, barriers],
       grid=(frames, kh),
       grid_names=('frame', 'kv_head'),
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
-      ),
+      compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
 

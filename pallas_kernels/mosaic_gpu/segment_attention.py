@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from hydrajax.layout import SegmentGroup
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
@@ -239,9 +240,7 @@ def segment_attention(
       scratch_types=scratch,
       grid=(sched.num_items, kh),
       grid_names=('item', 'kv_head'),
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
-      ),
+      compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **mesh,
   )(segments, offset_operand(kv_offset), qf, k_cache, v_cache)

@@ -60,6 +60,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 
@@ -201,8 +202,7 @@ def _launch(kernel, *, interpret, config, grid, grid_names, out_type, scratch):
   mesh = {} if interpret else dict(num_threads=config.compute_wgs + 1, thread_name='wg')
   return plgpu.kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None, **mesh)
 
 

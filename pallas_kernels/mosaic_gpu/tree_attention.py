@@ -217,6 +217,11 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   )
 
 
+def with_private_lengths(prepared: Prepared, lengths: jax.Array) -> Prepared:
+  """The rows' private lengths swapped (the kernels read them; nothing derived from them)."""
+  return dataclasses.replace(prepared, private_lengths=lengths)
+
+
 def _fold_queries(q, num_kv_heads: int, tgp: int, rows: int):
   """q [B, T, N, H] -> qf [K, rows, H]: row b*TGp + t*G + g = q[b, t, k*G + g], zero padded."""
   b, t, n, h = q.shape
