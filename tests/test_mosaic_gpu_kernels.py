@@ -11,6 +11,7 @@ code that runs on the GPU.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -190,9 +191,9 @@ class TestMosaicGpuKernels:
   def _run(self, q, kc, vc, layout, **kw):
     return mosaic.tree_attention(q, kc, vc, layout, interpret=self.interpret, block_kv=64, **kw)
 
-  def _attend(self, q, kc, vc, layout, *, kv_offset, num_sms=None):
+  def _attend(self, q, kc, vc, layout, *, kv_offset, num_sms=None, **knobs):
     shapes = mosaic.KernelShapes.of(q, kc)
-    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=num_sms)
+    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=num_sms, **knobs)
     prepared = mosaic.prepare(layout, shapes, config, interpret=self.interpret)
     return mosaic.attend(
         q, kc, vc, prepared, shapes=shapes, config=config, kv_offset=kv_offset,
@@ -255,6 +256,25 @@ class TestMosaicGpuKernels:
     as_f32 = lambda x: np.asarray(x, np.float32)
     np.testing.assert_array_equal(as_f32(dirty.out), as_f32(got.out))
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
+
+  @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4)],
+                           ids=['pair_copies', 'slots=4'])
+  def test_private_knobs_change_nothing(self, knobs):
+    """The private kernel's knobs change only how K/V reach shared memory: its states are
+    bitwise the default's, with NaN/inf in every unattended slot. Decode-like rows of 1-17
+    tokens (two chunks of one page: a pair; odd rows' pages run backwards, so a row past a
+    page has chunks that do not follow) and a long row, in one frame (3 steps, fewer than
+    4 slots)."""
+    plan = _long_rows_plan(16, (9, 9, 16, 3, 17, 9, 70, 1))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=1, n=8, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=90)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
+                               num_sms=1)
+    want, got = attend(), attend(**knobs)
+    _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
   @pytest.mark.parametrize('case', PACKED_CASES, ids=_case_id)
   def test_packed_frames(self, case):
@@ -441,7 +461,7 @@ class TestSupportAndSchedule:
   def test_config_checks(self):
     assert mosaic.DEFAULT_CONFIG == mosaic.MosaicGpuConfig(128, 2, 8, None)
     for bad in (dict(block_kv=96), dict(max_concurrent_steps=1), dict(max_splits=0),
-                dict(num_sms=0)):
+                dict(num_sms=0), dict(private_slots=1), dict(private_slots=6)):
       with pytest.raises(ValueError, match=next(iter(bad))):
         mosaic.MosaicGpuConfig(**bad)
 

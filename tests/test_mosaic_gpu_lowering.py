@@ -30,7 +30,7 @@ def _kernels(lowered) -> set[str]:
   return set(re.findall(r'([a-z][a-z0-9_]*_kernel)_mosaic_gpu', lowered.as_text()))
 
 
-def _lower_tree(b, p, s, n, k, t, text=False):
+def _lower_tree(b, p, s, n, k, t, text=False, **knobs):
   plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b),
                             private_capacity=max(64, -(-s // 64) * 64),
                             private_lengths=s)
@@ -38,8 +38,8 @@ def _lower_tree(b, p, s, n, k, t, text=False):
   sd = jax.ShapeDtypeStruct
   q = sd((b, t, n, HEAD_DIM), jnp.bfloat16)
   kv = sd((plan.kv_tokens, k, HEAD_DIM), jnp.bfloat16)
-  lowered = jax.jit(mosaic.tree_attention).trace(q, kv, kv, layout).lower(
-      lowering_platforms=CUDA)
+  lowered = jax.jit(lambda *args: mosaic.tree_attention(*args, **knobs)).trace(
+      q, kv, kv, layout).lower(lowering_platforms=CUDA)
   return lowered.as_text() if text else _kernels(lowered)
 
 
@@ -62,6 +62,15 @@ def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
     assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
   else:  # no shared segment: one paged kernel, nothing to merge
     assert kernels and not kernels & {'shared_segment_kernel', 'private_merge_kernel'}, kernels
+
+
+@pytest.mark.parametrize('knobs', [dict(private_pair_copies=True, private_slots=3),
+                                   dict(private_slots=5)], ids=['pairs_slots=3', 'slots=5'])
+def test_private_knobs_lower_for_cuda(knobs):
+  """The private kernel's pipeline knobs at the decode step's MHA shape (16-token copies
+  beside 8- and 64-token ones; 3-5 slots)."""
+  kernels = _lower_tree(1024, 1024, 9, 32, 32, 1, **knobs)
+  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
 
 @pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])

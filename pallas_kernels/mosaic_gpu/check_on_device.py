@@ -100,6 +100,13 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(block_kv=128, max_concurrent_steps=2),
     dict(block_kv=64, max_concurrent_steps=2),
     dict(block_kv=64, max_concurrent_steps=4),
+    # The private kernel's pipeline (the shared kernel's knobs above leave it as it is): more
+    # K/V steps in flight (one program a multiprocessor), and a decode step's two chunks of a
+    # row in one copy.
+    dict(private_slots=3),
+    dict(private_slots=4),
+    dict(private_pair_copies=True),
+    dict(private_pair_copies=True, private_slots=3),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -86,6 +86,7 @@ class PrivateProblem:
   frame_rows: int  # F, `schedule.private_frame_rows`
   page_size: int  # C, a multiple of CHUNK
   slots: int = 2  # K/V steps in flight
+  pair_copies: bool = False  # two chunks that follow each other: one 16-token copy
 
   @property
   def rows_per_frame(self) -> int:
@@ -328,7 +329,10 @@ def private_attention(
 
     def copy_step(slot, toks, contiguous):
       """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
-      then get 7 plain arrivals each), else 8; each barrier sees 8 arrivals per step."""
+      then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
+      plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
+      step. A copy moves the buffer's tokens whatever row they belong to, so merging two
+      lanes never changes what lands in the slot."""
       def copy(tok, rows, j):
         src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
@@ -344,8 +348,23 @@ def private_attention(
 
       @pl.when(jnp.logical_not(contiguous))
       def _():
-        for j in range(_LANES):
-          copy(toks[j], CHUNK, j)
+        if not problem.pair_copies:
+          for j in range(_LANES):
+            copy(toks[j], CHUNK, j)
+          return
+        for j in range(0, _LANES, 2):  # lanes j, j + 1: one copy when they follow each other
+          pair = toks[j + 1] == toks[j] + CHUNK
+
+          @pl.when(pair)
+          def _(j=j):
+            copy(toks[j], 2 * CHUNK, j)
+            plgpu.barrier_arrive(k_bars.at[slot])
+            plgpu.barrier_arrive(v_bars.at[slot])
+
+          @pl.when(jnp.logical_not(pair))
+          def _(j=j):
+            copy(toks[j], CHUNK, j)
+            copy(toks[j + 1], CHUNK, j + 1)
 
     # The first steps: every plan (page ids included) before the first copy.
     cursor = (jnp.int32(0), jnp.int32(0))

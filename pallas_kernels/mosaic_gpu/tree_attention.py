@@ -64,6 +64,7 @@ from pallas_kernels.mosaic_gpu.segment_attention import (
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+MAX_PRIVATE_SLOTS = 5  # 160 KiB of K/V slots at H=128, with Q and the output rows 192 of 227 KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +78,20 @@ class MosaicGpuConfig:
     max_splits: most kv splits per shared segment (8 measured best at B=32, P=2K on an
       H200: 25.9 us against 29.8 with 16 and 26.1 with 4; larger batches use 1-2).
     num_sms: multiprocessors to fill (None: the device's; 132 off the GPU).
+    private_slots: K/V steps in flight in the private kernel, 2..MAX_PRIVATE_SLOTS (None: 3
+      when its programs fit one a multiprocessor, else 2). Each slot is 32 KiB of shared memory
+      at H=128: two programs share a multiprocessor with 2 slots each, one with 3 or more.
+    private_pair_copies: the private kernel copies two 8-token chunks that follow each other in
+      the buffer (a short row's two chunks, at decode) with one 16-token copy, halving a decode
+      step's copies. Off by default until the H200 says it helps.
   """
 
   block_kv: int = 128
   max_concurrent_steps: int = 2
   max_splits: int = 8
   num_sms: int | None = None
+  private_slots: int | None = None
+  private_pair_copies: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -90,6 +99,9 @@ class MosaicGpuConfig:
       raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f'num_sms must be >= 1 or None, got {self.num_sms}')
+    if self.private_slots is not None and not 2 <= self.private_slots <= MAX_PRIVATE_SLOTS:
+      raise ValueError(
+          f'private_slots must be None or in [2, {MAX_PRIVATE_SLOTS}], got {self.private_slots}')
 
   @property
   def segment_kernel(self) -> SegmentKernelConfig:
@@ -206,7 +218,8 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
       page_size=layout.page_size,
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
-  problem = dataclasses.replace(problem, slots=3 if problem.num_frames * kh <= num_sms else 2)
+  slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
+  problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
@@ -330,7 +343,8 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
 @functools.partial(
     jax.jit,
     static_argnames=(
-        'scale', 'block_kv', 'max_concurrent_steps', 'max_splits', 'num_sms', 'interpret'
+        'scale', 'block_kv', 'max_concurrent_steps', 'max_splits', 'num_sms', 'private_slots',
+        'private_pair_copies', 'interpret'
     ),
 )
 def tree_attention(
@@ -344,6 +358,8 @@ def tree_attention(
     max_concurrent_steps: int = 2,
     max_splits: int = 8,
     num_sms: int | None = None,
+    private_slots: int | None = None,
+    private_pair_copies: bool = False,
     interpret: bool = False,
 ) -> PartialState:
   """`attend(q, k, v, prepare(layout, ...))` in one call (see `MosaicGpuConfig` for the knobs).
@@ -358,7 +374,8 @@ def tree_attention(
     reason = f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
   if reason is not None:
     raise ValueError(f'Mosaic GPU tree attention does not support these inputs: {reason}')
-  config = MosaicGpuConfig(block_kv, max_concurrent_steps, max_splits, num_sms)
+  config = MosaicGpuConfig(block_kv, max_concurrent_steps, max_splits, num_sms, private_slots,
+                           private_pair_copies)
   prepared = prepare(layout, shapes, config, interpret=interpret)
   return attend(
       q, k_cache, v_cache, prepared, shapes=shapes, config=config, scale=scale,
