@@ -518,7 +518,8 @@ async def _completion(pending: _Pending, send, tokenizer: Tokenizer | None) -> N
 
 
 class Server:
-  """uvicorn serving the app over an engine thread, on a socket bound at construction.
+  """uvicorn serving the app over an engine thread, on a socket bound and listening from
+  construction (a client that connects before uvicorn runs waits in the backlog, is not refused).
 
   `serve_forever()` blocks; `start()` serves from a background thread (tests,
   notebooks) and `shutdown()` stops both the server and the engine thread.
@@ -533,6 +534,7 @@ class Server:
     self.socket = socket.socket(family, socket.SOCK_STREAM)
     self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     self.socket.bind((host, port))
+    self.socket.listen(config.backlog)  # the CLI announces the address before uvicorn runs
     self.host, self.port = host, self.socket.getsockname()[1]
     self.uvicorn = uvicorn.Server(uvicorn.Config(
         self.app, http=_protocol_class(config), backlog=config.backlog,

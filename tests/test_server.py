@@ -566,6 +566,20 @@ def test_completions_map_seed_top_p_and_logprobs_onto_the_engine(reference, serv
   np.testing.assert_allclose(reply['logprobs'][0], want.logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_client_that_connects_before_serving_waits(engine):
+  """The socket listens from construction: the command line announces the address before
+  uvicorn runs, and a client that connects in between is queued, not refused (CI once saw
+  `Connection refused` there)."""
+  server = make_server(engine, port=0)  # not serving yet
+  try:
+    with socket.create_connection(('127.0.0.1', server.port), timeout=HANG_GUARD_S) as s:
+      server.start()
+      s.sendall(b'GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')
+      assert _json_body(_read_all(s))[0] == 200
+  finally:
+    server.shutdown()
+
+
 @pytest.mark.parametrize('mesh', ['tp:2', 'dp:2'])
 def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
   """`python -m models.server --mesh=...` (2 fake CPU devices): the same greedy tokens as one
