@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -588,9 +589,6 @@ def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
   import subprocess
   import sys
 
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
              PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   args = [sys.executable, '-m', 'models.server', '--model=tiny_gqa', '--num_chunks=32',
@@ -600,14 +598,16 @@ def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
                              capture_output=True, text=True, timeout=HANG_GUARD_S * 4)
     assert refused.returncode != 0 and 'overlap_decode' in refused.stderr + refused.stdout
   log = open(tmp_path / 'server.log', 'w+')
-  proc = subprocess.Popen(args + [f'--mesh={mesh}', f'--port={port}'], env=env, stdout=log,
+  proc = subprocess.Popen(args + [f'--mesh={mesh}', '--port=0'], env=env, stdout=log,
                           stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 240  # bounded: import, init, first compile on a loaded machine
-    while 'serving' not in (tmp_path / 'server.log').read_text():
+    while not (found := re.search(r'serving .* on http://127\.0\.0\.1:(\d+)',
+                                  (tmp_path / 'server.log').read_text())):
       assert proc.poll() is None, (tmp_path / 'server.log').read_text()[-3000:]
       assert time.monotonic() < deadline, 'server did not start'
       time.sleep(0.5)
+    port = int(found.group(1))  # the port the server bound (--port=0: no race for a free one)
     conn = http.client.HTTPConnection('127.0.0.1', port, timeout=240)
     prompt = _prompts(0, 1)[0]
     conn.request('POST', '/v1/generate', body=json.dumps({'prompt': prompt, 'max_new_tokens': 6}),
