@@ -82,24 +82,10 @@ def prompt_forest(fewshot: Sequence[int], problems: Sequence[Sequence[int]], sam
 
 def kv_tokens(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
               new_tokens: int) -> int:
-  """KV tokens one batch stores in `mode`: generate's layout (`plan_prompts`), exactly.
-
-  Every node starts on a prefill page; the private region (a page of `new_tokens` rounded up
-  to PRIVATE_ALIGN per row) starts on one of its own pages.
-  """
-  up = lambda n, m: -(-n // m) * m
-  node = lambda n: up(n, gen.PREFILL_PAGE)
-  private = gen.private_capacity(new_tokens)
-  rows = samples * len(problem_lens)
-  if mode == 'two_level':
-    nodes = node(fewshot_len) + sum(map(node, problem_lens))
-  elif mode == 'one_level':
-    nodes = node(fewshot_len) + samples * sum(map(node, problem_lens))
-  elif mode == 'no_sharing':
-    nodes = samples * sum(node(fewshot_len + n) for n in problem_lens)
-  else:
-    raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-  return up(nodes, private) + rows * private
+  """KV tokens one batch stores in `mode`: the length of generate's plan of it (`plan_prompts`
+  of the mode's forest, token values left out: they do not change the layout)."""
+  forest = prompt_forest([0] * fewshot_len, [[0] * n for n in problem_lens], samples, mode)
+  return gen.plan_prompts(forest, max_new_tokens=new_tokens).kv_tokens
 
 
 def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,

@@ -340,13 +340,6 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
   return PartialState(*private_unfold_states(out, lse, problem, n))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        'scale', 'block_kv', 'max_concurrent_steps', 'max_splits', 'num_sms', 'private_slots',
-        'private_pair_copies', 'interpret'
-    ),
-)
 def tree_attention(
     q: jax.Array,  # [B, T, N, H]
     k_cache: jax.Array,  # [L, K, H]
@@ -354,19 +347,21 @@ def tree_attention(
     layout: TreeLayout,
     *,
     scale: float | None = None,
-    block_kv: int = 128,
-    max_concurrent_steps: int = 2,
-    max_splits: int = 8,
-    num_sms: int | None = None,
-    private_slots: int | None = None,
-    private_pair_copies: bool = False,
     interpret: bool = False,
+    **knobs,
 ) -> PartialState:
-  """`attend(q, k, v, prepare(layout, ...))` in one call (see `MosaicGpuConfig` for the knobs).
+  """`attend(q, k, v, prepare(layout, ...))` in one call; `knobs` are `MosaicGpuConfig`'s
+  fields (block_kv=64, private_slots=3, ...).
 
   Returns:
     (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
+  return _tree_attention(q, k_cache, v_cache, layout, scale=scale, config=MosaicGpuConfig(**knobs),
+                         interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'config', 'interpret'))
+def _tree_attention(q, k_cache, v_cache, layout, *, scale, config, interpret):
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   shapes = KernelShapes.of(q, k_cache)
   reason = _shape_reason(shapes, layout)
@@ -374,8 +369,6 @@ def tree_attention(
     reason = f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
   if reason is not None:
     raise ValueError(f'Mosaic GPU tree attention does not support these inputs: {reason}')
-  config = MosaicGpuConfig(block_kv, max_concurrent_steps, max_splits, num_sms, private_slots,
-                           private_pair_copies)
   prepared = prepare(layout, shapes, config, interpret=interpret)
   return attend(
       q, k_cache, v_cache, prepared, shapes=shapes, config=config, scale=scale,
