@@ -32,7 +32,6 @@ from hydrajax import AttentionImpl, Segment, SharingPlan
 from hydrajax.evaluation import apps
 from models import generate as gen
 from models.kv_cache import KVCache
-from models.llama import ModelMode
 from models.sampling import SamplingConfig
 
 MODES = ('no_sharing', 'one_level', 'two_level')
@@ -98,14 +97,6 @@ def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], sampl
       break
     best = p
   return best
-
-
-@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
-def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_index):
-  model = nnx.merge(graphdef, params)
-  h, cache = model.forward_hidden(tokens, positions, cache, slots, plan, impl=ModelMode.TREE)
-  last = jnp.take_along_axis(h, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
-  return model.logits(last), cache  # [B, V] float32
 
 
 def lean_prefill_calls(tp: gen.TreePrompts, chunk: int,
@@ -176,20 +167,10 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
   """
   if any(int(j) in written for j in tp.row_node):
     raise ValueError(f'written={sorted(written)} holds a node that ends a row: its logits are needed')
-  graphdef, params = nnx.split(model)
-  ends = []
-  for call in lean_prefill_calls(tp, chunk, call_tokens):
-    if all(int(j) in written for j in call.segment_ids[call.segment_ids >= 0]):
-      continue
-    layout = call.plan.to_device(max_private_pages=call.max_private_pages)
-    plan = model.prepare_attention(layout, query_tokens=call.tokens.shape[1], cache=cache,
-                                   impl=impl)  # once per call, outside the jitted step
-    logits, cache = _prefill_step(
-        graphdef, params, jnp.asarray(call.tokens), jnp.asarray(call.positions), cache,
-        jnp.asarray(call.write_slots), plan, jnp.asarray(call.last_index))
-    if (call.last_index >= 0).any():  # a call that ends nodes (others' logits are dropped)
-      ends.append((logits, call.segment_ids, call.last_index))
-  return gen.node_logits(ends, tp.row_node), cache
+  calls = [(call, call.plan.to_device(max_private_pages=call.max_private_pages))
+           for call in lean_prefill_calls(tp, chunk, call_tokens)
+           if not all(int(j) in written for j in call.segment_ids[call.segment_ids >= 0])]
+  return gen.run_prefill(model, calls, tp.row_node, cache, impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
