@@ -85,6 +85,9 @@ _MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
 _OVERLAP = flags.DEFINE_boolean('overlap_decode', False,
                                 'dispatch decode step k+1 before waiting for step k (EngineConfig)')
+_COMMAND_BUFFERS = flags.DEFINE_enum(
+    'command_buffers', 'auto', ['auto', 'on', 'off'],
+    'CUDA graphs for the model step (EngineConfig.command_buffers; auto: off with overlap_decode)')
 _LATENCY_BOUNDS = flags.DEFINE_list('latency_bounds_ms', ['20', '30', '50'],
                                     'normalized latency bounds, ms/token (a table each)')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'stop starting points after this many seconds')
@@ -245,8 +248,9 @@ def main(argv):
   done_points = {point_key(r['sharing'], r['prompt_len'], r['shared_frac'], r['rate'])
                  for r in records if all(r.get(k) == v for k, v in same_load.items())}
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
+  command_buffers = {'auto': None, 'on': True, 'off': False}[_COMMAND_BUFFERS.value]
   knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value,
-               overlap_decode=_OVERLAP.value)
+               overlap_decode=_OVERLAP.value, command_buffers=command_buffers)
   for prompt_len in lens:
     for frac in fracs:
       for sharing in _SHARING.value:
@@ -265,6 +269,7 @@ def main(argv):
           rec = dict(model=model_name, sharing=sharing, prompt_len=prompt_len, shared_frac=frac,
                      batch=engine.config.max_batch, system_prompts=_SYSTEM_PROMPTS.value,
                      impl=_IMPL.value, resolved_impl=resolved_impl(engine, _IMPL.value),
+                     overlap_decode=_OVERLAP.value, command_buffers=_COMMAND_BUFFERS.value,
                      **profile_decode(engine, workload, new_tokens=new_tokens,
                                        steps=_PROFILE_STEPS.value, top=12))
           logging.info('profile: %s', rec)
@@ -309,7 +314,8 @@ def main(argv):
                      new_tokens=new_tokens, chunk_size=chunk, max_batch=engine.config.max_batch,
                      kv_pool_gb=num_chunks * chunk * config.kv_bytes_per_token(2) / 1e9,
                      system_prompts=_SYSTEM_PROMPTS.value, impl=_IMPL.value,
-                     overlap_decode=_OVERLAP.value, resolved_impl=impl_used, warmup_s=warm_s,
+                     overlap_decode=_OVERLAP.value, command_buffers=_COMMAND_BUFFERS.value,
+                     resolved_impl=impl_used, warmup_s=warm_s,
                      **metrics)
           writer.append(rec)
           records.append(rec)

@@ -96,7 +96,7 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
 def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int,
                 num_chunks: int, chunk: int, max_batch: int, kv_piece: int,
                 impl: str = 'auto', min_segments: int = 8,
-                overlap_decode: bool = False) -> Engine:
+                overlap_decode: bool = False, command_buffers: bool | None = None) -> Engine:
   """An engine of the sweep.
 
   Without sharing, memory bounds the batch: decode steps are padded to that bound,
@@ -113,6 +113,7 @@ def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int
       max_sequence_length=prompt_len + new_tokens, share_prefixes=sharing,
       max_prefill_rows=1, max_prefill_tokens=max(8192, 2 * prompt_len),
       decode_buckets=(batch,), impl=impl, prefill_impl=impl, overlap_decode=overlap_decode,
+      command_buffers=command_buffers,
       layout=LayoutPolicy(kv_piece=kv_piece, min_segments=min_segments, fixed_shapes=True,
                           min_private_pages=per_request),
   ))

@@ -263,4 +263,6 @@ def profile_table(profiles: list[dict]) -> str:
               ('dispatch ms', lambda r: r.get('mean_decode_dispatch_ms')),
               ('wait ms', 'mean_decode_wait_ms'), ('device ms', lambda r: r.get('device_ms')),
               ('layout ms', 'layout_ms'), ('KV/seq MB', 'kv_per_seq_mb'),
-              ('attention', 'resolved_impl')]))
+              ('attention', 'resolved_impl'),
+              ('overlap', lambda r: 'yes' if r.get('overlap_decode') else 'no'),
+              ('CUDA graphs', lambda r: r.get('command_buffers', 'auto'))]))

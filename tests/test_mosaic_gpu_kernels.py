@@ -257,15 +257,17 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(as_f32(dirty.out), as_f32(got.out))
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
 
-  @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4)],
-                           ids=['pair_copies', 'slots=4'])
-  def test_private_knobs_change_nothing(self, knobs):
-    """The private kernel's knobs change only how K/V reach shared memory: its states are
-    bitwise the default's, with NaN/inf in every unattended slot. Decode-like rows of 1-17
-    tokens (two chunks of one page: a pair; odd rows' pages run backwards, so a row past a
-    page has chunks that do not follow) and a long row, in one frame (3 steps, fewer than
-    4 slots)."""
-    plan = _long_rows_plan(16, (9, 9, 16, 3, 17, 9, 70, 1))
+  @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
+                                     dict(private_staged_pages=True)],
+                           ids=['pair_copies', 'slots=4', 'staged_pages'])
+  @pytest.mark.parametrize('page', [16, 64])
+  def test_private_knobs_change_nothing(self, knobs, page):
+    """The private kernel's knobs change only how K/V and page ids reach shared memory: its
+    states are bitwise the default's, with NaN/inf in every unattended slot. Decode-like rows
+    of 1-17 tokens (two chunks of one page: a pair; odd rows' pages run backwards, so a row
+    past a page has chunks that do not follow) and a long row (64-token pages: its one-row
+    steps read two page ids), in one frame (3 steps, fewer than 4 slots)."""
+    plan = _long_rows_plan(page, (9, 9, 16, 3, 17, 9, 70, 1))
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=1, n=8, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=90)
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)

@@ -86,6 +86,8 @@ class EngineConfig:
       input tokens from step k's output on the device; the tree records them when they are
       back. Outputs are the same. A request that stops runs one step more (its extra token
       is dropped), and finishes one iteration later.
+    command_buffers: whether XLA may run the jitted model step as CUDA graphs (GPU only).
+      None: yes, except with `overlap_decode` (see `Engine.compiler_options`).
     max_top_logprobs: the most `top_logprobs` a request may ask for (a static size of
       every step).
     sharing_policy: which shared segments decode steps read per row instead of batched
@@ -108,6 +110,7 @@ class EngineConfig:
   cache_dtype: str | None
   seed: int
   overlap_decode: bool
+  command_buffers: bool | None
   max_top_logprobs: int
   sharing_policy: SharingPolicy | None
   interpret: bool
@@ -118,8 +121,9 @@ class EngineConfig:
                impl: AttentionImpl | str = AttentionImpl.AUTO,
                prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
                cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
-               max_top_logprobs: int = 5, sharing_policy: SharingPolicy | None = _DEFAULT_POLICY,
-               interpret: bool = False, **cache_fields: Any):
+               command_buffers: bool | None = None, max_top_logprobs: int = 5,
+               sharing_policy: SharingPolicy | None = _DEFAULT_POLICY, interpret: bool = False,
+               **cache_fields: Any):
     unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
     if unknown:
       raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
@@ -143,7 +147,8 @@ class EngineConfig:
         decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
         prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
         cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
-        max_top_logprobs=max_top_logprobs, sharing_policy=sharing_policy, interpret=interpret,
+        command_buffers=command_buffers, max_top_logprobs=max_top_logprobs,
+        sharing_policy=sharing_policy, interpret=interpret,
     )
     for name, value in values.items():
       object.__setattr__(self, name, value)
@@ -160,6 +165,9 @@ class EngineConfig:
             and 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS):
       raise ValueError(f'EngineConfig.max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], '
                        f'got {self.max_top_logprobs!r}')
+    if self.command_buffers is not None and not isinstance(self.command_buffers, bool):
+      raise ValueError(f'EngineConfig.command_buffers must be True, False or None, got '
+                       f'{self.command_buffers!r}')
     if not isinstance(self.interpret, bool):
       raise ValueError(f'EngineConfig.interpret must be a bool, got {self.interpret!r}')
     if self.sharing_policy is not None and not isinstance(self.sharing_policy, SharingPolicy):

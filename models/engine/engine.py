@@ -22,7 +22,7 @@ from models.engine.prefill import Prefill
 from models.engine.requests import Request, TokenEvent, check_prompt
 from models.engine.scheduler import Scheduler
 from models.engine.stats import EngineStats
-from models.engine.step import model_step, segment_slots
+from models.engine.step import compiler_options, model_step, segment_slots
 from models.kv_cache import KVCache
 from models.llama import Llama
 from models.sampling import Sampled, SamplingParams, SamplingRows
@@ -74,9 +74,13 @@ class Engine(Prefill, DecodeLoop):
     self._params = tuple(leaves)
     # Tests and host-overhead experiments may replace `_model_step` by a stub with the same
     # arguments; a stub may return just the tokens [S] instead of a `Sampled`.
+    platform = next(iter(leaves[0].devices())).platform
     self._model_step = jax.jit(functools.partial(model_step, graphdef, treedef),
                                static_argnames=('impl', 'top_logprobs'),
-                               donate_argnames=('cache',))
+                               donate_argnames=('cache',),
+                               compiler_options=compiler_options(
+                                   platform, overlap_decode=config.overlap_decode,
+                                   command_buffers=config.command_buffers))
     self.stats = EngineStats()
     self._scheduler = Scheduler(config, self.caches, self.stats, clock)
     self._by_seq: dict[int, Request] = {}

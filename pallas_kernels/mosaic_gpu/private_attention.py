@@ -22,7 +22,9 @@ operand) plus the page's.
 Per step, the scalar work is a plan of the step `slots` ahead (its chunks' first
 tokens, page ids read while this step's QK wgmma runs so the refill copy goes
 out as soon as the slot is free, and its valid tokens per lane packed in
-one int32 carried to the step that consumes it). A step of 8 more chunks of one
+one int32 carried to the step that consumes it). With `staged_pages` the
+frame's rows of the page table come to shared memory in one TMA copy at the
+start, and the page ids are shared-memory reads instead of global ones. A step of 8 more chunks of one
 row (long rows: 64 tokens, one or two page-id reads, one copy when they are
 contiguous) is planned in closed form; others walk their 8 lanes. The score
 mask needs no walk: each query row sees one range of the packed lane-token
@@ -63,7 +65,7 @@ from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
+    ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv, round_up,
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand, segment_fields
@@ -87,6 +89,10 @@ class PrivateProblem:
   page_size: int  # C, a multiple of CHUNK
   slots: int = 2  # K/V steps in flight
   pair_copies: bool = False  # two chunks that follow each other: one 16-token copy
+  # The frame's rows of the page table copied to shared memory once (`stage_pages`), so the
+  # plan's page-id reads are shared-memory reads; the table then has `staged_rows(...)` rows
+  # and a multiple of 4 columns (`pad_page_table`).
+  staged_pages: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -95,6 +101,11 @@ class PrivateProblem:
   @property
   def num_frames(self) -> int:
     return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
+
+  @property
+  def staged_rows(self) -> int:
+    """Rows of a staged page table: every frame's `rows_per_frame` rows inside it."""
+    return cdiv(self.num_rows, self.rows_per_frame) * self.rows_per_frame
 
   @property
   def direct_out(self) -> bool:
@@ -108,6 +119,29 @@ class PrivateProblem:
   def direct_lse(self) -> bool:
     """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row."""
     return self.direct_out and self.group_size % 4 == 0
+
+
+# Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
+# and the output rows (97 KiB at H=128) two programs still share a multiprocessor.
+MAX_STAGED_PAGE_BYTES = 8192
+_TMA_INT32S = 4  # a TMA box row is a multiple of 16 bytes
+
+
+def stage_pages(problem: PrivateProblem, max_pages: int) -> bool:
+  """Whether the frame's page-table rows (`rows_per_frame` x `max_pages` int32, columns
+  padded to a TMA box) fit `MAX_STAGED_PAGE_BYTES` (and a TMA box: <= 256 a side)."""
+  columns = cdiv(max_pages, _TMA_INT32S) * _TMA_INT32S
+  rows = problem.rows_per_frame
+  return rows * columns * 4 <= MAX_STAGED_PAGE_BYTES and rows <= 256 and columns <= 256
+
+
+def pad_page_table(private_pages, problem: PrivateProblem):
+  """The page table as a staged kernel reads it: `staged_rows` rows, a multiple of 4 columns
+  (zeros: never read for a real chunk). numpy in, numpy out (a host-prepared plan)."""
+  b, p = private_pages.shape
+  pad = ((0, problem.staged_rows - b), (0, cdiv(p, _TMA_INT32S) * _TMA_INT32S - p))
+  xp = np if isinstance(private_pages, np.ndarray) else jnp
+  return xp.pad(private_pages, pad)
 
 
 def grouped_rows(ref, staging, groups: int):
@@ -186,6 +220,10 @@ def private_attention(
   splits = sched.num_splits if merging else 0
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
   direct = problem.direct_out
+  staged = problem.staged_pages
+  if staged and private_pages.shape != (problem.staged_rows, round_up(max_pages, _TMA_INT32S)):
+    raise ValueError(f'a staged page table must be [{problem.staged_rows}, a multiple of '
+                     f'{_TMA_INT32S}] (pad_page_table), got {private_pages.shape}')
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
@@ -194,9 +232,9 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    smem, (q_bar, k_bars, v_bars) = refs[2:]
+    smem, (q_bar, k_bars, v_bars, pages_bar) = refs[2:]
     (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
-     lse_staging) = smem
+     lse_staging, pages_smem) = smem
 
     frame = lax.axis_index('frame')
     kv_head = lax.axis_index('kv_head')
@@ -213,6 +251,8 @@ def private_attention(
     plgpu.copy_gmem_to_smem(
         q_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), WG_M)], q_smem, q_bar.at[0]
     )
+    if staged:  # the frame's rows of the page table (the table is padded to whole frames)
+      plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
 
     # ---- scalars of the frame's rows ----
     if t_tok == 1:
@@ -269,15 +309,21 @@ def private_attention(
         packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
       return packed
 
+    def page_id(r, page):
+      """The id of page `page` of frame row r (clamped: a lane with no chunk reads some id)."""
+      r, page = jnp.minimum(r, r_rows - 1), jnp.minimum(page, max_pages - 1)
+      if staged:
+        return pages_smem[r, page]
+      return pages_ref[jnp.minimum(row0 + r, b_rows - 1), page]
+
     def tokens(lanes):
       """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
       tokens (8 independent page-id reads)."""
       toks, contiguous = [], lanes[0][2]
       for j, (r, pos, real) in enumerate(lanes):
         page = lax.div(pos, jnp.int32(c))
-        row = jnp.minimum(row0 + jnp.minimum(r, r_rows - 1), b_rows - 1)
-        page_id = pages_ref[row, jnp.minimum(page, max_pages - 1)]
-        toks.append(kv_offset + jnp.where(real, page_id * c + (pos - page * c), 0))
+        page_id_j = page_id(r, page)
+        toks.append(kv_offset + jnp.where(real, page_id_j * c + (pos - page * c), 0))
         if j:
           contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
       return toks, contiguous
@@ -288,11 +334,9 @@ def private_attention(
       unless it crosses into a page that does not follow."""
       if c < _BLK:
         return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(_LANES)])
-      row = jnp.minimum(row0 + r, b_rows - 1)
       page = lax.div(pos0, jnp.int32(c))
       left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
-      id0 = pages_ref[row, jnp.minimum(page, max_pages - 1)]
-      id1 = pages_ref[row, jnp.minimum(page + 1, max_pages - 1)]
+      id0, id1 = page_id(r, page), page_id(r, page + 1)
       first = kv_offset + id0 * c + (pos0 - page * c)
       second = kv_offset + id1 * c - left
       toks = [first] + [
@@ -367,6 +411,8 @@ def private_attention(
             copy(toks[j + 1], CHUNK, j + 1)
 
     # The first steps: every plan (page ids included) before the first copy.
+    if staged:
+      plgpu.barrier_wait(pages_bar.at[0])
     cursor = (jnp.int32(0), jnp.int32(0))
     first_steps = []
     for _ in range(slots):
@@ -628,11 +674,13 @@ def private_attention(
       plgpu.SMEM((WG_M // g_size, g_size, h), dtype) if interpret and direct else None,
       plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
       if interpret and problem.direct_lse else None,
+      plgpu.SMEM((r_rows, max_pages), jnp.int32) if staged else None,  # the frame's pages
   )
   barriers = (
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
+      plgpu.Barrier(num_barriers=1) if staged else None,
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if merging:

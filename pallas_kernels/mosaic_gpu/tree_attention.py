@@ -51,7 +51,9 @@ from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
-from pallas_kernels.mosaic_gpu.private_attention import PrivateProblem, private_attention
+from pallas_kernels.mosaic_gpu.private_attention import (
+    PrivateProblem, pad_page_table, private_attention, stage_pages,
+)
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
     ALIGN, TILE_M, SharedSchedule, padded_rows_per_query, private_frame_rows, round_up,
@@ -84,6 +86,9 @@ class MosaicGpuConfig:
     private_pair_copies: the private kernel copies two 8-token chunks that follow each other in
       the buffer (a short row's two chunks, at decode) with one 16-token copy, halving a decode
       step's copies. Off by default until the H200 says it helps.
+    private_staged_pages: the private kernel copies its frame's rows of the page table to
+      shared memory once (when they fit `private_attention.MAX_STAGED_PAGE_BYTES`), so each
+      step's plan reads page ids there instead of from global memory.
   """
 
   block_kv: int = 128
@@ -92,6 +97,7 @@ class MosaicGpuConfig:
   num_sms: int | None = None
   private_slots: int | None = None
   private_pair_copies: bool = False
+  private_staged_pages: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -139,7 +145,7 @@ class Prepared:
   `schedule` and `segments` are set), else a `PagedProblem` (plain paged decode).
   """
 
-  private_pages: jax.Array  # [B, P] int32
+  private_pages: jax.Array  # [B, P] int32; [staged_rows, P4] when problem.staged_pages
   private_lengths: jax.Array  # [B] int32
   row_segments: jax.Array | None  # [B, D] int32 (TreeLayout.row_segments)
   segments: jax.Array | None  # [4, J] int32, pack_segments(layout.groups)
@@ -219,14 +225,17 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
   slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
-  problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies)
+  staged = config.private_staged_pages and stage_pages(problem, layout.private_pages.shape[1])
+  problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
+                                staged_pages=staged)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
   )
+  pages = pad_page_table(layout.private_pages, problem) if staged else layout.private_pages
   return Prepared(
-      layout.private_pages, layout.private_lengths, layout.row_segments,
-      pack_segments(layout.groups), sched, problem,
+      pages, layout.private_lengths, layout.row_segments, pack_segments(layout.groups), sched,
+      problem,
   )
 
 
