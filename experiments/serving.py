@@ -85,9 +85,8 @@ _MIN_SEGMENTS = flags.DEFINE_integer('min_segments', 8, 'padded segment slots of
 _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, mosaic_gpu)')
 _OVERLAP = flags.DEFINE_boolean('overlap_decode', False,
                                 'dispatch decode step k+1 before waiting for step k (EngineConfig)')
-_COMMAND_BUFFERS = flags.DEFINE_enum(
-    'command_buffers', 'auto', ['auto', 'on', 'off'],
-    'CUDA graphs for the model step (EngineConfig.command_buffers; auto: off with overlap_decode)')
+_COMMAND_BUFFERS = flags.DEFINE_boolean(
+    'command_buffers', True, 'CUDA graphs for the model step (EngineConfig.command_buffers)')
 _LATENCY_BOUNDS = flags.DEFINE_list('latency_bounds_ms', ['20', '30', '50'],
                                     'normalized latency bounds, ms/token (a table each)')
 _DEADLINE = flags.DEFINE_float('deadline_s', 1e9, 'stop starting points after this many seconds')
@@ -248,9 +247,8 @@ def main(argv):
   done_points = {point_key(r['sharing'], r['prompt_len'], r['shared_frac'], r['rate'])
                  for r in records if all(r.get(k) == v for k, v in same_load.items())}
   params = SamplingParams(max_new_tokens=new_tokens, n=samples)
-  command_buffers = {'auto': None, 'on': True, 'off': False}[_COMMAND_BUFFERS.value]
   knobs = dict(impl=_IMPL.value, min_segments=_MIN_SEGMENTS.value,
-               overlap_decode=_OVERLAP.value, command_buffers=command_buffers)
+               overlap_decode=_OVERLAP.value, command_buffers=_COMMAND_BUFFERS.value)
   for prompt_len in lens:
     for frac in fracs:
       for sharing in _SHARING.value:

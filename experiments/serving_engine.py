@@ -96,7 +96,7 @@ def serve(engine: Engine, workload: Workload, params: SamplingParams, *, deadlin
 def make_engine(model: Llama, *, sharing: bool, prompt_len: int, new_tokens: int,
                 num_chunks: int, chunk: int, max_batch: int, kv_piece: int,
                 impl: str = 'auto', min_segments: int = 8,
-                overlap_decode: bool = False, command_buffers: bool | None = None) -> Engine:
+                overlap_decode: bool = False, command_buffers: bool = True) -> Engine:
   """An engine of the sweep.
 
   Without sharing, memory bounds the batch: decode steps are padded to that bound,

@@ -265,4 +265,4 @@ def profile_table(profiles: list[dict]) -> str:
               ('layout ms', 'layout_ms'), ('KV/seq MB', 'kv_per_seq_mb'),
               ('attention', 'resolved_impl'),
               ('overlap', lambda r: 'yes' if r.get('overlap_decode') else 'no'),
-              ('CUDA graphs', lambda r: r.get('command_buffers', 'auto'))]))
+              ('CUDA graphs', lambda r: 'off' if r.get('command_buffers') is False else 'on')]))

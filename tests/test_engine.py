@@ -402,17 +402,14 @@ def test_greedy_outputs_equal_with_the_default_sharing_policy(model, reference):
     dataclasses.replace(CONFIG, sharing_policy='default')
 
 
-def test_command_buffers_are_off_for_overlapped_gpu_steps_unless_asked():
+def test_command_buffers_off_is_an_xla_gpu_option_only():
   from models.engine.step import compiler_options
-  off = {'xla_gpu_enable_command_buffer': ''}
-  assert compiler_options('gpu', overlap_decode=True, command_buffers=None) == off
-  assert compiler_options('gpu', overlap_decode=False, command_buffers=None) == {}
-  assert compiler_options('gpu', overlap_decode=True, command_buffers=True) == {}
-  assert compiler_options('gpu', overlap_decode=False, command_buffers=False) == off
-  assert compiler_options('cpu', overlap_decode=True, command_buffers=False) == {}
+  assert compiler_options('gpu', command_buffers=False) == {'xla_gpu_enable_command_buffer': ''}
+  assert compiler_options('gpu', command_buffers=True) == {}
+  assert compiler_options('cpu', command_buffers=False) == {}
   assert dataclasses.replace(CONFIG, command_buffers=False).command_buffers is False
   with pytest.raises(ValueError, match='command_buffers'):
-    dataclasses.replace(CONFIG, command_buffers='off')
+    dataclasses.replace(CONFIG, command_buffers=None)
 
 
 @pytest.mark.parametrize('share', [True, False], ids=['sharing', 'no_sharing'])

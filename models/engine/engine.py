@@ -79,8 +79,7 @@ class Engine(Prefill, DecodeLoop):
                                static_argnames=('impl', 'top_logprobs'),
                                donate_argnames=('cache',),
                                compiler_options=compiler_options(
-                                   platform, overlap_decode=config.overlap_decode,
-                                   command_buffers=config.command_buffers))
+                                   platform, command_buffers=config.command_buffers))
     self.stats = EngineStats()
     self._scheduler = Scheduler(config, self.caches, self.stats, clock)
     self._by_seq: dict[int, Request] = {}

@@ -35,21 +35,12 @@ def model_step(graphdef, treedef, params, cache, tokens, positions, slots, layou
   return sample_batch(logits, keys, rows, top_logprobs=top_logprobs), cache
 
 
-def compiler_options(platform: str, *, overlap_decode: bool,
-                     command_buffers: bool | None) -> dict:
-  """XLA compile options of the model step on `platform` (`EngineConfig.command_buffers`).
-
-  On a GPU XLA runs a step's kernels as CUDA graphs (command buffers), re-recorded before a
-  launch whose buffers moved (every decode step: its host arguments are fresh uploads).
-  With `overlap_decode` that update meets the previous step's graph still running, and the
-  dispatch waited for it (H200, `experiments/results/serving/overlap`), so by default an
-  overlapped engine launches kernels one by one.
-  """
-  if platform != 'gpu':
+def compiler_options(platform: str, *, command_buffers: bool) -> dict:
+  """XLA compile options of the model step on `platform` (`EngineConfig.command_buffers`:
+  False turns XLA's CUDA graphs off on a GPU; other platforms have none)."""
+  if platform != 'gpu' or command_buffers:
     return {}
-  if command_buffers is None:
-    command_buffers = not overlap_decode
-  return {} if command_buffers else {'xla_gpu_enable_command_buffer': ''}
+  return {'xla_gpu_enable_command_buffer': ''}
 
 
 def segment_slots(layout) -> int:

@@ -65,7 +65,7 @@ from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv, round_up,
+    ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand, segment_fields
@@ -124,22 +124,28 @@ class PrivateProblem:
 # Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
 # and the output rows (97 KiB at H=128) two programs still share a multiprocessor.
 MAX_STAGED_PAGE_BYTES = 8192
-_TMA_INT32S = 4  # a TMA box row is a multiple of 16 bytes
+
+
+def staged_columns(problem: PrivateProblem, max_pages: int) -> int:
+  """Columns of a staged page table: a copy of the frame's rows is whole 16-byte TMA box rows
+  (4 int32) and a multiple of 128 bytes (Mosaic GPU splits a copy over a warpgroup's threads);
+  `rows_per_frame` is a power of two."""
+  multiple = max(4, 32 // problem.rows_per_frame)
+  return cdiv(max_pages, multiple) * multiple
 
 
 def stage_pages(problem: PrivateProblem, max_pages: int) -> bool:
-  """Whether the frame's page-table rows (`rows_per_frame` x `max_pages` int32, columns
-  padded to a TMA box) fit `MAX_STAGED_PAGE_BYTES` (and a TMA box: <= 256 a side)."""
-  columns = cdiv(max_pages, _TMA_INT32S) * _TMA_INT32S
-  rows = problem.rows_per_frame
+  """Whether the frame's page-table rows (`rows_per_frame` x `staged_columns` int32) fit
+  `MAX_STAGED_PAGE_BYTES` and a TMA box (at most 256 a side)."""
+  rows, columns = problem.rows_per_frame, staged_columns(problem, max_pages)
   return rows * columns * 4 <= MAX_STAGED_PAGE_BYTES and rows <= 256 and columns <= 256
 
 
 def pad_page_table(private_pages, problem: PrivateProblem):
-  """The page table as a staged kernel reads it: `staged_rows` rows, a multiple of 4 columns
+  """The page table as a staged kernel reads it: `staged_rows` rows, `staged_columns` columns
   (zeros: never read for a real chunk). numpy in, numpy out (a host-prepared plan)."""
   b, p = private_pages.shape
-  pad = ((0, problem.staged_rows - b), (0, cdiv(p, _TMA_INT32S) * _TMA_INT32S - p))
+  pad = ((0, problem.staged_rows - b), (0, staged_columns(problem, p) - p))
   xp = np if isinstance(private_pages, np.ndarray) else jnp
   return xp.pad(private_pages, pad)
 
@@ -221,9 +227,11 @@ def private_attention(
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
   direct = problem.direct_out
   staged = problem.staged_pages
-  if staged and private_pages.shape != (problem.staged_rows, round_up(max_pages, _TMA_INT32S)):
-    raise ValueError(f'a staged page table must be [{problem.staged_rows}, a multiple of '
-                     f'{_TMA_INT32S}] (pad_page_table), got {private_pages.shape}')
+  if staged and private_pages.shape != (
+      problem.staged_rows, staged_columns(problem, max_pages)):
+    raise ValueError(f'a staged page table must be [{problem.staged_rows}, '
+                     f'{staged_columns(problem, max_pages)}] (pad_page_table), got '
+                     f'{private_pages.shape}')
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
