@@ -24,9 +24,10 @@ tokens, page ids read while this step's QK wgmma runs so the refill copy goes
 out as soon as the slot is free, and its valid tokens per lane packed in
 one int32 carried to the step that consumes it). With `staged_pages` the
 frame's rows of the page table come to shared memory in one TMA copy at the
-start, and the page ids are shared-memory reads instead of global ones. A step of 8 more chunks of one
-row (long rows: 64 tokens, one or two page-id reads, one copy when they are
-contiguous) is planned in closed form; others walk their 8 lanes. The score
+start, and the page ids are shared-memory reads instead of global ones. A
+step of 8 more chunks of one row (long rows: 64 tokens, one or two page-id
+reads, one copy when they are contiguous) is planned in closed form; others
+walk their 8 lanes. The score
 mask needs no walk: each query row sees one range of the packed lane-token
 positions (its row's chunks, cut at its length and causal bound), two per-row
 bounds computed once, so a step's mask is two compares per score.
@@ -90,8 +91,8 @@ class PrivateProblem:
   slots: int = 2  # K/V steps in flight
   pair_copies: bool = False  # two chunks that follow each other: one 16-token copy
   # The frame's rows of the page table copied to shared memory once (`stage_pages`), so the
-  # plan's page-id reads are shared-memory reads; the table then has `staged_rows(...)` rows
-  # and a multiple of 4 columns (`pad_page_table`).
+  # plan's page-id reads are shared-memory reads; the table then has `staged_rows` rows and
+  # `staged_columns` columns (`pad_page_table`).
   staged_pages: bool = False
 
   @property
