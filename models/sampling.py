@@ -17,6 +17,12 @@ Every filter is a threshold on the scaled logit, so ties are kept together.
 Log-probs (of the chosen token and the top n) are those of the model:
 `log_softmax` of the raw logits, whatever the filters.
 
+Which of those steps a batch needs (`SamplingMode`: greedy, draw, or draw with top-k / top-p)
+is known on the host when its rows are built, and rides in `SamplingRows` as static pytree
+metadata: a jitted step then compiles only what the mode needs and holds no `lax.cond`, whose
+predicate a GPU reads back on the host (the host would wait for the device at every dispatch,
+and nothing would overlap). Rows built from traced arrays (mode None) decide on the device.
+
 Random draws use one key per row, `fold_in(fold_in(key(seed), stream), index)`:
 a row's draws depend only on its seed, its stream (a request or sequence id)
 and the token's index, never on the batch around it.
@@ -24,6 +30,7 @@ and the token's index, never on the batch around it.
 
 import collections.abc
 import dataclasses
+import enum
 import math
 import numbers
 from typing import Any, NamedTuple, Sequence
@@ -154,15 +161,37 @@ class SamplingParams:
 SamplingConfig = SamplingParams  # the old name of `generate(sampling=...)`: same fields
 
 
+class SamplingMode(enum.Enum):
+  """What a batch's draw computes (static: each mode is its own compiled program)."""
+
+  GREEDY = 'greedy'  # every row takes the argmax
+  DRAW = 'draw'  # some row samples; none of those uses top-k or top-p (no sort)
+  FILTER = 'filter'  # some sampling row uses top-k or top-p (the sorted cutoff)
+
+  @classmethod
+  def of(cls, temperature, top_k, top_p) -> 'SamplingMode':
+    """The mode of host rows (numpy or lists of the per-row parameters)."""
+    sampling = np.asarray(temperature) > 0
+    if not sampling.any():
+      return cls.GREEDY
+    filtered = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1)
+    return cls.FILTER if (sampling & filtered).any() else cls.DRAW
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
-  """Per-row sampling parameters of a batch (host numpy or device arrays, all [B])."""
+  """Per-row sampling parameters of a batch (host numpy or device arrays, all [B]).
+
+  `mode` is static (part of the pytree's structure): `of` and `full` set it from the host
+  values; None (rows from traced arrays) leaves the choice to the device.
+  """
 
   temperature: Any  # [B] float32, 0: greedy
   top_k: Any  # [B] int32, 0: off
   top_p: Any  # [B] float32
   min_p: Any  # [B] float32
+  mode: SamplingMode | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def of(cls, params: Sequence[SamplingParams], size: int | None = None) -> 'SamplingRows':
@@ -176,7 +205,7 @@ class SamplingRows:
       k[:n] = [x.top_k for x in params]
       p[:n] = [x.top_p for x in params]
       m[:n] = [x.min_p for x in params]
-    return cls(t, k, p, m)
+    return cls(t, k, p, m, SamplingMode.of(t, k, p))
 
   @classmethod
   def full(cls, params: SamplingParams, size: int) -> 'SamplingRows':
@@ -184,7 +213,8 @@ class SamplingRows:
     return cls(jnp.full((size,), params.temperature, jnp.float32),
                jnp.full((size,), params.top_k, jnp.int32),
                jnp.full((size,), params.top_p, jnp.float32),
-               jnp.full((size,), params.min_p, jnp.float32))
+               jnp.full((size,), params.min_p, jnp.float32),
+               SamplingMode.of(params.temperature, params.top_k, params.top_p))
 
 
 class Sampled(NamedTuple):
@@ -222,7 +252,8 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
   """logits [B, V] -> scaled logits [B, V] float32, -inf where top-k, top-p or min-p drop.
 
   Rows with temperature 0 are scaled by 1 (they take the argmax anyway). The sort that
-  top-k and top-p need runs only when some row uses them.
+  top-k and top-p need runs only when some row uses them (`rows.mode` FILTER, or decided on
+  the device when the mode is None).
   """
   t = jnp.asarray(rows.temperature, jnp.float32)
   top_k = jnp.asarray(rows.top_k, jnp.int32)
@@ -246,16 +277,22 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     kept = jnp.where(within & (ordered > -jnp.inf), ordered, jnp.inf)
     return jnp.maximum(kth[:, 0], jnp.min(kept, axis=-1))
 
-  needs_sort = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1))
-  cutoff = jax.lax.cond(needs_sort, sorted_cutoff,
-                        lambda x: jnp.full(x.shape[:1], -jnp.inf, jnp.float32), x)
+  def no_cutoff(x):
+    return jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
+
+  if rows.mode is None:
+    needs_sort = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1))
+    cutoff = jax.lax.cond(needs_sort, sorted_cutoff, no_cutoff, x)
+  else:
+    cutoff = sorted_cutoff(x) if rows.mode is SamplingMode.FILTER else no_cutoff(x)
   return jnp.where(x >= jnp.maximum(cutoff, floor)[:, None], x, -jnp.inf)
 
 
 def draw(logits: jax.Array, keys: jax.Array, rows: SamplingRows) -> jax.Array:
   """Tokens [B] int32 from logits [B, V]: argmax where temperature is 0, else a draw.
 
-  The filtered distribution and the draws are computed only when some row samples.
+  The filtered distribution and the draws are computed only when some row samples
+  (`rows.mode` not GREEDY, or decided on the device when the mode is None).
   """
   if logits.ndim != 2 or keys.shape[:1] != logits.shape[:1]:
     raise ValueError(f'logits must be [B, V] and keys [B], got {logits.shape} and {keys.shape}')
@@ -267,7 +304,9 @@ def draw(logits: jax.Array, keys: jax.Array, rows: SamplingRows) -> jax.Array:
     tokens = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
     return jnp.where(t > 0, tokens, greedy)
 
-  return jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, logits)
+  if rows.mode is None:
+    return jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, logits)
+  return greedy if rows.mode is SamplingMode.GREEDY else drawn(logits)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

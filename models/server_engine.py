@@ -74,7 +74,7 @@ class EngineLoop:
     self.recent: collections.deque = collections.deque(maxlen=keep_finished)  # finished Requests
     self.finished_requests = 0
     budget = getattr(engine, 'compiled_shape_budget', None)  # engines with a fixed shape set
-    self._budget = budget().num_steps if budget is not None else None
+    self._budget = budget().num_programs if budget is not None else None
     self.stats: dict[str, Any] = self._stats()
 
   @property

@@ -3,6 +3,7 @@ parallel samples (fork); prefix retention."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,6 +13,7 @@ from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import NAIVE, generate
 from models.llama import Llama
+from models.sampling import SamplingMode
 
 NEW = 6
 # One static shape for decode and one for prefill (every test reuses the compiles).
@@ -441,7 +443,7 @@ def test_random_traffic_stays_within_the_compiled_shape_budget(model, share):
         engine.cancel(int(rng.integers(len(engine.requests))))
     engine.run()
   assert engine.stats.decode_steps + engine.stats.new_shape_steps > 100
-  assert 2 <= len(engine.stats.shapes) <= budget.num_steps
+  assert 2 <= len(engine.stats.shapes) <= budget.num_programs
   assert all(r.state in ('done', 'cancelled') for r in engine.requests.values())
   assert_no_leak(engine)
 
@@ -453,6 +455,31 @@ def test_warmup_compiles_every_shape_the_traffic_runs(model, reference):
   engine.warmup()
   assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
   assert engine.stats.new_shape_steps == 0
+  assert_no_leak(engine)
+
+
+def test_model_steps_hold_no_conditional_in_any_sampling_mode(model, reference):
+  """A GPU reads a `lax.cond` predicate back on the host, so an overlapped step's dispatch would
+  wait for the step before it: the engine's steps carry their sampling mode statically."""
+  prompts, expected = reference
+  engine = Engine(model, dataclasses.replace(CONFIG, overlap_decode=True))
+  step, calls = engine._model_step, {}
+
+  def spy(*args, **kwargs):
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x,
+        (args, kwargs))
+    calls.setdefault((args[2].shape, args[9].mode), abstract)
+    return step(*args, **kwargs)
+
+  engine._model_step = spy
+  assert engine.generate(prompts[:3], SamplingParams(max_new_tokens=NEW)) == expected[:3]
+  engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, temperature=0.8))
+  engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.9))
+  assert {mode for _, mode in calls} == set(SamplingMode)
+  for (args, kwargs) in calls.values():
+    text = step.lower(*args, **kwargs).as_text()
+    assert 'stablehlo.case' not in text and 'stablehlo.if' not in text
   assert_no_leak(engine)
 
 

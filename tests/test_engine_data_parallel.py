@@ -99,7 +99,7 @@ def test_greedy_outputs_equal_one_device(kind, mesh):
   for array in (engine.kv.k, engine.kv.v):
     assert array.sharding.is_equivalent_to(want_sharding, 4)
   assert engine.kv.k.shape[1] == 2 * CONFIG.num_chunks * CONFIG.chunk_size  # dp x L_s
-  assert len(engine.stats.shapes) <= engine.compiled_shape_budget().num_steps
+  assert len(engine.stats.shapes) <= engine.compiled_shape_budget().num_programs
 
 
 @pytest.mark.parametrize('share,retain', [(True, False), (False, False)],
@@ -170,7 +170,7 @@ def test_warmup_compiles_every_step_shape():
   assert budget == CONFIG.shape_budget(2)
   assert budget.num_steps == CONFIG.shape_budget().num_steps  # per shard: the same step shapes
   engine.warmup()
-  assert len(engine._seen_shapes) == budget.num_steps
+  assert len(engine._seen_shapes) == budget.num_programs
   outputs = engine.generate(_prompts(101), SamplingParams(max_new_tokens=NEW))
   assert outputs == _one_device('mqa')[0]
   assert engine.stats.new_shape_steps == 0  # nothing left to compile

@@ -1,6 +1,7 @@
 """Sampling: parameter checks, per-row filters against a numpy reference, keys, log-probs,
 and `generate` with stop sequences and log-probs."""
 
+import dataclasses
 import math
 
 import jax
@@ -14,6 +15,7 @@ from models.config import get_config
 from models.kv_cache import DenseKVCache
 from models.llama import Llama
 from models.sampling import (
+  SamplingMode,
   SamplingParams,
   SamplingRows,
   draw,
@@ -182,3 +184,47 @@ def test_generate_stop_sequences_and_logprobs(model):
     n = ends[0] if ends else 6
     assert stopped.lengths[r] == n
     np.testing.assert_array_equal(stopped.tokens[r, :n], out.tokens[r, :n])
+
+
+def test_the_sampling_mode_is_known_from_the_host_rows():
+  def mode(*params):
+    return SamplingRows.of(list(params), 4).mode
+
+  assert mode() is SamplingMode.GREEDY  # padding rows are greedy
+  assert mode(SamplingParams(top_p=0.5, top_k=3)) is SamplingMode.GREEDY  # filters unused
+  assert mode(SamplingParams(), SamplingParams(temperature=0.7, min_p=0.1)) is SamplingMode.DRAW
+  assert mode(SamplingParams(temperature=0.7), SamplingParams(top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.9)) is SamplingMode.FILTER
+  assert mode(SamplingParams(temperature=0.3, top_k=2)) is SamplingMode.FILTER
+  assert SamplingRows.full(SamplingParams(temperature=0.5), 3).mode is SamplingMode.DRAW
+
+
+def _has_conditional(fn, *args) -> bool:
+  text = jax.jit(fn).lower(*args).as_text()
+  return 'stablehlo.case' in text or 'stablehlo.if' in text
+
+
+@pytest.mark.parametrize('case', ['greedy', 'draw', 'filter', 'mixed'])
+def test_a_static_mode_draws_what_the_device_decides_without_a_conditional(case):
+  """A GPU reads a `lax.cond` predicate back on the host (the dispatch waits for the device);
+  rows with a static mode compile none, and draw the same tokens."""
+  rng = np.random.default_rng()
+  b, v = 9, 67
+  logits = jnp.asarray(rng.normal(0, 2, (b, v)).astype(np.float32))
+  keys = request_keys(jnp.asarray(rng.integers(0, 2**32, b, dtype=np.uint32)),
+                      jnp.arange(b), jnp.asarray(rng.integers(0, 100, b)))
+  greedy = SamplingParams()
+  kinds = {'greedy': [greedy, SamplingParams(top_p=0.4)],
+           'draw': [greedy, SamplingParams(temperature=0.8), SamplingParams(temperature=1.3,
+                                                                             min_p=0.2)],
+           'filter': [SamplingParams(temperature=0.9, top_k=4), SamplingParams(temperature=1.1,
+                                                                               top_p=0.6)],
+           'mixed': [greedy, SamplingParams(temperature=0.7),
+                     SamplingParams(temperature=1.0, top_k=9, top_p=0.8, min_p=0.05)]}[case]
+  rows = SamplingRows.of([kinds[i] for i in rng.integers(0, len(kinds), b)])
+  decided = dataclasses.replace(rows, mode=None)
+  np.testing.assert_array_equal(draw(logits, keys, rows), draw(logits, keys, decided))
+  np.testing.assert_array_equal(sample_batch(logits, keys, rows, top_logprobs=2).tokens,
+                                draw(logits, keys, decided))
+  assert not _has_conditional(lambda x: draw(x, keys, rows), logits)
+  assert _has_conditional(lambda x: draw(x, keys, decided), logits)

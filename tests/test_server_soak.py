@@ -159,7 +159,7 @@ def soak(llama, seconds: float, *, seed: int = 0, warmup: bool = True, log=None)
                   counts['answered']))
   return {'samples': samples, 'alive': alive, 'leftover_requests': leftover, **counts,
           'shapes': len(engine.stats.shapes),
-          'budget': budget().num_steps if budget is not None else None}
+          'budget': budget().num_programs if budget is not None else None}
 
 
 def _check_soak(result) -> None:

@@ -5,7 +5,7 @@ from typing import Any
 
 from hydrajax import AttentionImpl, SharingPolicy
 from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
-from models.sampling import MAX_TOP_LOGPROBS
+from models.sampling import MAX_TOP_LOGPROBS, SamplingMode
 
 # Old flat keywords of EngineConfig -> the ChunkCacheConfig field they set.
 _CACHE_KEYWORDS = {
@@ -37,11 +37,17 @@ class ShapeBudget:
     """Distinct model-step shapes (decode and prefill)."""
     return len(self.decode) + len(self.prefill)
 
+  @property
+  def num_programs(self) -> int:
+    """Compiled model steps: every shape in every sampling mode (`SamplingMode`)."""
+    return self.num_steps * len(SamplingMode)
+
   def __str__(self) -> str:
     rows = sorted({b for b, _ in self.decode})
     lengths = sorted({t for t, _, _ in self.prefill})
     return (f'{self.num_steps} model-step shapes ({len(self.decode)} decode over rows {rows}, '
-            f'{len(self.prefill)} prefill over lengths {lengths}), {len(self.copies)} copy sizes')
+            f'{len(self.prefill)} prefill over lengths {lengths}) x {len(SamplingMode)} '
+            f'sampling modes, {len(self.copies)} copy sizes')
 
 
 # EngineConfig's default sharing policy: `SharingPolicy.default()`, loaded when a config is made.

@@ -25,7 +25,7 @@ from models.engine.stats import EngineStats
 from models.engine.step import compiler_options, model_step, segment_slots
 from models.kv_cache import KVCache
 from models.llama import Llama
-from models.sampling import Sampled, SamplingParams, SamplingRows
+from models.sampling import Sampled, SamplingMode, SamplingParams, SamplingRows
 
 log = logging.getLogger(__name__)
 _FINISHED = ('done', 'cancelled', 'error')
@@ -317,8 +317,7 @@ class Engine(Prefill, DecodeLoop):
     if shape not in self._allowed:
       warnings.warn(f'engine step shape {shape} is outside its budget ({self._budget})',
                     stacklevel=2)
-    key = (tokens.shape, s, feed is not None, jax.tree_util.tree_structure(layout),
-           tuple(x.shape for x in jax.tree_util.tree_leaves(layout)))
+    key = _shape_key(tokens, s, feed, layout, rows)
     self.stats.shapes.add(key)
     self._last_new_shape = key not in self._seen_shapes
     self._seen_shapes.add(key)
@@ -361,17 +360,18 @@ class Engine(Prefill, DecodeLoop):
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
   def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
+    """Compiles one shape in every sampling mode (each is a program of its own)."""
     b, t = tokens.shape
     slots = np.full((b, t), self._drop_slot, np.int32)  # writes nothing
-    seeds, streams, index, rows = self._sampling_inputs([], s)
-    out, self.kv = self._model_step(
-        self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
-        streams, index, rows, sample_rows, feed=feed, impl=impl,
-        top_logprobs=self.config.max_top_logprobs)
-    jax.block_until_ready(out)
-    self._seen_shapes.add((tokens.shape, s, feed is not None,
-                           jax.tree_util.tree_structure(layout),
-                           tuple(x.shape for x in jax.tree_util.tree_leaves(layout))))
+    seeds, streams, index, greedy_rows = self._sampling_inputs([], s)
+    for mode in SamplingMode:
+      rows = dataclasses.replace(greedy_rows, mode=mode)
+      out, self.kv = self._model_step(
+          self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
+          streams, index, rows, sample_rows, feed=feed, impl=impl,
+          top_logprobs=self.config.max_top_logprobs)
+      jax.block_until_ready(out)
+      self._seen_shapes.add(_shape_key(tokens, s, feed, layout, rows))
 
   # ---- handing out tokens -----------------------------------------------------------------
 
@@ -442,3 +442,9 @@ class Engine(Prefill, DecodeLoop):
       return
     self.stats.peak_chunks = max(self.stats.peak_chunks, self.cache.num_used_chunks)
     self.stats.peak_rows = max(self.stats.peak_rows, self.cache.num_rows)
+
+
+def _shape_key(tokens, s, feed, layout, rows: SamplingRows) -> tuple:
+  """What selects a compiled model step: shapes, the layout's structure, the sampling mode."""
+  return (tokens.shape, s, feed is not None, jax.tree_util.tree_structure(layout),
+          tuple(x.shape for x in jax.tree_util.tree_leaves(layout)), rows.mode)

@@ -17,8 +17,9 @@ class EngineStats:
   hidden rather than added; its wait is what is left of the device's time.
   A step whose shapes the engine runs for the first time (it may compile) is
   counted apart, in `new_shape_steps` and `new_shape_s`, not in the decode
-  figures. `shapes` holds every distinct model-step shape run (at most the
-  engine's `shape_budget().num_steps`); `errors` counts requests that finished
+  figures. `shapes` holds every distinct model step run, a shape in a sampling
+  mode (at most the engine's `compiled_shape_budget().num_programs`); `errors`
+  counts requests that finished
   with reason 'error'.
   """
 
