@@ -156,7 +156,10 @@ def profile_decode(engine: Engine, workload: Workload, *, new_tokens: int, steps
                                       'mean_decode_dispatch_ms', 'decode_steps',
                                       'new_shape_steps')})
   if jax.default_backend() == 'gpu':
-    _, kernels = timing.kernel_times(engine.step)
+    # One whole step under CUPTI: with overlap_decode the step before is still on the device
+    # (drained first), and a step returns with its own step dispatched (waited for at the end).
+    jax.block_until_ready(engine.kv)
+    _, kernels = timing.kernel_times(lambda: (engine.step(), engine.kv)[1])
     rec['device_ms'] = sum(k[1] for k in kernels) / 1e3
     rec['top_kernels'] = kernels[:top]
   for rid in list(engine.requests):
