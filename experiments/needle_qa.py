@@ -179,7 +179,12 @@ def main(argv):
     if mode != 'no_attention':
       answers[(mode, q)] = tokens
     if mode == 'no_sharing' and ('tree', q) in answers:
-      r['identical_to_tree'] = bool(np.array_equal(tokens, answers[('tree', q)]))
+      tree = np.asarray(answers[('tree', q)])
+      r['identical_to_tree'] = bool(np.array_equal(tokens, tree))
+      differ = np.asarray(tokens) != tree  # [Q, new tokens]
+      r['identical_questions'] = int((~differ.any(axis=1)).sum())
+      if differ.any():  # the earliest token (over the questions) where an answer departs
+        r['first_divergence'] = int(differ.any(axis=0).argmax())
     records.append(r)
     writer.append(r)
     logging.info('%s Q=%d: decode %.3f s, %s', mode, q, decode_s, r.get('identical_to_tree', ''))
