@@ -57,6 +57,9 @@ flags.DEFINE_enum('model', 'random', ['tiny_coder', 'random', 'hf'],
 flags.DEFINE_string('tiny_checkpoint', os.path.join(aw.DATA, 'tiny_coder'), 'the tiny model')
 flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (with its tokenizer)')
 flags.DEFINE_string('preset', 'llama2_7b', 'model shape for --model=random')
+flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'],
+                  'weights and KV of --model=random (float32: greedy ties that bfloat16 '
+                  'rounding breaks one way or the other stay apart)')
 flags.DEFINE_integer('num_kv_heads', 0, 'override the preset\'s KV heads (Yi-6B: 4)')
 flags.DEFINE_integer('vocab_size', 0, 'override the preset\'s vocabulary (Yi-6B: 64000)')
 flags.DEFINE_string('impl', 'auto', 'attention of tree and no_sharing: auto, xla, mosaic_gpu')
@@ -94,7 +97,10 @@ def _load_model():
   overrides = {k: getattr(FLAGS, k) for k in ('num_kv_heads', 'vocab_size') if getattr(FLAGS, k)}
   config = get_config(FLAGS.preset, **overrides)
   name = FLAGS.preset + ''.join(f',{k}={v}' for k, v in overrides.items())
-  return Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), ByteTokenizer(), 'random:' + name
+  if FLAGS.dtype != 'bfloat16':
+    name += f',dtype={FLAGS.dtype}'
+  return (Llama(config, rngs=nnx.Rngs(0), dtype=jnp.dtype(FLAGS.dtype)), ByteTokenizer(),
+          'random:' + name)
 
 
 def _budget(model) -> int:
