@@ -14,7 +14,11 @@ the document is excluded, as in the paper, and reported apart. The document is p
 the first tree point, and its KV copied into every later tree and no-attention cache (its prefill
 does not depend on Q; a 20K-token prefill per point was most of an H200 run's time). Greedy answers of tree and
 no_sharing are compared token for token at every Q where both ran, and their accuracy reported.
-Writes results.jsonl, table.md, time_vs_questions.png and README.md to --workdir.
+Writes results.jsonl, table.md, time_vs_questions.png and README.md to --workdir, and each
+point's answers (answers/<mode>_q<Q>.npy). `--resume` keeps the points of an earlier run in the
+same --workdir (with the same model and document) and runs only the rest, so a sweep cut by a
+time limit goes on where it stopped; the token-identity check then also compares with the answers
+kept.
 
 CPU smoke run (the tiny model, a 2K-token document, Q = 1..8; --smoke is the default on CPU):
 
@@ -29,6 +33,7 @@ vocabulary; a 20K-token document; Q = 1..1024; no sharing up to Q = 64):
       --new_tokens=32 --no_sharing_max_questions=64 --impl=auto --workdir=$OUT/needle_qa
 """
 
+import json
 import os
 
 from absl import app, flags, logging
@@ -38,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_sweeps, progress
+from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_sweeps, progress, report
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import generate as gen
 from models.llama import NO_ATTENTION
@@ -70,6 +75,8 @@ flags.DEFINE_integer('no_sharing_max_questions', 0, 'run no_sharing only up to t
 flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per model call, over all its rows')
 flags.DEFINE_integer('seed', 0, 'document seed')
 flags.DEFINE_string('workdir', '/tmp/hydrajax/needle_qa', 'output folder')
+flags.DEFINE_bool('resume', False, 'keep the points of --workdir/results.jsonl (same model and '
+                  'document) and run only the others')
 
 _SMOKE = dict(doc_tokens=2048, questions=['1', '2', '4', '8'], new_tokens=8, model='tiny_coder')
 
@@ -149,10 +156,16 @@ def main(argv):
   private = -(-FLAGS.new_tokens // gen.PRIVATE_ALIGN) * gen.PRIVATE_ALIGN
   logging.info('model %s; document %d tokens; Q %s; KV budget %.2f GiB', model_name, len(doc), qs,
                budget / 2**30)
-  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'results.jsonl'))
-  records, answers = [], {}
+  path = os.path.join(FLAGS.workdir, 'results.jsonl')
+  records, answers = _earlier_points(path, model_name, len(doc)) if FLAGS.resume else ([], {})
+  with open(path, 'w') as f:  # what was kept, with its own metadata
+    f.writelines(json.dumps(r, sort_keys=True) + '\n' for r in records)
+  writer = JsonlWriter(path)
   document = {}  # the document's KV: prefilled at the first tree point, copied into the rest
-  cases = [(q, m) for q in qs for m in FLAGS.modes]
+  done = {(r['questions'], r['mode']) for r in records}
+  cases = [(q, m) for q in qs for m in FLAGS.modes if (q, m) not in done]
+  if done:
+    logging.info('resuming: %d points kept, %d to run', len(done), len(cases))
   for q, mode in progress(cases, total=len(cases), desc='needle_qa'):
     qids = questions[:q]
     base = dict(mode=mode, questions=q, doc_tokens=len(doc), new_tokens=FLAGS.new_tokens,
@@ -184,6 +197,7 @@ def main(argv):
              accuracy=float(np.mean([a == b for a, b in zip(got, task.answers)])))
     if mode != 'no_attention':
       answers[(mode, q)] = tokens
+      _save_answers(mode, q, tokens)
     if mode == 'no_sharing' and ('tree', q) in answers:
       tree = np.asarray(answers[('tree', q)])
       r['identical_to_tree'] = bool(np.array_equal(tokens, tree))
@@ -195,6 +209,36 @@ def main(argv):
     writer.append(r)
     logging.info('%s Q=%d: decode %.3f s, %s', mode, q, decode_s, r.get('identical_to_tree', ''))
   _finish(records, writer.meta, model_name, smoke)
+
+
+def _answers_path(mode: str, q: int) -> str:
+  return os.path.join(FLAGS.workdir, 'answers', f'{mode}_q{q}.npy')
+
+
+def _save_answers(mode: str, q: int, tokens) -> None:
+  os.makedirs(os.path.dirname(_answers_path(mode, q)), exist_ok=True)
+  np.save(_answers_path(mode, q), np.asarray(tokens))
+
+
+def _earlier_points(path: str, model_name: str, doc_tokens: int):
+  """(records, answers) of an earlier run to keep: points that ran or did not fit, of this
+  model, document length and --new_tokens; answers of tree and no_sharing points from their
+  saved files (a point whose answers are missing runs again)."""
+  if not os.path.exists(path):
+    return [], {}
+  records, answers = [], {}
+  for r in report.read_jsonl(path):
+    same_run = (r.get('model') == model_name and r.get('doc_tokens') == doc_tokens
+                and r.get('new_tokens') == FLAGS.new_tokens and r.get('impl') == FLAGS.impl)
+    if not same_run or r.get('status') not in ('ok', 'does_not_fit'):
+      continue
+    key = (r['mode'], r['questions'])
+    if r['status'] == 'ok' and r['mode'] != 'no_attention':
+      if not os.path.exists(_answers_path(*key)):
+        continue
+      answers[key] = np.load(_answers_path(*key))
+    records.append(r)
+  return records, answers
 
 
 def _finish(records, meta, model_name, smoke):

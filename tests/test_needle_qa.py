@@ -56,3 +56,26 @@ def test_smoke_run(tmp_path):
   assert [r['identical_to_tree'] for r in records if r['mode'] == 'no_sharing'] == [True, True]
   for name in ('table.md', 'README.md', 'time_vs_questions.png'):
     assert (tmp_path / name).exists()
+
+
+def test_resume_keeps_the_points_that_ran(tmp_path):
+  def run(*flags):
+    out = subprocess.run(
+        [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--doc_tokens=400',
+         '--new_tokens=4', '--modes=tree,no_sharing', f'--workdir={tmp_path}', *flags],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+        timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r['mode'], r['questions']): r
+            for r in map(json.loads, open(tmp_path / 'results.jsonl'))}, out.stderr
+
+  first, _ = run('--questions=1')
+  assert (tmp_path / 'answers' / 'tree_q1.npy').exists()
+  second, log = run('--questions=1,2', '--resume')
+  assert 'resuming: 2 points kept, 2 to run' in log
+  assert set(second) == {(m, q) for m in ('tree', 'no_sharing') for q in (1, 2)}
+  for key in first:  # kept as they were, not run again
+    assert second[key]['timestamp'] == first[key]['timestamp']
+  assert second[('no_sharing', 2)]['identical_to_tree'] is True
+  third, log = run('--questions=2')  # without --resume: a fresh run
+  assert set(third) == {('tree', 2), ('no_sharing', 2)} and 'resuming' not in log
