@@ -33,7 +33,6 @@ vocabulary; a 20K-token document; Q = 1..1024; no sharing up to Q = 64):
       --new_tokens=32 --no_sharing_max_questions=64 --impl=auto --workdir=$OUT/needle_qa
 """
 
-import json
 import os
 
 from absl import app, flags, logging
@@ -43,7 +42,8 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_sweeps, progress, report
+from hydrajax.benchmarking import (
+    JsonlWriter, markdown_table, plot_sweeps, progress, resume_records)
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import generate as gen
 from models.llama import NO_ATTENTION
@@ -157,9 +157,8 @@ def main(argv):
   logging.info('model %s; document %d tokens; Q %s; KV budget %.2f GiB', model_name, len(doc), qs,
                budget / 2**30)
   path = os.path.join(FLAGS.workdir, 'results.jsonl')
-  records, answers = _earlier_points(path, model_name, len(doc)) if FLAGS.resume else ([], {})
-  with open(path, 'w') as f:  # what was kept, with its own metadata
-    f.writelines(json.dumps(r, sort_keys=True) + '\n' for r in records)
+  answers = {}
+  records = resume_records(path, _kept(model_name, len(doc), answers) if FLAGS.resume else None)
   writer = JsonlWriter(path)
   document = {}  # the document's KV: prefilled at the first tree point, copied into the rest
   done = {(r['questions'], r['mode']) for r in records}
@@ -220,25 +219,23 @@ def _save_answers(mode: str, q: int, tokens) -> None:
   np.save(_answers_path(mode, q), np.asarray(tokens))
 
 
-def _earlier_points(path: str, model_name: str, doc_tokens: int):
-  """(records, answers) of an earlier run to keep: points that ran or did not fit, of this
-  model, document length and --new_tokens; answers of tree and no_sharing points from their
-  saved files (a point whose answers are missing runs again)."""
-  if not os.path.exists(path):
-    return [], {}
-  records, answers = [], {}
-  for r in report.read_jsonl(path):
-    same_run = (r.get('model') == model_name and r.get('doc_tokens') == doc_tokens
-                and r.get('new_tokens') == FLAGS.new_tokens and r.get('impl') == FLAGS.impl)
-    if not same_run or r.get('status') not in ('ok', 'does_not_fit'):
-      continue
+def _kept(model_name: str, doc_tokens: int, answers: dict):
+  """Which records of an earlier run a resumed one keeps: points of this model, document length,
+  --new_tokens and --impl that ran or did not fit; tree and no_sharing points only with their
+  saved answers, which go into `answers` (a point whose answers are missing runs again)."""
+  def keep(r) -> bool:
+    if (r.get('model'), r.get('doc_tokens'), r.get('new_tokens'), r.get('impl')) != (
+        model_name, doc_tokens, FLAGS.new_tokens, FLAGS.impl):
+      return False
+    if r.get('status') == 'does_not_fit' or (r.get('status') == 'ok'
+                                              and r['mode'] == 'no_attention'):
+      return True
     key = (r['mode'], r['questions'])
-    if r['status'] == 'ok' and r['mode'] != 'no_attention':
-      if not os.path.exists(_answers_path(*key)):
-        continue
-      answers[key] = np.load(_answers_path(*key))
-    records.append(r)
-  return records, answers
+    if r.get('status') != 'ok' or not os.path.exists(_answers_path(*key)):
+      return False
+    answers[key] = np.load(_answers_path(*key))
+    return True
+  return keep
 
 
 def _finish(records, meta, model_name, smoke):

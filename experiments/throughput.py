@@ -45,6 +45,9 @@ Rebuild the tables and plots from a run's raw records:
 
   python -m experiments.throughput --rebuild=experiments/results/throughput/raw.jsonl \
       --workdir=/tmp/throughput
+
+A grid cut by --deadline_s (or a device's time limit) goes on with the same flags and --resume:
+the points in --workdir/raw.jsonl that ran are kept, the rest run.
 """
 
 import os
@@ -56,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrajax.benchmarking import (
-    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl,
+    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl, resume_records,
 )
 from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
@@ -79,6 +82,9 @@ flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8
 flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
 flags.DEFINE_integer('profile_kernels', 0, 'record the N costliest kernels of one step (GPU)')
 flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
+flags.DEFINE_bool('resume', False, 'keep the points of --workdir/raw.jsonl that ran (same preset, '
+                  'mesh, new tokens, page size) and run the rest; a kept point may come from '
+                  'another machine start, so compare within one run where it matters')
 flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel; '' or 'none': one "
                     'device); dp is not used by this benchmark')
 flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
@@ -134,16 +140,21 @@ def main(argv):
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)
-  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'raw.jsonl'))
+  path = os.path.join(FLAGS.workdir, 'raw.jsonl')
+  records = resume_records(path, _kept(config) if FLAGS.resume else None)
+  writer = JsonlWriter(path)
+  done = {(r['name'], r['batch'], r['prefix']) for r in records}
+  cases = [c for c in _cases() if (c.name, c.batch, c.prefix) not in done]
+  if done:
+    logging.info('resuming: %d points kept, %d to run', len(done), len(cases))
   memory_limit = _memory_limit()
-  prefixes, prefill = {}, {}
-  for prefix in (int(p) for p in FLAGS.prefixes):
+  prefixes, prefill = {}, {r['prefix']: r['prefill_s'] for r in records}
+  for prefix in sorted({c.prefix for c in cases}, key=[int(p) for p in FLAGS.prefixes].index):
     k, v, first, seconds = db.prefill_prefix(model, prefix, chunk=FLAGS.prefill_chunk)
     prefixes[prefix], prefill[prefix] = (k, v, first), seconds
     logging.info('prefill P=%d: %.3f s (%.0f tokens/s)', prefix, seconds, prefix / seconds)
-  records = []
   ceil = dict(copy_bandwidth=ceilings.copy_bandwidth, matmul_rate=ceilings.matmul_rate)
-  for case in _cases():
+  for case in cases:
     base = dict(name=case.name, mode=case.mode, impl=case.impl or 'none', batch=case.batch,
                 prefix=case.prefix, new_tokens=case.new_tokens)
     if FLAGS.deadline_s and time.perf_counter() - started > FLAGS.deadline_s:
@@ -160,12 +171,25 @@ def main(argv):
     seconds = prefill[case.prefix]
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
              ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
-             mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype)
+             mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
+             page_size=FLAGS.page_size)
     records.append(r)
     writer.append(r)
     logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),
                  f"{r['tokens_per_s']:.0f} tok/s" if 'tokens_per_s' in r else r.get('reason', ''))
   _finish(records, config, ceilings, prefill, writer.meta, time.perf_counter() - started)
+
+
+def _kept(config):
+  """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
+  --page_size and --tp_reduce_dtype that ran, did not fit or are not supported."""
+  def keep(r) -> bool:
+    return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
+             r.get('tp_reduce_dtype'))
+            == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
+                FLAGS.tp_reduce_dtype)
+            and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
+  return keep
 
 
 def _finish(records, config, ceilings, prefill, meta, total_s):

@@ -135,3 +135,16 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   table = lambda d: [l for l in (tmp_path / d / 'table.md').read_text().splitlines()
                      if l.startswith('| ')]
   assert table('a') == table('b') and len(table('a')) == 3
+  # --resume keeps the points that ran and runs the new one (a second batch size).
+  with open(tmp_path / 'a' / 'raw.jsonl') as f:
+    first = [json.loads(line) for line in f]
+  out = run('--batches=2,3', '--prefixes=16', '--new_tokens=4', '--modes=no_attention,tree',
+            '--impls=xla', '--page_size=8', '--max_decode_s=0.05', '--resume',
+            f'--workdir={tmp_path / "a"}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'resuming: 2 points kept, 2 to run' in out.stderr
+  with open(tmp_path / 'a' / 'raw.jsonl') as f:
+    resumed = [json.loads(line) for line in f]
+  assert [(r['name'], r['batch']) for r in resumed] == [
+      ('no_attention', 2), ('tree_xla', 2), ('no_attention', 3), ('tree_xla', 3)]
+  assert [r['timestamp'] for r in resumed[:2]] == [r['timestamp'] for r in first]

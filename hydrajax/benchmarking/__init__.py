@@ -7,7 +7,8 @@
 """
 
 from hydrajax.benchmarking.report import (
-    JsonlWriter, markdown_table, plot_bars, plot_sweeps, progress, read_jsonl, run_metadata,
+    JsonlWriter, markdown_table, plot_bars, plot_sweeps, progress, read_jsonl, resume_records,
+    run_metadata,
 )
 from hydrajax.benchmarking.roofline import (
     Ceilings, Cost, floor, measure_ceilings, measure_copy_bandwidth, measure_matmul_rate,

@@ -85,6 +85,17 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def resume_records(path: str, keep: Callable[[dict[str, Any]], bool] | None) -> list[dict[str, Any]]:
+  """An earlier run's records of `path` that a resumed sweep keeps (`keep` accepts them); they
+  become the file's only lines, each with its own metadata. keep None (a fresh run) or no file:
+  an empty file and no records."""
+  records = [r for r in read_jsonl(path) if keep(r)] if keep and os.path.exists(path) else []
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    f.writelines(json.dumps(r, sort_keys=True) + '\n' for r in records)
+  return records
+
+
 def markdown_table(
     rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str | Callable[[dict], Any]]]
 ) -> str:
