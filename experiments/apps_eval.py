@@ -8,7 +8,8 @@ layout's KV tokens), then the whole problem set in batches of that size: total t
 decode), decode tok/s, peak KV bytes. two_level also runs at one_level's batch ("matched": the
 attention-only gain, as the paper separates it). Generated programs are checked in the sandbox
 (hydrajax.evaluation) and pass@k reported. Writes results.jsonl, table.md, time.png, kv.png and
-README.md to --workdir.
+README.md to --workdir, and each setting's samples (samples/<setting>.npy): with --resume a run
+with the same flags keeps the settings that ran there and runs the rest.
 
 Default (CPU, minutes): the tiny byte-level Llama trained on the embedded problems
 (experiments/train_tiny_coder.py; it memorised their solutions, so pass@k measures the path,
@@ -46,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_bars, progress
+from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_bars, progress, resume_records
 from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
     mean_pass_at_k,
@@ -96,6 +97,8 @@ flags.DEFINE_integer('check_workers', 2, 'programs checked at once')
 flags.DEFINE_list('k', ['1', '2', '4', '8'], 'pass@k values reported (k <= samples)')
 flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per node per model call')
 flags.DEFINE_string('workdir', '/tmp/hydrajax/apps_eval', 'output folder')
+flags.DEFINE_bool('resume', False, 'keep the settings of --workdir/results.jsonl that ran with '
+                  'these flags (and their saved samples) and run the rest; the check runs again')
 
 
 def _load_model():
@@ -230,13 +233,26 @@ def main(argv):
   sampling = SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p)
   stops = () if FLAGS.model == 'random' and not FLAGS.checkpoint else tokenizer.eos_ids
   impl = FLAGS.impl
-  writer = JsonlWriter(os.path.join(FLAGS.workdir, 'results.jsonl'))
-  records, samples_for_check = [], None
+  path = os.path.join(FLAGS.workdir, 'results.jsonl')
+  run_key = dict(samples=FLAGS.samples, problems=len(problems), new_tokens=FLAGS.new_tokens,
+                 model=model_name, fewshot_tokens=len(fewshot_ids),
+                 mean_problem_tokens=float(np.mean(lens)), budget_bytes=budget, impl=impl,
+                 time_batches=FLAGS.time_batches, seed=FLAGS.seed)
+  records = resume_records(path, _kept(run_key) if FLAGS.resume else None)
+  writer = JsonlWriter(path)
+  kept = {r['setting']: r for r in records}
+  if kept:
+    logging.info('resuming: settings %s kept', sorted(kept))
+  samples_for_check = None
   for name, mode, batch in _settings(max_batch, len(problems)):
-    base = dict(setting=name, mode=mode, batch_problems=batch, samples=FLAGS.samples,
-                problems=len(problems), new_tokens=FLAGS.new_tokens, model=model_name,
-                fewshot_tokens=len(fewshot_ids), mean_problem_tokens=float(np.mean(lens)),
-                max_batch_problems=max_batch[mode], budget_bytes=budget, impl=impl)
+    base = dict(setting=name, mode=mode, batch_problems=batch, max_batch_problems=max_batch[mode],
+                **run_key)
+    if name in kept:
+      tokens = _load_samples(name)
+      if tokens is not None and samples_for_check is None and (
+          mode == 'two_level' or name == FLAGS.modes[-1]):
+        samples_for_check = tokens
+      continue
     if batch == 0:
       need = aw.kv_tokens(mode, len(fewshot_ids), lens[:1], FLAGS.samples, FLAGS.new_tokens)
       r = dict(base, status='does_not_fit', kv_bytes_one_problem=need * per_token)
@@ -246,6 +262,8 @@ def main(argv):
       r, tokens = _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops,
                                impl, per_token)
       r = dict(base, **r)
+      if tokens is not None:
+        _save_samples(name, tokens)
       if tokens is not None and mode == 'two_level' and samples_for_check is None:
         samples_for_check = tokens
       elif tokens is not None and samples_for_check is None and name == FLAGS.modes[-1]:
@@ -257,6 +275,28 @@ def main(argv):
   if check and samples_for_check is not None:
     summary = _check(problems, samples_for_check, tokenizer, ks, writer)
   _finish(records, summary, writer.meta, model_name)
+
+
+def _samples_path(setting: str) -> str:
+  return os.path.join(FLAGS.workdir, 'samples', f'{setting}.npy')
+
+
+def _save_samples(setting: str, tokens) -> None:
+  os.makedirs(os.path.dirname(_samples_path(setting)), exist_ok=True)
+  np.save(_samples_path(setting), np.asarray(tokens))
+
+
+def _load_samples(setting: str):
+  return np.load(_samples_path(setting)) if os.path.exists(_samples_path(setting)) else None
+
+
+def _kept(run_key: dict):
+  """Which records of an earlier run a resumed one keeps: settings that ran or did not fit with
+  the same flags (`run_key`); not the check's rows, which the resumed run writes again."""
+  def keep(r) -> bool:
+    return (r.get('setting') is not None and r.get('status') in ('ok', 'does_not_fit')
+            and all(r.get(k) == v for k, v in run_key.items()))
+  return keep
 
 
 def _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops, impl, per_token):

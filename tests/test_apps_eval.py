@@ -112,6 +112,14 @@ def test_apps_eval_end_to_end(tmp_path):
   assert summary['problems'] == 3 and summary['pass@1'] > 0
   for name in ('table.md', 'README.md', 'time.png', 'kv.png'):
     assert (tmp_path / name).exists()
+  # --resume keeps every setting that ran (and the sampled programs, checked again the same).
+  again = _run(['--num_problems=3', '--samples=2', '--new_tokens=96', '--k=1,2',
+                '--memory_budget_gb=0.000477', '--test_timeout_s=2', '--resume'], tmp_path)
+  kept = {r['setting']: r for r in again if 'setting' in r}
+  assert {k: r['timestamp'] for k, r in kept.items()} == {
+      k: r['timestamp'] for k, r in settings.items()}
+  again_summary = [r for r in again if r.get('kind') == 'pass_at_k'][0]
+  assert again_summary['pass@1'] == summary['pass@1']
 
 
 def test_check_solutions_mode(tmp_path):
