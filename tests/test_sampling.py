@@ -226,5 +226,8 @@ def test_a_static_mode_draws_what_the_device_decides_without_a_conditional(case)
   np.testing.assert_array_equal(draw(logits, keys, rows), draw(logits, keys, decided))
   np.testing.assert_array_equal(sample_batch(logits, keys, rows, top_logprobs=2).tokens,
                                 draw(logits, keys, decided))
+  # FILTER (the engine's prefill mode) draws what each row's own mode draws.
+  filtered = dataclasses.replace(rows, mode=SamplingMode.FILTER)
+  np.testing.assert_array_equal(draw(logits, keys, filtered), draw(logits, keys, rows))
   assert not _has_conditional(lambda x: draw(x, keys, rows), logits)
   assert _has_conditional(lambda x: draw(x, keys, decided), logits)

@@ -28,10 +28,10 @@ Each `step()` is one iteration:
    prefill it) until the pool needs the room (LRU eviction).
 
 Compiled shapes: every jitted call runs one of a fixed set of shapes chosen
-from the config (`Engine.compiled_shape_budget()`, logged at start), in one of
-three sampling modes (greedy, draw, draw with top-k / top-p: `SamplingMode`,
-known on the host, so no step reads a predicate back); `Engine.warmup()`
-compiles them all, whatever the traffic.
+from the config (`Engine.compiled_shape_budget()`, logged at start); a decode
+step in one of three sampling modes (greedy, draw, draw with top-k / top-p:
+`SamplingMode`, known on the host, so no step reads a predicate back), a
+prefill step in one; `Engine.warmup()` compiles them all, whatever the traffic.
 
 Failures: a request whose admission, prefill, stop check or callback fails
 finishes with reason 'error' (`Request.error` says why) and the others go on;

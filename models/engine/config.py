@@ -39,15 +39,24 @@ class ShapeBudget:
 
   @property
   def num_programs(self) -> int:
-    """Compiled model steps: every shape in every sampling mode (`SamplingMode`)."""
-    return self.num_steps * len(SamplingMode)
+    """Compiled model steps: decode shapes in each sampling mode, prefill shapes in one
+    (`step_sampling_mode`)."""
+    return len(self.decode) * len(SamplingMode) + len(self.prefill)
 
   def __str__(self) -> str:
     rows = sorted({b for b, _ in self.decode})
     lengths = sorted({t for t, _, _ in self.prefill})
     return (f'{self.num_steps} model-step shapes ({len(self.decode)} decode over rows {rows}, '
-            f'{len(self.prefill)} prefill over lengths {lengths}) x {len(SamplingMode)} '
-            f'sampling modes, {len(self.copies)} copy sizes')
+            f'{len(self.prefill)} prefill over lengths {lengths}; {self.num_programs} programs '
+            f'with the decode steps\' sampling modes), {len(self.copies)} copy sizes')
+
+
+def step_sampling_mode(kind: tuple, mode: SamplingMode) -> SamplingMode:
+  """The sampling mode a model step of `kind` ('decode', ...) / ('prefill', ...) compiles for a
+  batch of `mode`. Decode steps, the hot path, take the batch's own mode. Prefill steps draw a
+  few first tokens, always in FILTER mode (the sort costs little there, and FILTER draws what
+  GREEDY and DRAW draw, row by row): one program per prefill shape instead of three."""
+  return mode if kind[:1] == ('decode',) else SamplingMode.FILTER
 
 
 # EngineConfig's default sharing policy: `SharingPolicy.default()`, loaded when a config is made.

@@ -16,7 +16,7 @@ from flax import nnx
 
 from hydrajax import SharingPlan, parallel
 from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout
-from models.engine.config import EngineConfig, ShapeBudget
+from models.engine.config import EngineConfig, ShapeBudget, step_sampling_mode
 from models.engine.decode import DecodeLoop, DecodeStep
 from models.engine.prefill import Prefill
 from models.engine.requests import Request, TokenEvent, check_prompt
@@ -313,6 +313,7 @@ class Engine(Prefill, DecodeLoop):
     on the device, src [b]) gives rows with src >= 0 their input token from there.
     """
     seeds, streams, index, rows = self._sampling_inputs(samples, s, ahead)
+    rows = dataclasses.replace(rows, mode=step_sampling_mode(kind, rows.mode))
     shape = kind + (segment_slots(layout),)
     if shape not in self._allowed:
       warnings.warn(f'engine step shape {shape} is outside its budget ({self._budget})',
@@ -360,11 +361,11 @@ class Engine(Prefill, DecodeLoop):
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
   def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
-    """Compiles one shape in every sampling mode (each is a program of its own)."""
+    """Compiles one shape in each sampling mode its steps run (each is a program of its own)."""
     b, t = tokens.shape
     slots = np.full((b, t), self._drop_slot, np.int32)  # writes nothing
     seeds, streams, index, greedy_rows = self._sampling_inputs([], s)
-    for mode in SamplingMode:
+    for mode in sorted({step_sampling_mode(shape, m) for m in SamplingMode}, key=str):
       rows = dataclasses.replace(greedy_rows, mode=mode)
       out, self.kv = self._model_step(
           self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
