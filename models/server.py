@@ -626,7 +626,9 @@ if __name__ == '__main__':
   _CHUNK = flags.DEFINE_integer('chunk_size', 64, 'tokens per chunk')
   _MAX_BATCH = flags.DEFINE_integer('max_batch', 64, 'most live sequences')
   _MAX_LEN = flags.DEFINE_integer('max_sequence_length', 4096, 'longest prompt + generation')
-  _OVERLAP = flags.DEFINE_boolean('overlap_decode', False, 'see EngineConfig.overlap_decode')
+  _OVERLAP = flags.DEFINE_boolean(
+      'overlap_decode', False, 'dispatch decode step k+1 before reading step k (recommended without '
+      'dp: on an H200 a step then takes its device time; see EngineConfig.overlap_decode)')
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _BACKLOG = flags.DEFINE_integer('backlog', 2048, 'listen backlog')
   _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape before serving')
