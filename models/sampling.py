@@ -177,6 +177,12 @@ class SamplingMode(enum.Enum):
     filtered = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1)
     return cls.FILTER if (sampling & filtered).any() else cls.DRAW
 
+  def serves(self, needed: 'SamplingMode') -> bool:
+    """Whether a step compiled in this mode draws a batch that needs `needed` (FILTER draws
+    any batch, DRAW a greedy one too, GREEDY only greedy ones)."""
+    order = (SamplingMode.GREEDY, SamplingMode.DRAW, SamplingMode.FILTER)
+    return order.index(self) >= order.index(needed)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +198,16 @@ class SamplingRows:
   top_p: Any  # [B] float32
   min_p: Any  # [B] float32
   mode: SamplingMode | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+  def __post_init__(self):
+    if self.mode is not None and not isinstance(self.mode, SamplingMode):
+      raise ValueError(f'mode must be a SamplingMode or None, got {self.mode!r}')
+    host = all(isinstance(x, np.ndarray) for x in (self.temperature, self.top_k, self.top_p))
+    if self.mode is not None and host:  # a mode that would drop some row's draw or filter
+      needed = SamplingMode.of(self.temperature, self.top_k, self.top_p)
+      if not self.mode.serves(needed):
+        raise ValueError(f'mode {self.mode.name} cannot draw these rows, which need '
+                         f'{needed.name} (or a mode above it)')
 
   @classmethod
   def of(cls, params: Sequence[SamplingParams], size: int | None = None) -> 'SamplingRows':

@@ -231,3 +231,16 @@ def test_a_static_mode_draws_what_the_device_decides_without_a_conditional(case)
   np.testing.assert_array_equal(draw(logits, keys, filtered), draw(logits, keys, rows))
   assert not _has_conditional(lambda x: draw(x, keys, rows), logits)
   assert _has_conditional(lambda x: draw(x, keys, decided), logits)
+
+
+def test_a_mode_that_would_drop_a_draw_is_refused():
+  rows = SamplingRows.of([SamplingParams(), SamplingParams(temperature=0.5, top_p=0.9)])
+  assert rows.mode is SamplingMode.FILTER
+  for weaker in (SamplingMode.GREEDY, SamplingMode.DRAW):
+    with pytest.raises(ValueError, match='cannot draw these rows, which need FILTER'):
+      dataclasses.replace(rows, mode=weaker)
+  greedy = SamplingRows.of([SamplingParams()] * 2)
+  for mode in SamplingMode:  # any mode draws a greedy batch (the engine's warmup, prefill)
+    assert dataclasses.replace(greedy, mode=mode).mode is mode
+  with pytest.raises(ValueError, match='mode must be a SamplingMode'):
+    dataclasses.replace(greedy, mode='greedy')
