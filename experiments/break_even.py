@@ -53,6 +53,7 @@ machine) is recorded as `untimeable`.
 
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -542,6 +543,7 @@ def run(cells, config: dict, workdir: str, *, slack: float, search: str = 'full'
     walks.append([heads, b, walk, None, True])  # heads, batch, walk, last record, first point
   buffers: dict = {}
   start = time.monotonic()
+  ticks = report.progress_counter(desc='break_even points')  # the walks end adaptively
   while walks:
     for w in list(walks):
       heads, b, walk, last, first = w
@@ -560,16 +562,21 @@ def run(cells, config: dict, workdir: str, *, slack: float, search: str = 'full'
         rec = writer.append(run_point(heads, b, n, r, config, time_fn=time_fn,
                                       check=first or check == 'all', buffers=buffers))
       records.append(rec)
+      ticks.update()
       w[3], w[4] = rec, False
       logging.info('%d/%d B=%d n=%d r=%d: %s %s (%.0f s)', heads[0], heads[1], b, n, r,
                    rec['status'], f'ratio {rec["ratio"]:.3f}' if 'ratio' in rec else
                    rec.get('reason', ''), time.monotonic() - start)
+  ticks.close()
   if skipped:
     notes.append('skipped (K/V over --max_kv_gib), (heads, B, n, r): ' + ', '.join(
         f'({h[0]}/{h[1]}, {b}, {n}, {r})' for h, b, n, r in skipped))
   thresholds = derive_thresholds(records, slack)
   write_table(records, thresholds, os.path.join(workdir, 'table.md'), notes)
   plot_ratio(records, os.path.join(workdir, 'ratio.png'))
+  with open(os.path.join(workdir, 'table.md')) as f:
+    report.write_workdir_readme(workdir, 'Break-even: batched vs per-sequence attention',
+                                f.read(), writer.meta)
   logging.info('wrote %s, table.md in %.0f s', path, time.monotonic() - start)
   return records, thresholds
 

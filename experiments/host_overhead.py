@@ -35,6 +35,7 @@ all, split over the shards); on CPU the devices are fake, one per mesh entry:
 """
 
 import functools
+import os
 import statistics
 import time
 
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax import parallel
+from hydrajax.benchmarking import progress, report
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from models import engine as engine_lib
 from models import sharding_rules
@@ -63,6 +65,8 @@ _MODEL_CALL = flags.DEFINE_enum(
     "the engine's model call: 'stub' returns zeros in Python (no dispatch); 'jitted_stub' is a "
     'jitted call that takes every argument and returns zeros (the dispatch: arguments, uploads; '
     "no model); 'model' the tiny model's step (on CPU its compute runs partly in the dispatch)")
+_WORKDIR = flags.DEFINE_string('workdir', '/tmp/hydrajax/host_overhead',
+                               'output folder (results.jsonl, README.md)')
 _MESH = flags.DEFINE_string('mesh', None, "the engine's model mesh, e.g. 'dp:2' (default: one "
                             'device); --batch rows in all, split over the dp shards')
 
@@ -268,24 +272,38 @@ def measure_engine() -> dict:
 def main(argv):
   del argv
   check_flags()
-  print(f'batch {_BATCH.value}, {_SYSTEMS.value} system prompts x {_SYSTEM_LEN.value} tokens '
-        f'+ {_USER_LEN.value} unique, {_NEW.value} new tokens, chunk {_CHUNK.value}, '
-        f'{jax.default_backend()}')
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  writer = report.JsonlWriter(os.path.join(_WORKDIR.value, 'results.jsonl'))
+  open(writer.path, 'w').close()
+  lines = []
+
+  def say(line, record):
+    print(line)
+    lines.append(f'- {line}')
+    writer.append(record)
+
+  say(f'batch {_BATCH.value}, {_SYSTEMS.value} system prompts x {_SYSTEM_LEN.value} tokens '
+      f'+ {_USER_LEN.value} unique, {_NEW.value} new tokens, chunk {_CHUNK.value}, '
+      f'{jax.default_backend()}', dict(kind='settings', batch=_BATCH.value))
   once = measure_layout_rebuild()
-  print('once (median ms): ' + ', '.join(f'{k} {v:.3f}' for k, v in once.items()))
-  for churn in (False, True):
+  say('once (median ms): ' + ', '.join(f'{k} {v:.3f}' for k, v in once.items()),
+      dict(kind='layout_rebuild', ms=once))
+  for churn in progress((False, True), total=2, desc='cache'):
     r = measure_cache(churn)
-    print(f'cache, churn={churn} (mean ms per step): step {r["step"]:.3f} (median '
-          f'{r["median_step"]:.3f}) = remove/insert {r["churn"]:.3f} + append {r["append"]:.3f} '
-          f'+ layout {r["layout"]:.3f}; {r["structure_changes"]} of {_STEPS.value} steps changed '
-          'the tree')
+    say(f'cache, churn={churn} (mean ms per step): step {r["step"]:.3f} (median '
+        f'{r["median_step"]:.3f}) = remove/insert {r["churn"]:.3f} + append {r["append"]:.3f} '
+        f'+ layout {r["layout"]:.3f}; {r["structure_changes"]} of {_STEPS.value} steps changed '
+        'the tree', dict(kind='cache', with_churn=churn, results=r))
   r = measure_engine()
-  print(f'engine, model call {_MODEL_CALL.value} (mean ms per step, batch '
-        f'{r["mean_batch"]:.0f}, mesh {_MESH.value or "none"}): decode host {r["decode_host_ms"]:.3f} = prepare '
-        f'{r["prepare_ms"]:.3f} + dispatch {r["dispatch_ms"]:.3f} + emit, iteration '
-        f'{r["iteration_ms"]:.3f} (median {r["median_iteration_ms"]:.3f}); '
-        f'{r["plan_builds"]} plan builds in {r["decode_steps"]} steps; {r["finished"]} '
-        'requests finished')
+  say(f'engine, model call {_MODEL_CALL.value} (mean ms per step, batch '
+      f'{r["mean_batch"]:.0f}, mesh {_MESH.value or "none"}): decode host '
+      f'{r["decode_host_ms"]:.3f} = prepare {r["prepare_ms"]:.3f} + dispatch '
+      f'{r["dispatch_ms"]:.3f} + emit, iteration {r["iteration_ms"]:.3f} (median '
+      f'{r["median_iteration_ms"]:.3f}); {r["plan_builds"]} plan builds in '
+      f'{r["decode_steps"]} steps; {r["finished"]} requests finished',
+      dict(kind='engine', model_call=_MODEL_CALL.value, mesh=_MESH.value or 'none', results=r))
+  report.write_workdir_readme(_WORKDIR.value, 'Host overhead of the cache and the engine',
+                              '\n'.join(lines), writer.meta)
 
 
 if __name__ == '__main__':

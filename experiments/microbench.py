@@ -109,7 +109,10 @@ def main(argv):
   for _ in bar:
     pass
   with open(paths['table']) as f:
-    print(f.read())
+    table = f.read()
+  print(table)
+  report.write_workdir_readme(_WORKDIR.value, 'Shared-prefix attention microbenchmark', table,
+                              writer.meta)
   logging.info('wrote %s and %s', path, ', '.join(paths.values()))
 
 

@@ -194,8 +194,10 @@ def main(argv):
     path = os.path.join(_WORKDIR.value, 'report.jsonl')
     if os.path.exists(path):
       os.remove(path)
+    writer = report.JsonlWriter(path)
     write_report([r for r in rows if r.get('kind') == 'serving'],
-                 [r for r in rows if r.get('kind') == 'decode_profile'], report.JsonlWriter(path))
+                 [r for r in rows if r.get('kind') == 'decode_profile'], writer)
+    _readme(writer.meta)
     return
   if _SMOKE.value:
     model_name, lens, fracs, rates = 'tiny_gqa', [64], [1.0], [50.0, 400.0]
@@ -276,6 +278,7 @@ def main(argv):
           del engine
           gc.collect()
   total, point = len(lens) * len(fracs) * len(rates) * len(_SHARING.value), 0
+  bar = report.progress_counter(total=total, desc='serving points')
   for prompt_len in lens:
     for frac in fracs:
       if time.perf_counter() - start > _DEADLINE.value:
@@ -317,6 +320,7 @@ def main(argv):
                      **metrics)
           writer.append(rec)
           records.append(rec)
+          bar.update()
           logging.info(
               'sharing=%s P=%d f=%.2f rate=%g: %.1f ms/token, %.0f tok/s, peak KV %.2f GB, '
               'batch %.1f, step %.1f ms, host %.2f ms (%.1f%%)', sharing, prompt_len, frac, rate,
@@ -325,6 +329,7 @@ def main(argv):
               100 * rec['host_overhead_fraction'])
       engines.clear()
       gc.collect()
+  bar.close()
   if point < total:
     logging.info('the deadline cut the sweep: %d of %d points ran', point, total)
   write_report(records, profiles, writer)
@@ -341,6 +346,13 @@ def main(argv):
     with open(os.path.join(_WORKDIR.value, 'table.md'), 'a') as f:
       f.write(text)
     print(text)
+  _readme(writer.meta)
+
+
+def _readme(meta) -> None:
+  table = os.path.join(_WORKDIR.value, 'table.md')
+  body = open(table).read() if os.path.exists(table) else ''
+  report.write_workdir_readme(_WORKDIR.value, 'Serving: the engine under traffic', body, meta)
 
 
 if __name__ == '__main__':

@@ -59,7 +59,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrajax.benchmarking import (
-    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, read_jsonl, resume_records,
+    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, progress, read_jsonl,
+    resume_records, write_workdir_readme,
 )
 from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
@@ -154,7 +155,7 @@ def main(argv):
     prefixes[prefix], prefill[prefix] = (k, v, first), seconds
     logging.info('prefill P=%d: %.3f s (%.0f tokens/s)', prefix, seconds, prefix / seconds)
   ceil = dict(copy_bandwidth=ceilings.copy_bandwidth, matmul_rate=ceilings.matmul_rate)
-  for case in cases:
+  for case in progress(cases, total=len(cases), desc='throughput'):
     base = dict(name=case.name, mode=case.mode, impl=case.impl or 'none', batch=case.batch,
                 prefix=case.prefix, new_tokens=case.new_tokens)
     if FLAGS.deadline_s and time.perf_counter() - started > FLAGS.deadline_s:
@@ -199,13 +200,14 @@ def _finish(records, config, ceilings, prefill, meta, total_s):
     pass
   for r in records:
     final.append({k: v for k, v in r.items() if k not in ('meta', 'timestamp')})
-  _write_tables(records, config, ceilings, prefill, meta, total_s)
+  text = _write_tables(records, config, ceilings, prefill, meta, total_s)
   ok = [r for r in records if r.get('status') == 'ok']
   for x, fixed, name in (('batch', ('prefix',), 'throughput_vs_batch.png'),
                          ('prefix', ('batch',), 'throughput_vs_prefix.png')):
     plot_sweeps(ok, x=x, y='tokens_per_s', series='name', fixed=fixed,
                 path=os.path.join(FLAGS.workdir, name),
                 title=f'{config.name} decode throughput', ylabel='decode tokens/s')
+  write_workdir_readme(FLAGS.workdir, f'Decode throughput: {config.name}', text, meta)
 
 
 def _ms(key):
@@ -257,6 +259,7 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
                                        ('MiB per row', lambda r: r['bytes_per_row'] / 2**20),
                                        ('max batch', 'max_batch')]))
   print(text)
+  return text
 
 
 if __name__ == '__main__':

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from hydrajax.benchmarking import markdown_table, report
 from hydrajax.parallel import parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
@@ -98,6 +99,10 @@ def main(argv):
     logging.info('%s', records[-1])
   with open(os.path.join(_WORKDIR.value, 'results.jsonl'), 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in records)
+  report.write_workdir_readme(_WORKDIR.value, 'Greedy tokens across meshes', markdown_table(
+      records, [('mesh', 'mesh'), ('identical to the first mesh', 'identical_to_first'),
+                ('rows differing', 'rows_differing'), ('largest margin where they part',
+                                                       'max_margin_at_difference')]))
   if not all(r['identical_to_first'] for r in records):
     raise SystemExit('greedy tokens differ between meshes: see results.jsonl')
 

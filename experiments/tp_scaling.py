@@ -14,7 +14,7 @@ import os
 
 from absl import app, flags
 
-from hydrajax.benchmarking import markdown_table, read_jsonl
+from hydrajax.benchmarking import markdown_table, read_jsonl, report
 
 _TP1 = flags.DEFINE_string('tp1', None, 'folder of the TP=1 throughput run', required=True)
 _TP2 = flags.DEFINE_string('tp2', None, 'folder of the TP=2 throughput run', required=True)
@@ -66,9 +66,9 @@ def main(argv):
       ('NCCL share (TP=2)', 'tp2_collective_share'),
       ('attn/floor TP=1', 'tp1_attention_over_floor'),
       ('attn/floor TP=2', 'tp2_attention_over_floor')])
+  text = f'# TP=2 vs TP=1: {rows[0]["preset"]}\n\nFrom `{_TP1.value}` and `{_TP2.value}`.\n\n' + table
   with open(os.path.join(_WORKDIR.value, 'scaling.md'), 'w') as f:
-    f.write(f'# TP=2 vs TP=1: {rows[0]["preset"]}\n\nFrom `{_TP1.value}` and `{_TP2.value}`.\n\n')
-    f.write(table)
+    f.write(text)
   print(table)
 
   import matplotlib
@@ -85,6 +85,7 @@ def main(argv):
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(_WORKDIR.value, 'scaling.png'), dpi=120)
+  report.write_workdir_readme(_WORKDIR.value, f'TP=2 vs TP=1: {rows[0]["preset"]}', text)
 
 
 if __name__ == '__main__':

@@ -306,13 +306,18 @@ def main(argv):
       writer.append(r)
     records.extend(point)
 
+  total = len(s['points']) + len(s['step_points'])
+  bar = report.progress_counter(total=total, desc='train_bench points')
   for g, p, t in s['points']:
     logging.info('attention G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
     add(attention_point(g, p, t, s['heads'], s['head_dim'], s['dtype'], ceilings, _SEED.value))
+    bar.update()
   for g, p, t in s['step_points']:
     logging.info('step G=%d P=%d T=%d (%.0f s)', g, p, t, time.perf_counter() - start)
     add(step_point(g, p, t, s['step_preset'], _STEP_LAYERS.value, s['step_vocab'], s['dtype'],
                    ceilings, _SEED.value))
+    bar.update()
+  bar.close()
   table = report.markdown_table(records, [
       ('kind', 'kind'), ('impl', 'impl'), ('G', 'G'), ('P', 'P'), ('T', 'T'),
       ('time ms', lambda r: r.get('time_s') and 1e3 * r['time_s']),
@@ -323,14 +328,17 @@ def main(argv):
       ('status', lambda r: r['status'] if r['status'] == 'ok'
        else f"{r['status']}: {r.get('reason', '')}"),
   ])
+  text = (f'Backend {jax.default_backend()}, ceilings: copy {ceilings.copy_bandwidth / 1e9:.0f} '
+          f'GB/s, matmul {ceilings.matmul_rate / 1e12:.1f} TFLOP/s.\n\n' + table)
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
-    f.write(f'Backend {jax.default_backend()}, ceilings: copy {ceilings.copy_bandwidth / 1e9:.0f} '
-            f'GB/s, matmul {ceilings.matmul_rate / 1e12:.1f} TFLOP/s.\n\n' + table)
+    f.write(text)
   labels = [f"{r['kind']} G={r['G']} P={r['P']} T={r['T']}" for r in records
             if r['impl'] == _IMPLS.value[0]]
   values = {impl: [r.get('time_s') for r in records if r['impl'] == impl] for impl in _IMPLS.value}
   report.plot_bars(labels, values, path=os.path.join(_WORKDIR.value, 'time.png'),
                    ylabel='forward + backward, s', title='training attention and GRPO step')
+  report.write_workdir_readme(_WORKDIR.value, 'Training attention and GRPO step', text,
+                              writer.meta)
   print(table)
   logging.info('done in %.0f s', time.perf_counter() - start)
 

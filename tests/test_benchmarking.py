@@ -291,6 +291,7 @@ def test_microbench_smoke_end_to_end(tmp_path):
   table = (workdir / 'table.md').read_text()
   assert '| B=8 P=64 S=5 heads=4/4 |' in table and 'experiments.microbench' in table
   assert (workdir / 'time_over_floor.png').read_bytes()[:8] == PNG_MAGIC
+  assert 'experiments.microbench' in (workdir / 'README.md').read_text()
 
 
 def _host_overhead(*flags, timeout=300):
@@ -310,11 +311,26 @@ def test_host_overhead_checks_flags_before_any_work(flags, match):
   assert done.stdout == ''  # nothing measured (the first line is printed before any work)
 
 
-def test_host_overhead_laptop_settings_run():
+def test_host_overhead_laptop_settings_run(tmp_path):
   done = _host_overhead('--batch=8', '--system_len=64', '--user_len=8', '--new_tokens=48',
-                        '--steps=20', '--chunk_size=16', '--kv_piece=64')
+                        '--steps=20', '--chunk_size=16', '--kv_piece=64', f'--workdir={tmp_path}')
   assert done.returncode == 0, done.stderr[-3000:]
   lines = done.stdout.splitlines()
   assert lines[0].startswith('batch 8, 4 system prompts x 64 tokens')
   assert '0 of 20 steps changed the tree' in lines[2]  # without churn nothing changes
   assert lines[4].startswith('engine, model call stub') and 'requests finished' in lines[4]
+  records = [json.loads(line) for line in open(tmp_path / 'results.jsonl')]
+  assert [r['kind'] for r in records] == ['settings', 'layout_rebuild', 'cache', 'cache', 'engine']
+  readme = (tmp_path / 'README.md').read_text()
+  assert 'experiments.host_overhead' in readme and lines[4] in readme
+
+
+def test_workdir_readme_names_the_run_and_its_files(tmp_path):
+  from hydrajax.benchmarking import run_metadata, write_workdir_readme
+  (tmp_path / 'table.md').write_text('# a table\n| x |\n')
+  meta = dict(run_metadata(), command='python -m experiments.example --flag', git_commit='abc1234')
+  path = write_workdir_readme(str(tmp_path), 'Example', '# a table\n| x |\n', meta)
+  text = open(path).read()
+  assert text.startswith('# Example\n\ncommand: `python -m experiments.example --flag`')
+  assert 'commit: abc1234' in text and '| x |' in text and '# a table' not in text
+  assert 'files: `table.md`' in text

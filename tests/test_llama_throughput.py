@@ -124,7 +124,7 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   out = run('--batches=2', '--prefixes=16', '--new_tokens=4', '--modes=no_attention,tree',
             '--impls=xla', '--page_size=8', '--max_decode_s=0.05', f'--workdir={tmp_path / "a"}')
   assert out.returncode == 0, out.stderr[-3000:]
-  names = {'raw.jsonl', 'throughput.jsonl', 'table.md', 'max_batch.md'}
+  names = {'raw.jsonl', 'throughput.jsonl', 'table.md', 'max_batch.md', 'README.md'}
   assert names <= set(os.listdir(tmp_path / 'a'))
   with open(tmp_path / 'a' / 'throughput.jsonl') as f:
     records = [json.loads(line) for line in f]

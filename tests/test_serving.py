@@ -108,6 +108,7 @@ def test_smoke_run_reports_rates_at_the_bound_and_host_overhead(tmp_path):
   assert '## Request rate at mean normalized latency <= 100 ms/token' in table
   assert '## Request rate at mean normalized latency <= 1e-06 ms/token' in table
   assert '| host ms on | host % on |' in table and '| host ms | host % |' in table
+  assert 'experiments.serving' in (workdir / 'README.md').read_text()
 
 
 @pytest.mark.parametrize('size', ['small', 'h200_2k'])

@@ -441,6 +441,7 @@ def test_break_even_cli_writes_to_a_scratch_folder_by_default(tmp_path):
     if r['status'] == 'ok':
       assert r['ratio'] == pytest.approx(r['time_batched_us'] / r['time_per_sequence_us'])
   assert '| 2/1 | 64 | 2 | 4 | xla |' in (workdir / 'table.md').read_text()
+  assert 'experiments.break_even' in (workdir / 'README.md').read_text()
 
 
 def test_break_even_rejects_unaligned_lengths(tmp_path):

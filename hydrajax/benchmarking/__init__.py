@@ -7,8 +7,9 @@
 """
 
 from hydrajax.benchmarking.report import (
-    JsonlWriter, markdown_table, plot_bars, plot_sweeps, progress, read_jsonl, resume_records,
-    run_metadata,
+    JsonlWriter, markdown_table, plot_bars, plot_sweeps, progress, progress_counter, read_jsonl,
+    resume_records,
+    run_metadata, write_workdir_readme,
 )
 from hydrajax.benchmarking.roofline import (
     Ceilings, Cost, floor, measure_ceilings, measure_copy_bandwidth, measure_matmul_rate,

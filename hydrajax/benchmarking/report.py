@@ -211,6 +211,44 @@ def plot_bars(
   plt.close(fig)
 
 
+def write_workdir_readme(workdir: str, title: str, body: str = '',
+                         meta: dict[str, Any] | None = None) -> str:
+  """Writes `workdir`/README.md: what ran (the command, the commit, the machine), `body` (e.g.
+  the run's table, its own `# ` title line dropped) and the files beside it. Returns its path."""
+  meta = run_metadata() if meta is None else meta
+  if body.startswith('# '):  # a table file's own title: the README has one
+    body = body.split('\n', 1)[1] if '\n' in body else ''
+  files = sorted(f for f in os.listdir(workdir) if f != 'README.md') if os.path.isdir(workdir) else []
+  text = (f'# {title}\n\ncommand: `{meta.get("command")}`\n\n'
+          f'commit: {meta.get("git_commit")}; machine: {meta.get("host")}, {meta.get("device")} '
+          f'({meta.get("backend")}), jax {meta.get("jax_version")}\n\n'
+          + (body.rstrip() + '\n\n' if body else '')
+          + ('files: ' + ', '.join(f'`{f}`' for f in files) + '\n' if files else ''))
+  path = os.path.join(workdir, 'README.md')
+  os.makedirs(workdir, exist_ok=True)
+  with open(path, 'w') as f:
+    f.write(text)
+  return path
+
+
+class _NoBar:
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def close(self) -> None:
+    pass
+
+
+def progress_counter(*, total: int | None = None, desc: str = ''):
+  """A tqdm bar on stderr counted by hand (`update()` after each point, `close()` at the end),
+  for sweeps whose points are not one loop (total None: a count without an end)."""
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return _NoBar()
+  return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+
 def progress(items: Iterable[Any], *, total: int | None = None, desc: str = '') -> Iterator[Any]:
   """A tqdm bar on stderr for long sweeps (plain iteration when tqdm is absent)."""
   try:
