@@ -62,8 +62,9 @@ flags.DEFINE_enum('model', 'random', ['tiny_coder', 'random', 'hf'],
 flags.DEFINE_string('tiny_checkpoint', os.path.join(aw.DATA, 'tiny_coder'), 'the tiny model')
 flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (with its tokenizer)')
 flags.DEFINE_string('preset', 'llama2_7b', 'model shape for --model=random')
-flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'],
-                  'weights and KV of --model=random (float32: greedy ties that bfloat16 '
+flags.DEFINE_enum('dtype', None, ['bfloat16', 'float32'],
+                  'weights and KV (default: float32 for tiny_coder, bfloat16 otherwise; the '
+                  'GPU kernels take bfloat16; in float32 greedy near-ties that bfloat16 '
                   'rounding breaks one way or the other stay apart)')
 flags.DEFINE_integer('num_kv_heads', 0, 'override the preset\'s KV heads (Yi-6B: 4)')
 flags.DEFINE_integer('vocab_size', 0, 'override the preset\'s vocabulary (Yi-6B: 64000)')
@@ -92,22 +93,22 @@ def _apply_smoke():
 
 def _load_model():
   from models import hf_loading
+  dtype = jnp.dtype(FLAGS.dtype or ('float32' if FLAGS.model == 'tiny_coder' and not
+                                     FLAGS.checkpoint else 'bfloat16'))
+  suffix = f',dtype={dtype.name}' if FLAGS.dtype else ''
   if FLAGS.model == 'hf' or FLAGS.checkpoint:
     from models.tokenizer import Tokenizer
-    return (hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16),
-            Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint)
+    return (hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=dtype),
+            Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint + suffix)
   if FLAGS.model == 'tiny_coder':
-    return (hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=jnp.float32), ByteTokenizer(),
-            'tiny_coder')
+    return (hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=dtype), ByteTokenizer(),
+            'tiny_coder' + suffix)
   from models.config import get_config
   from models.llama import Llama
   overrides = {k: getattr(FLAGS, k) for k in ('num_kv_heads', 'vocab_size') if getattr(FLAGS, k)}
   config = get_config(FLAGS.preset, **overrides)
-  name = FLAGS.preset + ''.join(f',{k}={v}' for k, v in overrides.items())
-  if FLAGS.dtype != 'bfloat16':
-    name += f',dtype={FLAGS.dtype}'
-  return (Llama(config, rngs=nnx.Rngs(0), dtype=jnp.dtype(FLAGS.dtype)), ByteTokenizer(),
-          'random:' + name)
+  name = FLAGS.preset + ''.join(f',{k}={v}' for k, v in overrides.items()) + suffix
+  return Llama(config, rngs=nnx.Rngs(0), dtype=dtype), ByteTokenizer(), 'random:' + name
 
 
 def _budget(model) -> int:
