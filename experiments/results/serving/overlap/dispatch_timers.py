@@ -1,5 +1,5 @@
 """Where does the overlapped engine's dispatch wait? Runs `experiments.serving` (its flags) with
-# Diagnostic only: it wraps JAX internals (pjit, pxla) that have no public equivalent.
+(Diagnostic only: it wraps JAX internals, pjit and pxla, which have no public equivalent.)
 timers around Engine._run_model, JAX's Python dispatch path (`_pjit_call_impl_python`) and the
 executable call (`ExecuteReplicated.__call__`); prints the last 24 calls as JSON lines."""
 import json, time
