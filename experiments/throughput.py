@@ -241,8 +241,8 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       + ', '.join(f'P={p}: {s:.3f} s ({p / s:.0f} tok/s)' for p, s in prefill.items()) + '\n',
       'attn = step time minus the no-attention step time (same B, P); attn floor = '
       'layers x max(bytes / copy rate, FLOPs / matmul rate) of this mode\'s attention '
-      '(tree: prefix read once); predicted tok/s = B / (no-attention step + tree attention '
-      'floor).\n',
+      '(tree: prefix read once), for one device\'s share on a mesh (heads / tp, rows / dp); '
+      'matmul eff likewise; predicted tok/s = B / (no-attention step + tree attention floor).\n',
   ]
   reasons = [f'- {r["name"]} B={r["batch"]} P={r["prefix"]}: {r["status"]}: {r.get("reason", "")}'
              for r in rows if r.get('status') not in ('ok',)]

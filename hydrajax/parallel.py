@@ -46,15 +46,13 @@ MESH_AXES = (DP, TP)
 # Meshes
 
 
-def parse_mesh(spec: str | None, *, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
-  """A mesh from a flag such as 'dp:2,tp:4' ('tp:2', '' or 'none': one device, None).
+def mesh_sizes(spec: str | None) -> dict[str, int]:
+  """The axis sizes a mesh flag such as 'dp:2,tp:4' names ({} for '', 'none' or None).
 
-  Axes are `dp` and `tp`, in that order in the mesh whatever order the flag
-  gives. Raises ValueError, before any work, for an unknown axis name, a size
-  below 1, a repeated axis, or a mesh larger than the devices.
+  Raises ValueError for an unknown axis name, a size below 1 or a repeated axis.
   """
   if spec is None or spec.strip().lower() in ('', 'none', '1'):
-    return None
+    return {}
   sizes: dict[str, int] = {}
   for part in spec.split(','):
     name, sep, size = part.strip().partition(':')
@@ -70,6 +68,19 @@ def parse_mesh(spec: str | None, *, devices: Sequence[jax.Device] | None = None)
       raise ValueError(f'--mesh size of {name!r} must be an integer, got {size!r}') from None
     if sizes[name] < 1:
       raise ValueError(f'--mesh size of {name!r} must be >= 1, got {sizes[name]}')
+  return sizes
+
+
+def parse_mesh(spec: str | None, *, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+  """A mesh from a flag such as 'dp:2,tp:4' ('tp:2', '' or 'none': one device, None).
+
+  Axes are `dp` and `tp`, in that order in the mesh whatever order the flag
+  gives. Raises ValueError, before any work, for a flag `mesh_sizes` refuses or
+  a mesh larger than the devices.
+  """
+  sizes = mesh_sizes(spec)
+  if not sizes:
+    return None
   devices = list(jax.devices() if devices is None else devices)
   total = math.prod(sizes.values())
   if total > len(devices):

@@ -284,6 +284,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
 def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) -> None:
   """Floors, attention shares, speedups and targets, from the measured points (in place)."""
   from hydrajax.benchmarking import per_sequence_cost, shared_prefix_cost
+  from hydrajax.parallel import DP, TP, mesh_sizes
 
   c = config
   ok = {(r['name'], r['batch'], r['prefix']): r for r in records if r.get('status') == 'ok'}
@@ -292,12 +293,16 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
       continue
     b, p = r['batch'], r['prefix']
     suffix = max(1, int(round(r['suffix_mid'])))
+    # Floors of one device's share: heads over tp (kv heads replicated below one a device),
+    # rows over dp, and the matmuls over both.
+    sizes = mesh_sizes(r.get('mesh'))
+    tp, dp = sizes.get(TP, 1), sizes.get(DP, 1)
+    shard = (-(-b // dp), p, suffix, c.num_heads // tp, max(1, c.num_kv_heads // tp), c.head_dim)
     cost_fn = shared_prefix_cost if r['mode'] in ('tree', 'no_attention') else per_sequence_cost
-    cost = cost_fn(b, p, suffix, c.num_heads, c.num_kv_heads, c.head_dim)
-    r['attention_floor_s'] = c.num_layers * cost.floor_s(ceilings)
-    tree_cost = shared_prefix_cost(b, p, suffix, c.num_heads, c.num_kv_heads, c.head_dim)
-    r['tree_attention_floor_s'] = c.num_layers * tree_cost.floor_s(ceilings)
-    flops = decode_matmul_flops(c, b)
+    r['attention_floor_s'] = c.num_layers * cost_fn(*shard).floor_s(ceilings)
+    r['tree_attention_floor_s'] = c.num_layers * shared_prefix_cost(*shard).floor_s(ceilings)
+    r['devices'] = tp * dp
+    flops = decode_matmul_flops(c, b) / (tp * dp)
     r['matmul_flops_per_step'] = flops
     ceiling = ok.get(('no_attention', b, p))
     if r['mode'] == 'no_attention':

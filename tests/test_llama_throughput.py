@@ -110,6 +110,26 @@ def test_derived_numbers():
   assert estimate['max_batch'] == int((130 * 2**30 - 13 * 2**30 - shared) // per_row)
 
 
+def test_floors_on_a_mesh_are_one_devices_share():
+  """At tp:2 each device attends half the heads and runs half the matmuls; dp splits the rows."""
+  config = get_config('codellama_13b')
+  ceilings = Ceilings(copy_bandwidth=4e12, matmul_rate=8e14)
+
+  def floors(mesh):
+    r = dict(name='tree_mosaic_gpu', mode='tree', batch=1024, prefix=16384, status='ok',
+             step_s=0.04, tokens_per_s=1024 / 0.04, suffix_mid=64.0, mesh=mesh)
+    n = dict(r, name='no_attention', mode='no_attention', step_s=0.03)
+    db.add_derived([n, r], config, ceilings)
+    return r['attention_floor_s'], n['matmul_efficiency'], r['devices']
+
+  one, eff, devices = floors('none')
+  assert devices == 1 and eff == pytest.approx(db.decode_matmul_flops(config, 1024) / 0.03 / 8e14)
+  half, half_eff, devices = floors('tp:2')
+  assert devices == 2 and half == pytest.approx(one / 2) and half_eff == pytest.approx(eff / 2)
+  rows, _, devices = floors('dp:2,tp:2')
+  assert devices == 4 and rows < half  # half the rows, the same prefix on each shard
+
+
 def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   import json
   import os

@@ -12,6 +12,7 @@ code that runs on the GPU.
 
 import dataclasses
 import functools
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -478,34 +479,56 @@ class TestSupportAndSchedule:
     assert impl is (hydrajax.AttentionImpl.MOSAIC_GPU if ON_HOPPER else hydrajax.AttentionImpl.XLA)
 
   @pytest.mark.parametrize(
-      'batch,group,splits',
-      [(256, 4, 2), (1024, 4, 1), (1024, 8, 2), (32, 4, 16)],
+      'batch,group,kv_heads,splits',
+      [(256, 4, 8, 2), (1024, 4, 8, 1), (1024, 8, 1, 2), (32, 4, 8, 15), (1024, 1, 40, 2),
+       (1024, 1, 20, 4)],
       ids=lambda v: str(v),
   )
-  def test_splits_fill_the_chip(self, batch, group, splits):
-    """The benchmark shapes: 8 kv heads (1 for G=8), one 16K prefix, 132 SMs."""
+  def test_splits_fill_the_chip(self, batch, group, kv_heads, splits):
+    """The benchmark shapes: one 16K prefix, 132 SMs; 32/8 heads (G=4), 32/4 (G=8, one kv head
+    here), and 13B's 40 MHA heads whole (TP=1) and halved (TP=2: 160 programs, 2 waves with
+    a part-empty second, are cut into 640, 5 nearly full). At B=32 16 splits are no shorter
+    than 15."""
     plan = hydrajax.plan_tree(PromptNode(16384, num_samples=batch), private_capacity=64)
-    kv_heads = 1 if group == 8 else 8
     sched = schedule.shared_schedule(
-        plan.to_device(), rows_per_query=group, num_kv_heads=kv_heads, block_kv=128, num_sms=132,
-        max_splits=16,
+        plan.to_device(), rows_per_query=group, num_kv_heads=kv_heads, block_kv=128,
+        num_sms=132, max_splits=16,
     )
     assert sched.num_splits == splits
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
 
-  @pytest.mark.parametrize('questions,splits', [(4, 8), (16, 8), (64, 7), (256, 1)])
+  def test_launch_time_is_list_scheduling(self):
+    """`launch_time`'s bisection against program-by-program list scheduling (each program on
+    the first multiprocessor to free up), on random runs."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+      num_sms = int(rng.integers(1, 20))
+      runs = [(int(rng.integers(0, 80)), int(rng.integers(0, 30)))
+              for _ in range(int(rng.integers(1, 6)))]
+      free = [0] * num_sms
+      for count, blocks in runs:
+        for _ in range(count):
+          heapq.heapreplace(free, free[0] + blocks + schedule.PROGRAM_COST_BLOCKS)
+      assert schedule.launch_time(runs, num_sms=num_sms) == max(free), (runs, num_sms)
+
+  @pytest.mark.parametrize('questions,splits', [(4, 8), (16, 8), (64, 4), (256, 3)])
   def test_a_long_segment_among_short_ones_is_still_split(self, questions, splits):
     """A 20K-token document above one-row question segments (needle_qa, G = 8, 4 kv heads): the
-    questions' many one-block programs do not leave the document to a few unsplit programs."""
+    questions' many one-block programs do not leave the document to a few unsplit programs,
+    and the document's programs start first."""
     doc = hydrajax.PromptNode(20000, children=tuple(
         PromptNode(12, num_samples=1) for _ in range(questions)))
     plan = hydrajax.plan_tree(doc, private_capacity=64)
     sched = schedule.shared_schedule(plan.to_device(), rows_per_query=8, num_kv_heads=4,
                                      block_kv=128, num_sms=132, max_splits=8)
     assert sched.num_splits == splits
-    longest = max(gs.split_tokens for gs in sched.groups)
-    assert longest * splits >= 20000
+    longest = max(sched.groups, key=lambda gs: gs.split_tokens)
+    assert longest.split_tokens * splits >= 20000
+    assert longest.item_offset == 0
+    spans = sorted((gs.item_offset, gs.item_offset + gs.num_items) for gs in sched.groups)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # items tile [0, num_items)
+    assert spans[-1][1] == sched.num_items
 
   @pytest.mark.parametrize('tg,want', [(1, 1), (3, 4), (4, 4), (6, 8), (8, 8), (33, 64), (64, 64),
                                        (65, 128), (80, 128), (128, 128)])

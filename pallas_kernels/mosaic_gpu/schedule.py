@@ -22,6 +22,7 @@ window of consecutive query rows is one contiguous read.
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 from hydrajax.layout import TreeLayout
 
@@ -80,21 +81,65 @@ class SharedSchedule:
     return sum(g.num_segments for g in self.groups)
 
 
-def choose_splits(total_blocks: int, max_blocks: int, *, num_sms: int, max_splits: int) -> int:
-  """KV splits per segment: the longest program cut to about an even share of the work.
+PROGRAM_COST_BLOCKS = 2  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks
 
-  total_blocks: kv blocks over every unsplit program (segment x row tile x kv head);
-  max_blocks: those of the longest segment. S splits cut the longest program to
-  max_blocks / S blocks; below total_blocks / num_sms there is no gain (the chip is full).
-  With segments of one length this is num_sms // programs (no split at one program per
-  multiprocessor). With one long segment among many short ones (a document and its
-  questions) the long one is still split: counting programs instead, 16 one-block questions
-  would leave a 20K-token document to 8 programs on a 132-multiprocessor GPU.
-  A split with no block is an empty program.
+
+def launch_time(programs: Sequence[tuple[int, int]], *, num_sms: int) -> int:
+  """Estimated time of one launch, in kv blocks: the block scheduler as list scheduling.
+
+  programs: (count, blocks) runs of programs in launch order, each program taking
+  `blocks + PROGRAM_COST_BLOCKS`. The GPU starts each program on the first multiprocessor
+  to free up (one program a multiprocessor: the shared kernel's shared memory takes it
+  whole). So a run of `count` equal programs starts at the `count` earliest of the times
+  `free + j * cost` over the multiprocessors: found by bisection, whatever the count.
   """
-  if total_blocks <= 0:
-    return 1
-  return max(1, min(max_splits, max_blocks * num_sms // total_blocks, max_blocks))
+  free = [0] * num_sms
+  for count, blocks in programs:
+    if count > 0:
+      free = _deal(free, count, blocks + PROGRAM_COST_BLOCKS)
+  return max(free)
+
+
+def _deal(free: list[int], count: int, cost: int) -> list[int]:
+  """Free times after `count` programs of `cost`, each started at the earliest free time."""
+  def starts_before(t):  # start times f + j * cost < t
+    return sum(cdiv(t - f, cost) for f in free if f < t)
+
+  lo, hi = min(free), min(free) + count * cost + 1  # starts_before(lo) = 0 <= count < (hi)
+  while hi - lo > 1:  # the last t with starts_before(t) <= count
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if starts_before(mid) <= count else (lo, mid)
+  left = count - starts_before(lo)  # these start at lo itself
+  out = []
+  for f in free:
+    n = cdiv(lo - f, cost) if f < lo else 0
+    if left and f <= lo and (lo - f) % cost == 0:
+      n, left = n + 1, left - 1
+    out.append(f + n * cost)
+  return out
+
+
+def choose_splits(
+    programs: Sequence[tuple[int, int]], *, num_kv_heads: int, num_sms: int, max_splits: int
+) -> int:
+  """KV splits per segment: the count (1..max_splits) whose launch ends first.
+
+  programs: (count, blocks) runs of one kv head's unsplit programs (segments x row tiles
+  with rows), in launch order; every kv head launches the same. S splits turn a run into
+  count * S programs of ceil(blocks / S) blocks. Splitting pays twice: a long segment
+  no longer leaves the chip to a few long programs (a 20K-token document above short
+  questions), and the last wave fills up (13B's 20 kv heads a GPU at TP=2: 160 programs
+  of a 16K prefix are 2 waves on 132 multiprocessors, the second a fifth full; 4 splits
+  are 5 nearly full waves of a quarter the length). Ties go to fewer splits (fewer
+  partial states to write and merge).
+  """
+  def time(splits):
+    split = [(count * splits, cdiv(blocks, splits)) for count, blocks in programs]
+    return launch_time(split * num_kv_heads, num_sms=num_sms)
+
+  longest = max((blocks for _, blocks in programs), default=1)
+  candidates = range(1, max(1, min(max_splits, longest)) + 1)
+  return min(candidates, key=lambda s: (time(s), s))
 
 
 def shared_schedule(
@@ -106,24 +151,31 @@ def shared_schedule(
     num_sms: int,
     max_splits: int,
 ) -> SharedSchedule:
-  """The static work decomposition of the shared kernel for this layout's capacities."""
+  """The static work decomposition of the shared kernel for this layout's capacities.
+
+  Groups keep the layout's order (segment indices), but their work items are numbered
+  longest segments first: programs start in item order, so the long ones do not wait
+  behind many short ones (longest processing time first).
+  """
   pad = frame_pad(rows_per_query)
   row_tiles = [cdiv(g.row_capacity * rows_per_query + pad, TILE_M) for g in layout.groups]
   # Splits are chosen from the tiles with rows in them: the frame's extra tile (when the
   # first row is not 8-aligned) is an empty program for 8-aligned segments such as roots.
   blocks = [cdiv(g.kv_capacity + ALIGN - 1, block_kv) for g in layout.groups]
-  total_blocks = num_kv_heads * sum(
-      g.num_segments * cdiv(g.row_capacity * rows_per_query, TILE_M) * b
-      for g, b in zip(layout.groups, blocks)
-  )
-  splits = choose_splits(total_blocks, max(blocks, default=1), num_sms=num_sms,
+  launch_order = sorted(range(len(blocks)), key=lambda i: -blocks[i])
+  programs = [(layout.groups[i].num_segments
+               * cdiv(layout.groups[i].row_capacity * rows_per_query, TILE_M), blocks[i])
+              for i in launch_order]
+  splits = choose_splits(programs, num_kv_heads=num_kv_heads, num_sms=num_sms,
                          max_splits=max_splits)
-  groups, item, segment = [], 0, 0
-  for g, t in zip(layout.groups, row_tiles):
+  item_offsets, item = {}, 0
+  for i in launch_order:
+    item_offsets[i] = item
+    item += layout.groups[i].num_segments * splits * row_tiles[i]
+  groups, segment = [], 0
+  for i, (g, t) in enumerate(zip(layout.groups, row_tiles)):
     split_tokens = round_up(cdiv(g.kv_capacity + ALIGN - 1, splits), block_kv)
-    gs = GroupSchedule(g.num_segments, t, split_tokens, item, segment, splits)
-    groups.append(gs)
-    item += gs.num_items
+    groups.append(GroupSchedule(g.num_segments, t, split_tokens, item_offsets[i], segment, splits))
     segment += g.num_segments
   return SharedSchedule(tuple(groups), splits, rows_per_query, block_kv)
 
