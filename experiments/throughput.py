@@ -91,6 +91,9 @@ flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel; '' o
 flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
                   'dtype of the all-reduces after wo and w_down with tp > 1 (float32: tokens '
                   'equal one device\'s; bfloat16: half the bytes)')
+flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output projection and the '
+                     'MLP in this many independent blocks, so an all-reduce can run beside the '
+                     'next block\'s matmuls (models.llama.Llama)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
 
@@ -137,7 +140,8 @@ def main(argv):
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
   start = time.perf_counter()
   model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
-                        tp_reduce_dtype=FLAGS.tp_reduce_dtype)
+                        tp_reduce_dtype=FLAGS.tp_reduce_dtype,
+                        tp_micro_batches=FLAGS.tp_micro_batches)
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)
@@ -173,6 +177,7 @@ def main(argv):
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
              ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
+             tp_micro_batches=FLAGS.tp_micro_batches,
              page_size=FLAGS.page_size)
     records.append(r)
     writer.append(r)
@@ -183,12 +188,12 @@ def main(argv):
 
 def _kept(config):
   """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
-  --page_size and --tp_reduce_dtype that ran, did not fit or are not supported."""
+  --page_size, --tp_reduce_dtype and --tp_micro_batches that ran, did not fit or are not supported."""
   def keep(r) -> bool:
     return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
-             r.get('tp_reduce_dtype'))
+             r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1))
             == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
-                FLAGS.tp_reduce_dtype)
+                FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches)
             and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
   return keep
 

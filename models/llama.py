@@ -201,14 +201,18 @@ class Llama(nnx.Module):
   """Llama 2 / Llama 3 / CodeLlama decoder; see the module docstring for the interface."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, mesh=None,
-               tp_reduce_dtype=jnp.float32):
+               tp_reduce_dtype=jnp.float32, tp_micro_batches: int = 1):
     sr.check_mesh(config, mesh)
+    if not isinstance(tp_micro_batches, int) or tp_micro_batches < 1:
+      raise ValueError(f'tp_micro_batches must be an int >= 1, got {tp_micro_batches!r}')
     self.config = config
     self.dtype = jnp.dtype(dtype)
     self.mesh = sr.auto_mesh(mesh)  # static: the forward's sharding (None: one device)
     # dtype of the tensor-parallel all-reduces after wo and w_down (bf16: half the bytes, but
     # rounded twice, so tokens may differ from one device's)
     self.tp_reduce_dtype = jnp.dtype(tp_reduce_dtype)
+    # Row blocks of the dense part after attention under tensor parallelism (`_after_attention`)
+    self.tp_micro_batches = tp_micro_batches
     c = config
     self.embed = _param(rngs, (c.vocab_size, c.dim), (sr.VOCAB, sr.EMBED), dtype, 1.0)
     self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_layers)])
@@ -318,13 +322,30 @@ class Llama(nnx.Module):
           impl=None if plan is None else AttentionImpl.AUTO, mesh=mesh, axes=sr.attention_axes())
       if plan is None:  # NO_ATTENTION
         attn = q
-      # Row parallel: each device's partial sum, all-reduced in `reduce` (float32 by default:
-      # the one rounding to the model dtype then matches one device's, so greedy tokens do too).
-      out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
-      x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
-      x = sr.constrain(_mlp(p, x, c.norm_eps, reduce), hidden, mesh)
+      x = self._after_attention(p, x, attn, reduce, hidden)
     cache = KVCache(k_all, v_all)
     return rms_norm(x, self.final_norm.get_value(), c.norm_eps), cache
+
+  def _after_attention(self, p, x, attn, reduce, hidden):
+    """The output projection and the MLP, each ending in one all-reduce under tensor parallelism.
+
+    Row parallel: each device's partial sum, all-reduced in `reduce` (float32 by default: the
+    one rounding to the model dtype then matches one device's, so greedy tokens do too). With
+    `tp_micro_batches` = n > 1 (tensor parallel, no dp, B a multiple of n) the rows go through
+    in n independent blocks, so that one block's all-reduce can run beside another's matmuls.
+    """
+    mesh, eps = self.mesh, self.config.norm_eps
+
+    def block(x, attn):
+      out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
+      x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
+      return sr.constrain(_mlp(p, x, eps, reduce), hidden, mesh)
+
+    n = self.tp_micro_batches
+    if (n == 1 or reduce is None or sr.axis_size(mesh, sr.DP) > 1 or x.shape[0] % n):
+      return block(x, attn)
+    parts = [block(*xa) for xa in zip(jnp.split(x, n), jnp.split(attn, n))]
+    return sr.constrain(jnp.concatenate(parts), hidden, mesh)
 
   def _embed(self, tokens):
     """tokens [B, T] -> [B, T, D]; a vocab-sharded table is read locally and summed."""

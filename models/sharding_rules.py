@@ -213,12 +213,13 @@ def place_state(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
 
 
 def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, rules=RULES,
-               tp_reduce_dtype=None):
+               **llama_kwargs):
   """A `Llama` with random parameters created straight in their shards (no whole copy anywhere).
 
   Each parameter is drawn by a small jitted program whose `out_shardings` come
   from its `logical_axes`, so each device computes only its own slices; the
-  values equal the one-device model's. `tp_reduce_dtype`: see `Llama` (default float32).
+  values equal the one-device model's. `llama_kwargs` (`tp_reduce_dtype`, `tp_micro_batches`)
+  go to `Llama`.
   """
   from models.llama import PARAM_PLACEMENT, Llama  # llama imports this module
   import jax.numpy as jnp
@@ -226,8 +227,7 @@ def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, r
   dtype = jnp.float32 if dtype is None else dtype
   mesh = auto_mesh(mesh)
   check_mesh(config, mesh)
-  extra = {} if tp_reduce_dtype is None else dict(tp_reduce_dtype=tp_reduce_dtype)
-  make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **extra)
+  make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **llama_kwargs)
   if mesh is None:
     return make()
   placement = lambda names, shape: NamedSharding(

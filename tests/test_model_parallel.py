@@ -158,6 +158,29 @@ def test_one_decode_step_has_two_reductions_per_layer(mesh_name):
   assert sum(counts.values()) == counts['all-reduce'], counts
 
 
+def test_micro_batches_give_the_same_step():
+  """tp_micro_batches=2: the rows after attention go through in two independent blocks (so an
+  all-reduce can run beside the other block's matmuls) with the same logits and cache as one
+  block. XLA's all-reduce combiner merges the blocks' reductions back into one a projection
+  unless told not to (`--xla_gpu_all_reduce_combine_threshold_bytes`), so the count stays."""
+  config = CONFIGS['gqa']
+  plans = [_group_plan(seed) for seed in range(2)]
+  plan, tokens, positions, slots, k, v = _decode_inputs(config, plans)
+  layout, outs = plan.to_device(), []
+  for blocks in (1, 2):
+    model = sr.init_model(config, mesh=_mesh('tp4'), seed=0, tp_micro_batches=blocks)
+    step = jax.jit(lambda m, c: m(tokens, positions, c, slots, layout, impl='xla'))
+    cache = _sharded_cache(model, k, v)
+    counts = _collectives(step.lower(model, cache).compile().as_text())
+    assert counts['all-reduce'] <= 2 * blocks * config.num_layers + 1, counts
+    outs.append(step(model, cache))
+  (h1, c1), (h2, c2) = outs
+  np.testing.assert_allclose(np.asarray(h2), np.asarray(h1), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(c2.k), np.asarray(c1.k))
+  with pytest.raises(ValueError, match='tp_micro_batches must be an int >= 1'):
+    sr.init_model(config, seed=0, tp_micro_batches=0)
+
+
 def _prompts(vocab):
   rng = np.random.default_rng(5)
   toks = lambda n: rng.integers(0, vocab, n).tolist()
