@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import JsonlWriter, markdown_table, plot_bars, progress, resume_records
+from hydrajax.benchmarking import (
+    JsonlWriter, markdown_table, plot_bars, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
     mean_pass_at_k,
@@ -429,15 +430,12 @@ def _write_readme(title, meta, body):
   if FLAGS.time_batches:
     notes += (f'\nOnly the first {FLAGS.time_batches} batch(es) of each setting ran; totals are '
               'that time times the number of batches.\n')
-  with open(os.path.join(FLAGS.workdir, 'README.md'), 'w') as f:
-    f.write(f'# {title}\n\ncommand: `{meta["command"]}`\n\ncommit: {meta.get("git_commit")}; '
-            f'machine: {meta.get("host")}, {meta["device"]} ({meta["backend"]}), jax '
-            f'{meta["jax_version"]}\n\nTime is prefill + decode of every batch. Compiles are left '
-            'out where they can be: the first batch of a setting prefills once untimed, decode '
-            'runs one untimed step first (the rest is scaled to every step); a later batch of a '
-            'new prompt shape (natural problem lengths) compiles inside its prefill time. Files: results.jsonl (one record per '
-            'setting, then per-problem checks and pass@k), table.md, time.png, kv.png.\n'
-            f'{notes}\n{body}\n')
+  about = ('Time is prefill + decode of every batch. Compiles are left out where they can be: the '
+           'first batch of a setting prefills once untimed, decode runs one untimed step first '
+           '(the rest is scaled to every step); a later batch of a new prompt shape (natural '
+           'problem lengths) compiles inside its prefill time. Files: results.jsonl (one record '
+           'per setting, then per-problem checks and pass@k), table.md, time.png, kv.png.\n')
+  write_workdir_readme(FLAGS.workdir, title, about + notes + '\n' + body, meta=meta)
 
 
 if __name__ == '__main__':

@@ -43,7 +43,7 @@ from flax import nnx
 
 from experiments import apps_workload as aw
 from hydrajax.benchmarking import (
-    JsonlWriter, markdown_table, plot_sweeps, progress, resume_records)
+    JsonlWriter, markdown_table, plot_sweeps, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import generate as gen
 from models.llama import NO_ATTENTION
@@ -262,13 +262,11 @@ def _finish(records, meta, model_name, smoke):
       'With random weights accuracy is meaningless (the timing is the point); the tiny model was '
       'trained on code, not on this task, so its accuracy is ~0 too; the token-identity check '
       'holds for any weights.\n')
-  with open(os.path.join(FLAGS.workdir, 'README.md'), 'w') as f:
-    f.write(f'# Long-document QA: time vs number of questions\n\ncommand: `{meta["command"]}`\n\n'
-            f'commit: {meta.get("git_commit")}; machine: {meta.get("host")}, {meta["device"]} '
-            f'({meta["backend"]}), jax {meta["jax_version"]}\n{notes}\n{text}\n'
-            'Paper (Yi-6B-200k, 4x A100-40GB, 19,947-token document): Hydragen answers 256 '
-            'questions faster than FlashAttention answers 64, and stays within 60% of the '
-            'no-attention time.\n')
+  paper = ('Paper (Yi-6B-200k, 4x A100-40GB, 19,947-token document): Hydragen answers 256 '
+           'questions faster than FlashAttention answers 64, and stays within 60% of the '
+           'no-attention time.\n')
+  write_workdir_readme(FLAGS.workdir, 'Long-document QA: time vs number of questions',
+                       notes + '\n' + text + '\n' + paper, meta=meta)
   print(text)
 
 

@@ -39,7 +39,6 @@ Writes results.jsonl, table.md and plots into --workdir.
 """
 
 import gc
-import json
 import os
 import time
 
@@ -185,6 +184,10 @@ def _positive_numbers(name: str, values: list[str]) -> list[float]:
   return out
 
 
+def _ran_to_the_end(r) -> bool:
+  return r.get('kind') in ('serving', 'decode_profile') and not r.get('timed_out')
+
+
 def main(argv):
   del argv
   _positive_numbers('latency_bounds_ms', _LATENCY_BOUNDS.value)
@@ -226,17 +229,12 @@ def main(argv):
     num_chunks = int(_KV_GIB.value * 2**30 // (chunk * config.kv_bytes_per_token(2)))
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  records, profiles = [], []
-  if _RESUME.value and os.path.exists(path):  # keep what ran (not cut short); run the rest
-    kept = [r for r in report.read_jsonl(path)
-            if r.get('kind') in ('serving', 'decode_profile') and not r.get('timed_out')]
-    records = [r for r in kept if r['kind'] == 'serving']
-    profiles = [r for r in kept if r['kind'] == 'decode_profile']
-    with open(path, 'w') as f:  # their own meta stays with them
-      f.writelines(json.dumps(r, sort_keys=True) + '\n' for r in kept)
+  # --resume keeps what ran (not cut short), each record with its own meta; the rest runs
+  kept = report.resume_records(path, _ran_to_the_end if _RESUME.value else None)
+  records = [r for r in kept if r['kind'] == 'serving']
+  profiles = [r for r in kept if r['kind'] == 'decode_profile']
+  if kept:
     logging.info('resuming: %d serving points already ran', len(records))
-  elif os.path.exists(path):
-    os.remove(path)
   writer = report.JsonlWriter(path)
   start = time.perf_counter()
 
