@@ -81,7 +81,7 @@ class SharedSchedule:
     return sum(g.num_segments for g in self.groups)
 
 
-PROGRAM_COST_BLOCKS = 2  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks
+PROGRAM_COST_BLOCKS = 3  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks
 
 
 def launch_time(programs: Sequence[tuple[int, int]], *, num_sms: int) -> int:
