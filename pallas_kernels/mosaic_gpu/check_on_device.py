@@ -87,6 +87,10 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     (1024, 1024, 9, 32, 32),
     (32, 16384, 9, 32, 32),
     (32, 1024, 9, 32, 32),
+    # CodeLlama-13B's decode step on one GPU (40 MHA heads) and on each of two (TP=2: 20): the
+    # shared kernel's splits against `schedule.launch_time` (variants 8-10 cap them at 1-3).
+    (1024, 16384, 9, 40, 40),
+    (1024, 16384, 9, 20, 20),
 )
 CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
@@ -108,6 +112,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(private_pair_copies=True),
     dict(private_pair_copies=True, private_slots=3),
     dict(private_staged_pages=False),  # page ids read from global memory (before run 8)
+    dict(max_splits=1),
+    dict(max_splits=2),
+    dict(max_splits=3),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64
