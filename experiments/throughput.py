@@ -50,6 +50,7 @@ A grid cut by --deadline_s (or a device's time limit) goes on with the same flag
 the points in --workdir/raw.jsonl that ran are kept, the rest run.
 """
 
+import dataclasses
 import os
 import time
 
@@ -94,8 +95,36 @@ flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
 flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output projection and the '
                      'MLP in this many independent blocks, so an all-reduce can run beside the '
                      'next block\'s matmuls (models.llama.Llama)')
+flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
+                  'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
+
+
+def _mosaic_gpu_config(knobs: list[str]):
+  """MosaicGpuConfig from 'name=value' items (true/false or an integer); None for none."""
+  if not knobs:
+    return None
+  from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
+  fields = {f.name for f in dataclasses.fields(MosaicGpuConfig)}
+  values = {}
+  for item in knobs:
+    name, sep, value = item.partition('=')
+    if not sep or name not in fields:
+      raise ValueError(f'--mosaic_gpu_knobs item {item!r} must be name=value with a name in '
+                       f'{sorted(fields)}')
+    lower = value.strip().lower()
+    if lower in ('true', 'false'):
+      values[name] = lower == 'true'
+    elif lower == 'none':
+      values[name] = None
+    else:
+      try:
+        values[name] = int(lower)
+      except ValueError:
+        raise ValueError(f'--mosaic_gpu_knobs {name}={value!r}: true, false, none or an '
+                         'integer') from None
+  return MosaicGpuConfig(**values)
 
 
 def _memory_limit() -> int:
@@ -141,7 +170,8 @@ def main(argv):
   start = time.perf_counter()
   model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
-                        tp_micro_batches=FLAGS.tp_micro_batches)
+                        tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
+                        attention_config=_mosaic_gpu_config(FLAGS.mosaic_gpu_knobs))
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)
@@ -177,7 +207,7 @@ def main(argv):
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
              ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
-             tp_micro_batches=FLAGS.tp_micro_batches,
+             tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
              page_size=FLAGS.page_size)
     records.append(r)
     writer.append(r)
@@ -188,12 +218,12 @@ def main(argv):
 
 def _kept(config):
   """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
-  --page_size, --tp_reduce_dtype and --tp_micro_batches that ran, did not fit or are not supported."""
+  --page_size, --tp_reduce_dtype, --tp_micro_batches and --mosaic_gpu_knobs that ran, did not fit or are not supported."""
   def keep(r) -> bool:
     return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
-             r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1))
+             r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1), r.get('mosaic_gpu_knobs', []))
             == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
-                FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches)
+                FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches, FLAGS.mosaic_gpu_knobs)
             and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
   return keep
 

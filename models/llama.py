@@ -201,7 +201,7 @@ class Llama(nnx.Module):
   """Llama 2 / Llama 3 / CodeLlama decoder; see the module docstring for the interface."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, mesh=None,
-               tp_reduce_dtype=jnp.float32, tp_micro_batches: int = 1):
+               tp_reduce_dtype=jnp.float32, tp_micro_batches: int = 1, attention_config=None):
     sr.check_mesh(config, mesh)
     if not isinstance(tp_micro_batches, int) or tp_micro_batches < 1:
       raise ValueError(f'tp_micro_batches must be an int >= 1, got {tp_micro_batches!r}')
@@ -213,6 +213,9 @@ class Llama(nnx.Module):
     self.tp_reduce_dtype = jnp.dtype(tp_reduce_dtype)
     # Row blocks of the dense part after attention under tensor parallelism (`_after_attention`)
     self.tp_micro_batches = tp_micro_batches
+    # The attention backend's frozen config when `prepare_attention` is given none (e.g. a
+    # `MosaicGpuConfig` with other knobs; ignored where another backend runs). None: defaults.
+    self.attention_config = attention_config
     c = config
     self.embed = _param(rngs, (c.vocab_size, c.dim), (sr.VOCAB, sr.EMBED), dtype, 1.0)
     self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_layers)])
@@ -261,6 +264,7 @@ class Llama(nnx.Module):
     if mode is not ModelMode.TREE:
       raise ValueError(f'impl={impl!r} does not run on a tree layout (use forward_naive)')
     shapes = self.attention_shapes(layout.num_rows, query_tokens, cache)
+    config = self.attention_config if config is None else config
     prepare = lambda lay: hydrajax.prepare_attention(lay, shapes, impl=attention, config=config,
                                                      interpret=interpret)
     if isinstance(layout, parallel.ShardedLayout):  # dp: each shard's plan, stacked

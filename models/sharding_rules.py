@@ -218,7 +218,8 @@ def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, r
 
   Each parameter is drawn by a small jitted program whose `out_shardings` come
   from its `logical_axes`, so each device computes only its own slices; the
-  values equal the one-device model's. `llama_kwargs` (`tp_reduce_dtype`, `tp_micro_batches`)
+  values equal the one-device model's. `llama_kwargs` (`tp_reduce_dtype`, `tp_micro_batches`,
+  `attention_config`)
   go to `Llama`.
   """
   from models.llama import PARAM_PLACEMENT, Llama  # llama imports this module

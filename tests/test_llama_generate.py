@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import hydrajax
 from hydrajax import PromptNode
 from models import generate as gen
 from models.config import get_config
@@ -88,6 +89,41 @@ def test_prefill_writes_every_node_token_once():
     for j in c.segment_ids[c.segment_ids >= 0]:
       seen.add(int(j))
       assert all(a in seen for a in tp.nodes[j][2])
+
+
+def test_the_models_attention_config_reaches_its_plans():
+  """`Llama(attention_config=...)` is the backend config of the plans it prepares: a decode step
+  with the private kernel's plans read from a lane table (Mosaic GPU, interpret mode) gives
+  the default config's logits and cache bitwise."""
+  import dataclasses
+  from hydrajax import AttentionImpl, dispatch
+  if isinstance(error := dispatch.backend(AttentionImpl.MOSAIC_GPU), ImportError):
+    pytest.skip(f'cannot import the Mosaic GPU backend: {error}')
+  from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
+  config = dataclasses.replace(get_config('tiny_gqa'), num_layers=2, head_dim=64)
+  rng = np.random.default_rng()
+  seed = int(rng.integers(2**31))
+  lengths = rng.integers(1, 17, 6)
+  plan = hydrajax.plan_tree(PromptNode(24, num_samples=6), private_capacity=16,
+                            private_lengths=lengths.tolist())
+  layout = plan.to_device()
+  pages = np.asarray(plan.private_pages)
+  slots = pages[np.arange(6), (lengths - 1) // 16] * 16 + (lengths - 1) % 16
+  tokens = jnp.asarray(rng.integers(0, 97, (6, 1)), jnp.int32)
+  positions = jnp.asarray(24 + lengths - 1, jnp.int32)[:, None]
+  kv_shape = (2, plan.kv_tokens, config.num_kv_heads, 64)
+  cache = gen.KVCache(*(jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in 'kv'))
+  outs = []
+  for knobs in (None, MosaicGpuConfig(private_lane_table=True)):
+    model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16, attention_config=knobs)
+    attn = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='mosaic_gpu',
+                                   interpret=True)
+    assert attn.config == (knobs or MosaicGpuConfig())
+    outs.append(model(tokens, positions, cache, jnp.asarray(slots, jnp.int32)[:, None], attn))
+  (want, want_cache), (got, got_cache) = outs
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_cache.k, np.float32),
+                                np.asarray(want_cache.k, np.float32))
 
 
 def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():

@@ -259,8 +259,9 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
 
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
-                                     dict(private_staged_pages=False)],
-                           ids=['pair_copies', 'slots=4', 'unstaged_pages'])
+                                     dict(private_staged_pages=False),
+                                     dict(private_lane_table=True)],
+                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_table'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
@@ -290,6 +291,9 @@ class TestMosaicGpuKernels:
     q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=40 + t)
     got = self._run(q, kc, vc, layout, num_sms=1)
     _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    tabled = self._run(q, kc, vc, layout, num_sms=1, private_lane_table=True)  # plans read
+    np.testing.assert_array_equal(np.asarray(tabled.out, np.float32), np.asarray(got.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(tabled.lse), np.asarray(got.lse))
 
   def test_all_empty_is_zero_and_neg_inf(self):
     """No shared segments and no private tokens: every state is (0, -inf), no NaN."""
@@ -529,6 +533,50 @@ class TestSupportAndSchedule:
     spans = sorted((gs.item_offset, gs.item_offset + gs.num_items) for gs in sched.groups)
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # items tile [0, num_items)
     assert spans[-1][1] == sched.num_items
+
+  @pytest.mark.parametrize('b,t,g,page', [(1024, 1, 1, 64), (99, 1, 4, 16), (37, 2, 4, 8),
+                                           (5, 3, 32, 64), (3, 2, 64, 128)], ids=str)
+  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page):
+    """`lane_table` against the kernel's walk replayed lane by lane (cursor over rows, max(chunks,
+    1) lanes a row, a lane's first token from its page), on random lengths (zeros included),
+    pages and frames past the batch; rows spanning several 64-row tiles when T*G > 64."""
+    from pallas_kernels.mosaic_gpu import private_attention as pa
+    rng = np.random.default_rng()
+    tgp = schedule.padded_rows_per_query(t * g)
+    frame = schedule.private_frame_rows(b, tgp, 8, 132)
+    max_pages = int(rng.integers(1, 5))
+    problem = pa.PrivateProblem(b, t, g, tgp, frame, page)
+    problem = dataclasses.replace(problem, lane_steps=pa.lane_steps(problem, max_pages))
+    lengths = rng.integers(0, max_pages * page + 1, b)
+    lengths[rng.random(b) < 0.2] = 0
+    pages = rng.permutation(4 * b * max_pages)[: b * max_pages].reshape(b, max_pages)
+    table = np.asarray(pa.lane_table(lengths, pages, problem))
+    assert table.shape == (problem.num_frames, problem.lane_steps, pa.LANE_FIELDS)
+    r_rows, tiles = problem.rows_per_frame, max(1, tgp // schedule.WG_M)
+    for f in range(problem.num_frames):
+      row0, q0 = (f * r_rows, 0) if r_rows > 1 or tgp <= 64 else (f // tiles, f % tiles * 64)
+      t_last = t - 1 if r_rows > 1 or tgp <= 64 else min((q0 + 63) // g, t - 1)
+      length = [int(lengths[row0 + r]) if row0 + r < b else 0 for r in range(r_rows)]
+      seen = [min(max(n - t + 1 + t_last, 0), n) for n in length]
+      chunks = [-(-n // 8) for n in seen]
+      total = sum(max(n, 1) for r, n in enumerate(chunks) if row0 + r < b)
+      cursor = (0, 0)
+      for step in range(-(-total // 8)):
+        toks, reals, rows, valids = [], [], [], []
+        for _ in range(8):  # `lane_at`: rows past the frame have no chunk and one lane
+          r, i = cursor
+          n_chunks = chunks[r] if r < r_rows else 0
+          real = i < n_chunks
+          valid = min(max(length[r] - 8 * i, 0), 8) if real else 0
+          tok = int(pages[row0 + r, 8 * i // page]) * page + 8 * i % page if real else 0
+          toks.append(tok), reals.append(real), rows.append(r), valids.append(valid)
+          cursor = (r, i + 1) if i + 1 < max(n_chunks, 1) else (r + 1, 0)
+        contiguous = reals[0] and all(
+            reals[j] and rows[j] == rows[0] and toks[j] == toks[0] + 8 * j for j in range(8))
+        packed = sum(v << (4 * j) for j, v in enumerate(valids))
+        packed = packed - (1 << 32) if packed >= 1 << 31 else packed
+        want = toks + [int(contiguous), packed]
+        np.testing.assert_array_equal(table[f, step], want, err_msg=f'frame {f} step {step}')
 
   @pytest.mark.parametrize('tg,want', [(1, 1), (3, 4), (4, 4), (6, 8), (8, 8), (33, 64), (64, 64),
                                        (65, 128), (80, 128), (128, 128)])

@@ -27,7 +27,8 @@ frame's rows of the page table come to shared memory in one TMA copy at the
 start, and the page ids are shared-memory reads instead of global ones. A
 step of 8 more chunks of one row (long rows: 64 tokens, one or two page-id
 reads, one copy when they are contiguous) is planned in closed form; others
-walk their 8 lanes. The score
+walk their 8 lanes. With `lane_steps` (`MosaicGpuConfig.private_lane_table`) the plans
+come from a table XLA builds once per decode step (`lane_table`): 10 reads a step. The score
 mask needs no walk: each query row sees one range of the packed lane-token
 positions (its row's chunks, cut at its length and causal bound), two per-row
 bounds computed once, so a step's mask is two compares per score.
@@ -94,6 +95,9 @@ class PrivateProblem:
   # plan's page-id reads are shared-memory reads; the table then has `staged_rows` rows and
   # `staged_columns` columns (`pad_page_table`).
   staged_pages: bool = False
+  # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
+  # built once per decode step for every layer and kv head) instead of walked in the kernel.
+  lane_steps: int = 0
 
   @property
   def rows_per_frame(self) -> int:
@@ -151,6 +155,68 @@ def pad_page_table(private_pages, problem: PrivateProblem):
   return xp.pad(private_pages, pad)
 
 
+LANE_FIELDS = 10  # a lane-table step: 8 lanes' first tokens, contiguous, packed valid counts
+
+
+def lane_steps(problem: PrivateProblem, max_pages: int) -> int:
+  """Steps a frame's lane table holds: every lane of `rows_per_frame` rows at full capacity."""
+  chunks = max(1, max_pages * problem.page_size // CHUNK)
+  return cdiv(problem.rows_per_frame * chunks, _LANES)
+
+
+def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.Array:
+  """The plan of every step of every frame, as the kernel's chunk walk would make it.
+
+  [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
+  to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
+  are 64 contiguous tokens, and the lanes' valid tokens packed 4 bits a lane. A step's lanes
+  depend only on the rows' private lengths and pages, so one table per decode step serves all
+  layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
+  lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
+  empty lane), rows past the batch none.
+  """
+  steps = problem.lane_steps
+  r_rows, b_rows, c = problem.rows_per_frame, problem.num_rows, problem.page_size
+  tgp, t_tok, g_size = problem.rows_per_query, problem.query_tokens, problem.group_size
+  frames = jnp.arange(problem.num_frames, dtype=jnp.int32)
+  if r_rows > 1 or tgp <= WG_M:
+    row0, q0 = frames * r_rows, jnp.zeros_like(frames)
+  else:  # one query row over several 64-row tiles
+    tiles = tgp // WG_M
+    row0, q0 = frames // tiles, (frames % tiles) * WG_M
+  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)  # [F, R]
+  inside = rows < b_rows
+  lengths = jnp.asarray(private_lengths, jnp.int32)
+  length = jnp.where(inside, lengths[jnp.minimum(rows, b_rows - 1)], 0)
+  if t_tok == 1 or r_rows > 1 or tgp <= WG_M:
+    seen = length  # the last query token sees the whole row
+  else:  # the tile's last query token
+    t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
+    seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
+  chunks = (seen + CHUNK - 1) // CHUNK
+  ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)  # [F, R]
+  lane = jnp.arange(steps * _LANES, dtype=jnp.int32)
+  r = jnp.sum(ends[:, None, :] <= lane[None, :, None], axis=-1)  # [F, lanes]: its row, R past
+  rr = jnp.minimum(r, r_rows - 1)
+  take = lambda a: jnp.take_along_axis(a, rr, axis=1)
+  i = lane[None] - (take(ends) - jnp.where(take(inside), jnp.maximum(take(chunks), 1), 0))
+  real = (r < r_rows) & (i < take(chunks))
+  pos = i * CHUNK
+  valid = jnp.where(real, jnp.clip(take(length) - pos, 0, CHUNK), 0)
+  pages = jnp.asarray(private_pages, jnp.int32)
+  page = jnp.clip(pos // c, 0, pages.shape[1] - 1)
+  page_row = jnp.minimum(row0[:, None] + rr, pages.shape[0] - 1)
+  tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
+  shape = (problem.num_frames, steps, _LANES)
+  tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
+  step = jnp.arange(_LANES, dtype=jnp.int32) * CHUNK
+  contiguous = jnp.all(real & (r == r[..., :1]) & (tok == tok[..., :1] + step), axis=-1)
+  packed = jnp.zeros(shape[:2], jnp.int32)
+  for j in range(_LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
+    packed = packed | lax.shift_left(valid[..., j], jnp.int32(4 * j))
+  return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
+
+
 def grouped_rows(ref, staging, groups: int):
   """`rows(start, size)`: rows `[start*G, (start+size)*G)` of a `[64, ...]` shared-memory ref
   as `[size, G, ...]`, for a TMA store of whole (b, t) rows.
@@ -203,12 +269,15 @@ def private_attention(
     *,
     scale: float,
     kv_offset: jax.Array | int = 0,
+    lanes: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Final states of every folded query row; layouts in the module docstring.
 
   `kv_offset` (int32 scalar, a multiple of the page size) is added to every kv
   token index: the pages index one layer's buffer that starts there in k_cache.
+  `lanes`: `lane_table(private_lengths, private_pages, problem)`, required when
+  `problem.lane_steps` (the steps' plans are read there, not walked).
   """
   kh, _, h = qf.shape
   dtype = qf.dtype
@@ -228,6 +297,11 @@ def private_attention(
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
   direct = problem.direct_out
   staged = problem.staged_pages
+  tabled = problem.lane_steps > 0
+  want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
+  if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
+    raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
+                     f'{None if lanes is None else lanes.shape}')
   if staged and private_pages.shape != (
       problem.staged_rows, staged_columns(problem, max_pages)):
     raise ValueError(f'a staged page table must be [{problem.staged_rows}, '
@@ -237,6 +311,8 @@ def private_attention(
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
     refs = refs[6:]
+    if tabled:
+      lanes_ref, refs = refs[0], refs[1:]
     if merging:
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
@@ -380,6 +456,17 @@ def private_attention(
       nr, ni, packed = rest
       return (nr, ni), (toks, contiguous), packed
 
+    def read_plan(step):
+      """`plan_step` from the lane table: the cursor is the step's index, its plan 10 reads
+      (independent loads; a step past the frame's last reads the last row, never used)."""
+      row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
+      fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
+      toks = [kv_offset + tok for tok in fields[:_LANES]]
+      return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
+
+    if tabled:
+      plan_step = read_plan  # noqa: F811 (the walk above is then unused)
+
     def copy_step(slot, toks, contiguous):
       """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
       then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
@@ -422,7 +509,7 @@ def private_attention(
     # The first steps: every plan (page ids included) before the first copy.
     if staged:
       plgpu.barrier_wait(pages_bar.at[0])
-    cursor = (jnp.int32(0), jnp.int32(0))
+    cursor = jnp.int32(0) if tabled else (jnp.int32(0), jnp.int32(0))
     first_steps = []
     for _ in range(slots):
       cursor, toks, packed = plan_step(cursor)
@@ -692,6 +779,8 @@ def private_attention(
       plgpu.Barrier(num_barriers=1) if staged else None,
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
+  if tabled:
+    operands.append(lanes)
   if merging:
     operands += [row_segments, segments, partial_out, partial_lse]
   frames = problem.num_frames

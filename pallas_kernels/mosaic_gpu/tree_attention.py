@@ -52,7 +52,7 @@ from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
-    PrivateProblem, pad_page_table, private_attention, stage_pages,
+    PrivateProblem, lane_steps, lane_table, pad_page_table, private_attention, stage_pages,
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
@@ -92,6 +92,12 @@ class MosaicGpuConfig:
       step's plan reads page ids there instead of from global memory. H200, B=1024, 9 private
       tokens a row, 32/32 heads: the private kernel 145 -> 131 µs alone, and 7-13% less time
       in the CodeLlama-7B decode step (`experiments/results/mosaic_gpu_check/run8`).
+    private_lane_table: the private kernel reads each step's plan (its chunks' first tokens,
+      contiguity, valid counts) from a table built by XLA from the rows' private lengths and
+      pages (`private_attention.lane_table`; the same for every layer of a step, so XLA
+      computes it once) instead of walking 8 dependent lanes in the kernel. The walk was the
+      largest region of a decode step at short rows (1.89 of about 5.8 µs, run 8). Off until
+      timed on a GPU.
   """
 
   block_kv: int = 128
@@ -101,6 +107,7 @@ class MosaicGpuConfig:
   private_slots: int | None = None
   private_pair_copies: bool = False
   private_staged_pages: bool = True
+  private_lane_table: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -229,8 +236,9 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
   slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
   staged = config.private_staged_pages and stage_pages(problem, layout.private_pages.shape[1])
+  steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
-                                staged_pages=staged)
+                                staged_pages=staged, lane_steps=steps)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
@@ -343,10 +351,13 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
       qf, k_cache, v_cache, prepared.segments, prepared.schedule, scale=scale,
       config=config.segment_kernel, kv_offset=kv_offset, interpret=interpret,
   )
+  # Derived from the lengths of this step, the same in every layer's call: XLA computes it once.
+  lanes = (lane_table(prepared.private_lengths, prepared.private_pages, problem)
+           if problem.lane_steps else None)
   out, lse = private_attention(
       qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths,
       prepared.row_segments, prepared.segments, prepared.schedule, partial_out, partial_lse,
-      problem, scale=scale, kv_offset=kv_offset, interpret=interpret,
+      problem, scale=scale, kv_offset=kv_offset, lanes=lanes, interpret=interpret,
   )
   # Reshapes when the kernel wrote [B, T, N, ...] order (`PrivateProblem.direct_out`).
   return PartialState(*private_unfold_states(out, lse, problem, n))
