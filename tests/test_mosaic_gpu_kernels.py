@@ -504,7 +504,8 @@ class TestSupportAndSchedule:
 
   def test_launch_time_is_list_scheduling(self):
     """`launch_time`'s bisection against program-by-program list scheduling (each program on
-    the first multiprocessor to free up), on random runs."""
+    the first multiprocessor to free up), on random runs; adjacent runs of one length merged
+    (the second random run may repeat the first's)."""
     rng = np.random.default_rng()
     for _ in range(200):
       num_sms = int(rng.integers(1, 20))
@@ -515,6 +516,15 @@ class TestSupportAndSchedule:
         for _ in range(count):
           heapq.heapreplace(free, free[0] + blocks + schedule.PROGRAM_COST_BLOCKS)
       assert schedule.launch_time(runs, num_sms=num_sms) == max(free), (runs, num_sms)
+    # Past EXACT_RUNS runs: the closed form, within one program of list scheduling (Graham).
+    runs = [(int(rng.integers(1, 9)), int(rng.integers(0, 30)))
+            for _ in range(schedule.EXACT_RUNS + 1)]
+    free = [0] * 16
+    for count, blocks in runs:
+      for _ in range(count):
+        heapq.heapreplace(free, free[0] + blocks + schedule.PROGRAM_COST_BLOCKS)
+    estimate = schedule.launch_time(runs, num_sms=16)
+    assert estimate <= max(free) <= estimate + 30 + schedule.PROGRAM_COST_BLOCKS
 
   @pytest.mark.parametrize('questions,splits', [(4, 8), (16, 8), (64, 4), (256, 2)])
   def test_a_long_segment_among_short_ones_is_still_split(self, questions, splits):

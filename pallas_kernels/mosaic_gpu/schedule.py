@@ -84,6 +84,9 @@ class SharedSchedule:
 PROGRAM_COST_BLOCKS = 3  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks
 
 
+EXACT_RUNS = 64  # launches of more runs (after merging) take the closed form (`launch_time`)
+
+
 def launch_time(programs: Sequence[tuple[int, int]], *, num_sms: int) -> int:
   """Estimated time of one launch, in kv blocks: the block scheduler as list scheduling.
 
@@ -91,31 +94,51 @@ def launch_time(programs: Sequence[tuple[int, int]], *, num_sms: int) -> int:
   `blocks + PROGRAM_COST_BLOCKS`. The GPU starts each program on the first multiprocessor
   to free up (one program a multiprocessor: the shared kernel's shared memory takes it
   whole). So a run of `count` equal programs starts at the `count` earliest of the times
-  `free + j * cost` over the multiprocessors: found by bisection, whatever the count.
+  `free + j * cost` over the multiprocessors: found by bisection over the few distinct free
+  times, whatever the count. Past `EXACT_RUNS` runs of mixed lengths (many segment groups
+  times many kv heads) the last wave's shape matters little, and the estimate is the work
+  spread evenly or the longest program, whichever is longer.
   """
-  free = [0] * num_sms
-  for count, blocks in programs:
-    if count > 0:
-      free = _deal(free, count, blocks + PROGRAM_COST_BLOCKS)
+  runs = []
+  for count, blocks in programs:  # adjacent runs of one length are one run
+    if count <= 0:
+      continue
+    cost = blocks + PROGRAM_COST_BLOCKS
+    if runs and runs[-1][1] == cost:
+      runs[-1][0] += count
+    else:
+      runs.append([count, cost])
+  if not runs:
+    return 0
+  if len(runs) > EXACT_RUNS:
+    work = sum(count * cost for count, cost in runs)
+    return max(cdiv(work, num_sms), max(cost for _, cost in runs))
+  free = {0: num_sms}  # free time -> multiprocessors free from then
+  for count, cost in runs:
+    free = _deal(free, count, cost)
   return max(free)
 
 
-def _deal(free: list[int], count: int, cost: int) -> list[int]:
+def _deal(free: dict[int, int], count: int, cost: int) -> dict[int, int]:
   """Free times after `count` programs of `cost`, each started at the earliest free time."""
   def starts_before(t):  # start times f + j * cost < t
-    return sum(cdiv(t - f, cost) for f in free if f < t)
+    return sum(n * cdiv(t - f, cost) for f, n in free.items() if f < t)
 
-  lo, hi = min(free), min(free) + count * cost + 1  # starts_before(lo) = 0 <= count < (hi)
+  lo = min(free)
+  hi = lo + count * cost + 1  # starts_before(lo) = 0 <= count < starts_before(hi)
   while hi - lo > 1:  # the last t with starts_before(t) <= count
     mid = (lo + hi) // 2
     lo, hi = (mid, hi) if starts_before(mid) <= count else (lo, mid)
-  left = count - starts_before(lo)  # these start at lo itself
-  out = []
-  for f in free:
-    n = cdiv(lo - f, cost) if f < lo else 0
-    if left and f <= lo and (lo - f) % cost == 0:
-      n, left = n + 1, left - 1
-    out.append(f + n * cost)
+  left = count - starts_before(lo)  # these start at lo itself, on multiprocessors free then
+  out: dict[int, int] = {}
+  for f, n in free.items():
+    after = f + cdiv(lo - f, cost) * cost if f < lo else f
+    out[after] = out.get(after, 0) + n
+  if left:
+    out[lo] -= left
+    out[lo + cost] = out.get(lo + cost, 0) + left
+    if not out[lo]:
+      del out[lo]
   return out
 
 
