@@ -335,21 +335,67 @@ class Llama(nnx.Module):
 
     Row parallel: each device's partial sum, all-reduced in `reduce` (float32 by default: the
     one rounding to the model dtype then matches one device's, so greedy tokens do too). With
-    `tp_micro_batches` = n > 1 (tensor parallel, no dp, B a multiple of n) the rows go through
-    in n independent blocks, so that one block's all-reduce can run beside another's matmuls.
+    `tp_micro_batches` = n > 1 see `_after_attention_in_blocks`.
     """
     mesh, eps = self.mesh, self.config.norm_eps
-
-    def block(x, attn):
-      out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
-      x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
-      return sr.constrain(_mlp(p, x, eps, reduce), hidden, mesh)
-
     n = self.tp_micro_batches
-    if (n == 1 or reduce is None or sr.axis_size(mesh, sr.DP) > 1 or x.shape[0] % n):
-      return block(x, attn)
-    parts = [block(*xa) for xa in zip(jnp.split(x, n), jnp.split(attn, n))]
-    return sr.constrain(jnp.concatenate(parts), hidden, mesh)
+    specs = self._row_parallel_specs(p) if n > 1 and reduce is not None else None
+    if specs is not None and sr.axis_size(mesh, sr.DP) == 1 and x.shape[0] % n == 0:
+      return self._after_attention_in_blocks(p, x, attn, reduce, specs)
+    out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
+    x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
+    return sr.constrain(_mlp(p, x, eps, reduce), hidden, mesh)
+
+  def _row_parallel_specs(self, p):
+    """Partition specs of wo, mlp_norm, w_gate, w_up, w_down when wo's heads and the MLP's
+    hidden units are both split over tp (else None)."""
+    mesh = self.mesh
+    spec = lambda name, axes: sr.partition_spec(axes, mesh=mesh, shape=p[name].shape)
+    specs = (spec('wo', (sr.HEADS, sr.HEAD_DIM, sr.EMBED)), spec('mlp_norm', (sr.EMBED,)),
+             spec('w_gate', (sr.EMBED, sr.MLP)), spec('w_up', (sr.EMBED, sr.MLP)),
+             spec('w_down', (sr.MLP, sr.EMBED)))
+    if specs[0][0] != sr.TP or specs[4][0] != sr.TP or any(a for a in specs[1]):
+      return None
+    return specs
+
+  def _after_attention_in_blocks(self, p, x, attn, reduce, specs):
+    """`_after_attention` with the rows in `tp_micro_batches` blocks, in one `jax.shard_map`.
+
+    Each block's all-reduces are explicit psums, and each psum's input is tied to the result
+    of the one before it (`optimization_barrier`): the reductions run in a fixed order, XLA's
+    all-reduce combiner cannot merge them back into one, and a block's all-reduce can run
+    beside the next block's matmuls (XLA's latency-hiding scheduler places them). Every row
+    computes as in one block.
+    """
+    eps, n = self.config.norm_eps, self.tp_micro_batches
+    names = ('wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
+
+    def body(x, attn, wo, norm, w_gate, w_up, w_down):
+      xs, attns = jnp.split(x, n), jnp.split(attn, n)
+      done = None
+
+      def all_reduce(part):  # after the previous block's reduction
+        nonlocal done
+        if done is not None:
+          part, _ = jax.lax.optimization_barrier((part, done))
+        done = jax.lax.psum(part, sr.TP)
+        return done.astype(x.dtype)
+
+      for i in range(n):
+        xs[i] = xs[i] + all_reduce(
+            jnp.einsum('btnh,nhd->btd', attns[i], wo, preferred_element_type=reduce))
+      for i in range(n):
+        y = rms_norm(xs[i], norm, eps)
+        hid = jax.nn.silu(jnp.einsum('btd,df->btf', y, w_gate)) * jnp.einsum('btd,df->btf', y, w_up)
+        xs[i] = xs[i] + all_reduce(
+            jnp.einsum('btf,fd->btd', hid, w_down, preferred_element_type=reduce))
+      return jnp.concatenate(xs)
+
+    replicated = jax.sharding.PartitionSpec()
+    heads = jax.sharding.PartitionSpec(None, None, sr.TP, None)
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(replicated, heads, *specs),
+                       out_specs=replicated)
+    return fn(x, attn, *(p[name] for name in names))
 
   def _embed(self, tokens):
     """tokens [B, T] -> [B, T, D]; a vocab-sharded table is read locally and summed."""
