@@ -170,7 +170,7 @@ def main(argv):
   start = time.perf_counter()
   model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
-                        tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
+                        tp_micro_batches=FLAGS.tp_micro_batches,
                         attention_config=_mosaic_gpu_config(FLAGS.mosaic_gpu_knobs))
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
