@@ -160,12 +160,18 @@ class DecoderLayer(nnx.Module):
 LAYER_PARAMS = ('attn_norm', 'wq', 'wkv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
 
 
-def _mlp(p, x, eps, reduce_dtype=None):
+def _mlp_out(p, x, eps, reduce_dtype=None):
+  """The MLP's output before the residual add (in `reduce_dtype`: a device's partial sum when
+  the hidden units are split)."""
   y = rms_norm(x, p['mlp_norm'], eps)
   gate = jnp.einsum('btd,df->btf', y, p['w_gate'])
   up = jnp.einsum('btd,df->btf', y, p['w_up'])
-  return x + jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, p['w_down'],
-                        preferred_element_type=reduce_dtype).astype(x.dtype)
+  return jnp.einsum('btf,fd->btd', jax.nn.silu(gate) * up, p['w_down'],
+                    preferred_element_type=reduce_dtype)
+
+
+def _mlp(p, x, eps, reduce_dtype=None):
+  return x + _mlp_out(p, x, eps, reduce_dtype).astype(x.dtype)
 
 
 def _qkv(p, x, positions, inv_freq, eps):
@@ -347,14 +353,13 @@ class Llama(nnx.Module):
     return sr.constrain(_mlp(p, x, eps, reduce), hidden, mesh)
 
   def _row_parallel_specs(self, p):
-    """Partition specs of wo, mlp_norm, w_gate, w_up, w_down when wo's heads and the MLP's
+    """Partition specs of wo and the MLP's weights (name -> spec) when wo's heads and the MLP's
     hidden units are both split over tp (else None)."""
-    mesh = self.mesh
-    spec = lambda name, axes: sr.partition_spec(axes, mesh=mesh, shape=p[name].shape)
-    specs = (spec('wo', (sr.HEADS, sr.HEAD_DIM, sr.EMBED)), spec('mlp_norm', (sr.EMBED,)),
-             spec('w_gate', (sr.EMBED, sr.MLP)), spec('w_up', (sr.EMBED, sr.MLP)),
-             spec('w_down', (sr.MLP, sr.EMBED)))
-    if specs[0][0] != sr.TP or specs[4][0] != sr.TP or any(a for a in specs[1]):
+    axes = dict(wo=(sr.HEADS, sr.HEAD_DIM, sr.EMBED), mlp_norm=(sr.EMBED,),
+                w_gate=(sr.EMBED, sr.MLP), w_up=(sr.EMBED, sr.MLP), w_down=(sr.MLP, sr.EMBED))
+    specs = {name: sr.partition_spec(names, mesh=self.mesh, shape=p[name].shape)
+             for name, names in axes.items()}
+    if specs['wo'][0] != sr.TP or specs['w_down'][0] != sr.TP or any(specs['mlp_norm']):
       return None
     return specs
 
@@ -368,9 +373,8 @@ class Llama(nnx.Module):
     computes as in one block.
     """
     eps, n = self.config.norm_eps, self.tp_micro_batches
-    names = ('wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
 
-    def body(x, attn, wo, norm, w_gate, w_up, w_down):
+    def body(x, attn, w):
       xs, attns = jnp.split(x, n), jnp.split(attn, n)
       done = None
 
@@ -383,19 +387,16 @@ class Llama(nnx.Module):
 
       for i in range(n):
         xs[i] = xs[i] + all_reduce(
-            jnp.einsum('btnh,nhd->btd', attns[i], wo, preferred_element_type=reduce))
+            jnp.einsum('btnh,nhd->btd', attns[i], w['wo'], preferred_element_type=reduce))
       for i in range(n):
-        y = rms_norm(xs[i], norm, eps)
-        hid = jax.nn.silu(jnp.einsum('btd,df->btf', y, w_gate)) * jnp.einsum('btd,df->btf', y, w_up)
-        xs[i] = xs[i] + all_reduce(
-            jnp.einsum('btf,fd->btd', hid, w_down, preferred_element_type=reduce))
+        xs[i] = xs[i] + all_reduce(_mlp_out(w, xs[i], eps, reduce))
       return jnp.concatenate(xs)
 
     replicated = jax.sharding.PartitionSpec()
     heads = jax.sharding.PartitionSpec(None, None, sr.TP, None)
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(replicated, heads, *specs),
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(replicated, heads, specs),
                        out_specs=replicated)
-    return fn(x, attn, *(p[name] for name in names))
+    return fn(x, attn, {name: p[name] for name in specs})
 
   def _embed(self, tokens):
     """tokens [B, T] -> [B, T, D]; a vocab-sharded table is read locally and summed."""
