@@ -50,7 +50,6 @@ A grid cut by --deadline_s (or a device's time limit) goes on with the same flag
 the points in --workdir/raw.jsonl that ran are kept, the rest run.
 """
 
-import dataclasses
 import os
 import time
 
@@ -101,30 +100,11 @@ flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod sli
                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
 
 
-def _mosaic_gpu_config(knobs: list[str]):
-  """MosaicGpuConfig from 'name=value' items (true/false or an integer); None for none."""
-  if not knobs:
+def _mosaic_gpu_config():
+  if not FLAGS.mosaic_gpu_knobs:
     return None
   from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
-  fields = {f.name for f in dataclasses.fields(MosaicGpuConfig)}
-  values = {}
-  for item in knobs:
-    name, sep, value = item.partition('=')
-    if not sep or name not in fields:
-      raise ValueError(f'--mosaic_gpu_knobs item {item!r} must be name=value with a name in '
-                       f'{sorted(fields)}')
-    lower = value.strip().lower()
-    if lower in ('true', 'false'):
-      values[name] = lower == 'true'
-    elif lower == 'none':
-      values[name] = None
-    else:
-      try:
-        values[name] = int(lower)
-      except ValueError:
-        raise ValueError(f'--mosaic_gpu_knobs {name}={value!r}: true, false, none or an '
-                         'integer') from None
-  return MosaicGpuConfig(**values)
+  return MosaicGpuConfig.from_knobs(FLAGS.mosaic_gpu_knobs)
 
 
 def _memory_limit() -> int:
@@ -171,7 +151,7 @@ def main(argv):
   model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                         tp_micro_batches=FLAGS.tp_micro_batches,
-                        attention_config=_mosaic_gpu_config(FLAGS.mosaic_gpu_knobs))
+                        attention_config=_mosaic_gpu_config())
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)

@@ -110,19 +110,6 @@ def test_derived_numbers():
   assert estimate['max_batch'] == int((130 * 2**30 - 13 * 2**30 - shared) // per_row)
 
 
-def test_mosaic_gpu_knobs_flag():
-  from experiments import throughput
-  from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
-  assert throughput._mosaic_gpu_config([]) is None
-  got = throughput._mosaic_gpu_config(['private_lane_table=true', 'max_splits=4',
-                                       'private_slots=none'])
-  assert got == MosaicGpuConfig(private_lane_table=True, max_splits=4, private_slots=None)
-  with pytest.raises(ValueError, match='name=value with a name in'):
-    throughput._mosaic_gpu_config(['lane_table=true'])
-  with pytest.raises(ValueError, match='max_splits=.x.: true, false, none or an integer'):
-    throughput._mosaic_gpu_config(['max_splits=x'])
-
-
 def test_floors_on_a_mesh_are_one_devices_share():
   """At tp:2 each device attends half the heads and runs half the matmuls; dp splits the rows."""
   config = get_config('codellama_13b')

@@ -502,6 +502,18 @@ class TestSupportAndSchedule:
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
 
+  def test_config_from_knobs(self):
+    """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""
+    got = mosaic.MosaicGpuConfig.from_knobs(
+        ['private_lane_table=true', 'max_splits=4', 'private_slots=none'])
+    assert got == mosaic.MosaicGpuConfig(private_lane_table=True, max_splits=4, private_slots=None)
+    with pytest.raises(ValueError, match='name=value with a name in'):
+      mosaic.MosaicGpuConfig.from_knobs(['lane_table=true'])
+    with pytest.raises(ValueError, match='max_splits=.x.: true, false, none or an integer'):
+      mosaic.MosaicGpuConfig.from_knobs(['max_splits=x'])
+    with pytest.raises(ValueError, match='max_splits must be >= 1'):
+      mosaic.MosaicGpuConfig.from_knobs(['max_splits=0'])
+
   def test_launch_time_is_list_scheduling(self):
     """`launch_time`'s bisection against program-by-program list scheduling (each program on
     the first multiprocessor to free up), on random runs; adjacent runs of one length merged

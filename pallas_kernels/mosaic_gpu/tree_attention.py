@@ -38,6 +38,7 @@ is its single-warpgroup variant (see `segment_attention`).
 """
 
 import dataclasses
+from collections.abc import Sequence
 import functools
 from typing import Any
 
@@ -118,6 +119,26 @@ class MosaicGpuConfig:
     if self.private_slots is not None and not 2 <= self.private_slots <= MAX_PRIVATE_SLOTS:
       raise ValueError(
           f'private_slots must be None or in [2, {MAX_PRIVATE_SLOTS}], got {self.private_slots}')
+
+  @classmethod
+  def from_knobs(cls, knobs: Sequence[str]) -> 'MosaicGpuConfig':
+    """A config from 'name=value' items (a flag such as --mosaic_gpu_knobs): values true,
+    false, none or an integer; other fields keep their defaults."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for item in knobs:
+      name, sep, value = item.partition('=')
+      if not sep or name not in fields:
+        raise ValueError(f'knob {item!r} must be name=value with a name in {sorted(fields)}')
+      lower = value.strip().lower()
+      if lower in ('true', 'false', 'none'):
+        values[name] = None if lower == 'none' else lower == 'true'
+        continue
+      try:
+        values[name] = int(lower)
+      except ValueError:
+        raise ValueError(f'knob {name}={value!r}: true, false, none or an integer') from None
+    return cls(**values)
 
   @property
   def segment_kernel(self) -> SegmentKernelConfig:
