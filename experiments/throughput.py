@@ -92,8 +92,8 @@ flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
                   'dtype of the all-reduces after wo and w_down with tp > 1 (float32: tokens '
                   'equal one device\'s; bfloat16: half the bytes)')
 flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output projection and the '
-                     'MLP in this many independent blocks, so an all-reduce can run beside the '
-                     'next block\'s matmuls (models.llama.Llama)')
+                     'MLP in this many blocks whose all-reduces follow each other, so one can run '
+                     'beside the next block\'s matmuls (models.llama.Llama)')
 flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
                   'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "

@@ -180,6 +180,19 @@ def test_micro_batches_give_the_same_step_with_ordered_reductions():
     sr.init_model(config, seed=0, tp_micro_batches=0)
 
 
+@pytest.mark.parametrize('kind,mesh_name', [('mqa', 'tp8'), ('mha', 'tp2')])
+def test_generate_in_blocks_gives_one_devices_tokens(kind, mesh_name):
+  """tp_micro_batches=2 through greedy generation (kv heads replicated at MQA tp:8): the blocked
+  path runs (wo and the MLP split over tp) and the tokens are one device's."""
+  config = CONFIGS[kind]
+  want = generate(sr.init_model(config, seed=2), _prompts(config.vocab_size), max_new_tokens=6,
+                  impl='xla')
+  model = sr.init_model(config, mesh=_mesh(mesh_name), seed=2, tp_micro_batches=2)
+  assert model._row_parallel_specs(model.layers[0].arrays()) is not None
+  got = generate(model, _prompts(config.vocab_size), max_new_tokens=6, impl='xla')
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
 def _prompts(vocab):
   rng = np.random.default_rng(5)
   toks = lambda n: rng.integers(0, vocab, n).tolist()

@@ -502,6 +502,27 @@ class TestSupportAndSchedule:
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
 
+  def test_one_lane_table_serves_every_layer(self):
+    """The lane table depends on the step's lengths only: in a step that attends two layers,
+    XLA builds it once (one cumsum in the compiled program), not once a layer."""
+    import re
+    plan = hydrajax.plan_tree(PromptNode(64, num_samples=8), private_capacity=64,
+                              private_lengths=[3] * 8)
+    layout, length = plan.to_device(), plan.kv_tokens
+    q = jnp.ones((8, 1, 4, 64), jnp.bfloat16)
+    kc = jnp.ones((2 * length, 2, 64), jnp.bfloat16)
+    shapes = mosaic.KernelShapes.of(q, kc[:length])
+    config = mosaic.MosaicGpuConfig(block_kv=64, private_lane_table=True)
+    prepared = mosaic.prepare(layout, shapes, config, interpret=True)
+
+    def step(q, kc, prepared, lengths):
+      prepared = mosaic.with_private_lengths(prepared, lengths)
+      return [mosaic.attend(q, kc, kc, prepared, shapes=shapes, config=config,
+                            kv_offset=layer * length, interpret=True).out for layer in range(2)]
+
+    hlo = jax.jit(step).lower(q, kc, prepared, jnp.full((8,), 3, jnp.int32)).compile().as_text()
+    assert len(re.findall(r' reduce-window\(', hlo)) == 1
+
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""
     got = mosaic.MosaicGpuConfig.from_knobs(

@@ -429,7 +429,7 @@ def private_attention(
       ]
       return toks, (left >= _BLK) | (id1 == id0 + 1)
 
-    def plan_step(cursor):
+    def walk_plan(cursor):
       """The next step's plan (see above). Fast path: 8 more chunks of the cursor's row (a long
       row), in closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
       r, i = cursor
@@ -457,15 +457,14 @@ def private_attention(
       return (nr, ni), (toks, contiguous), packed
 
     def read_plan(step):
-      """`plan_step` from the lane table: the cursor is the step's index, its plan 10 reads
+      """`walk_plan` from the lane table: the cursor is the step's index, its plan 10 reads
       (independent loads; a step past the frame's last reads the last row, never used)."""
       row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
       fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
       toks = [kv_offset + tok for tok in fields[:_LANES]]
       return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
 
-    if tabled:
-      plan_step = read_plan  # noqa: F811 (the walk above is then unused)
+    plan_step = read_plan if tabled else walk_plan
 
     def copy_step(slot, toks, contiguous):
       """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
