@@ -186,7 +186,8 @@ def prepare_attention(
     impl: AUTO (this machine's kernel where it supports the inputs, else XLA with a warning),
       or an explicit implementation (ValueError if it cannot run).
     config: the backend's frozen config (`XlaConfig`, the TPU `BlockSizes`, ...); None: its
-      default. With AUTO, a config of another backend than the one chosen is ignored.
+      default. With AUTO, a config of another backend than the one chosen is ignored. A tuple
+      of configs: the chosen backend takes the one of its type, its default if none is.
     interpret: run the Mosaic kernels in interpret mode (any machine, e.g. CPU tests).
   """
   if not isinstance(shapes, AttentionShapes):
@@ -196,6 +197,8 @@ def prepare_attention(
   requested = AttentionImpl(impl)
   impl, module = dispatch.resolve_backend(requested, shapes, layout, interpret=interpret)
   default = module.DEFAULT_CONFIG
+  if isinstance(config, tuple):
+    config = next((c for c in config if isinstance(c, type(default))), None)
   if config is not None and default is not None and not isinstance(config, type(default)):
     if requested is not AttentionImpl.AUTO:
       raise ValueError(

@@ -270,7 +270,8 @@ class Llama(nnx.Module):
     if mode is not ModelMode.TREE:
       raise ValueError(f'impl={impl!r} does not run on a tree layout (use forward_naive)')
     shapes = self.attention_shapes(layout.num_rows, query_tokens, cache)
-    config = self.attention_config if config is None else config
+    if config is None:  # the model's config, where the chosen backend is its own
+      config = (self.attention_config,)
     prepare = lambda lay: hydrajax.prepare_attention(lay, shapes, impl=attention, config=config,
                                                      interpret=interpret)
     if isinstance(layout, parallel.ShardedLayout):  # dp: each shard's plan, stacked

@@ -95,6 +95,17 @@ def test_a_config_of_another_backend_is_refused_for_an_explicit_impl(problem):
   assert plan.config == hj.XlaConfig() or plan.impl is hj.AttentionImpl.MOSAIC_TPU
 
 
+def test_a_tuple_of_configs_gives_each_backend_its_own(problem):
+  _, args = problem
+  from pallas_kernels.tpu.tree_attention import BlockSizes
+
+  shapes = hj.AttentionShapes.of(*args[:2])
+  xla = hj.XlaConfig(kv_block=64)
+  assert hj.prepare_attention(args[3], shapes, impl='xla', config=(BlockSizes(),)).config == (
+      hj.XlaConfig())
+  assert hj.prepare_attention(args[3], shapes, impl='xla', config=(BlockSizes(), xla)).config is xla
+
+
 # The dispatch logic itself, with stand-in kernel modules (no accelerator needed).
 
 

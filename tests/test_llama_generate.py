@@ -119,6 +119,9 @@ def test_the_models_attention_config_reaches_its_plans():
     attn = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='mosaic_gpu',
                                    interpret=True)
     assert attn.config == (knobs or MosaicGpuConfig())
+    # A call that runs another backend (e.g. an XLA prefill) takes that backend's default.
+    xla = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='xla')
+    assert xla.config == hydrajax.XlaConfig()
     outs.append(model(tokens, positions, cache, jnp.asarray(slots, jnp.int32)[:, None], attn))
   (want, want_cache), (got, got_cache) = outs
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
