@@ -260,8 +260,8 @@ class TestMosaicGpuKernels:
 
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
                                      dict(private_staged_pages=False),
-                                     dict(private_lane_table=True)],
-                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_table'])
+                                     dict(private_lane_table=False)],
+                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_walk'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
@@ -291,9 +291,9 @@ class TestMosaicGpuKernels:
     q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16, seed=40 + t)
     got = self._run(q, kc, vc, layout, num_sms=1)
     _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
-    tabled = self._run(q, kc, vc, layout, num_sms=1, private_lane_table=True)  # plans read
-    np.testing.assert_array_equal(np.asarray(tabled.out, np.float32), np.asarray(got.out, np.float32))
-    np.testing.assert_array_equal(np.asarray(tabled.lse), np.asarray(got.lse))
+    walked = self._run(q, kc, vc, layout, num_sms=1, private_lane_table=False)  # plans walked
+    np.testing.assert_array_equal(np.asarray(walked.out, np.float32), np.asarray(got.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(walked.lse), np.asarray(got.lse))
 
   def test_all_empty_is_zero_and_neg_inf(self):
     """No shared segments and no private tokens: every state is (0, -inf), no NaN."""
@@ -512,7 +512,7 @@ class TestSupportAndSchedule:
     q = jnp.ones((8, 1, 4, 64), jnp.bfloat16)
     kc = jnp.ones((2 * length, 2, 64), jnp.bfloat16)
     shapes = mosaic.KernelShapes.of(q, kc[:length])
-    config = mosaic.MosaicGpuConfig(block_kv=64, private_lane_table=True)
+    config = mosaic.MosaicGpuConfig(block_kv=64)
     prepared = mosaic.prepare(layout, shapes, config, interpret=True)
 
     def step(q, kc, prepared, lengths):
@@ -526,8 +526,8 @@ class TestSupportAndSchedule:
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""
     got = mosaic.MosaicGpuConfig.from_knobs(
-        ['private_lane_table=true', 'max_splits=4', 'private_slots=none'])
-    assert got == mosaic.MosaicGpuConfig(private_lane_table=True, max_splits=4, private_slots=None)
+        ['private_lane_table=false', 'max_splits=4', 'private_slots=none'])
+    assert got == mosaic.MosaicGpuConfig(private_lane_table=False, max_splits=4, private_slots=None)
     with pytest.raises(ValueError, match='name=value with a name in'):
       mosaic.MosaicGpuConfig.from_knobs(['lane_table=true'])
     with pytest.raises(ValueError, match='max_splits=.x.: true, false, none or an integer'):
