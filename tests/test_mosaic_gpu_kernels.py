@@ -26,7 +26,7 @@ from pallas_kernels.mosaic_gpu import tree_attention as mosaic
 from pallas_kernels.mosaic_gpu.paged_decode import paged_attention, paged_attention_reference
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
-    private_attention, private_attention_reference,
+    lane_table, private_attention, private_attention_reference,
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
@@ -373,8 +373,9 @@ class TestMosaicGpuKernels:
     assert problem.direct_out and problem.direct_lse == (n // k == 4)
     assert (plan.num_rows * tgp) % problem.frame_rows  # the last frame runs past the batch
     assert problem.staged_pages  # the kernel takes the padded table (`pad_page_table`)
-    got = private_attention(*args[:3], prepared.private_pages, *args[4:], **kw)
-    want = private_attention_reference(*args, **kw)
+    lanes = lane_table(layout.private_lengths, prepared.private_pages, problem)
+    got = private_attention(*args[:3], prepared.private_pages, *args[4:], lanes=lanes, **kw)
+    want = private_attention_reference(*args, lanes=lanes, **kw)
     assert [x.shape for x in got] == [x.shape for x in want]
     _assert_states_close(
         hydrajax.PartialState(*private_unfold_states(*got, problem, n)),

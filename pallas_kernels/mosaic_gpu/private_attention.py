@@ -802,15 +802,16 @@ def private_attention(
 def private_attention_reference(
     qf, k_cache, v_cache, private_pages, private_lengths, row_segments, segments,
     sched: SharedSchedule | None, partial_out, partial_lse, problem: PrivateProblem, *,
-    scale: float, kv_offset=0, interpret: bool = False,
+    scale: float, kv_offset=0, lanes=None, interpret: bool = False,
 ):
-  """`private_attention` in jnp (float32 math): same arguments, same output layouts.
+  """`private_attention` in jnp (float32 math): same arguments, same output layouts (`lanes`,
+  a plan of the kernel's steps, changes nothing here).
 
   The merge reads the shared partial states at the places the module docstring of
   `schedule` gives, so this checks the kernel's indexing too. `row_segments` and
   `segments` must be concrete (for tests). Rows past the batch get (0, -inf).
   """
-  del interpret
+  del interpret, lanes
   kh, _, h = qf.shape
   b, tgp, f = problem.num_rows, problem.rows_per_query, problem.frame_rows
   out, lse = private_states_reference(
