@@ -143,8 +143,9 @@ class DecoderLayer(nnx.Module):
                      dtype, c.dim**-0.5)
     # K and V projections as one weight [D, 2, K, H] (k at 0, v at 1): one GEMM. Kept apart, XLA
     # merges the two products of one input into one GEMM anyway and concatenates wk and wv for
-    # it on every step (64 MB a layer at 7B; 31 µs a layer at B=1024 on an H200); `_qkv` keeps
-    # q's product apart likewise.
+    # it on every step (64 MB a layer at 7B; 31 µs a layer at B=1024 on an H200). q's product
+    # is still merged with kv's (wq and wkv concatenated); keeping them apart made XLA pick
+    # slower GEMMs (experiments/results/throughput/qkv_merge_s23).
     self.wkv = _param(rngs, (c.dim, 2, c.num_kv_heads, c.head_dim),
                       (sr.EMBED, None, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
     self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim), (sr.HEADS, sr.HEAD_DIM, sr.EMBED),
@@ -178,12 +179,7 @@ def _mlp(p, x, eps, reduce_dtype=None):
 def _qkv(p, x, positions, inv_freq, eps):
   y = rms_norm(x, p['attn_norm'], eps)
   q = apply_rope(jnp.einsum('btd,dnh->btnh', y, p['wq']), positions, inv_freq)
-  # kv's product is asked for in float32 (rounded after, the same bits) so that XLA cannot merge
-  # it with q's: products of one input and one output type become one GEMM, and wq and wkv are
-  # then concatenated for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at B=1024 on
-  # an H200; experiments/results/throughput/qkv_merge_s23).
-  kv = jnp.einsum('btd,dckh->btckh', y, p['wkv'], preferred_element_type=jnp.float32)
-  kv = kv.astype(y.dtype)
+  kv = jnp.einsum('btd,dckh->btckh', y, p['wkv'])
   k = apply_rope(kv[:, :, 0], positions, inv_freq)
   v = kv[:, :, 1]
   return q, k, v

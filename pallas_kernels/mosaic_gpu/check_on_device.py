@@ -123,11 +123,11 @@ HEAD_DIM = 128
 DTYPE = jnp.bfloat16
 
 
-CAPACITY = 0  # private tokens reserved per row (--capacity; 0: S rounded up to 64)
+CAPACITY = 0  # private tokens reserved per row (--capacity), at least S rounded up to 64
 
 
 def problem(b, p, s, n, k, t=1, seed=0):
-  capacity = CAPACITY or max(64, -(-s // 64) * 64)
+  capacity = max(CAPACITY, 64, -(-s // 64) * 64)
   plan = hydrajax.plan_tree(
       hydrajax.PromptNode(p, num_samples=b), private_capacity=capacity, private_lengths=s
   )
@@ -276,7 +276,7 @@ def main():
       '--check_shapes', default='', help="comma-separated indices into CHECK_SHAPES, or 'all'"
   )
   parser.add_argument('--capacity', type=int, default=0,
-                      help='private tokens reserved per row (0: S rounded up to 64)')
+                      help='private tokens reserved per row, at least S rounded up to 64')
   parser.add_argument('--profile', action='store_true',
                       help='also run each shape once with the in-kernel profiler (traces and '
                            'time per region under --out/profile)')

@@ -2,7 +2,7 @@
 # One nvidia-h200 (bash call.sh <commit>, with OUT set; about 2 minutes): the CodeLlama-7B decode
 # step with the private kernel's plans from a lane table (--mosaic_gpu_knobs=
 # private_lane_table=true). The walk's leg of the A/B is call 1 of session 23
-# (../lane_table_not_run/call.sh), whose table leg stopped on a config error since fixed.
+# (call1.sh), whose table leg stopped on a config error since fixed.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 R=$OUT/lane_table; mkdir -p $R
