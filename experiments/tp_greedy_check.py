@@ -8,9 +8,17 @@ the first. On two H200s:
       --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$OUT/tp_greedy
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
       --groups=3 --meshes='none;dp:2;dp:2,tp:2' --impl=mosaic_gpu --workdir=$OUT/dp_greedy
+  PYTHONPATH=. python -m experiments.tp_greedy_check --checkpoint=experiments/data/tiny_coder_h64 \
+      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$OUT/tp_greedy_trained
 
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
+
+With --checkpoint (a folder written by `models.hf_loading.save_params`, e.g. by
+`experiments.train_tiny_coder`) the model is that trained one, restored into each mesh's shards,
+and the prompts are the embedded APPS problems it learned (a few-shot prefix shared by
+--samples rows under each problem): its greedy tokens have real margins, where a random model's
+are often near-ties that rounding flips.
 
 Where a row differs, the record says at which step and how close the reference's top two
 log-probs were there (`first_difference`): a random model's top two logits are often within a
@@ -45,6 +53,10 @@ _NEW = flags.DEFINE_integer('new_tokens', 32, 'greedy tokens per row')
 _WORKDIR = flags.DEFINE_string('workdir', '/tmp/tp_greedy', 'output folder')
 _REDUCE = flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
                             'dtype of the all-reduces after wo and w_down with tp > 1')
+_CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', '', 'a trained model written by models.hf_loading.save_params (e.g. '
+    'experiments/data/tiny_coder); prompts are then the APPS problems it learned and --preset, '
+    '--num_layers and --prefix_tokens are ignored (default: random weights of --preset)')
 
 
 def first_differences(tokens, reference, top_logprobs, top_tokens):
@@ -70,31 +82,61 @@ def _prompts(vocab: int):
   return groups
 
 
+def _learned_prompts():
+  """Per group, the trained model's few-shot prefix over two of the APPS problems it learned."""
+  from experiments import apps_workload as aw
+  from hydrajax.evaluation import ByteTokenizer, load_problems
+  data = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+  tokenizer = ByteTokenizer()
+  fewshot = tokenizer.encode(aw.fewshot_text(load_problems(os.path.join(data, 'apps_fewshot.jsonl'))[:1]))
+  problems = load_problems(os.path.join(data, 'apps_mini.jsonl'))
+  if len(problems) < 2 * _GROUPS.value:
+    raise app.UsageError(f'--groups={_GROUPS.value} needs {2 * _GROUPS.value} problems, the set '
+                         f'has {len(problems)}')
+  groups = []
+  for g in range(_GROUPS.value):
+    children = [prompt_node(tokenizer.encode(aw.problem_prompt(p), add_bos=False),
+                            num_samples=_SAMPLES.value) for p in problems[2 * g: 2 * g + 2]]
+    groups.append(prompt_node(fewshot, children=children))
+  return groups
+
+
+def _model(mesh, config):
+  if not _CHECKPOINT.value:
+    return sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
+  from models.hf_loading import restore_params
+  model = restore_params(_CHECKPOINT.value, dtype=jnp.bfloat16, mesh=mesh)
+  model.tp_reduce_dtype = jnp.dtype(_REDUCE.value)
+  return model
+
+
 def main(argv):
   del argv
   overrides = {'num_layers': _LAYERS.value} if _LAYERS.value else {}
-  config = get_config(_PRESET.value, **overrides)
+  config = None if _CHECKPOINT.value else get_config(_PRESET.value, **overrides)
+  prompts = _learned_prompts() if config is None else _prompts(config.vocab_size)
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  prompts = _prompts(config.vocab_size)
   records, reference = [], None
   sampling = SamplingParams(top_logprobs=2)
   for spec in [m.strip() for m in _MESHES.value.split(';') if m.strip()]:
     mesh = parse_mesh(spec)
-    model = sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
+    model = _model(mesh, config)
     out = generate(model, prompts, max_new_tokens=_NEW.value, impl=_IMPL.value,
                    sampling=sampling)
-    tokens = np.asarray(out.tokens)
+    tokens, lp = np.asarray(out.tokens), np.asarray(out.top_logprobs)
     if reference is None:
-      reference, ref_lp, ref_top = tokens, np.asarray(out.top_logprobs), np.asarray(out.top_tokens)
+      reference, ref_lp, ref_top = tokens, lp, np.asarray(out.top_tokens)
     same = bool(np.array_equal(tokens, reference))
     diffs = first_differences(tokens, reference, ref_lp, ref_top)
     margins = sorted(d['margin'] for d in diffs)
-    records.append(dict(mesh=spec, preset=_PRESET.value, layers=config.num_layers,
+    records.append(dict(mesh=spec, model=_CHECKPOINT.value or f'random {_PRESET.value}',
+                        layers=model.config.num_layers,
                         impl=_IMPL.value, rows=int(tokens.shape[0]), new_tokens=_NEW.value,
                         identical_to_first=same,
                         rows_differing=int((tokens != reference).any(axis=1).sum()),
                         tp_reduce_dtype=_REDUCE.value, first_difference=diffs,
                         max_margin_at_difference=margins[-1] if margins else None,
+                        smallest_margin=float(np.min(lp[..., 0] - lp[..., 1])),
                         device=jax.devices()[0].device_kind))
     logging.info('%s', records[-1])
   with open(os.path.join(_WORKDIR.value, 'results.jsonl'), 'w') as f:
@@ -102,7 +144,8 @@ def main(argv):
   report.write_workdir_readme(_WORKDIR.value, 'Greedy tokens across meshes', markdown_table(
       records, [('mesh', 'mesh'), ('identical to the first mesh', 'identical_to_first'),
                 ('rows differing', 'rows_differing'), ('largest margin where they part',
-                                                       'max_margin_at_difference')]))
+                                                       'max_margin_at_difference'),
+                ('smallest top-2 margin of its own tokens', 'smallest_margin')]))
   if not all(r['identical_to_first'] for r in records):
     raise SystemExit('greedy tokens differ between meshes: see results.jsonl')
 

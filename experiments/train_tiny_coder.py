@@ -48,15 +48,17 @@ flags.DEFINE_integer('seed', 0, 'initialisation and batch order seed')
 flags.DEFINE_integer('dim', 64, 'model width D')
 flags.DEFINE_integer('layers', 2, 'decoder layers')
 flags.DEFINE_integer('mlp_dim', 192, 'MLP hidden width F')
+flags.DEFINE_integer('head_dim', 0, 'head dim (0: D / 4; the Mosaic GPU kernels take 64 or 128)')
 flags.DEFINE_string('out', os.path.join(DATA, 'tiny_coder'), 'checkpoint folder (orbax)')
 flags.DEFINE_string('workdir', '/tmp/hydrajax/train_tiny_coder', 'log, loss plot and README')
 
 ALIGN = 64  # sequence lengths are padded to a multiple of this (few compiles)
 
 
-def tiny_coder_config(dim: int = 64, layers: int = 2, mlp_dim: int = 192) -> LlamaConfig:
+def tiny_coder_config(dim: int = 64, layers: int = 2, mlp_dim: int = 192,
+                      head_dim: int = 0) -> LlamaConfig:
   return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, dim=dim, num_layers=layers,
-                     num_heads=4, num_kv_heads=2, head_dim=dim // 4, mlp_dim=mlp_dim,
+                     num_heads=4, num_kv_heads=2, head_dim=head_dim or dim // 4, mlp_dim=mlp_dim,
                      norm_eps=1e-5, rope_theta=10_000.0, max_position_embeddings=4096,
                      name='tiny_coder')
 
@@ -109,7 +111,7 @@ def main(argv):
   examples = training_examples(problems, fewshot, tokenizer)
   logging.info('%d training sequences, longest %d tokens', len(examples),
                max(len(e[0]) for e in examples))
-  config = tiny_coder_config(FLAGS.dim, FLAGS.layers, FLAGS.mlp_dim)
+  config = tiny_coder_config(FLAGS.dim, FLAGS.layers, FLAGS.mlp_dim, FLAGS.head_dim)
   model = Llama(config, rngs=nnx.Rngs(FLAGS.seed), dtype=jnp.float32)
   warmup = min(20, FLAGS.steps // 4)
   schedule = optax.warmup_cosine_decay_schedule(0.0, FLAGS.learning_rate, warmup, FLAGS.steps,

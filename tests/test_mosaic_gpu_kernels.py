@@ -265,8 +265,7 @@ class TestMosaicGpuKernels:
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
-    states are bitwise the default's, with NaN/inf in every unattended slot (the walk attends
-    the chunks in another order than the table: its states are checked against the oracle). Decode-like rows
+    states are bitwise the default's, with NaN/inf in every unattended slot. Decode-like rows
     of 1-17 tokens (two chunks of one page: a pair; odd rows' pages run backwards, so a row
     past a page has chunks that do not follow) and a long row (64-token pages: its one-row
     steps read two page ids), in one frame (3 steps, fewer than 4 slots)."""
@@ -277,11 +276,7 @@ class TestMosaicGpuKernels:
     attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
                                num_sms=1)
     want, got = attend(), attend(**knobs)
-    naive = hydrajax.naive_tree_attention(q, kc, vc, plan)
-    _assert_states_close(want, naive, jnp.bfloat16)
-    if knobs.get('private_lane_table') is False:  # another lane order: other roundings
-      _assert_states_close(got, naive, jnp.bfloat16)
-      return
+    _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
@@ -297,7 +292,8 @@ class TestMosaicGpuKernels:
     got = self._run(q, kc, vc, layout, num_sms=1)
     _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     walked = self._run(q, kc, vc, layout, num_sms=1, private_lane_table=False)  # plans walked
-    _assert_states_close(walked, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(walked.out, np.float32), np.asarray(got.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(walked.lse), np.asarray(got.lse))
 
   def test_all_empty_is_zero_and_neg_inf(self):
     """No shared segments and no private tokens: every state is (0, -inf), no NaN."""
@@ -589,11 +585,10 @@ class TestSupportAndSchedule:
 
   @pytest.mark.parametrize('b,t,g,page', [(1024, 1, 1, 64), (99, 1, 4, 16), (37, 2, 4, 8),
                                            (5, 3, 32, 64), (3, 2, 64, 128)], ids=str)
-  def test_lane_table_is_the_kernels_chunk_plan(self, b, t, g, page):
-    """`lane_table` against a replay of its lane order (every row's whole chunks row after row,
-    then each row's last partial chunk or, for a row with no chunk, one empty lane; a lane's
-    first token from its page), on random lengths (zeros included), pages and frames past the
-    batch; rows spanning several 64-row tiles when T*G > 64."""
+  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page):
+    """`lane_table` against the kernel's walk replayed lane by lane (cursor over rows, max(chunks,
+    1) lanes a row, a lane's first token from its page), on random lengths (zeros included),
+    pages and frames past the batch; rows spanning several 64-row tiles when T*G > 64."""
     from pallas_kernels.mosaic_gpu import private_attention as pa
     rng = np.random.default_rng()
     tgp = schedule.padded_rows_per_query(t * g)
@@ -610,29 +605,27 @@ class TestSupportAndSchedule:
     for f in range(problem.num_frames):
       row0, q0 = (f * r_rows, 0) if r_rows > 1 or tgp <= 64 else (f // tiles, f % tiles * 64)
       t_last = t - 1 if r_rows > 1 or tgp <= 64 else min((q0 + 63) // g, t - 1)
-      rows = [r for r in range(r_rows) if row0 + r < b]
-      length = [int(lengths[row0 + r]) for r in rows]
-      chunks = [-(-min(max(n - t + 1 + t_last, 0), n) // 8) for n in length]
-      full = [min(k, n // 8) for k, n in zip(chunks, length)]
-      lanes = [(r, i) for r in rows for i in range(full[r])]
-      lanes += [(r, full[r]) for r in rows if max(chunks[r], 1) > full[r]]
-      lanes += [(r_rows, 0)] * (-len(lanes) % 8)  # past the frame's rows: no chunk
-      for step in range(len(lanes) // 8):
-        toks, reals, rws, valids = [], [], [], []
-        for r, i in lanes[8 * step: 8 * step + 8]:
-          real = r < r_rows and i < chunks[r]
+      length = [int(lengths[row0 + r]) if row0 + r < b else 0 for r in range(r_rows)]
+      seen = [min(max(n - t + 1 + t_last, 0), n) for n in length]
+      chunks = [-(-n // 8) for n in seen]
+      total = sum(max(n, 1) for r, n in enumerate(chunks) if row0 + r < b)
+      cursor = (0, 0)
+      for step in range(-(-total // 8)):
+        toks, reals, rows, valids = [], [], [], []
+        for _ in range(8):  # `lane_at`: rows past the frame have no chunk and one lane
+          r, i = cursor
+          n_chunks = chunks[r] if r < r_rows else 0
+          real = i < n_chunks
           valid = min(max(length[r] - 8 * i, 0), 8) if real else 0
           tok = int(pages[row0 + r, 8 * i // page]) * page + 8 * i % page if real else 0
-          toks.append(tok), reals.append(real), rws.append(r), valids.append(valid)
+          toks.append(tok), reals.append(real), rows.append(r), valids.append(valid)
+          cursor = (r, i + 1) if i + 1 < max(n_chunks, 1) else (r + 1, 0)
         contiguous = reals[0] and all(
-            reals[j] and rws[j] == rws[0] and toks[j] == toks[0] + 8 * j for j in range(8))
+            reals[j] and rows[j] == rows[0] and toks[j] == toks[0] + 8 * j for j in range(8))
         packed = sum(v << (4 * j) for j, v in enumerate(valids))
         packed = packed - (1 << 32) if packed >= 1 << 31 else packed
         want = toks + [int(contiguous), packed]
         np.testing.assert_array_equal(table[f, step], want, err_msg=f'frame {f} step {step}')
-      # Whole chunks fill their own steps: at most one step of a frame mixes them with the rest.
-      whole_steps = sum(full) // 8
-      assert all(table[f, s, -1] == np.int32(-0x77777778) for s in range(whole_steps))
 
   @pytest.mark.parametrize('tg,want', [(1, 1), (3, 4), (4, 4), (6, 8), (8, 8), (33, 64), (64, 64),
                                        (65, 128), (80, 128), (128, 128)])

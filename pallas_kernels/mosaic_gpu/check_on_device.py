@@ -91,8 +91,7 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     # shared kernel's splits against `schedule.launch_time` (variants 8-10 cap them at 1-3).
     (1024, 16384, 9, 40, 40),
     (1024, 16384, 9, 20, 20),
-    # Later in a decode: 8 whole chunks and a partial one a row (the lane table's order puts the
-    # whole chunks in steps of their own, which zero nothing).
+    # Later in a decode: 8 whole chunks and a partial one a row.
     (1024, 1024, 65, 32, 32),
 )
 CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only

@@ -28,13 +28,10 @@ start, and the page ids are shared-memory reads instead of global ones. A
 step of 8 more chunks of one row (long rows: 64 tokens, one or two page-id
 reads, one copy when they are contiguous) is planned in closed form; others
 walk their 8 lanes. With `lane_steps` (`MosaicGpuConfig.private_lane_table`) the plans
-come from a table XLA builds once per decode step (`lane_table`): 10 reads a step, and
-the lanes in another order: every row's whole chunks first, then the rows' last
-partial chunks, so only the last steps of a frame zero V rows. The score
+come from a table XLA builds once per decode step (`lane_table`): 10 reads a step. The score
 mask needs no walk: each query row sees one range of the packed lane-token
-positions (its row's chunks, cut at its length and causal bound; two ranges in
-the table's order), per-row bounds computed once, so a step's mask is two (four)
-compares per score.
+positions (its row's chunks, cut at its length and causal bound), two per-row
+bounds computed once, so a step's mask is two compares per score.
 
 Merge phase: the rows' shared partial states are read from the shared kernel's
 item buffers straight into registers, one 64-row window per (path column, kv
@@ -168,37 +165,41 @@ def lane_steps(problem: PrivateProblem, max_pages: int) -> int:
 
 
 def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.Array:
-  """The plan of every step of every frame, in the order the kernel attends with a table.
+  """The plan of every step of every frame, as the kernel's chunk walk would make it.
 
   [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
   to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
   are 64 contiguous tokens, and the lanes' valid tokens packed 4 bits a lane. A step's lanes
   depend only on the rows' private lengths and pages, so one table per decode step serves all
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
-  lanes.
-
-  Lane order: first every row's whole chunks (8 valid tokens), row after row;
-  then each row's last chunk when it is partial, or one empty lane for a row with no chunk,
-  row after row; rows past the batch none. So the steps of whole chunks need no V rows
-  zeroed: at decode every row ends in a partial chunk, and in the walk's order (a row's
-  chunks together) nearly every step held one.
+  lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
+  empty lane), rows past the batch none.
   """
   steps = problem.lane_steps
   r_rows, b_rows, c = problem.rows_per_frame, problem.num_rows, problem.page_size
+  tgp, t_tok, g_size = problem.rows_per_query, problem.query_tokens, problem.group_size
+  frames = jnp.arange(problem.num_frames, dtype=jnp.int32)
+  if r_rows > 1 or tgp <= WG_M:
+    row0, q0 = frames * r_rows, jnp.zeros_like(frames)
+  else:  # one query row over several 64-row tiles
+    tiles = tgp // WG_M
+    row0, q0 = frames // tiles, (frames % tiles) * WG_M
+  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)  # [F, R]
+  inside = rows < b_rows
   lengths = jnp.asarray(private_lengths, jnp.int32)
-  row0, inside, length, chunks, full = _frame_rows(lengths, problem)
-  tail = jnp.where(inside, jnp.maximum(chunks, 1) - full, 0)  # 0 or 1 lane
-  full_ends, tail_ends = jnp.cumsum(full, axis=1), jnp.cumsum(tail, axis=1)  # [F, R]
-  lane = jnp.arange(steps * _LANES, dtype=jnp.int32)[None]  # [1, lanes]
-  in_full = lane < full_ends[:, -1:]
-  tail_lane = lane - full_ends[:, -1:]
-  # Each lane's row: the rows whose section ends at or before it, counted (R past them all).
-  r_full = jnp.sum(full_ends[:, None, :] <= lane[..., None], axis=-1)
-  r_tail = jnp.sum(tail_ends[:, None, :] <= tail_lane[..., None], axis=-1)
-  r = jnp.where(in_full, r_full, r_tail)  # [F, lanes]
+  length = jnp.where(inside, lengths[jnp.minimum(rows, b_rows - 1)], 0)
+  if t_tok == 1 or r_rows > 1 or tgp <= WG_M:
+    seen = length  # the last query token sees the whole row
+  else:  # the tile's last query token
+    t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
+    seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
+  chunks = (seen + CHUNK - 1) // CHUNK
+  ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)  # [F, R]
+  lane = jnp.arange(steps * _LANES, dtype=jnp.int32)
+  r = jnp.sum(ends[:, None, :] <= lane[None, :, None], axis=-1)  # [F, lanes]: its row, R past
   rr = jnp.minimum(r, r_rows - 1)
   take = lambda a: jnp.take_along_axis(a, rr, axis=1)
-  i = jnp.where(in_full, lane - (take(full_ends) - take(full)), take(full))
+  i = lane[None] - (take(ends) - jnp.where(take(inside), jnp.maximum(take(chunks), 1), 0))
   real = (r < r_rows) & (i < take(chunks))
   pos = i * CHUNK
   valid = jnp.where(real, jnp.clip(take(length) - pos, 0, CHUNK), 0)
@@ -214,29 +215,6 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   for j in range(_LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
     packed = packed | lax.shift_left(valid[..., j], jnp.int32(4 * j))
   return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
-
-
-def _frame_rows(lengths, problem: PrivateProblem):
-  """row0 [F] (each frame's first row), and per frame row [F, R]: whether it is in the batch,
-  its length, its chunks (of the tokens the frame's queries see), its whole chunks."""
-  r_rows, b_rows = problem.rows_per_frame, problem.num_rows
-  tgp, t_tok, g_size = problem.rows_per_query, problem.query_tokens, problem.group_size
-  frames = jnp.arange(problem.num_frames, dtype=jnp.int32)
-  if r_rows > 1 or tgp <= WG_M:
-    row0, q0 = frames * r_rows, jnp.zeros_like(frames)
-  else:  # one query row over several 64-row tiles
-    tiles = tgp // WG_M
-    row0, q0 = frames // tiles, (frames % tiles) * WG_M
-  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)  # [F, R]
-  inside = rows < b_rows
-  length = jnp.where(inside, lengths[jnp.minimum(rows, b_rows - 1)], 0)
-  if t_tok == 1 or r_rows > 1 or tgp <= WG_M:
-    seen = length  # the last query token sees the whole row
-  else:  # the tile's last query token
-    t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
-    seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
-  chunks = (seen + CHUNK - 1) // CHUNK
-  return row0, inside, length, chunks, jnp.minimum(chunks, length // CHUNK)
 
 
 def grouped_rows(ref, staging, groups: int):
@@ -373,28 +351,20 @@ def private_attention(
     # the tokens the frame's queries see), into shared memory for the chunk walk, which reads
     # them at dynamic rows; its lanes (a row with no chunk takes one empty lane) and its first
     # lane, as scalars for the score mask below.
-    lengths, chunk_counts, full_counts, lane_starts, tail_starts = [], [], [], [], []
-    lanes_total, full_total, tails_total = jnp.int32(0), jnp.int32(0), jnp.int32(0)
+    lengths, chunk_counts, lane_starts = [], [], []
+    lanes_total = jnp.int32(0)
     for r in range(r_rows):
       inside = r < rows_here
       length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
       seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
       chunks = lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))  # seen >= 0: // CHUNK
-      lanes = jnp.where(inside, jnp.maximum(chunks, 1), 0)
-      lengths.append(length)
-      chunk_counts.append(chunks)
-      if tabled:  # `lane_table`'s order: whole chunks first, then the last partial or empty lanes
-        full = jnp.minimum(chunks, lax.shift_right_logical(length, jnp.int32(3)))
-        full_counts.append(full)
-        lane_starts.append(full_total)
-        tail_starts.append(tails_total)
-        full_total += full
-        tails_total += lanes - full
-      else:  # the walk's order: each row's chunks together
+      if not tabled:  # the walk reads them at dynamic rows
         len_smem[r] = length
         chunk_smem[r] = chunks
-        lane_starts.append(lanes_total)
-      lanes_total += lanes
+      lengths.append(length)
+      chunk_counts.append(chunks)
+      lane_starts.append(lanes_total)
+      lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
     num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // _LANES
 
     # ---- the chunk walk: which chunks a step copies, read one step ahead ----
@@ -548,13 +518,12 @@ def private_attention(
       pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
     packs = tuple(packed for _, packed in first_steps)
 
-    # ---- the score mask: compares against per-row bounds ----
-    # Lane-token position g = 64 * step + column: in the walk's order row rho's chunk tokens
-    # sit at g - 8 * lane_start(rho) = its private position. A score (query row q of frame row
-    # rho, column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
+    # ---- the score mask: two compares against per-row bounds ----
+    # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
+    # g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
+    # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
     # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
-    # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile. In
-    # the table's order a row's whole chunks and its last lane are two such ranges.
+    # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
     index = osm.row_index(WG_M)  # [64] score row, ROWS layout
     if r_rows > 1:
       rho = floor_div(index, tgp)  # frame row of each score row
@@ -577,25 +546,14 @@ def private_attention(
     bound = per_row([jnp.minimum(n, k * CHUNK) for n, k in zip(lengths, chunk_counts)])
     if t_of is not None:
       bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
-    ranges = []  # (lo, hi) per score row: the lane-token positions it sees
-    if tabled:
-      whole = per_row([k * CHUNK for k in full_counts])
-      ranges.append((lo_rows, lo_rows + jnp.clip(bound, 0, whole)))
-      lo_tail = per_row([(full_total + s) * CHUNK for s in tail_starts])
-      ranges.append((lo_tail, lo_tail + jnp.clip(bound - whole, 0, CHUNK)))
-    else:
-      ranges.append((lo_rows, lo_rows + jnp.maximum(bound, 0)))
+    hi_rows = lo_rows + jnp.maximum(bound, 0)
     cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
 
     def step_mask(step):
       first = step * _BLK
-      visible = None
-      for lo_rows, hi_rows in ranges:
-        lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
-        hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
-        seen = (cols >= lo) & (cols < hi)
-        visible = seen if visible is None else visible | seen
-      return visible
+      lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
+      hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
+      return (cols >= lo) & (cols < hi)
 
     def zero_unseen(v_smem, packed):
       """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,

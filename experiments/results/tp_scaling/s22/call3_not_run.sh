@@ -1,5 +1,5 @@
 #!/bin/bash
-# Ready for a lent nvidia-h200-x2 (bash call3_not_run.sh <commit>, with OUT set; about 6 minutes):
+# Ready for a lent nvidia-h200-x2 (bash call3_not_run.sh <commit>, with OUT set; about 7 minutes):
 # can the all-reduces hide behind matmuls? 13B TP=2 at B=1024, P=16K with the rows after attention
 # in 2 blocks (ordered all-reduces, Llama.tp_micro_batches) and XLA's latency-hiding scheduler on,
 # against 1 block with and without it.
@@ -21,5 +21,10 @@ XLA_FLAGS="$LHS" timeout 90 $TP $G13 --workdir=$R/13b_tp2_m1_lhs > $R/13b_tp2_m1
 el "m1 lhs rc=$?"
 timeout 90 $TP $G13 --tp_micro_batches=2 --workdir=$R/13b_tp2_m2 > $R/13b_tp2_m2.log 2>&1
 el "m2 rc=$?"
+# Greedy tokens at TP=2 against one device with the Mosaic GPU kernels, on a trained model
+# whose top-2 margins are real (a random model's near-ties flip with rounding).
+timeout 120 python3 -m experiments.tp_greedy_check --checkpoint=experiments/data/tiny_coder_h64 \
+  --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$R/tp_greedy_trained > $R/tp_greedy_trained.log 2>&1
+el "greedy rc=$?"
 el done
 rm -rf $R
