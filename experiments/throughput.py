@@ -94,6 +94,8 @@ flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
 flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output projection and the '
                      'MLP in this many blocks whose all-reduces follow each other, so one can run '
                      'beside the next block\'s matmuls (models.llama.Llama)')
+flags.DEFINE_bool('fuse_qkv', False, 'one q/k/v weight per layer (models.llama.Llama.fuse_qkv): no '
+                  'per-step concatenation of wq and wkv; tp must divide the kv heads')
 flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
                   'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
@@ -152,6 +154,8 @@ def main(argv):
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                         tp_micro_batches=FLAGS.tp_micro_batches,
                         attention_config=_mosaic_gpu_config())
+  if FLAGS.fuse_qkv:
+    model.fuse_qkv()
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)
@@ -188,7 +192,7 @@ def main(argv):
              ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
              tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
-             page_size=FLAGS.page_size)
+             fuse_qkv=FLAGS.fuse_qkv, page_size=FLAGS.page_size)
     records.append(r)
     writer.append(r)
     logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),
@@ -198,12 +202,14 @@ def main(argv):
 
 def _kept(config):
   """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
-  --page_size, --tp_reduce_dtype, --tp_micro_batches and --mosaic_gpu_knobs that ran, did not fit or are not supported."""
+  --page_size, --tp_reduce_dtype, --tp_micro_batches, --mosaic_gpu_knobs and --fuse_qkv that ran, did not fit or are not supported."""
   def keep(r) -> bool:
     return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
-             r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1), r.get('mosaic_gpu_knobs', []))
+             r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1), r.get('mosaic_gpu_knobs', []),
+             r.get('fuse_qkv', False))
             == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
-                FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches, FLAGS.mosaic_gpu_knobs)
+                FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches, FLAGS.mosaic_gpu_knobs,
+                FLAGS.fuse_qkv)
             and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
   return keep
 

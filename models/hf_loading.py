@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from models import sharding_rules as sr
 from models.config import LlamaConfig, from_hf_dict, load_hf_config
-from models.llama import Llama
+from models.llama import Llama, split_qkv
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -359,7 +359,8 @@ _PARAMS_DIR = 'params'
 
 
 def save_params(model: Llama, directory: str | os.PathLike) -> None:
-  """Saves converted parameters with orbax, and the config next to them."""
+  """Saves converted parameters with orbax, and the config next to them (a model after
+  `fuse_qkv` as wq and wkv: one checkpoint layout)."""
   import orbax.checkpoint as ocp  # heavy import, only where used
 
   directory = os.path.abspath(os.fspath(directory))
@@ -367,10 +368,20 @@ def save_params(model: Llama, directory: str | os.PathLike) -> None:
   with open(os.path.join(directory, _CONFIG_FILE), 'w') as f:
     json.dump(dict(hf=model.config.to_hf_dict(), name=model.config.name,
                    dtype=jnp.dtype(model.dtype).name), f, indent=1)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params['layers'] = {i: _unfused(layer) for i, layer in params['layers'].items()}
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(directory, _PARAMS_DIR),
-                    nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
+  checkpointer.save(os.path.join(directory, _PARAMS_DIR), params, force=True)
   checkpointer.wait_until_finished()
+
+
+def _unfused(layer: dict) -> dict:
+  """A layer's parameters with `wqkv` (`Llama.fuse_qkv`) as wq and wkv."""
+  if 'wqkv' not in layer:
+    return layer
+  layer = dict(layer)
+  layer['wq'], layer['wkv'] = split_qkv(layer.pop('wqkv'))
+  return layer
 
 
 def _saved_with_separate_kv(checkpointer, path: str) -> bool:

@@ -239,3 +239,49 @@ def test_every_parameter_has_logical_axes_and_a_rule():
                                                                                None)
   with pytest.raises(ValueError, match='no rule'):
     sr.partition_spec(('experts',))
+
+
+@pytest.mark.parametrize('name', ['tiny_gqa', 'tiny_mha', 'tiny_llama3'])
+def test_fused_qkv_is_the_same_model(name, tmp_path):
+  """`fuse_qkv`: one weight [D, K, G + 2, H] per layer (each kv head's query heads, then its k and
+  v) gives the separate weights' logits and cache (float32), greedy tokens and training forward;
+  `save_params` writes wq and wkv again, so the checkpoint restores to the unfused model."""
+  from models import generate as gen
+  from models.hf_loading import restore_params, save_params
+  from models.llama import fused_qkv, split_qkv
+  config = get_config(name)
+  seed = int(np.random.default_rng().integers(2**31))
+  unfused = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+  model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.float32).fuse_qkv()
+  assert model.qkv_fused and not unfused.qkv_fused
+  layer = model.layers[0]
+  assert not hasattr(layer, 'wq') and not hasattr(layer, 'wkv')
+  g = config.num_heads // config.num_kv_heads
+  assert layer.wqkv.get_value().shape == (config.dim, config.num_kv_heads, g + 2, config.head_dim)
+  wq, wkv = unfused.layers[0].wq.get_value(), unfused.layers[0].wkv.get_value()
+  np.testing.assert_array_equal(layer.wqkv.get_value(), fused_qkv(wq, wkv))
+  for got, want in zip(split_qkv(layer.wqkv.get_value()), (wq, wkv)):
+    np.testing.assert_array_equal(got, want)
+  # q head n of kv head n // G, then that kv head's k and v.
+  np.testing.assert_array_equal(layer.wqkv.get_value()[:, -1, 0], wq[:, (config.num_kv_heads - 1) * g])
+  np.testing.assert_array_equal(layer.wqkv.get_value()[:, 0, g + 1], wkv[:, 1, 0])
+  assert model.fuse_qkv() is model  # idempotent
+
+  prompts = [gen.prompt_node(list(range(1, 24)), children=[
+      gen.prompt_node([5, 6, 7], num_samples=3), gen.prompt_node([9], num_samples=2)])]
+  outs = [gen.generate(m, prompts, max_new_tokens=6, impl='xla', return_logprobs=True)
+          for m in (unfused, model)]
+  np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))
+  np.testing.assert_allclose(np.asarray(outs[1].logprobs), np.asarray(outs[0].logprobs),
+                             rtol=1e-5, atol=1e-5)
+
+  from models.training.forward import causal_logits
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (2, 11)))
+  np.testing.assert_allclose(np.asarray(causal_logits(model, tokens)),
+                             np.asarray(causal_logits(unfused, tokens)), rtol=1e-5, atol=1e-5)
+
+  save_params(model, tmp_path / 'ckpt')
+  restored = restore_params(tmp_path / 'ckpt')
+  assert not restored.qkv_fused
+  np.testing.assert_array_equal(restored.layers[1].wq.get_value(), unfused.layers[1].wq.get_value())
+  np.testing.assert_array_equal(restored.layers[1].wkv.get_value(), unfused.layers[1].wkv.get_value())

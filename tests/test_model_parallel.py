@@ -297,3 +297,36 @@ def test_hf_load_and_orbax_restore_place_each_parameter_in_its_shards(tmp_path, 
     for a, b in zip(jax.tree.leaves(nnx.state(whole, nnx.Param)),
                     jax.tree.leaves(nnx.state(model, nnx.Param))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('kind,mesh_name', [('mha', 'tp4'), ('gqa', 'dp2_tp2')])
+def test_fused_qkv_on_a_mesh_equals_one_device(kind, mesh_name):
+  """`fuse_qkv` under tp (kv heads split, each device whole groups of q heads, k and v): the
+  fused weight sits where the rules say, the decode step equals one device's unfused one and
+  compiles to the same collectives."""
+  config = CONFIGS[kind]
+  dp = MESHES[mesh_name][0]
+  plan, tokens, positions, slots, k, v = _decode_inputs(config, [_group_plan(s) for s in (0, 1)])
+  want, want_k = _one_device(kind)
+  model = sr.init_model(config, mesh=_mesh(mesh_name), seed=3).fuse_qkv()
+  wqkv = model.layers[0].wqkv.get_value()
+  tp = MESHES[mesh_name][1]
+  assert {s.data.shape[1] for s in wqkv.addressable_shards} == {config.num_kv_heads // tp}
+  layout = parallel.stack_layouts(parallel.split_plan(plan, dp)) if dp > 1 else plan.to_device()
+  cache = _sharded_cache(model, k, v)
+  _check_shardings(model, cache)
+  got, got_cache = _forward(model, tokens, positions, cache, slots, layout)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got_cache.k), want_k, rtol=2e-5, atol=2e-5)
+  # The fused projection is column parallel like the two it replaces: no collective more.
+  step = lambda m: jax.jit(lambda m, c: m(tokens, positions, c, slots, layout, impl='xla')).lower(
+      m, cache).compile().as_text()
+  unfused = sr.init_model(config, mesh=model.mesh, seed=3)
+  assert _collectives(step(model)) == _collectives(step(unfused))
+
+
+def test_fused_qkv_needs_tp_to_divide_the_kv_heads():
+  model = sr.init_model(CONFIGS['mqa'], mesh=_mesh('tp8'), seed=3)
+  with pytest.raises(ValueError, match=r'kv heads K=1 split over tp=8 \(tp must divide K\)'):
+    model.fuse_qkv()
+  assert not model.qkv_fused
