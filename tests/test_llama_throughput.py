@@ -155,6 +155,12 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   table = lambda d: [l for l in (tmp_path / d / 'table.md').read_text().splitlines()
                      if l.startswith('| ')]
   assert table('a') == table('b') and len(table('a')) == 3
+  out = run('--batches=2', '--prefixes=16', '--new_tokens=4', '--modes=tree', '--impls=xla',
+            '--page_size=8', '--max_decode_s=0.05', '--fuse_qkv', f'--workdir={tmp_path / "c"}')
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(tmp_path / 'c' / 'raw.jsonl') as f:
+    fused = [json.loads(line) for line in f]
+  assert [(r['status'], r['fuse_qkv']) for r in fused] == [('ok', True)]
   # --resume keeps the points that ran and runs the new one (a second batch size).
   with open(tmp_path / 'a' / 'raw.jsonl') as f:
     first = [json.loads(line) for line in f]
