@@ -86,19 +86,16 @@ def _learned_prompts():
   """Per group, the trained model's few-shot prefix over two of the APPS problems it learned."""
   from experiments import apps_workload as aw
   from hydrajax.evaluation import ByteTokenizer, load_problems
-  data = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
   tokenizer = ByteTokenizer()
-  fewshot = tokenizer.encode(aw.fewshot_text(load_problems(os.path.join(data, 'apps_fewshot.jsonl'))[:1]))
-  problems = load_problems(os.path.join(data, 'apps_mini.jsonl'))
+  fewshot = load_problems(os.path.join(aw.DATA, 'apps_fewshot.jsonl'))[:1]
+  fewshot = tokenizer.encode(aw.fewshot_text(fewshot))
+  problems = load_problems(os.path.join(aw.DATA, 'apps_mini.jsonl'))
   if len(problems) < 2 * _GROUPS.value:
     raise app.UsageError(f'--groups={_GROUPS.value} needs {2 * _GROUPS.value} problems, the set '
                          f'has {len(problems)}')
-  groups = []
-  for g in range(_GROUPS.value):
-    children = [prompt_node(tokenizer.encode(aw.problem_prompt(p), add_bos=False),
-                            num_samples=_SAMPLES.value) for p in problems[2 * g: 2 * g + 2]]
-    groups.append(prompt_node(fewshot, children=children))
-  return groups
+  ids = [tokenizer.encode(aw.problem_prompt(p), add_bos=False) for p in problems]
+  return [root for g in range(_GROUPS.value)
+          for root in aw.prompt_forest(fewshot, ids[2 * g: 2 * g + 2], _SAMPLES.value, 'two_level')]
 
 
 def _model(mesh, config):

@@ -388,11 +388,11 @@ class Llama(nnx.Module):
           impl=None if plan is None else AttentionImpl.AUTO, mesh=mesh, axes=sr.attention_axes())
       if plan is None:  # NO_ATTENTION
         attn = q
-      x = self._after_attention(p, x, attn, reduce, hidden)
+      x = self._after_attention(layer, p, x, attn, reduce, hidden)
     cache = KVCache(k_all, v_all)
     return rms_norm(x, self.final_norm.get_value(), c.norm_eps), cache
 
-  def _after_attention(self, p, x, attn, reduce, hidden):
+  def _after_attention(self, layer, p, x, attn, reduce, hidden):
     """The output projection and the MLP, each ending in one all-reduce under tensor parallelism.
 
     Row parallel: each device's partial sum, all-reduced in `reduce` (float32 by default: the
@@ -401,20 +401,18 @@ class Llama(nnx.Module):
     """
     mesh, eps = self.mesh, self.config.norm_eps
     n = self.tp_micro_batches
-    specs = self._row_parallel_specs(p) if n > 1 and reduce is not None else None
+    specs = self._row_parallel_specs(layer) if n > 1 and reduce is not None else None
     if specs is not None and sr.axis_size(mesh, sr.DP) == 1 and x.shape[0] % n == 0:
       return self._after_attention_in_blocks(p, x, attn, reduce, specs)
     out = jnp.einsum('btnh,nhd->btd', attn, p['wo'], preferred_element_type=reduce)
     x = sr.constrain(x + out.astype(x.dtype), hidden, mesh)
     return sr.constrain(_mlp(p, x, eps, reduce), hidden, mesh)
 
-  def _row_parallel_specs(self, p):
-    """Partition specs of wo and the MLP's weights (name -> spec) when wo's heads and the MLP's
-    hidden units are both split over tp (else None)."""
-    axes = dict(wo=(sr.HEADS, sr.HEAD_DIM, sr.EMBED), mlp_norm=(sr.EMBED,),
-                w_gate=(sr.EMBED, sr.MLP), w_up=(sr.EMBED, sr.MLP), w_down=(sr.MLP, sr.EMBED))
-    specs = {name: sr.partition_spec(names, mesh=self.mesh, shape=p[name].shape)
-             for name, names in axes.items()}
+  def _row_parallel_specs(self, layer: DecoderLayer):
+    """Partition specs of wo and the MLP's weights (name -> spec, from their logical axes) when
+    wo's heads and the MLP's hidden units are both split over tp (else None)."""
+    every = sr.param_partition_specs(nnx.state(layer, nnx.Param), mesh=self.mesh)
+    specs = {name: every[name] for name in ('wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')}
     if specs['wo'][0] != sr.TP or specs['w_down'][0] != sr.TP or any(specs['mlp_norm']):
       return None
     return specs

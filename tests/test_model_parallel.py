@@ -188,7 +188,7 @@ def test_generate_in_blocks_gives_one_devices_tokens(kind, mesh_name):
   want = generate(sr.init_model(config, seed=2), _prompts(config.vocab_size), max_new_tokens=6,
                   impl='xla')
   model = sr.init_model(config, mesh=_mesh(mesh_name), seed=2, tp_micro_batches=2)
-  assert model._row_parallel_specs(model.layers[0].arrays()) is not None
+  assert model._row_parallel_specs(model.layers[0]) is not None
   got = generate(model, _prompts(config.vocab_size), max_new_tokens=6, impl='xla')
   np.testing.assert_array_equal(got.tokens, want.tokens)
 

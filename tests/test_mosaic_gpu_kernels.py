@@ -505,7 +505,8 @@ class TestSupportAndSchedule:
 
   def test_one_lane_table_serves_every_layer(self):
     """The lane table depends on the step's lengths only: in a step that attends two layers,
-    XLA builds it once (as many cumsums in the compiled program as for one layer)."""
+    XLA builds it once (as many cumsums in the compiled program as for one layer), also when each
+    layer's attention is its own shard_map."""
     import re
     plan = hydrajax.plan_tree(PromptNode(64, num_samples=8), private_capacity=64,
                               private_lengths=[3] * 8)
@@ -516,18 +517,33 @@ class TestSupportAndSchedule:
     config = mosaic.MosaicGpuConfig(block_kv=64)
     prepared = mosaic.prepare(layout, shapes, config, interpret=True)
 
-    def step(q, kc, prepared, lengths, layers):
-      prepared = mosaic.with_private_lengths(prepared, lengths)
-      return [mosaic.attend(q, kc, kc, prepared, shapes=shapes, config=config,
-                            kv_offset=layer * length, interpret=True).out
-              for layer in range(layers)]
+    def attend(q, kc, prepared, layer):
+      return mosaic.attend(q, kc, kc, prepared, shapes=shapes, config=config,
+                           kv_offset=layer * length, interpret=True).out
 
-    def cumsums(layers):  # the table's (`lane_table`), in the compiled step
-      lowered = jax.jit(step, static_argnums=4).lower(q, kc, prepared,
-                                                       jnp.full((8,), 3, jnp.int32), layers)
+    mesh = jax.make_mesh((2,), ('tp',), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    heads = jax.sharding.PartitionSpec(None, None, 'tp', None)
+    kv_heads = jax.sharding.PartitionSpec(None, 'tp', None)
+
+    def sharded(q, kc, prepared, layer):  # each layer's attention its own shard_map, as in Llama
+      plan_spec = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), prepared)
+      return jax.shard_map(functools.partial(attend, layer=layer), mesh=mesh,
+                           in_specs=(heads, kv_heads, plan_spec), out_specs=heads,
+                           check_vma=False)(q, kc, prepared)
+
+    def step(q, kc, prepared, lengths, layers, one_layer):
+      prepared = mosaic.with_private_lengths(prepared, lengths)
+      return [one_layer(q, kc, prepared, layer) for layer in range(layers)]
+
+    def cumsums(layers, one_layer, q, kc):  # the table's (`lane_table`), in the compiled step
+      lowered = jax.jit(step, static_argnums=(4, 5)).lower(
+          q, kc, prepared, jnp.full((8,), 3, jnp.int32), layers, one_layer)
       return len(re.findall(r' reduce-window\(', lowered.compile().as_text()))
 
-    assert cumsums(2) == cumsums(1) > 0
+    assert cumsums(2, attend, q, kc) == cumsums(1, attend, q, kc) > 0
+    q2, kc2 = jnp.concatenate([q, q], axis=2), jnp.concatenate([kc, kc], axis=1)  # 2 devices' heads
+    assert cumsums(2, sharded, q2, kc2) == cumsums(1, sharded, q2, kc2) > 0
 
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""
