@@ -260,8 +260,10 @@ class TestMosaicGpuKernels:
 
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
                                      dict(private_staged_pages=False),
-                                     dict(private_lane_table=False)],
-                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_walk'])
+                                     dict(private_lane_table=False),
+                                     dict(private_explicit_barriers=True)],
+                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_walk',
+                                'explicit_barriers'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its

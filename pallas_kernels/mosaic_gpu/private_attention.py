@@ -98,6 +98,9 @@ class PrivateProblem:
   # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
   # built once per decode step for every layer and kv head) instead of walked in the kernel.
   lane_steps: int = 0
+  # Pallas's automatic warpgroup barriers off (one before each async copy, two around each
+  # shared-memory store: 16 copies a decode step); the kernel syncs once before a refill.
+  explicit_barriers: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -366,6 +369,8 @@ def private_attention(
       lane_starts.append(lanes_total)
       lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
     num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // _LANES
+    if problem.explicit_barriers and not tabled:
+      plgpu.commit_smem()  # the walk's rows, written by one thread, read by all
 
     # ---- the chunk walk: which chunks a step copies, read one step ahead ----
     # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
@@ -653,9 +658,15 @@ def private_attention(
         pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
       with jax.named_scope('pv'):
         acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
-      # The slot's wgmmas are done (their results are in registers): refill it.
+      # The slot's wgmmas are done (their results are in registers): refill it, once every
+      # warp's part of the PV wgmma has read the slot.
       with jax.named_scope('refill'):
-        pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
+        def refill():
+          if problem.explicit_barriers:
+            plgpu.commit_smem()
+          copy_step(slot, *next_toks)
+
+        pl.when(step + slots < num_steps)(refill)
       return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
 
     with jax.named_scope('private'):
@@ -795,7 +806,7 @@ def private_attention(
       scratch_types=[smem, barriers],
       grid=(frames, kh),
       grid_names=('frame', 'kv_head'),
-      compiler_params=profiling.compiler_params(),
+      compiler_params=profiling.compiler_params(explicit_barriers=problem.explicit_barriers),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*operands)
 

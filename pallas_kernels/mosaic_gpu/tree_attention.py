@@ -111,6 +111,7 @@ class MosaicGpuConfig:
   private_pair_copies: bool = False
   private_staged_pages: bool = True
   private_lane_table: bool = True
+  private_explicit_barriers: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -261,7 +262,8 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   staged = config.private_staged_pages and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
-                                staged_pages=staged, lane_steps=steps)
+                                staged_pages=staged, lane_steps=steps,
+                                explicit_barriers=config.private_explicit_barriers)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
