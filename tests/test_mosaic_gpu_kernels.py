@@ -282,6 +282,25 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  @pytest.mark.parametrize('t', [1, 2])
+  def test_q_read_by_row_is_the_fold(self, t):
+    """MHA (G = 1): the kernels read q's [B*T, K, H] view in place (`q_by_row`); the states
+    are bitwise those of the folded copy, with NaN/inf in every unattended slot, over 16 rows
+    under segments of uneven widths (one 64-row tile: its rows past the batch read zeros)."""
+    lengths = [min(x + t - 1, self.capacity) for x in (4, 16, 9, 70, 5, 1, 33, 8) * 2]
+    plan = _tree('wide', self.capacity, lengths)
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=3, k=3, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=int(np.random.default_rng().integers(1 << 30)))
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
+                               num_sms=1)
+    by_row, fold = attend(), attend(q_by_row=False)
+    _assert_states_close(by_row, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(by_row.out, np.float32),
+                                  np.asarray(fold.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(by_row.lse), np.asarray(fold.lse))
+
   @pytest.mark.parametrize('case', PACKED_CASES, ids=_case_id)
   def test_packed_frames(self, case):
     """One program per 64 folded rows (num_sms=1): several rows per frame, runs of rows under

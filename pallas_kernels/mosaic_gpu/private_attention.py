@@ -70,7 +70,9 @@ from pallas_kernels.mosaic_gpu.schedule import (
     ALIGN, CHUNK, PARTIAL_PAD, PRIVATE_BLOCK, TILE_M, WG_M, SharedSchedule, cdiv,
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
-from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand, segment_fields
+from pallas_kernels.mosaic_gpu.segment_attention import (
+    as_folded, floor_div, offset_operand, q_tile, segment_fields,
+)
 
 _BLK = PRIVATE_BLOCK
 _LANES = PRIVATE_BLOCK // CHUNK  # chunks per step
@@ -258,7 +260,7 @@ def unfold_states(out, lse, problem, num_heads: int):
 
 
 def private_attention(
-    qf: jax.Array,  # [K, M_q, H] folded queries; M_q >= frames*F + 64
+    qf: jax.Array,  # [K, M_q, H] folded queries, M_q >= frames*F + 64; [M_q, K, H] by row
     k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
     v_cache: jax.Array,  # [L, K, H]
     private_pages: jax.Array,  # [B, P] int32
@@ -273,6 +275,7 @@ def private_attention(
     scale: float,
     kv_offset: jax.Array | int = 0,
     lanes: jax.Array | None = None,
+    q_by_row: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Final states of every folded query row; layouts in the module docstring.
@@ -281,8 +284,9 @@ def private_attention(
   token index: the pages index one layer's buffer that starts there in k_cache.
   `lanes`: `lane_table(private_lengths, private_pages, problem)`, required when
   `problem.lane_steps` (the steps' plans are read there, not walked).
+  `q_by_row`: qf is [M_q, K, H] (`segment_attention.q_tile`).
   """
-  kh, _, h = qf.shape
+  kh, h = (qf.shape[1], qf.shape[2]) if q_by_row else (qf.shape[0], qf.shape[2])
   dtype = qf.dtype
   b_rows = problem.num_rows
   t_tok = problem.query_tokens
@@ -336,9 +340,7 @@ def private_attention(
     rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
     kv_offset = offset_ref[0]
 
-    plgpu.copy_gmem_to_smem(
-        q_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), WG_M)], q_smem, q_bar.at[0]
-    )
+    plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar.at[0])
     if staged:  # the frame's rows of the page table (the table is padded to whole frames)
       plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
 
@@ -814,7 +816,7 @@ def private_attention(
 def private_attention_reference(
     qf, k_cache, v_cache, private_pages, private_lengths, row_segments, segments,
     sched: SharedSchedule | None, partial_out, partial_lse, problem: PrivateProblem, *,
-    scale: float, kv_offset=0, lanes=None, interpret: bool = False,
+    scale: float, kv_offset=0, lanes=None, q_by_row: bool = False, interpret: bool = False,
 ):
   """`private_attention` in jnp (float32 math): same arguments, same output layouts (`lanes`,
   a plan of the kernel's steps, changes nothing here).
@@ -824,6 +826,7 @@ def private_attention_reference(
   `segments` must be concrete (for tests). Rows past the batch get (0, -inf).
   """
   del interpret, lanes
+  qf = as_folded(qf, q_by_row)
   kh, _, h = qf.shape
   b, tgp, f = problem.num_rows, problem.rows_per_query, problem.frame_rows
   out, lse = private_states_reference(

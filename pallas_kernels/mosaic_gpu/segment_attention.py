@@ -213,12 +213,14 @@ def segment_attention(
     scale: float,
     config: SegmentKernelConfig = SegmentKernelConfig(),
     kv_offset: jax.Array | int = 0,
+    q_by_row: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Partial states of every (segment, split, row tile), rows as in the module docstring.
 
   `kv_offset` (int32 scalar, a multiple of ALIGN) is added to every kv token
   index: the segments index one layer's buffer that starts there in k_cache.
+  `q_by_row`: qf is [M, K, H] (`q_tile`).
 
   On the GPU this is the warp-specialised kernel. With `interpret=True` it is
   the single-warpgroup kernel: the same items, masks, softmax and epilogue,
@@ -226,14 +228,14 @@ def segment_attention(
   computation, and three that wait on each other's barriers can starve a CPU
   thread pool of two cores).
   """
-  kh, _, h = qf.shape
+  kh, h = (qf.shape[1], qf.shape[2]) if q_by_row else (qf.shape[0], qf.shape[2])
   rows = PARTIAL_PAD + sched.num_items * TILE_M + PARTIAL_PAD
   out_type = (
       jax.ShapeDtypeStruct((kh, rows, h), qf.dtype),
       jax.ShapeDtypeStruct((kh, rows), jnp.float32),
   )
   build = _single_warpgroup_kernel if interpret else _warp_specialized_kernel
-  kernel, scratch, mesh = build(qf, sched, scale=scale, config=config)
+  kernel, scratch, mesh = build(qf, sched, scale=scale, config=config, q_by_row=q_by_row)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -246,6 +248,22 @@ def segment_attention(
   )(segments, offset_operand(kv_offset), qf, k_cache, v_cache)
 
 
+def q_tile(q_ref, kv_head, first_row, q_by_row: bool, size: int = WG_M):
+  """`size` folded query rows from `first_row` at kv_head, as a ref for one TMA copy.
+
+  q is folded, [K, M, H], or by row, [M, K, H]: a G = 1 query's [B*T, K, H] view, folded row
+  r at (r, k), so no fold is written per layer (a 16 MB pad and transpose at B=1024, 32
+  heads). Rows past its end read as zeros (TMA), as the fold's padding did.
+  """
+  rows = pl.ds(pl.multiple_of(first_row, ALIGN), size)
+  return q_ref.at[rows, kv_head] if q_by_row else q_ref.at[kv_head, rows]
+
+
+def as_folded(q, q_by_row: bool):
+  """q as [K, M, H] (the references' layout), whichever layout the kernels read."""
+  return q.transpose(1, 0, 2) if q_by_row else q
+
+
 def offset_operand(kv_offset) -> jax.Array:
   """kv_offset as the kernels' [1] int32 operand (read once per program)."""
   return jnp.asarray(kv_offset, jnp.int32).reshape(1)
@@ -254,7 +272,7 @@ def offset_operand(kv_offset) -> jax.Array:
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _warp_specialized_kernel(qf, sched, *, scale, config):
+def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
   """FlashAttention-3 style: two compute warpgroups of 64 rows and one TMA warpgroup."""
   _, _, h = qf.shape
   dtype = qf.dtype
@@ -280,8 +298,8 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
     def _compute():
       plgpu.set_max_registers(232, action='increase')
       qo_smem = qo_smem2.at[wg]
-      q_row = pl.multiple_of(it.tile_row + wg * WG_M, ALIGN)
-      plgpu.copy_gmem_to_smem(q_ref.at[kv_head, pl.ds(q_row, WG_M)], qo_smem, q_barriers.at[wg])
+      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row),
+                              qo_smem, q_barriers.at[wg])
       plgpu.barrier_wait(q_barriers.at[wg])
       carry = osm.init(WG_M, h)
 
@@ -372,7 +390,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config):
   return shared_segment_kernel, scratch, dict(num_threads=3, thread_name='wg')
 
 
-def _single_warpgroup_kernel(qf, sched, *, scale, config):
+def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row):
   """One warpgroup: TILE_M rows, K/V through two slots it fills and drains itself."""
   _, _, h = qf.shape
   dtype = qf.dtype
@@ -389,9 +407,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
 
     @pl.when(it.active)
     def _():
-      plgpu.copy_gmem_to_smem(
-          q_ref.at[kv_head, pl.ds(pl.multiple_of(it.tile_row, ALIGN), TILE_M)], qo_smem, q_bar.at[0]
-      )
+      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, it.tile_row, q_by_row, TILE_M), qo_smem, q_bar.at[0])
 
       def issue(step, slot):
         tok = pl.multiple_of(it.split_tok + step * bk, ALIGN)
@@ -445,7 +461,8 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config):
 
 def segment_attention_reference(
     qf, k_cache, v_cache, segments, sched: SharedSchedule, *, scale: float,
-    config: SegmentKernelConfig = SegmentKernelConfig(), kv_offset=0, interpret: bool = False,
+    config: SegmentKernelConfig = SegmentKernelConfig(), kv_offset=0, q_by_row: bool = False,
+    interpret: bool = False,
 ):
   """`segment_attention` in jnp (float32 math), item by item; same arguments and outputs.
 
@@ -453,6 +470,7 @@ def segment_attention_reference(
   `config` and `interpret` are accepted so that a test swaps one for the other.
   """
   del config, interpret
+  qf = as_folded(qf, q_by_row)
   _, m_pad, _ = qf.shape
   tg = sched.rows_per_query
   outs, lses = [], []

@@ -101,6 +101,12 @@ class MosaicGpuConfig:
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
       alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
       B=32 (`experiments/results/throughput/lane_table_s23`).
+    private_explicit_barriers: the private kernel is compiled without Pallas's automatic
+      warpgroup barriers (one before every async copy, two around every shared-memory
+      store) and syncs once before each refill instead.
+    q_by_row: with one query head per kv head (G = 1) and T a power of two (no padded
+      rows), the kernels read q's [B*T, K, H] view in place instead of a folded copy
+      (`segment_attention.q_tile`): no per-layer pad and transpose of q.
   """
 
   block_kv: int = 128
@@ -112,6 +118,7 @@ class MosaicGpuConfig:
   private_staged_pages: bool = True
   private_lane_table: bool = True
   private_explicit_barriers: bool = False
+  q_by_row: bool = True
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -371,10 +378,17 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
     )
     return PartialState(*paged_unfold_states(out, lse, problem, n))
   tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
-  qf = _fold_queries(q, kh, tgp, round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN))
+  rows = round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN)
+  by_row = config.q_by_row and n == kh and tgp == problem.query_tokens
+  if by_row:  # folded row r is q[r // T, r % T, k]
+    qf = q.reshape(b * tgp, kh, q.shape[-1])
+    if interpret:  # interpret mode clamps reads past the end; TMA reads them as zeros
+      qf = jnp.pad(qf, ((0, rows - b * tgp), (0, 0), (0, 0)))
+  else:
+    qf = _fold_queries(q, kh, tgp, rows)
   partial_out, partial_lse = segment_attention(
       qf, k_cache, v_cache, prepared.segments, prepared.schedule, scale=scale,
-      config=config.segment_kernel, kv_offset=kv_offset, interpret=interpret,
+      config=config.segment_kernel, kv_offset=kv_offset, q_by_row=by_row, interpret=interpret,
   )
   # Derived from the lengths of this step, the same in every layer's call: XLA computes it once.
   lanes = (lane_table(prepared.private_lengths, prepared.private_pages, problem)
@@ -382,7 +396,8 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
   out, lse = private_attention(
       qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths,
       prepared.row_segments, prepared.segments, prepared.schedule, partial_out, partial_lse,
-      problem, scale=scale, kv_offset=kv_offset, lanes=lanes, interpret=interpret,
+      problem, scale=scale, kv_offset=kv_offset, lanes=lanes, q_by_row=by_row,
+      interpret=interpret,
   )
   # Reshapes when the kernel wrote [B, T, N, ...] order (`PrivateProblem.direct_out`).
   return PartialState(*private_unfold_states(out, lse, problem, n))
