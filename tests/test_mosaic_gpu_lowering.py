@@ -51,6 +51,8 @@ def _lower_tree(b, p, s, n, k, t, text=False, **knobs):
     (8, 2048, 9, 32, 4, 2),  # G = 8, T = 2: 16 query rows a row
     (8, 2048, 3, 32, 1, 1),  # MQA: G = 32
     (99, 2048, 3, 32, 8, 2),  # a last frame past the batch
+    (99, 2048, 3, 32, 32, 1),  # MHA, 99 rows: q folded (a by-row read needs whole 8-row tiles)
+    (96, 2048, 3, 32, 32, 2),  # MHA, T = 2: q read by row, a last frame past the batch
     (2, 2048, 200, 32, 32, 128),  # prefill (T = 128 at G = 1): two 64-row frames a row
     (3, 2048, 64, 32, 8, 64),  # prefill at G = 4: T*G = 256
     (32, 0, 300, 32, 8, 1),  # no shared prefix: the paged kernel
