@@ -101,6 +101,8 @@ CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (16, 2048, 3, 64, 8, 1),  # G = 8 at a small batch: one row a frame (Llama-2-70B's heads)
     (8, 2048, 3, 32, 1, 1),  # MQA: G = 32, one row a frame
     (8, 0, 300, 64, 8, 1),  # no shared prefix at G = 8
+    (96, 2048, 9, 32, 32, 2),  # MHA, T = 2: q read by row (`q_by_row`)
+    (2, 2048, 200, 32, 32, 128),  # MHA prefill (T = 128): q read by row, two frames a row
 )
 VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
     dict(block_kv=128, max_concurrent_steps=2),
