@@ -114,7 +114,7 @@ def test_the_models_attention_config_reaches_its_plans():
   kv_shape = (2, plan.kv_tokens, config.num_kv_heads, 64)
   cache = gen.KVCache(*(jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in 'kv'))
   outs = []
-  for knobs in (None, MosaicGpuConfig(private_staged_pages=False)):
+  for knobs in (None, MosaicGpuConfig(private_staged_pages=True)):
     model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16, attention_config=knobs)
     attn = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='mosaic_gpu',
                                    interpret=True)

@@ -259,11 +259,12 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
 
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
-                                     dict(private_staged_pages=False),
+                                     dict(private_staged_pages=True),
                                      dict(private_lane_table=False),
+                                     dict(private_lane_table=False, private_staged_pages=False),
                                      dict(private_explicit_barriers=True)],
-                           ids=['pair_copies', 'slots=4', 'unstaged_pages', 'lane_walk',
-                                'explicit_barriers'])
+                           ids=['pair_copies', 'slots=4', 'staged_pages', 'lane_walk',
+                                'walk_unstaged', 'explicit_barriers'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
@@ -393,7 +394,7 @@ class TestMosaicGpuKernels:
     kw = dict(scale=scale, kv_offset=offset, interpret=self.interpret)
     assert problem.direct_out and problem.direct_lse == (n // k == 4)
     assert (plan.num_rows * tgp) % problem.frame_rows  # the last frame runs past the batch
-    assert problem.staged_pages  # the kernel takes the padded table (`pad_page_table`)
+    assert not problem.staged_pages  # with the lane table no page id is read in the kernel
     lanes = lane_table(layout.private_lengths, prepared.private_pages, problem)
     got = private_attention(*args[:3], prepared.private_pages, *args[4:], lanes=lanes, **kw)
     want = private_attention_reference(*args, lanes=lanes, **kw)

@@ -115,7 +115,7 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(private_slots=4),
     dict(private_pair_copies=True),
     dict(private_pair_copies=True, private_slots=3),
-    dict(private_staged_pages=False),  # page ids read from global memory (before run 8)
+    dict(private_staged_pages=True),  # page ids staged with the lane table too (before s24)
     dict(max_splits=1),
     dict(max_splits=2),
     dict(max_splits=3),

@@ -92,7 +92,9 @@ class MosaicGpuConfig:
       shared memory once (when they fit `private_attention.MAX_STAGED_PAGE_BYTES`), so each
       step's plan reads page ids there instead of from global memory. H200, B=1024, 9 private
       tokens a row, 32/32 heads: the private kernel 145 -> 131 µs alone, and 7-13% less time
-      in the CodeLlama-7B decode step (`experiments/results/mosaic_gpu_check/run8`).
+      in the CodeLlama-7B decode step (`experiments/results/mosaic_gpu_check/run8`). None:
+      only when the plans are walked (with the lane table the kernel reads no page id, so the
+      copy and its wait at every program's start are skipped).
     private_lane_table: the private kernel reads each step's plan (its chunks' first tokens,
       contiguity, valid counts) from a table built by XLA from the rows' private lengths and
       pages (`private_attention.lane_table`; the same for every layer of a step, so XLA
@@ -116,7 +118,7 @@ class MosaicGpuConfig:
   num_sms: int | None = None
   private_slots: int | None = None
   private_pair_copies: bool = False
-  private_staged_pages: bool = True
+  private_staged_pages: bool | None = None
   private_lane_table: bool = True
   private_explicit_barriers: bool = False
   q_by_row: bool = True
@@ -267,7 +269,9 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
   slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
-  staged = config.private_staged_pages and stage_pages(problem, layout.private_pages.shape[1])
+  stage = (not config.private_lane_table if config.private_staged_pages is None
+           else config.private_staged_pages)
+  staged = stage and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
