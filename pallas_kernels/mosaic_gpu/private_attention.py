@@ -103,6 +103,10 @@ class PrivateProblem:
   # Pallas's automatic warpgroup barriers off (one before each async copy, two around each
   # shared-memory store: 16 copies a decode step); the kernel syncs once before a refill.
   explicit_barriers: bool = False
+  # Two frames a program, each computed by its own warpgroup, and a third warpgroup that issues
+  # both frames' K/V copies from the lane table: the plans and copies leave the computing
+  # warpgroups' chain of waits (GPU only; needs `lane_steps`).
+  producer: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -305,6 +309,12 @@ def private_attention(
   direct = problem.direct_out
   staged = problem.staged_pages
   tabled = problem.lane_steps > 0
+  # A producer warpgroup (on the GPU; interpret mode runs one warpgroup a frame, which three
+  # warpgroups waiting on each other's barriers could starve on a small CPU pool).
+  producer = problem.producer and not interpret
+  if producer and (not tabled or staged):
+    raise ValueError('a producer warpgroup reads its plans from the lane table '
+                     '(lane_steps > 0, staged_pages off)')
   want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
   if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
     raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
@@ -324,158 +334,27 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    smem, (q_bar, k_bars, v_bars, pages_bar) = refs[2:]
-    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
+    smem, (q_bar, k_bars, v_bars, pages_bar, consumed) = refs[2:]
+    (q_smems, kv_smems, p_smem, o_smems, lse_smems, len_smem, chunk_smem, o_staging,
      lse_staging, pages_smem) = smem
-
-    frame = lax.axis_index('frame')
     kv_head = lax.axis_index('kv_head')
-    f0 = frame * f_rows  # first folded row of the frame
-    if r_rows > 1 or tgp <= WG_M:
-      row0 = frame * r_rows
-      q0 = jnp.int32(0)  # query index (t*G + g) of the frame's first row
-    else:
-      row0 = lax.div(frame, jnp.int32(tiles_per_row))
-      q0 = lax.rem(frame, jnp.int32(tiles_per_row)) * WG_M
-    rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
     kv_offset = offset_ref[0]
 
-    plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar.at[0])
-    if staged:  # the frame's rows of the page table (the table is padded to whole frames)
-      plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
-
-    # ---- scalars of the frame's rows ----
-    if t_tok == 1:
-      t_last = None
-    elif r_rows > 1 or tgp <= WG_M:
-      t_last = jnp.int32(t_tok - 1)
-    else:  # the last query token among this tile's rows
-      t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(g_size)), t_tok - 1)
-
-    # Per row of the frame, once (independent loads): its private length and its chunks (of
-    # the tokens the frame's queries see), into shared memory for the chunk walk, which reads
-    # them at dynamic rows; its lanes (a row with no chunk takes one empty lane) and its first
-    # lane, as scalars for the score mask below.
-    lengths, chunk_counts, lane_starts = [], [], []
-    lanes_total = jnp.int32(0)
-    for r in range(r_rows):
-      inside = r < rows_here
-      length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
-      seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
-      chunks = lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))  # seen >= 0: // CHUNK
-      if not tabled:  # the walk reads them at dynamic rows
-        len_smem[r] = length
-        chunk_smem[r] = chunks
-      lengths.append(length)
-      chunk_counts.append(chunks)
-      lane_starts.append(lanes_total)
-      lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
-    num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // _LANES
-    if problem.explicit_barriers and not tabled:
-      plgpu.commit_smem()  # the walk's rows, written by one thread, read by all
-
-    # ---- the chunk walk: which chunks a step copies, read one step ahead ----
-    # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
-    # row. A step's plan is its 8 first KV tokens (the layer's first 8 for a lane with no
-    # chunk), whether they are 64 contiguous tokens, the cursor after it, and its valid
-    # tokens per lane packed 4 bits a lane (`_FULL`: every lane 8 valid tokens).
-    def row_chunks(r):
-      """(chunks, length) of frame row r; (0, 0) past the frame's rows."""
-      rr = jnp.minimum(r, r_rows - 1)
-      here = r < r_rows
-      return jnp.where(here, chunk_smem[rr], 0), jnp.where(here, len_smem[rr], 0)
-
-    def lane_at(cursor):
-      """The chunk at cursor: (r, pos, real, valid tokens), and the next cursor. One shared-
-      memory read on the walk's dependent chain (chunks and lengths were counted once)."""
-      r, i = cursor
-      chunks, length = row_chunks(r)
-      real = i < chunks
-      more = i + 1 < jnp.maximum(chunks, 1)
-      nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
-      pos = i * CHUNK
-      return (r, pos, real, jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)), nxt
-
-    def pack(valids):
-      packed = jnp.int32(0)
-      for j, valid in enumerate(valids):
-        packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
-      return packed
-
-    def page_id(r, page):
-      """The id of page `page` of frame row r (clamped: a lane with no chunk reads some id)."""
-      r, page = jnp.minimum(r, r_rows - 1), jnp.minimum(page, max_pages - 1)
-      if staged:
-        return pages_smem[r, page]
-      return pages_ref[jnp.minimum(row0 + r, b_rows - 1), page]
-
-    def tokens(lanes):
-      """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
-      tokens (8 independent page-id reads)."""
-      toks, contiguous = [], lanes[0][2]
-      for j, (r, pos, real) in enumerate(lanes):
-        page = lax.div(pos, jnp.int32(c))
-        page_id_j = page_id(r, page)
-        toks.append(kv_offset + jnp.where(real, page_id_j * c + (pos - page * c), 0))
-        if j:
-          contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
-      return toks, contiguous
-
-    def run_tokens(r, pos0):
-      """`tokens` of 8 chunks of row r from token pos0 (a fast step). With pages of >= 64
-      tokens the step spans at most two pages: two page-id reads, and the step is one copy
-      unless it crosses into a page that does not follow."""
-      if c < _BLK:
-        return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(_LANES)])
-      page = lax.div(pos0, jnp.int32(c))
-      left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
-      id0, id1 = page_id(r, page), page_id(r, page + 1)
-      first = kv_offset + id0 * c + (pos0 - page * c)
-      second = kv_offset + id1 * c - left
-      toks = [first] + [
-          jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, _LANES)
-      ]
-      return toks, (left >= _BLK) | (id1 == id0 + 1)
-
-    def walk_plan(cursor):
-      """The next step's plan (see above). Fast path: 8 more chunks of the cursor's row (a long
-      row), in closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
-      r, i = cursor
-      chunks, length = row_chunks(r)
-
-      def fast():
-        pos0 = i * CHUNK
-        more = i + _LANES < chunks
-        nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + _LANES, 0))
-        # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
-        last = jnp.clip(length - pos0 - (_LANES - 1) * CHUNK, 0, CHUNK)
-        packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (_LANES - 1)))
-        return (*run_tokens(r, pos0), *nxt, packed)
-
-      def general():
-        lanes, valids, cur = [], [], cursor
-        for _ in range(_LANES):
-          (lr, pos, real, valid), cur = lane_at(cur)
-          lanes.append((lr, pos, real))
-          valids.append(valid)
-        return (*tokens(lanes), *cur, pack(valids))
-
-      toks, contiguous, *rest = lax.cond(i + _LANES <= chunks, fast, general)
-      nr, ni, packed = rest
-      return (nr, ni), (toks, contiguous), packed
-
-    def read_plan(step):
-      """`walk_plan` from the lane table: the cursor is the step's index, its plan 10 reads
-      (independent loads; a step past the frame's last reads the last row, never used)."""
+    def read_plan(frame, step):
+      """A step's plan from the lane table (`walk_plan`'s, the cursor the step's index): 10
+      independent loads; a step past the frame's last reads the last row, never used."""
       row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
       fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
       toks = [kv_offset + tok for tok in fields[:_LANES]]
       return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
 
-    plan_step = read_plan if tabled else walk_plan
+    def read_valid_counts(frame, step):
+      """The packed valid counts of a step (the lane table's last field)."""
+      row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
+      return lanes_ref[frame, row, LANE_FIELDS - 1]
 
-    def copy_step(slot, toks, contiguous):
-      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
+    def copy_chunks(kv_smem, base, slot, toks, contiguous):
+      """Copies a step's chunks into `slot` of `kv_smem` (barriers `base + slot`): one 64-token copy when contiguous (the barriers
       then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
       plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
       step. A copy moves the buffer's tokens whatever row they belong to, so merging two
@@ -483,15 +362,15 @@ def private_attention(
       def copy(tok, rows, j):
         src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[base + slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[base + slot])
 
       @pl.when(contiguous)
       def _():
         copy(toks[0], _BLK, 0)
         for _ in range(_LANES - 1):
-          plgpu.barrier_arrive(k_bars.at[slot])
-          plgpu.barrier_arrive(v_bars.at[slot])
+          plgpu.barrier_arrive(k_bars.at[base + slot])
+          plgpu.barrier_arrive(v_bars.at[base + slot])
 
       @pl.when(jnp.logical_not(contiguous))
       def _():
@@ -505,230 +384,424 @@ def private_attention(
           @pl.when(pair)
           def _(j=j):
             copy(toks[j], 2 * CHUNK, j)
-            plgpu.barrier_arrive(k_bars.at[slot])
-            plgpu.barrier_arrive(v_bars.at[slot])
+            plgpu.barrier_arrive(k_bars.at[base + slot])
+            plgpu.barrier_arrive(v_bars.at[base + slot])
 
           @pl.when(jnp.logical_not(pair))
           def _(j=j):
             copy(toks[j], CHUNK, j)
             copy(toks[j + 1], CHUNK, j + 1)
 
-    # The first steps: every plan (page ids included) before the first copy.
-    if staged:
-      plgpu.barrier_wait(pages_bar.at[0])
-    cursor = jnp.int32(0) if tabled else (jnp.int32(0), jnp.int32(0))
-    first_steps = []
-    for _ in range(slots):
-      cursor, toks, packed = plan_step(cursor)
-      first_steps.append((toks, packed))
-    for slot, (toks, _) in enumerate(first_steps):
-      pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
-    packs = tuple(packed for _, packed in first_steps)
-
-    # ---- the score mask: two compares against per-row bounds ----
-    # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
-    # g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
-    # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
-    # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
-    # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
-    index = osm.row_index(WG_M)  # [64] score row, ROWS layout
-    if r_rows > 1:
-      rho = floor_div(index, tgp)  # frame row of each score row
-      within = index - rho * tgp
-    else:
-      rho = None
-      within = index + q0
-    t_of = floor_div(within, g_size) if t_tok > 1 else None  # query token of each score row
-
-    def per_row(values):
-      """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
-      if rho is None:  # derived from index: a splat constant has no broadcast to the tile
-        return index * 0 + values[0]
-      out = jnp.zeros_like(index)
-      for r, value in enumerate(values):
-        out = jnp.where(rho == r, value, out)
-      return out
-
-    lo_rows = per_row([s * CHUNK for s in lane_starts])
-    bound = per_row([jnp.minimum(n, k * CHUNK) for n, k in zip(lengths, chunk_counts)])
-    if t_of is not None:
-      bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
-    hi_rows = lo_rows + jnp.maximum(bound, 0)
-    cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-
-    def step_mask(step):
-      first = step * _BLK
-      lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
-      hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
-      return (cols >= lo) & (cols < hi)
-
-    def zero_unseen(v_smem, packed):
-      """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
-      lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
-      valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(_LANES)]
-
-      def keep(r):
-        lane_r = floor_div(r, CHUNK)
-        count = jnp.zeros_like(r)
-        for j, valid in enumerate(valids):
-          count = jnp.where(lane_r == j, valid, count)
-        return r - lane_r * CHUNK < count
-
-      osm.zero_rows(v_smem, keep)
-
-    # ---- merge setup: depth of each row, the first window loaded now ----
-    if merging:
-      def row_depth(r):
-        """Non-negative entries of the row's path (a prefix of its columns), 0 outside;
-        independent loads, so all rows' columns are read in one round trip."""
-        row = jnp.minimum(row0 + r, b_rows - 1)
-        filled = jnp.int32(0)
-        for col in range(depth_cap):
-          filled += jnp.where(rowseg_ref[row, col] >= 0, 1, 0)
-        return jnp.where(r < rows_here, filled, 0)
-
-      max_depth = jnp.int32(0)
-      for r in range(r_rows):
-        max_depth = jnp.maximum(max_depth, row_depth(r))
-
-      def describe(d, r):
-        """The run of the frame's rows from row r under the segment in path column d:
-        (valid, buffer row of its split-0 window, rows per split, end of the run)."""
-        row = jnp.minimum(row0 + r, b_rows - 1)
-        index = rowseg_ref[row, jnp.minimum(d, depth_cap - 1)]
-        seg = segment_fields(sched, seg_ref, index)
-        valid = (index >= 0) & seg.valid & (d < depth_cap) & (r < rows_here)
-        seg_frame = seg.row_begin * tgp
-        seg_frame = seg_frame - lax.rem(seg_frame, jnp.int32(ALIGN))
-        base = PARTIAL_PAD + seg.item_base * TILE_M + (f0 - seg_frame)
-        run_end = jnp.minimum(seg.row_begin + seg.row_count - row0, rows_here)
-        return (
-            valid, jnp.where(valid, base, PARTIAL_PAD), jnp.where(valid, seg.row_tiles * TILE_M, 0),
-            jnp.where(valid, run_end, r + 1),
-        )
-
-      def load_window(start):
-        o = plgpu.load(
-            pout_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA, optimized=False
-        )
-        lse = plgpu.load(
-            plse_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1),
-            optimized=False,
-        )
-        return o, lse
-
-      first = describe(jnp.int32(0), jnp.int32(0))
-      first_window = load_window(first[1])
-
-    # ---- private phase ----
-    acc, m_i, l_i = osm.init(WG_M, h)
-    plgpu.barrier_wait(q_bar.at[0])
-
-    def private_step(step, carry):
-      acc, m_i, l_i, cursor, packs = carry
-      slot = lax.rem(step, jnp.int32(slots))
-      packed = packs[0]
-      partial = packed != _FULL  # a lane with fewer than 8 valid tokens
-      # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
-      with jax.named_scope('mask'):
-        visible = step_mask(step)
-      with jax.named_scope('wait_k'):
-        plgpu.barrier_wait(k_bars.at[slot])
-        # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
-        # other waits after the softmax, so V's arrival overlaps QK (long rows).
-        pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-        # While the QK wgmma runs: the plan of step + slots (its page ids included), so the
-        # refill of this slot after the PV wgmma is only the copy.
-        with jax.named_scope('plan'):
-          plan = plan_step(cursor)
-        with jax.named_scope('zero_unseen'):
-          pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
-        with jax.named_scope('qk_wait'):
-          return acc_ref[...], plan
-
-      s, (cursor, next_toks, next_packed) = pl.run_scoped(
-          qk, plgpu.ACC((WG_M, _BLK), jnp.float32)
-      )
-      with jax.named_scope('softmax'):
-        acc, m_new, l_i, p16 = osm.step(
-            s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
-        )
-      with jax.named_scope('wait_v'):
-        pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
-      with jax.named_scope('pv'):
-        acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
-      # The slot's wgmmas are done (their results are in registers): refill it, once every
-      # warp's part of the PV wgmma has read the slot.
-      with jax.named_scope('refill'):
-        def refill():
-          if problem.explicit_barriers:
-            plgpu.commit_smem()
-          copy_step(slot, *next_toks)
-
-        pl.when(step + slots < num_steps)(refill)
-      return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
-
-    with jax.named_scope('private'):
-      acc, m_i, l_i, _, _ = lax.fori_loop(
-          0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
-      )
-
-    # ---- merge phase ----
-    if merging:
-      if rho is not None:
-        frame_row = rho.astype(jnp.float32)  # [64]: each score row's frame row
+    def frame_rows(frame):
+      """A frame's scalars, from independent loads: its first row and query index, its rows
+      inside the batch, the last query token its rows see (None at T = 1), and per row its
+      private length, its chunks (of the tokens the frame's queries see) and its first lane
+      (a row with no chunk takes one empty lane); then the frame's steps."""
+      if r_rows > 1 or tgp <= WG_M:
+        row0 = frame * r_rows
+        q0 = jnp.int32(0)  # query index (t*G + g) of the frame's first row
       else:
-        frame_row = None
+        row0 = lax.div(frame, jnp.int32(tiles_per_row))
+        q0 = lax.rem(frame, jnp.int32(tiles_per_row)) * WG_M
+      rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
+      if t_tok == 1:
+        t_last = None
+      elif r_rows > 1 or tgp <= WG_M:
+        t_last = jnp.int32(t_tok - 1)
+      else:  # the last query token among this tile's rows
+        t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(g_size)), t_tok - 1)
+      lengths, chunk_counts, lane_starts = [], [], []
+      lanes_total = jnp.int32(0)
+      for r in range(r_rows):
+        inside = r < rows_here
+        length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
+        seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
+        chunks = lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))  # seen >= 0: // 8
+        lengths.append(length)
+        chunk_counts.append(chunks)
+        lane_starts.append(lanes_total)
+        lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
+      num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // 8
+      return row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts, num_steps
 
-      # Items in order (column d, run of rows from r, split); a run's segment is read once
-      # (lax.cond), its splits' windows follow at a fixed stride, each loaded one item ahead.
-      def merge_cond(carry):
-        return carry[0][0] < max_depth
+    def frame_body(frame, wg):
+      """One frame: its private steps, its merge, its outputs. `wg` None: this warpgroup
+      copies its own K/V; else consumer `wg` of a producer (`produce`), with its own half of
+      the shared memory and barriers."""
+      views = lambda x: x if wg is None else x.at[wg]
+      q_smem, kv_smem, o_smem, lse_smem = map(views, (q_smems, kv_smems, o_smems, lse_smems))
+      base = 0 if wg is None else wg * slots  # this frame's K/V barriers
+      q_bar_here = q_bar.at[0 if wg is None else wg]
+      f0 = frame * f_rows  # first folded row of the frame
+      (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
+       num_steps) = frame_rows(frame)
+      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar_here)
+      if staged:  # the frame's rows of the page table (the table is padded to whole frames)
+        plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
+      if not tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
+        for r, (length, chunks) in enumerate(zip(lengths, chunk_counts)):
+          len_smem[r] = length
+          chunk_smem[r] = chunks
+        if problem.explicit_barriers:
+          plgpu.commit_smem()  # written by one thread, read by all
+      # ---- the chunk walk: which chunks a step copies, read one step ahead ----
+      # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
+      # row. A step's plan is its 8 first KV tokens (the layer's first 8 for a lane with no
+      # chunk), whether they are 64 contiguous tokens, the cursor after it, and its valid
+      # tokens per lane packed 4 bits a lane (`_FULL`: every lane 8 valid tokens).
+      def row_chunks(r):
+        """(chunks, length) of frame row r; (0, 0) past the frame's rows."""
+        rr = jnp.minimum(r, r_rows - 1)
+        here = r < r_rows
+        return jnp.where(here, chunk_smem[rr], 0), jnp.where(here, len_smem[rr], 0)
 
-      def merge_body(carry):
-        (d, r, split), run, (o, lse), acc, m_i, l_i = carry
-        valid, base, stride, run_end = run
-        more_splits = split + 1 < splits
-        more_runs = run_end < rows_here
-        nxt = (
-            jnp.where(more_splits | more_runs, d, d + 1),
-            jnp.where(more_splits, r, jnp.where(more_runs, run_end, 0)),
-            jnp.where(more_splits, split + 1, 0),
+      def lane_at(cursor):
+        """The chunk at cursor: (r, pos, real, valid tokens), and the next cursor. One shared-
+        memory read on the walk's dependent chain (chunks and lengths were counted once)."""
+        r, i = cursor
+        chunks, length = row_chunks(r)
+        real = i < chunks
+        more = i + 1 < jnp.maximum(chunks, 1)
+        nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
+        pos = i * CHUNK
+        return (r, pos, real, jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)), nxt
+
+      def pack(valids):
+        packed = jnp.int32(0)
+        for j, valid in enumerate(valids):
+          packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
+        return packed
+
+      def page_id(r, page):
+        """The id of page `page` of frame row r (clamped: a lane with no chunk reads some id)."""
+        r, page = jnp.minimum(r, r_rows - 1), jnp.minimum(page, max_pages - 1)
+        if staged:
+          return pages_smem[r, page]
+        return pages_ref[jnp.minimum(row0 + r, b_rows - 1), page]
+
+      def tokens(lanes):
+        """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
+        tokens (8 independent page-id reads)."""
+        toks, contiguous = [], lanes[0][2]
+        for j, (r, pos, real) in enumerate(lanes):
+          page = lax.div(pos, jnp.int32(c))
+          page_id_j = page_id(r, page)
+          toks.append(kv_offset + jnp.where(real, page_id_j * c + (pos - page * c), 0))
+          if j:
+            contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
+        return toks, contiguous
+
+      def run_tokens(r, pos0):
+        """`tokens` of 8 chunks of row r from token pos0 (a fast step). With pages of >= 64
+        tokens the step spans at most two pages: two page-id reads, and the step is one copy
+        unless it crosses into a page that does not follow."""
+        if c < _BLK:
+          return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(_LANES)])
+        page = lax.div(pos0, jnp.int32(c))
+        left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
+        id0, id1 = page_id(r, page), page_id(r, page + 1)
+        first = kv_offset + id0 * c + (pos0 - page * c)
+        second = kv_offset + id1 * c - left
+        toks = [first] + [
+            jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, _LANES)
+        ]
+        return toks, (left >= _BLK) | (id1 == id0 + 1)
+
+      def walk_plan(cursor):
+        """The next step's plan (see above). Fast path: 8 more chunks of the cursor's row (a long
+        row), in closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
+        r, i = cursor
+        chunks, length = row_chunks(r)
+
+        def fast():
+          pos0 = i * CHUNK
+          more = i + _LANES < chunks
+          nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + _LANES, 0))
+          # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
+          last = jnp.clip(length - pos0 - (_LANES - 1) * CHUNK, 0, CHUNK)
+          packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (_LANES - 1)))
+          return (*run_tokens(r, pos0), *nxt, packed)
+
+        def general():
+          lanes, valids, cur = [], [], cursor
+          for _ in range(_LANES):
+            (lr, pos, real, valid), cur = lane_at(cur)
+            lanes.append((lr, pos, real))
+            valids.append(valid)
+          return (*tokens(lanes), *cur, pack(valids))
+
+        toks, contiguous, *rest = lax.cond(i + _LANES <= chunks, fast, general)
+        nr, ni, packed = rest
+        return (nr, ni), (toks, contiguous), packed
+
+      if wg is not None:  # the producer copies: a step's plan here is its valid counts
+        plan_step = lambda step: (step + 1, None, read_valid_counts(frame, step))
+      elif tabled:
+        plan_step = lambda step: read_plan(frame, step)
+      else:
+        plan_step = walk_plan
+
+      copy_step = functools.partial(copy_chunks, kv_smem, base)
+
+      # The first steps: every plan (page ids included) before the first copy.
+      if staged:
+        plgpu.barrier_wait(pages_bar.at[0])
+      cursor = jnp.int32(0) if tabled else (jnp.int32(0), jnp.int32(0))
+      first_steps = []
+      for _ in range(slots):
+        cursor, toks, packed = plan_step(cursor)
+        first_steps.append((toks, packed))
+      for slot, (toks, _) in enumerate(first_steps):
+        if wg is None:
+          pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
+      packs = tuple(packed for _, packed in first_steps)
+
+      # ---- the score mask: two compares against per-row bounds ----
+      # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
+      # g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
+      # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
+      # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
+      # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
+      index = osm.row_index(WG_M)  # [64] score row, ROWS layout
+      if r_rows > 1:
+        rho = floor_div(index, tgp)  # frame row of each score row
+        within = index - rho * tgp
+      else:
+        rho = None
+        within = index + q0
+      t_of = floor_div(within, g_size) if t_tok > 1 else None  # query token of each score row
+
+      def per_row(values):
+        """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
+        if rho is None:  # derived from index: a splat constant has no broadcast to the tile
+          return index * 0 + values[0]
+        out = jnp.zeros_like(index)
+        for r, value in enumerate(values):
+          out = jnp.where(rho == r, value, out)
+        return out
+
+      lo_rows = per_row([s * CHUNK for s in lane_starts])
+      bound = per_row([jnp.minimum(n, k * CHUNK) for n, k in zip(lengths, chunk_counts)])
+      if t_of is not None:
+        bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
+      hi_rows = lo_rows + jnp.maximum(bound, 0)
+      cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
+
+      def step_mask(step):
+        first = step * _BLK
+        lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
+        hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
+        return (cols >= lo) & (cols < hi)
+
+      def zero_unseen(v_smem, packed):
+        """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
+        lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
+        valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(_LANES)]
+
+        def keep(r):
+          lane_r = floor_div(r, CHUNK)
+          count = jnp.zeros_like(r)
+          for j, valid in enumerate(valids):
+            count = jnp.where(lane_r == j, valid, count)
+          return r - lane_r * CHUNK < count
+
+        osm.zero_rows(v_smem, keep)
+
+      # ---- merge setup: depth of each row, the first window loaded now ----
+      if merging:
+        def row_depth(r):
+          """Non-negative entries of the row's path (a prefix of its columns), 0 outside;
+          independent loads, so all rows' columns are read in one round trip."""
+          row = jnp.minimum(row0 + r, b_rows - 1)
+          filled = jnp.int32(0)
+          for col in range(depth_cap):
+            filled += jnp.where(rowseg_ref[row, col] >= 0, 1, 0)
+          return jnp.where(r < rows_here, filled, 0)
+
+        max_depth = jnp.int32(0)
+        for r in range(r_rows):
+          max_depth = jnp.maximum(max_depth, row_depth(r))
+
+        def describe(d, r):
+          """The run of the frame's rows from row r under the segment in path column d:
+          (valid, buffer row of its split-0 window, rows per split, end of the run)."""
+          row = jnp.minimum(row0 + r, b_rows - 1)
+          index = rowseg_ref[row, jnp.minimum(d, depth_cap - 1)]
+          seg = segment_fields(sched, seg_ref, index)
+          valid = (index >= 0) & seg.valid & (d < depth_cap) & (r < rows_here)
+          seg_frame = seg.row_begin * tgp
+          seg_frame = seg_frame - lax.rem(seg_frame, jnp.int32(ALIGN))
+          base = PARTIAL_PAD + seg.item_base * TILE_M + (f0 - seg_frame)
+          run_end = jnp.minimum(seg.row_begin + seg.row_count - row0, rows_here)
+          return (
+              valid, jnp.where(valid, base, PARTIAL_PAD), jnp.where(valid, seg.row_tiles * TILE_M, 0),
+              jnp.where(valid, run_end, r + 1),
+          )
+
+        def load_window(start):
+          o = plgpu.load(
+              pout_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA, optimized=False
+          )
+          lse = plgpu.load(
+              plse_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1),
+              optimized=False,
+          )
+          return o, lse
+
+        first = describe(jnp.int32(0), jnp.int32(0))
+        first_window = load_window(first[1])
+
+      # ---- private phase ----
+      acc, m_i, l_i = osm.init(WG_M, h)
+      plgpu.barrier_wait(q_bar_here)
+
+      def private_step(step, carry):
+        acc, m_i, l_i, cursor, packs = carry
+        slot = lax.rem(step, jnp.int32(slots))
+        packed = packs[0]
+        partial = packed != _FULL  # a lane with fewer than 8 valid tokens
+        # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
+        with jax.named_scope('mask'):
+          visible = step_mask(step)
+        with jax.named_scope('wait_k'):
+          plgpu.barrier_wait(k_bars.at[base + slot])
+          # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
+          # other waits after the softmax, so V's arrival overlaps QK (long rows).
+          pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[base + slot]))
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
+          # While the QK wgmma runs: the plan of step + slots (its page ids included), so the
+          # refill of this slot after the PV wgmma is only the copy.
+          with jax.named_scope('plan'):
+            plan = plan_step(cursor)
+          with jax.named_scope('zero_unseen'):
+            pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
+          with jax.named_scope('qk_wait'):
+            return acc_ref[...], plan
+
+        s, (cursor, next_toks, next_packed) = pl.run_scoped(
+            qk, plgpu.ACC((WG_M, _BLK), jnp.float32)
         )
-        next_run = lax.cond(
-            more_splits | (nxt[0] >= max_depth), lambda: run, lambda: describe(nxt[0], nxt[1])
+        with jax.named_scope('softmax'):
+          acc, m_new, l_i, p16 = osm.step(
+              s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
+          )
+        with jax.named_scope('wait_v'):
+          pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[base + slot]))
+        with jax.named_scope('pv'):
+          acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
+        # The slot's wgmmas are done (their results are in registers): refill it, once every
+        # warp's part of the PV wgmma has read the slot.
+        with jax.named_scope('refill'):
+          def refill():
+            if problem.explicit_barriers:
+              plgpu.commit_smem()
+            copy_step(slot, *next_toks)
+
+          if wg is None:
+            pl.when(step + slots < num_steps)(refill)
+          else:  # the producer refills the slot
+            plgpu.barrier_arrive(consumed.at[base + slot])
+        return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
+
+      with jax.named_scope('private'):
+        acc, m_i, l_i, _, _ = lax.fori_loop(
+            0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
         )
-        next_window = load_window(next_run[1] + nxt[2] * next_run[2])
 
-        lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
-        if frame_row is not None:
-          in_run = (frame_row >= r.astype(jnp.float32)) & (frame_row < run_end.astype(jnp.float32))
-          lse2 = jnp.where(in_run, lse2, -jnp.inf)
-        acc, m_i, l_i = osm.merge(acc, m_i, l_i, o, lse2)
-        return nxt, next_run, next_window, acc, m_i, l_i
+      # ---- merge phase ----
+      if merging:
+        if rho is not None:
+          frame_row = rho.astype(jnp.float32)  # [64]: each score row's frame row
+        else:
+          frame_row = None
 
-      zero = jnp.int32(0)
-      carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
-      with jax.named_scope('merge'):
-        *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
+        # Items in order (column d, run of rows from r, split); a run's segment is read once
+        # (lax.cond), its splits' windows follow at a fixed stride, each loaded one item ahead.
+        def merge_cond(carry):
+          return carry[0][0] < max_depth
 
-    with jax.named_scope('finish'):
-      osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
-    if direct:
-      store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
-    else:
-      plgpu.copy_smem_to_gmem(
-          o_smem.at[pl.ds(0, f_rows)],
-          out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)],
-      )
-    if not problem.direct_lse:
-      plgpu.copy_smem_to_gmem(
-          lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
-      )
-    plgpu.wait_smem_to_gmem(0)
+        def merge_body(carry):
+          (d, r, split), run, (o, lse), acc, m_i, l_i = carry
+          valid, base, stride, run_end = run
+          more_splits = split + 1 < splits
+          more_runs = run_end < rows_here
+          nxt = (
+              jnp.where(more_splits | more_runs, d, d + 1),
+              jnp.where(more_splits, r, jnp.where(more_runs, run_end, 0)),
+              jnp.where(more_splits, split + 1, 0),
+          )
+          next_run = lax.cond(
+              more_splits | (nxt[0] >= max_depth), lambda: run, lambda: describe(nxt[0], nxt[1])
+          )
+          next_window = load_window(next_run[1] + nxt[2] * next_run[2])
+
+          lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
+          if frame_row is not None:
+            in_run = (frame_row >= r.astype(jnp.float32)) & (frame_row < run_end.astype(jnp.float32))
+            lse2 = jnp.where(in_run, lse2, -jnp.inf)
+          acc, m_i, l_i = osm.merge(acc, m_i, l_i, o, lse2)
+          return nxt, next_run, next_window, acc, m_i, l_i
+
+        zero = jnp.int32(0)
+        carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
+        with jax.named_scope('merge'):
+          *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
+
+      with jax.named_scope('finish'):
+        osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
+      if direct:
+        store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
+      else:
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[pl.ds(0, f_rows)],
+            out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)],
+        )
+      if not problem.direct_lse:
+        plgpu.copy_smem_to_gmem(
+            lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
+        )
+      plgpu.wait_smem_to_gmem(0)
+
+    def produce(pair):
+      """The producer of frames 2*pair and 2*pair + 1: each step's chunks, from the lane
+      table, into its consumer's slot once the consumer is done with what it held."""
+      frames = [pair * 2 + c for c in range(2)]
+      steps = [jnp.where(f < problem.num_frames, frame_rows(f)[-1], 0) for f in frames]
+      for c, f in enumerate(frames):
+        for slot in range(slots):
+          @pl.when(slot < steps[c])
+          def _(c=c, f=f, slot=slot):
+            _, (toks, contiguous), _ = read_plan(f, jnp.int32(slot))
+            copy_chunks(kv_smems.at[c], c * slots, slot, toks, contiguous)
+
+      @pl.loop(slots, jnp.maximum(steps[0], steps[1]))
+      def _(step):
+        slot = lax.rem(step, jnp.int32(slots))
+        for c, f in enumerate(frames):
+          @pl.when(step < steps[c])
+          def _(c=c, f=f):
+            _, (toks, contiguous), _ = read_plan(f, step)  # its loads before the wait
+            plgpu.barrier_wait(consumed.at[c * slots + slot])
+            copy_chunks(kv_smems.at[c], c * slots, slot, toks, contiguous)
+
+    if not producer:
+      frame_body(lax.axis_index('frame'), None)
+      return
+    # Two consumer warpgroups, a frame each, and a producer warpgroup that copies for both.
+    wg, pair = lax.axis_index('wg'), lax.axis_index('frame')
+
+    @pl.when(wg < 2)
+    def _consume():
+      plgpu.set_max_registers(232, action='increase')
+      frame = pair * 2 + wg
+      pl.when(frame < problem.num_frames)(lambda: frame_body(frame, wg))
+
+    @pl.when(wg == 2)
+    def _produce():
+      plgpu.set_max_registers(40, action='decrease')
+      produce(pair)
 
   def store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref):
     """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]):
@@ -771,12 +844,13 @@ def private_attention(
           pl.when(i // g_size < count)(store)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  per = (2,) if producer else ()  # with a producer, each consumer's own
   smem = (
-      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
-      plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
+      plgpu.SMEM((*per, WG_M, h), dtype, transforms=tiled),  # Q
+      plgpu.SMEM((*per, 2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
       plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
-      plgpu.SMEM((WG_M,), jnp.float32),
+      plgpu.SMEM((*per, WG_M, h), dtype),  # output rows, untiled
+      plgpu.SMEM((*per, WG_M), jnp.float32),
       plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
       plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
       # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
@@ -785,11 +859,13 @@ def private_attention(
       if interpret and problem.direct_lse else None,
       plgpu.SMEM((r_rows, max_pages), jnp.int32) if staged else None,  # the frame's pages
   )
+  consumers = 2 if producer else 1
   barriers = (
-      plgpu.Barrier(num_barriers=1),
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),
+      plgpu.Barrier(num_barriers=consumers),  # Q
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=consumers * slots),  # K
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=consumers * slots),  # V
       plgpu.Barrier(num_barriers=1) if staged else None,
+      plgpu.Barrier(num_barriers=consumers * slots) if producer else None,  # slots consumed
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if tabled:
@@ -806,10 +882,11 @@ def private_attention(
           else jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
       ),
       scratch_types=[smem, barriers],
-      grid=(frames, kh),
+      grid=(cdiv(frames, 2) if producer else frames, kh),
       grid_names=('frame', 'kv_head'),
       compiler_params=profiling.compiler_params(explicit_barriers=problem.explicit_barriers),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
+      **(dict(num_threads=3, thread_name='wg') if producer else {}),
   )(*operands)
 
 

@@ -106,6 +106,10 @@ class MosaicGpuConfig:
     private_explicit_barriers: the private kernel is compiled without Pallas's automatic
       warpgroup barriers (one before every async copy, two around every shared-memory
       store) and syncs once before each refill instead.
+    private_producer: the private kernel computes two frames a program, each in its own
+      warpgroup, and a third warpgroup copies both frames' K/V from the lane table, so the
+      plans and copies leave the computing warpgroups' chain (FlashAttention-3's producer;
+      on the GPU only, with the lane table). Built and lowered, not yet timed.
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -121,6 +125,7 @@ class MosaicGpuConfig:
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
   private_explicit_barriers: bool = False
+  private_producer: bool = False
   q_by_row: bool = True
 
   def __post_init__(self):
@@ -268,14 +273,17 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
       page_size=layout.page_size,
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
-  slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
+  # (With a producer each program holds two frames' slots: 2 each fit.)
+  slots = config.private_slots or (
+      3 if problem.num_frames * kh <= num_sms and not config.private_producer else 2)
   stage = (not config.private_lane_table if config.private_staged_pages is None
            else config.private_staged_pages)
   staged = stage and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
-                                explicit_barriers=config.private_explicit_barriers)
+                                explicit_barriers=config.private_explicit_barriers,
+                                producer=config.private_producer and steps > 0 and not staged)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
