@@ -1,6 +1,8 @@
 """Private-KV attention fused with the tree-level LSE merge, on Hopper (Pallas Mosaic GPU).
 
-One program per (frame, kv head), one warpgroup. A frame is F consecutive rows
+One program per (frame, kv head), one warpgroup (with `PrivateProblem.producer`, on the GPU:
+two frames a program, a warpgroup each, and a third that issues both frames' K/V copies from
+the lane table; `produce`). A frame is F consecutive rows
 of the folded query matrix (`schedule.private_frame_rows`): R = F / TGp whole
 query rows, or one 64-row tile of a single row when TGp > 64. The 64 rows of
 the wgmma M dimension start at the frame; rows past F are computed on whatever
