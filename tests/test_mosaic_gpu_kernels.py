@@ -261,10 +261,9 @@ class TestMosaicGpuKernels:
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
                                      dict(private_staged_pages=True),
                                      dict(private_lane_table=False),
-                                     dict(private_lane_table=False, private_staged_pages=False),
-                                     dict(private_explicit_barriers=True)],
+                                     dict(private_lane_table=False, private_staged_pages=False)],
                            ids=['pair_copies', 'slots=4', 'staged_pages', 'lane_walk',
-                                'walk_unstaged', 'explicit_barriers'])
+                                'walk_unstaged'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
@@ -495,6 +494,11 @@ class TestSupportAndSchedule:
                 dict(num_sms=0), dict(private_slots=1), dict(private_slots=6)):
       with pytest.raises(ValueError, match=next(iter(bad))):
         mosaic.MosaicGpuConfig(**bad)
+    for bad in (dict(private_producer=True, private_lane_table=False),
+                dict(private_producer=True, private_staged_pages=True)):  # it needs the table
+      with pytest.raises(ValueError, match='private_producer'):
+        mosaic.MosaicGpuConfig(**bad)
+    mosaic.MosaicGpuConfig(private_producer=True, private_staged_pages=False)
 
   def test_float32_raises_value_error(self):
     with pytest.raises(ValueError, match='float32'):
@@ -551,8 +555,7 @@ class TestSupportAndSchedule:
     def sharded(q, kc, prepared, layer):  # each layer's attention its own shard_map, as in Llama
       plan_spec = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), prepared)
       return jax.shard_map(functools.partial(attend, layer=layer), mesh=mesh,
-                           in_specs=(heads, kv_heads, plan_spec), out_specs=heads,
-                           check_vma=False)(q, kc, prepared)
+                           in_specs=(heads, kv_heads, plan_spec), out_specs=heads)(q, kc, prepared)
 
     def step(q, kc, prepared, lengths, layers, one_layer):
       prepared = mosaic.with_private_lengths(prepared, lengths)

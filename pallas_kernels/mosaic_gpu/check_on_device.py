@@ -120,7 +120,6 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(max_splits=2),
     dict(max_splits=3),
     dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
-    dict(private_explicit_barriers=True),  # no automatic warpgroup barrier per copy/store
     dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
     dict(private_producer=True),  # two frames a program and a producer warpgroup (s24)
 )

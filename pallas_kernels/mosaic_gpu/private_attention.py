@@ -102,13 +102,12 @@ class PrivateProblem:
   # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
   # built once per decode step for every layer and kv head) instead of walked in the kernel.
   lane_steps: int = 0
-  # Pallas's automatic warpgroup barriers off (one before each async copy, two around each
-  # shared-memory store: 16 copies a decode step); the kernel syncs once before a refill.
-  explicit_barriers: bool = False
   # Two frames a program, each computed by its own warpgroup, and a third warpgroup that issues
   # both frames' K/V copies from the lane table: the plans and copies leave the computing
   # warpgroups' chain of waits (GPU only; needs `lane_steps`).
   producer: bool = False
+  # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
+  q_by_row: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -281,7 +280,6 @@ def private_attention(
     scale: float,
     kv_offset: jax.Array | int = 0,
     lanes: jax.Array | None = None,
-    q_by_row: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Final states of every folded query row; layouts in the module docstring.
@@ -290,8 +288,8 @@ def private_attention(
   token index: the pages index one layer's buffer that starts there in k_cache.
   `lanes`: `lane_table(private_lengths, private_pages, problem)`, required when
   `problem.lane_steps` (the steps' plans are read there, not walked).
-  `q_by_row`: qf is [M_q, K, H] (`segment_attention.q_tile`).
   """
+  q_by_row = problem.q_by_row  # qf is [M_q, K, H]
   kh, h = (qf.shape[1], qf.shape[2]) if q_by_row else (qf.shape[0], qf.shape[2])
   dtype = qf.dtype
   b_rows = problem.num_rows
@@ -444,8 +442,6 @@ def private_attention(
         for r, (length, chunks) in enumerate(zip(lengths, chunk_counts)):
           len_smem[r] = length
           chunk_smem[r] = chunks
-        if problem.explicit_barriers:
-          plgpu.commit_smem()  # written by one thread, read by all
       # ---- the chunk walk: which chunks a step copies, read one step ahead ----
       # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
       # row. A step's plan is its 8 first KV tokens (the layer's first 8 for a lane with no
@@ -693,16 +689,10 @@ def private_attention(
           pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[base + slot]))
         with jax.named_scope('pv'):
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
-        # The slot's wgmmas are done (their results are in registers): refill it, once every
-        # warp's part of the PV wgmma has read the slot.
+        # The slot's wgmmas are done (their results are in registers): refill it.
         with jax.named_scope('refill'):
-          def refill():
-            if problem.explicit_barriers:
-              plgpu.commit_smem()
-            copy_step(slot, *next_toks)
-
           if wg is None:
-            pl.when(step + slots < num_steps)(refill)
+            pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
           else:  # the producer refills the slot
             plgpu.barrier_arrive(consumed.at[base + slot])
         return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
@@ -886,7 +876,7 @@ def private_attention(
       scratch_types=[smem, barriers],
       grid=(cdiv(frames, 2) if producer else frames, kh),
       grid_names=('frame', 'kv_head'),
-      compiler_params=profiling.compiler_params(explicit_barriers=problem.explicit_barriers),
+      compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **(dict(num_threads=3, thread_name='wg') if producer else {}),
   )(*operands)
@@ -895,7 +885,7 @@ def private_attention(
 def private_attention_reference(
     qf, k_cache, v_cache, private_pages, private_lengths, row_segments, segments,
     sched: SharedSchedule | None, partial_out, partial_lse, problem: PrivateProblem, *,
-    scale: float, kv_offset=0, lanes=None, q_by_row: bool = False, interpret: bool = False,
+    scale: float, kv_offset=0, lanes=None, interpret: bool = False,
 ):
   """`private_attention` in jnp (float32 math): same arguments, same output layouts (`lanes`,
   a plan of the kernel's steps, changes nothing here).
@@ -905,7 +895,7 @@ def private_attention_reference(
   `segments` must be concrete (for tests). Rows past the batch get (0, -inf).
   """
   del interpret, lanes
-  qf = as_folded(qf, q_by_row)
+  qf = as_folded(qf, problem.q_by_row)
   kh, _, h = qf.shape
   b, tgp, f = problem.num_rows, problem.rows_per_query, problem.frame_rows
   out, lse = private_states_reference(

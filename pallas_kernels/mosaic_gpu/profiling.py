@@ -20,15 +20,10 @@ PROFILE_DIR = 'HYDRAJAX_MOSAIC_GPU_PROFILE_DIR'
 PROFILE_SPACE = 'HYDRAJAX_MOSAIC_GPU_PROFILE_SPACE'
 
 
-def compiler_params(*, explicit_barriers: bool = False) -> plgpu.CompilerParams:
+def compiler_params() -> plgpu.CompilerParams:
   """The kernels' compiler parameters (fast approximate exp/reciprocal; lane semantics: arrays
-  are a warpgroup's, with explicit layouts), with the profiler on when PROFILE_DIR is set.
-
-  `explicit_barriers`: Pallas inserts no warpgroup barrier around shared-memory stores and
-  before async copies (`unsafe_no_auto_barriers`); the kernel places the ones it needs.
-  """
-  kwargs = dict(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
-                unsafe_no_auto_barriers=explicit_barriers)
+  are a warpgroup's, with explicit layouts), with the profiler on when PROFILE_DIR is set."""
+  kwargs = dict(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
   path = os.environ.get(PROFILE_DIR)
   if path:
     os.makedirs(path, exist_ok=True)

@@ -103,10 +103,6 @@ class MosaicGpuConfig:
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
       alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
       B=32 (`experiments/results/throughput/lane_table_s23`).
-    private_explicit_barriers: the private kernel is compiled without Pallas's automatic
-      warpgroup barriers (one before every async copy, two around every shared-memory
-      store) and syncs once before each refill instead. Checked on every layout on an H200;
-      -1.8%, -1% and 0% of the private kernel in three calls (`throughput/s24`): off.
     private_producer: the private kernel computes two frames a program, each in its own
       warpgroup, and a third warpgroup copies both frames' K/V from the lane table, so the
       plans and copies leave the computing warpgroups' chain (FlashAttention-3's producer;
@@ -125,7 +121,6 @@ class MosaicGpuConfig:
   private_pair_copies: bool = False
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
-  private_explicit_barriers: bool = False
   private_producer: bool = False
   q_by_row: bool = True
 
@@ -138,6 +133,10 @@ class MosaicGpuConfig:
     if self.private_slots is not None and not 2 <= self.private_slots <= MAX_PRIVATE_SLOTS:
       raise ValueError(
           f'private_slots must be None or in [2, {MAX_PRIVATE_SLOTS}], got {self.private_slots}')
+    if self.private_producer and (not self.private_lane_table or self.private_staged_pages):
+      raise ValueError('private_producer reads its plans from the lane table: it needs '
+                       'private_lane_table=True and private_staged_pages None or False, got '
+                       f'{self.private_lane_table} and {self.private_staged_pages}')
 
   @classmethod
   def from_knobs(cls, knobs: Sequence[str]) -> 'MosaicGpuConfig':
@@ -283,8 +282,11 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
-                                explicit_barriers=config.private_explicit_barriers,
-                                producer=config.private_producer and steps > 0 and not staged)
+                                producer=config.private_producer,
+                                # Read by row: folded row r is q[r // T, r % T, k]; a TMA copy
+                                # of a [rows, K, H] view needs whole 8-row tiles.
+                                q_by_row=(config.q_by_row and g == 1 and tgp == t
+                                          and b * tgp % ALIGN == 0))
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
@@ -393,9 +395,7 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
     return PartialState(*paged_unfold_states(out, lse, problem, n))
   tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
   rows = round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN)
-  # Read by row: folded row r is q[r // T, r % T, k]; a TMA copy of a [rows, K, H] view needs
-  # whole 8-row tiles.
-  by_row = config.q_by_row and n == kh and tgp == problem.query_tokens and b * tgp % ALIGN == 0
+  by_row = problem.q_by_row
   if by_row:
     qf = q.reshape(b * tgp, kh, q.shape[-1])
     if interpret:  # interpret mode clamps reads past the end; TMA reads them as zeros
@@ -412,8 +412,7 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
   out, lse = private_attention(
       qf, k_cache, v_cache, prepared.private_pages, prepared.private_lengths,
       prepared.row_segments, prepared.segments, prepared.schedule, partial_out, partial_lse,
-      problem, scale=scale, kv_offset=kv_offset, lanes=lanes, q_by_row=by_row,
-      interpret=interpret,
+      problem, scale=scale, kv_offset=kv_offset, lanes=lanes, interpret=interpret,
   )
   # Reshapes when the kernel wrote [B, T, N, ...] order (`PrivateProblem.direct_out`).
   return PartialState(*private_unfold_states(out, lse, problem, n))
