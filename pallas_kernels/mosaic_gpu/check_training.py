@@ -13,9 +13,16 @@ multiple, lengths above and below T), then times each kernel at the benchmark sh
 
 On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 (Pallas -> Mosaic GPU MLIR, TMA and layout checks; not ptxas).
+
+`--configs` checks and times several `TrainingKernelConfig`s in one call, each a
+comma-separated list of overrides, the configs separated by semicolons ('' is the
+default); a config that fails to build is reported and the next one runs:
+
+  ... check_training.py --configs=';block_kv_dq=64;block_q_dkv=128;max_concurrent_steps=3'
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -49,13 +56,13 @@ def inputs(m, n, k, h, s, length, seed=0, dtype=jnp.bfloat16):
   return q, kk, v, do
 
 
-def check(m, n, k, h, s, length):
+def check(m, n, k, h, s, length, cfg=None):
   q, kk, v, do = inputs(m, n, k, h, s, length)
   scale = h**-0.5
-  out, lse = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale))(q, kk, v, length)
+  out, lse = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale, config=cfg))(q, kk, v, length)
   r_out, r_lse = ta.segment_forward_reference(q, kk, v, length, scale=scale)
   delta = jnp.sum(do.astype(jnp.float32) * r_out.astype(jnp.float32), -1)
-  grads = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale))(
+  grads = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale, config=cfg))(
       q, kk, v, do, r_lse, delta, length)
   refs = ta.segment_backward_reference(q, kk, v, do, r_lse, delta, length, scale=scale)
   errs = {}
@@ -69,7 +76,7 @@ def check(m, n, k, h, s, length):
   return all(e <= 3e-2 for e in errs.values())
 
 
-def check_causal(n, k, h, t, s, lengths):
+def check_causal(n, k, h, t, s, lengths, cfg=None):
   keys = jax.random.split(jax.random.key(1), 4)
   draw = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
   z = len(lengths)
@@ -77,11 +84,11 @@ def check_causal(n, k, h, t, s, lengths):
   unseen = (jnp.arange(s)[None, :] >= jnp.asarray(lengths)[:, None])[..., None, None]
   kk, v = (jnp.where(unseen, jnp.nan, draw(key, (z, s, k, h))) for key in keys[1:3])
   lengths, scale = jnp.asarray(lengths), h**-0.5
-  out, lse = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale))(q, kk, v, lengths)
+  out, lse = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale, config=cfg))(q, kk, v, lengths)
   r_out, r_lse = ta.causal_forward_reference(q, kk, v, lengths, scale=scale)
   delta = jnp.sum(do.astype(jnp.float32) * r_out.astype(jnp.float32), -1)
   args = (q, kk, v, do, r_lse, delta, lengths)
-  grads = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale))(*args)
+  grads = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale, config=cfg))(*args)
   refs = ta.causal_backward_reference(*args, scale=scale)
   errs = {}
   for name, a, r in zip(('out', 'lse', 'dq', 'dk', 'dv'), (out, lse) + tuple(grads),
@@ -107,18 +114,21 @@ def cupti_ms(fn, *args):
   return statistics.median(per_call), by_kernel
 
 
-def bench():
+def bench(cfg=None):
+  """Prints and returns {'<part> <pass>': ms} of every kernel pass at the benchmark shapes."""
   b = BENCH
+  times = {}
   q, kk, v, do = inputs(b['m'], b['n'], b['k'], b['h'], b['s'], b['s'])
   scale = b['h']**-0.5
-  fwd = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale))
+  fwd = jax.jit(lambda *a: ta.segment_forward(*a, scale=scale, config=cfg))
   out, lse = fwd(q, kk, v, b['s'])
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
-  bwd = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale))
+  bwd = jax.jit(lambda *a: ta.segment_backward(*a, scale=scale, config=cfg))
   flops = 4 * b['m'] * b['n'] * b['s'] * b['h']  # QK^T and PV; the backward has 7 such matmuls
   for name, fn, args, mult in (('forward', fwd, (q, kk, v, b['s']), 1),
                                ('backward', bwd, (q, kk, v, do, lse, delta, b['s']), 3.5)):
     ms, kernels = cupti_ms(fn, *args)
+    times[f'segment {name}'] = ms
     print(f'{name}: {ms:.2f} ms, {mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
           + ', '.join(f'{k[:60]}={t:.2f}' for k, t in kernels.items()), flush=True)
   for label, (z, t) in CAUSAL_BENCH.items():
@@ -127,17 +137,52 @@ def bench():
     q, do = draw(keys[0], (z, t, b['n'], b['h'])), draw(keys[3], (z, t, b['n'], b['h']))
     kk, v = (draw(key, (z, t, b['k'], b['h'])) for key in keys[1:3])
     lengths = jnp.full((z,), t, jnp.int32)
-    fwd = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale))
+    fwd = jax.jit(lambda *a: ta.causal_forward(*a, scale=scale, config=cfg))
     out, lse = fwd(q, kk, v, lengths)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    bwd = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale))
+    bwd = jax.jit(lambda *a: ta.causal_backward(*a, scale=scale, config=cfg))
     flops = 2 * z * b['n'] * t * t * b['h']  # QK^T and PV over the lower half of T x T
     for name, fn, args, mult in (('forward', fwd, (q, kk, v, lengths), 1),
                                  ('backward', bwd, (q, kk, v, do, lse, delta, lengths), 3.5)):
       ms, kernels = cupti_ms(fn, *args)
+      times[f'causal {label} {name}'] = ms
       print(f'causal {label} (Z={z}, T={t}) {name}: {ms:.2f} ms, '
             f'{mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
             + ', '.join(f'{k[:60]}={t_ms:.2f}' for k, t_ms in kernels.items()), flush=True)
+  return times
+
+
+def parse_config(text: str) -> ta.TrainingKernelConfig:
+  """'block_kv=64,compute_wgs=1' -> TrainingKernelConfig with those fields ('' the default)."""
+  fields = {f.name for f in dataclasses.fields(ta.TrainingKernelConfig)}
+  overrides = {}
+  for item in filter(None, (x.strip() for x in text.split(','))):
+    name, _, value = item.partition('=')
+    if name not in fields or not value.isdigit():
+      raise ValueError(f'--configs: {item!r} is not name=<integer>, a name in {sorted(fields)}')
+    overrides[name] = int(value)
+  return ta.TrainingKernelConfig(**overrides)
+
+
+def sweep(texts):
+  """Checks and times each config; one that fails to build or check is reported, not fatal."""
+  rows = []
+  for text in texts:
+    cfg = parse_config(text)
+    print(f'== config {text or "default"}: {cfg}', flush=True)
+    try:
+      ok = all([check(*c, cfg=cfg) for c in CHECKS]
+               + [check_causal(*c, cfg=cfg) for c in CAUSAL_CHECKS])
+      rows.append((text or 'default', ok, bench(cfg) if ok else {}))
+    except Exception as e:  # a config past the registers or shared memory: say so, go on
+      print(f'config {text or "default"} failed: {type(e).__name__}: {str(e)[:400]}', flush=True)
+      rows.append((text or 'default', False, {}))
+  names = sorted({k for _, _, times in rows for k in times})
+  print('| config | checks | ' + ' | '.join(f'{k} ms' for k in names) + ' |')
+  print('| --- ' * (len(names) + 2) + '|')
+  for text, ok, times in rows:
+    cells = [f'{times[k]:.2f}' if k in times else '' for k in names]
+    print(f'| {text} | {"passed" if ok else "FAILED"} | ' + ' | '.join(cells) + ' |', flush=True)
 
 
 def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
@@ -165,24 +210,26 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
     print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
 
 
-def _lower(forward, backward, q, kv, stat, length):
+def _lower(forward, backward, q, kv, stat, length, cfg):
   sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
   q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
-  jax.jit(lambda *a: forward(*a, scale=0.1)).trace(q, kv, kv, length).lower(
+  jax.jit(lambda *a: forward(*a, scale=0.1, config=cfg)).trace(q, kv, kv, length).lower(
       lowering_platforms=('cuda',))
-  jax.jit(lambda *a: backward(*a, scale=0.1)).trace(q, kv, kv, q, stat, stat, length).lower(
-      lowering_platforms=('cuda',))
+  jax.jit(lambda *a: backward(*a, scale=0.1, config=cfg)).trace(
+      q, kv, kv, q, stat, stat, length).lower(lowering_platforms=('cuda',))
 
 
-def lower_only():
+def lower_only(cfg=None):
   b = BENCH
   n, k, h = b['n'], b['k'], b['h']
   t0 = time.time()
-  _lower(ta.segment_forward, ta.segment_backward, (b['m'], n, h), (b['s'], k, h), (b['m'], n), ())
+  _lower(ta.segment_forward, ta.segment_backward, (b['m'], n, h), (b['s'], k, h), (b['m'], n), (),
+         cfg)
   print(f'lowered segment forward and backward at {b} in {time.time() - t0:.1f}s', flush=True)
   for name, (z, t) in CAUSAL_BENCH.items():
     t0 = time.time()
-    _lower(ta.causal_forward, ta.causal_backward, (z, t, n, h), (z, t, k, h), (z, t, n), (z,))
+    _lower(ta.causal_forward, ta.causal_backward, (z, t, n, h), (z, t, k, h), (z, t, n), (z,),
+           cfg)
     print(f'lowered causal forward and backward, {name}: Z={z} x T={t}, {n}/{k} heads, d={h}, '
           f'in {time.time() - t0:.1f}s', flush=True)
 
@@ -192,12 +239,22 @@ def main():
   parser.add_argument('--lower_only', action='store_true')
   parser.add_argument('--no_bench', action='store_true')
   parser.add_argument('--breakdown', action='store_true', help='prefill_attention kernel times')
+  parser.add_argument('--configs', default=None,
+                      help="TrainingKernelConfig overrides to check and time, ';'-separated")
   args = parser.parse_args()
   if args.lower_only:
-    return lower_only()
+    for text in (args.configs or '').split(';'):
+      print(f'== config {text or "default"}', flush=True)
+      try:
+        lower_only(parse_config(text))
+      except ValueError as e:  # e.g. past the shared memory: say so, lower the next
+        print(f'config {text or "default"} failed to lower: {str(e)[:400]}', flush=True)
+    return
   print(jax.devices(), jax.__version__, flush=True)
   if args.breakdown:
     return prefill_breakdown()
+  if args.configs is not None:
+    return sweep(args.configs.split(';'))
   ok = all([check(*c) for c in CHECKS] + [check_causal(*c) for c in CAUSAL_CHECKS])
   print('checks', 'passed' if ok else 'FAILED', flush=True)
   if not args.no_bench:
