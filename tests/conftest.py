@@ -18,18 +18,41 @@ import pytest
 import hydrajax as hj
 
 
-@pytest.fixture(scope='module', autouse=True)
 def _free_compiled_programs():
-  """Drops every compiled program after each test module.
-
-  An XLA CPU executable holds a few memory mappings for its code, and a test worker compiles
-  thousands of programs over the suite: the process's mappings climbed past 20K in minutes,
-  towards the kernel's limit (vm.max_map_count, 65530), where XLA aborts the worker mid-compile
-  (it cannot start a thread or map code). Module fixtures recompile what they need.
-  """
-  yield
   jax.clear_caches()
   gc.collect()
+
+
+def _mapped_regions() -> int:
+  """The process's memory mappings (0 where /proc is not there)."""
+  try:
+    with open('/proc/self/maps', 'rb') as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+# An XLA CPU executable holds a few memory mappings for its code, and a test worker compiles
+# thousands of programs: interpret-mode kernels compile one per kernel call. The kernel's limit
+# is vm.max_map_count (65530); near it XLA cannot start a thread or map code, and the worker
+# aborts or hangs mid-compile. One xdist worker reached 19.7K mappings inside
+# test_mosaic_gpu_kernels.py alone (session 25), and how many of a module's tests a worker
+# gets depends on the run, so compiled programs are dropped after any test that leaves more
+# than this many mappings, and after every module. Fixtures recompile what they need.
+MAX_MAPPINGS = 12_000
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _free_compiled_programs_after_each_module():
+  yield
+  _free_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_mappings():
+  yield
+  if _mapped_regions() > MAX_MAPPINGS:
+    _free_compiled_programs()
 
 
 # Per-dtype tolerances of a fast path against the naive oracle (which computes in float32).
