@@ -35,10 +35,11 @@ def _mapped_regions() -> int:
 # An XLA CPU executable holds a few memory mappings for its code, and a test worker compiles
 # thousands of programs: interpret-mode kernels compile one per kernel call. The kernel's limit
 # is vm.max_map_count (65530); near it XLA cannot start a thread or map code (a worker once
-# aborted mid-compile). One xdist worker reached 19.7K mappings inside
-# test_mosaic_gpu_kernels.py alone (session 25), and how many of a module's tests a worker
-# gets depends on the run, so compiled programs are dropped after any test that leaves more
-# than this many mappings, and after every module. Fixtures recompile what they need.
+# aborted mid-compile). An xdist worker peaked at 19.7K mappings in one CI run, and the
+# interpret tests of test_mosaic_gpu_kernels.py alone add about 60 a second; how many of a
+# module's tests a worker gets depends on the run. So compiled programs are dropped after any
+# test that leaves more than this many mappings, and after every module. Fixtures recompile
+# what they need.
 MAX_MAPPINGS = 12_000
 
 
