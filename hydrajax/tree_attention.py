@@ -63,27 +63,38 @@ def _merge_axis0(outs, lses):
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m)
   den = jnp.sum(w, axis=0)
-  out = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+  acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0)
+  out = acc / jnp.where(den > 0, den, 1.0)[..., None]
   lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
   return out, lse
 
 
-def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
+def merge_into_rows(num_rows, rows, outs, lses,
+                    base: PartialState | None = None) -> PartialState:
   """LSE-merges partial states into their rows (rows == num_rows are dropped).
 
-  rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. Rows that receive
-  nothing get (0, -inf).
+  rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. `base` (out
+  [num_rows, T, N, H], lse [num_rows, T, N]), if given, is one more state of every
+  row, in row order (each row's private part): it is merged elementwise, so it is
+  neither copied into `outs` nor scattered. Rows that receive nothing get (0, -inf).
   """
   size = num_rows + 1
   m = jnp.full((size,) + lses.shape[1:], -jnp.inf, jnp.float32).at[rows].max(lses)
+  if base is not None:
+    m = jnp.concatenate([jnp.maximum(m[:num_rows], base.lse), m[num_rows:]])
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m[rows])
-  den = jnp.zeros_like(m).at[rows].add(w)
+  den = jnp.zeros_like(m).at[rows].add(w)[:num_rows]
   contrib = jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0)  # an empty state adds nothing
-  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)
+  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)[:num_rows]
+  m = m[:num_rows]
+  if base is not None:
+    w = jnp.exp(base.lse - m)
+    den = den + w
+    acc = acc + jnp.where(w[..., None] > 0, w[..., None] * base.out, 0.0)
   out = acc / jnp.where(den > 0, den, 1.0)[..., None]
   lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-  return PartialState(out[:num_rows], lse[:num_rows])
+  return PartialState(out, lse)
 
 
 
@@ -127,7 +138,7 @@ class XlaGroup:
 @dataclasses.dataclass(frozen=True)
 class XlaPrepared:
   groups: tuple[XlaGroup, ...]
-  merge_rows: jax.Array  # [B + sum J*R] int32: the row of every partial state, private first
+  merge_rows: jax.Array  # [sum J*R] int32: the row of every group's partial state
   private_tokens: jax.Array  # [B, P*C] int32, relative to the layer, in [0, L)
   private_lengths: jax.Array  # [B] int32 (the layout's; swapped per decode step)
 
@@ -140,7 +151,7 @@ def unsupported_reason(shapes, layout: TreeLayout, *, interpret: bool = False) -
 @functools.partial(jax.jit, static_argnames=('num_rows', 'kv_tokens', 'kv_block'))
 def _prepare(layout: TreeLayout, *, num_rows: int, kv_tokens: int, kv_block: int) -> XlaPrepared:
   b, last = num_rows, kv_tokens - 1
-  groups, merge_rows = [], [jnp.arange(b, dtype=jnp.int32)]
+  groups, merge_rows = [], [jnp.zeros((0,), jnp.int32)]  # the private state is each row's own
   for g in layout.groups:
     r = g.row_capacity
     rows = g.row_begin[:, None] + jnp.arange(r)[None, :]  # [J, R]
@@ -208,14 +219,15 @@ def _private_partial(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, scal
 
 @functools.partial(jax.jit, static_argnames=('scale',))
 def _attend_all(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, *, scale):
-  b = q.shape[0]
-  out, lse = _private_partial(q, k_cache, v_cache, prepared, kv_offset, scale)
-  outs, lses = [out], [lse]
+  b, t, n, h = q.shape
+  private = PartialState(*_private_partial(q, k_cache, v_cache, prepared, kv_offset, scale))
+  outs, lses = [jnp.zeros((0, t, n, h), jnp.float32)], [jnp.zeros((0, t, n), jnp.float32)]
   for group in prepared.groups:
     out, lse = _group_partials(q, k_cache, v_cache, group, kv_offset, scale)
     outs.append(out.reshape((-1,) + out.shape[2:]))
     lses.append(lse.reshape((-1,) + lse.shape[2:]))
-  merged = merge_into_rows(b, prepared.merge_rows, jnp.concatenate(outs), jnp.concatenate(lses))
+  merged = merge_into_rows(b, prepared.merge_rows, jnp.concatenate(outs), jnp.concatenate(lses),
+                           base=private)
   return PartialState(merged.out.astype(q.dtype), merged.lse)
 
 

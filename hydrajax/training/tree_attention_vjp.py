@@ -69,7 +69,8 @@ class _Part(NamedTuple):
   tokens: jax.Array
   limit: jax.Array
   block: int
-  shared: bool  # a segment group (limit [Z, 1]: the segments' lengths)
+  shared: bool  # a segment group (limit [Z, 1]: the segments' lengths); else the private
+  # part, whose item z is row z (rows [B, 1] = arange(B))
 
 
 def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> list[_Part]:
@@ -199,8 +200,13 @@ def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, int
 def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   b, t, n, h = q.shape
   q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
-  rows, outs, lses = [], [], []
-  for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
+  parts = _parts(layout, b, t, k_cache.shape[0], kv_block)
+  if not parts:  # no keys at all
+    return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
+  private = None  # the private part's state, merged elementwise; the groups' states are
+  # concatenated after an empty entry each (there may be no group)
+  rows, outs, lses = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0, t, n, h))], [jnp.zeros((0, t, n))]
+  for part in parts:
     if part.shared and kernels.forward == 'mosaic_gpu':
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels.interpret)
     elif not part.shared and kernels.private == 'mosaic_gpu':
@@ -208,13 +214,15 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
                                              kernels.interpret)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
+    if not part.shared:  # row z's own: merged elementwise, not scattered
+      private = PartialState(out.reshape(b, t, n, h), lse.reshape(b, t, n))
+      continue
     z, r = part.rows.shape
-    rows.append(jnp.broadcast_to(part.rows.reshape(-1), (z * r,)))
+    rows.append(part.rows.reshape(-1))
     outs.append(out.reshape(z * r, t, n, h))
     lses.append(lse.reshape(z * r, t, n))
-  if not rows:  # no keys at all
-    return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
-  merged = merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs), jnp.concatenate(lses))
+  merged = merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs), jnp.concatenate(lses),
+                           base=private)
   return PartialState(merged.out.astype(q.dtype), merged.lse)
 
 
@@ -335,7 +343,7 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
     delta = delta - d_lse
   q_pad, do_pad = pad(q, 0), pad(d_out.astype(q.dtype), 0)
   lse_pad, delta_pad = pad(lse, jnp.inf), pad(delta, 0)
-  dq = jnp.zeros((b + 1, t, n, h), jnp.float32)
+  dq = None  # [B, T, N, H] float32: the private part's, then each group's added at its rows
   dk = jnp.zeros(k_cache.shape, jnp.float32)
   dv = jnp.zeros(v_cache.shape, jnp.float32)
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
@@ -352,8 +360,15 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)
     z, r = part.rows.shape
-    dq = dq.at[part.rows.reshape(-1)].add(dq_z.reshape(z * r, t, n, h))
-  return dq[:b].astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
+    if not part.shared:  # row z's own: no scatter
+      dq = dq_z.reshape(b, t, n, h) if dq is None else dq + dq_z.reshape(b, t, n, h)
+      continue
+    dq = jnp.zeros((b, t, n, h), jnp.float32) if dq is None else dq
+    # The dump row (index B) is past the end: its updates are dropped.
+    dq = dq.at[part.rows.reshape(-1)].add(dq_z.reshape(z * r, t, n, h), mode='drop')
+  if dq is None:  # no keys at all
+    dq = jnp.zeros((b, t, n, h), jnp.float32)
+  return dq.astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
