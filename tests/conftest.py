@@ -11,7 +11,18 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
 import gc  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp
+
+# CPU computations run inline, not dispatched asynchronously. An interpret-mode kernel runs in
+# XLA host callbacks that call JAX themselves; when the test's thread dispatched more JAX work
+# while such a kernel was still running, the two deadlocked: seen in a clean-clone run in
+# session 25, whose stacks (faulthandler) showed the test thread in a jnp op and the kernel's
+# callback in another (test_llama_generate.py::test_the_models_attention_config_reaches_its_plans);
+# the CI of stop 23, held to its 90-minute limit, stopped the same way. (Only the config flag
+# does this; JAX does not read it from the environment, so subprocesses keep async dispatch:
+# none of them runs an interpret-mode kernel.)
+jax.config.update('jax_cpu_enable_async_dispatch', False)
+
+import jax.numpy as jnp  # noqa: E402
 import numpy as np
 import pytest
 
