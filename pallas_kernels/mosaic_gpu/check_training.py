@@ -18,7 +18,7 @@ On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 comma-separated list of overrides, the configs separated by semicolons ('' is the
 default); a config that fails to build is reported and the next one runs:
 
-  ... check_training.py --configs=';block_kv_dq=64;block_q_dkv=128;max_concurrent_steps=3'
+  ... check_training.py --configs=';block_kv_dq=64;block_q_dkv=128;compute_wgs=1'
 """
 
 import argparse
