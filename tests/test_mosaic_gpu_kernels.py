@@ -21,6 +21,7 @@ import pytest
 
 import hydrajax
 from hydrajax import PromptNode
+from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import schedule
 from pallas_kernels.mosaic_gpu import tree_attention as mosaic
 from pallas_kernels.mosaic_gpu.paged_decode import paged_attention, paged_attention_reference
@@ -494,11 +495,6 @@ class TestSupportAndSchedule:
                 dict(num_sms=0), dict(private_slots=1), dict(private_slots=6)):
       with pytest.raises(ValueError, match=next(iter(bad))):
         mosaic.MosaicGpuConfig(**bad)
-    for bad in (dict(private_producer=True, private_lane_table=False),
-                dict(private_producer=True, private_staged_pages=True)):  # it needs the table
-      with pytest.raises(ValueError, match='private_producer'):
-        mosaic.MosaicGpuConfig(**bad)
-    mosaic.MosaicGpuConfig(private_producer=True, private_staged_pages=False)
 
   def test_float32_raises_value_error(self):
     with pytest.raises(ValueError, match='float32'):
@@ -581,6 +577,10 @@ class TestSupportAndSchedule:
       mosaic.MosaicGpuConfig.from_knobs(['max_splits=x'])
     with pytest.raises(ValueError, match='max_splits must be >= 1'):
       mosaic.MosaicGpuConfig.from_knobs(['max_splits=0'])
+    # One parser for every kernel config (`pallas_kernels.knobs`): the training kernels' too.
+    from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig
+    assert config_from_knobs(TrainingKernelConfig, ['block_kv_dq=128', ' ']) == (
+        TrainingKernelConfig(block_kv_dq=128))
 
   def test_launch_time_is_list_scheduling(self):
     """`launch_time`'s bisection against program-by-program list scheduling (each program on

@@ -66,20 +66,6 @@ def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
     assert kernels and not kernels & {'shared_segment_kernel', 'private_merge_kernel'}, kernels
 
 
-@pytest.mark.parametrize('b, p, s, n, k, t', [
-    (1024, 1024, 9, 32, 32, 1),  # MHA decode: 16 frames, 8 programs of two
-    (16, 2048, 3, 64, 8, 1),  # G = 8, one row a frame
-    (99, 2048, 3, 32, 8, 2),  # T = 2, a last frame past the batch (an odd frame count)
-    (2, 2048, 200, 32, 32, 128),  # prefill: two frames a row
-    (8, 2048, 3, 32, 1, 1),  # MQA
-])
-def test_private_producer_lowers_for_cuda(b, p, s, n, k, t):
-    """The private kernel with a producer warpgroup (two consumers and a producer a program,
-    `MosaicGpuConfig.private_producer`): GPU only, so lowering is what CI can check."""
-    kernels = _lower_tree(b, p, s, n, k, t, private_producer=True)
-    assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
-
-
 @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True, private_slots=3),
                                    dict(private_slots=5), dict(private_staged_pages=True),
                                    dict(private_lane_table=False)],

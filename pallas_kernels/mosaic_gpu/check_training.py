@@ -18,11 +18,10 @@ On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 comma-separated list of overrides, the configs separated by semicolons ('' is the
 default); a config that fails to build is reported and the next one runs:
 
-  ... check_training.py --configs=';block_kv_dq=64;block_q_dkv=128;compute_wgs=1'
+  ... check_training.py --configs=';block_q_dq=128;compute_wgs=1'
 """
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import training_attention as ta
 
 BENCH = dict(m=65536, n=32, k=8, h=128, s=8192)
@@ -154,14 +154,7 @@ def bench(cfg=None):
 
 def parse_config(text: str) -> ta.TrainingKernelConfig:
   """'block_kv=64,compute_wgs=1' -> TrainingKernelConfig with those fields ('' the default)."""
-  fields = {f.name for f in dataclasses.fields(ta.TrainingKernelConfig)}
-  overrides = {}
-  for item in filter(None, (x.strip() for x in text.split(','))):
-    name, _, value = item.partition('=')
-    if name not in fields or not value.isdigit():
-      raise ValueError(f'--configs: {item!r} is not name=<integer>, a name in {sorted(fields)}')
-    overrides[name] = int(value)
-  return ta.TrainingKernelConfig(**overrides)
+  return config_from_knobs(ta.TrainingKernelConfig, text.split(','))
 
 
 def sweep(texts):

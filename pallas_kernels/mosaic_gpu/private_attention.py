@@ -1,8 +1,6 @@
 """Private-KV attention fused with the tree-level LSE merge, on Hopper (Pallas Mosaic GPU).
 
-One program per (frame, kv head), one warpgroup (with `PrivateProblem.producer`, on the GPU:
-two frames a program, a warpgroup each, and a third that issues both frames' K/V copies from
-the lane table; `produce`). A frame is F consecutive rows
+One program per (frame, kv head), one warpgroup. A frame is F consecutive rows
 of the folded query matrix (`schedule.private_frame_rows`): R = F / TGp whole
 query rows, or one 64-row tile of a single row when TGp > 64. The 64 rows of
 the wgmma M dimension start at the frame; rows past F are computed on whatever
@@ -102,10 +100,6 @@ class PrivateProblem:
   # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
   # built once per decode step for every layer and kv head) instead of walked in the kernel.
   lane_steps: int = 0
-  # Two frames a program, each computed by its own warpgroup, and a third warpgroup that issues
-  # both frames' K/V copies from the lane table: the plans and copies leave the computing
-  # warpgroups' chain of waits (GPU only; needs `lane_steps`).
-  producer: bool = False
   # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
 
@@ -309,12 +303,6 @@ def private_attention(
   direct = problem.direct_out
   staged = problem.staged_pages
   tabled = problem.lane_steps > 0
-  # A producer warpgroup (on the GPU; interpret mode runs one warpgroup a frame, which three
-  # warpgroups waiting on each other's barriers could starve on a small CPU pool).
-  producer = problem.producer and not interpret
-  if producer and (not tabled or staged):
-    raise ValueError('a producer warpgroup reads its plans from the lane table '
-                     '(lane_steps > 0, staged_pages off)')
   want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
   if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
     raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
@@ -334,27 +322,14 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    smem, (q_bar, k_bars, v_bars, pages_bar, consumed) = refs[2:]
-    (q_smems, kv_smems, p_smem, o_smems, lse_smems, len_smem, chunk_smem, o_staging,
+    smem, (q_bar, k_bars, v_bars, pages_bar) = refs[2:]
+    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
      lse_staging, pages_smem) = smem
     kv_head = lax.axis_index('kv_head')
     kv_offset = offset_ref[0]
 
-    def read_plan(frame, step):
-      """A step's plan from the lane table (`walk_plan`'s, the cursor the step's index): 10
-      independent loads; a step past the frame's last reads the last row, never used."""
-      row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
-      fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
-      toks = [kv_offset + tok for tok in fields[:_LANES]]
-      return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
-
-    def read_valid_counts(frame, step):
-      """The packed valid counts of a step (the lane table's last field)."""
-      row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
-      return lanes_ref[frame, row, LANE_FIELDS - 1]
-
-    def copy_chunks(kv_smem, base, slot, toks, contiguous):
-      """Copies a step's chunks into `slot` of `kv_smem` (barriers `base + slot`): one 64-token copy when contiguous (the barriers
+    def copy_step(slot, toks, contiguous):
+      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
       then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
       plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
       step. A copy moves the buffer's tokens whatever row they belong to, so merging two
@@ -362,15 +337,15 @@ def private_attention(
       def copy(tok, rows, j):
         src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[base + slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[base + slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
 
       @pl.when(contiguous)
       def _():
         copy(toks[0], _BLK, 0)
         for _ in range(_LANES - 1):
-          plgpu.barrier_arrive(k_bars.at[base + slot])
-          plgpu.barrier_arrive(v_bars.at[base + slot])
+          plgpu.barrier_arrive(k_bars.at[slot])
+          plgpu.barrier_arrive(v_bars.at[slot])
 
       @pl.when(jnp.logical_not(contiguous))
       def _():
@@ -384,8 +359,8 @@ def private_attention(
           @pl.when(pair)
           def _(j=j):
             copy(toks[j], 2 * CHUNK, j)
-            plgpu.barrier_arrive(k_bars.at[base + slot])
-            plgpu.barrier_arrive(v_bars.at[base + slot])
+            plgpu.barrier_arrive(k_bars.at[slot])
+            plgpu.barrier_arrive(v_bars.at[slot])
 
           @pl.when(jnp.logical_not(pair))
           def _(j=j):
@@ -424,18 +399,12 @@ def private_attention(
       num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // 8
       return row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts, num_steps
 
-    def frame_body(frame, wg):
-      """One frame: its private steps, its merge, its outputs. `wg` None: this warpgroup
-      copies its own K/V; else consumer `wg` of a producer (`produce`), with its own half of
-      the shared memory and barriers."""
-      views = lambda x: x if wg is None else x.at[wg]
-      q_smem, kv_smem, o_smem, lse_smem = map(views, (q_smems, kv_smems, o_smems, lse_smems))
-      base = 0 if wg is None else wg * slots  # this frame's K/V barriers
-      q_bar_here = q_bar.at[0 if wg is None else wg]
+    def frame_body(frame):
+      """One frame: its private steps, its merge, its outputs."""
       f0 = frame * f_rows  # first folded row of the frame
       (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
        num_steps) = frame_rows(frame)
-      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar_here)
+      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar.at[0])
       if staged:  # the frame's rows of the page table (the table is padded to whole frames)
         plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
       if not tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
@@ -532,14 +501,15 @@ def private_attention(
         nr, ni, packed = rest
         return (nr, ni), (toks, contiguous), packed
 
-      if wg is not None:  # the producer copies: a step's plan here is its valid counts
-        plan_step = lambda step: (step + 1, None, read_valid_counts(frame, step))
-      elif tabled:
-        plan_step = lambda step: read_plan(frame, step)
-      else:
-        plan_step = walk_plan
+      def read_plan(step):
+        """`walk_plan` from the lane table: the cursor is the step's index, its plan 10 reads
+        (independent loads; a step past the frame's last reads the last row, never used)."""
+        row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
+        fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
+        toks = [kv_offset + tok for tok in fields[:_LANES]]
+        return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
 
-      copy_step = functools.partial(copy_chunks, kv_smem, base)
+      plan_step = read_plan if tabled else walk_plan
 
       # The first steps: every plan (page ids included) before the first copy.
       if staged:
@@ -550,8 +520,7 @@ def private_attention(
         cursor, toks, packed = plan_step(cursor)
         first_steps.append((toks, packed))
       for slot, (toks, _) in enumerate(first_steps):
-        if wg is None:
-          pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
+        pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
       packs = tuple(packed for _, packed in first_steps)
 
       # ---- the score mask: two compares against per-row bounds ----
@@ -651,7 +620,7 @@ def private_attention(
 
       # ---- private phase ----
       acc, m_i, l_i = osm.init(WG_M, h)
-      plgpu.barrier_wait(q_bar_here)
+      plgpu.barrier_wait(q_bar.at[0])
 
       def private_step(step, carry):
         acc, m_i, l_i, cursor, packs = carry
@@ -662,10 +631,10 @@ def private_attention(
         with jax.named_scope('mask'):
           visible = step_mask(step)
         with jax.named_scope('wait_k'):
-          plgpu.barrier_wait(k_bars.at[base + slot])
+          plgpu.barrier_wait(k_bars.at[slot])
           # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
           # other waits after the softmax, so V's arrival overlaps QK (long rows).
-          pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[base + slot]))
+          pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
@@ -686,15 +655,12 @@ def private_attention(
               s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
           )
         with jax.named_scope('wait_v'):
-          pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[base + slot]))
+          pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
         with jax.named_scope('pv'):
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
         # The slot's wgmmas are done (their results are in registers): refill it.
         with jax.named_scope('refill'):
-          if wg is None:
-            pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
-          else:  # the producer refills the slot
-            plgpu.barrier_arrive(consumed.at[base + slot])
+          pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
         return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
 
       with jax.named_scope('private'):
@@ -756,44 +722,7 @@ def private_attention(
         )
       plgpu.wait_smem_to_gmem(0)
 
-    def produce(pair):
-      """The producer of frames 2*pair and 2*pair + 1: each step's chunks, from the lane
-      table, into its consumer's slot once the consumer is done with what it held."""
-      frames = [pair * 2 + c for c in range(2)]
-      steps = [jnp.where(f < problem.num_frames, frame_rows(f)[-1], 0) for f in frames]
-      for c, f in enumerate(frames):
-        for slot in range(slots):
-          @pl.when(slot < steps[c])
-          def _(c=c, f=f, slot=slot):
-            _, (toks, contiguous), _ = read_plan(f, jnp.int32(slot))
-            copy_chunks(kv_smems.at[c], c * slots, slot, toks, contiguous)
-
-      @pl.loop(slots, jnp.maximum(steps[0], steps[1]))
-      def _(step):
-        slot = lax.rem(step, jnp.int32(slots))
-        for c, f in enumerate(frames):
-          @pl.when(step < steps[c])
-          def _(c=c, f=f):
-            _, (toks, contiguous), _ = read_plan(f, step)  # its loads before the wait
-            plgpu.barrier_wait(consumed.at[c * slots + slot])
-            copy_chunks(kv_smems.at[c], c * slots, slot, toks, contiguous)
-
-    if not producer:
-      frame_body(lax.axis_index('frame'), None)
-      return
-    # Two consumer warpgroups, a frame each, and a producer warpgroup that copies for both.
-    wg, pair = lax.axis_index('wg'), lax.axis_index('frame')
-
-    @pl.when(wg < 2)
-    def _consume():
-      plgpu.set_max_registers(232, action='increase')
-      frame = pair * 2 + wg
-      pl.when(frame < problem.num_frames)(lambda: frame_body(frame, wg))
-
-    @pl.when(wg == 2)
-    def _produce():
-      plgpu.set_max_registers(40, action='decrease')
-      produce(pair)
+    frame_body(lax.axis_index('frame'))
 
   def store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref):
     """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]):
@@ -836,13 +765,12 @@ def private_attention(
           pl.when(i // g_size < count)(store)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  per = (2,) if producer else ()  # with a producer, each consumer's own
   smem = (
-      plgpu.SMEM((*per, WG_M, h), dtype, transforms=tiled),  # Q
-      plgpu.SMEM((*per, 2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
+      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
+      plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
       plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      plgpu.SMEM((*per, WG_M, h), dtype),  # output rows, untiled
-      plgpu.SMEM((*per, WG_M), jnp.float32),
+      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
+      plgpu.SMEM((WG_M,), jnp.float32),
       plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
       plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
       # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
@@ -851,13 +779,11 @@ def private_attention(
       if interpret and problem.direct_lse else None,
       plgpu.SMEM((r_rows, max_pages), jnp.int32) if staged else None,  # the frame's pages
   )
-  consumers = 2 if producer else 1
   barriers = (
-      plgpu.Barrier(num_barriers=consumers),  # Q
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=consumers * slots),  # K
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=consumers * slots),  # V
+      plgpu.Barrier(num_barriers=1),  # Q
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # K
+      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # V
       plgpu.Barrier(num_barriers=1) if staged else None,
-      plgpu.Barrier(num_barriers=consumers * slots) if producer else None,  # slots consumed
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if tabled:
@@ -874,11 +800,10 @@ def private_attention(
           else jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
       ),
       scratch_types=[smem, barriers],
-      grid=(cdiv(frames, 2) if producer else frames, kh),
+      grid=(frames, kh),
       grid_names=('frame', 'kv_head'),
       compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-      **(dict(num_threads=3, thread_name='wg') if producer else {}),
   )(*operands)
 
 

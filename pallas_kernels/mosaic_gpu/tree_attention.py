@@ -50,6 +50,7 @@ from hydrajax import dispatch
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
+from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
@@ -103,10 +104,6 @@ class MosaicGpuConfig:
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
       alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
       B=32 (`experiments/results/throughput/lane_table_s23`).
-    private_producer: the private kernel computes two frames a program, each in its own
-      warpgroup, and a third warpgroup copies both frames' K/V from the lane table, so the
-      plans and copies leave the computing warpgroups' chain (FlashAttention-3's producer;
-      on the GPU only, with the lane table). Built and lowered, not yet timed.
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -121,7 +118,6 @@ class MosaicGpuConfig:
   private_pair_copies: bool = False
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
-  private_producer: bool = False
   q_by_row: bool = True
 
   def __post_init__(self):
@@ -133,30 +129,12 @@ class MosaicGpuConfig:
     if self.private_slots is not None and not 2 <= self.private_slots <= MAX_PRIVATE_SLOTS:
       raise ValueError(
           f'private_slots must be None or in [2, {MAX_PRIVATE_SLOTS}], got {self.private_slots}')
-    if self.private_producer and (not self.private_lane_table or self.private_staged_pages):
-      raise ValueError('private_producer reads its plans from the lane table: it needs '
-                       'private_lane_table=True and private_staged_pages None or False, got '
-                       f'{self.private_lane_table} and {self.private_staged_pages}')
 
   @classmethod
   def from_knobs(cls, knobs: Sequence[str]) -> 'MosaicGpuConfig':
     """A config from 'name=value' items (a flag such as --mosaic_gpu_knobs): values true,
     false, none or an integer; other fields keep their defaults."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {}
-    for item in knobs:
-      name, sep, value = item.partition('=')
-      if not sep or name not in fields:
-        raise ValueError(f'knob {item!r} must be name=value with a name in {sorted(fields)}')
-      lower = value.strip().lower()
-      if lower in ('true', 'false', 'none'):
-        values[name] = None if lower == 'none' else lower == 'true'
-        continue
-      try:
-        values[name] = int(lower)
-      except ValueError:
-        raise ValueError(f'knob {name}={value!r}: true, false, none or an integer') from None
-    return cls(**values)
+    return config_from_knobs(cls, knobs)
 
   @property
   def segment_kernel(self) -> SegmentKernelConfig:
@@ -273,16 +251,13 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
       page_size=layout.page_size,
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
-  # (With a producer each program holds two frames' slots: 2 each fit.)
-  slots = config.private_slots or (
-      3 if problem.num_frames * kh <= num_sms and not config.private_producer else 2)
+  slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
   stage = (not config.private_lane_table if config.private_staged_pages is None
            else config.private_staged_pages)
   staged = stage and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
-                                producer=config.private_producer,
                                 # Read by row: folded row r is q[r // T, r % T, k]; a TMA copy
                                 # of a [rows, K, H] view needs whole 8-row tiles.
                                 q_by_row=(config.q_by_row and g == 1 and tgp == t
