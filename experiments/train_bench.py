@@ -41,7 +41,8 @@ GRPO step at the default --step_points):
 (--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024 at 32/8 heads, d=128, bf16;
 --step_points=32:8192:1024 with llama3_8b at 2 layers and a 32K vocabulary. The whole
 issue grid, G in {8, 16, 64} x prompt 1K-8K x completion 256-2K, is --points=... over
-several calls.)
+several calls.) --training_kernel_knobs=block_kv_dq=128,... times the attention points of
+`shared_mosaic_gpu` under other kernel block sizes (`TrainingKernelConfig`).
 Writes, into --workdir: results.jsonl (one record per implementation and point,
 plus the ceilings), table.md, time.png.
 """
@@ -65,6 +66,7 @@ from hydrajax.benchmarking import report, roofline, timing
 from hydrajax.dispatch import hopper_reason
 from hydrajax.training import costs
 from hydrajax.training import prefill_layout as pl
+from pallas_kernels.knobs import config_from_knobs
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
@@ -83,6 +85,9 @@ _STEP_VOCAB = flags.DEFINE_integer(
 _IMPLS = flags.DEFINE_list(
     'impls', ['shared_xla', 'shared_mosaic_gpu', 'per_seq_cudnn', 'per_seq_xla'], 'variants')
 _KV_BLOCK = flags.DEFINE_integer('kv_block', 1024, 'kv tokens per score block of shared_xla')
+_KERNEL_KNOBS = flags.DEFINE_list(
+    'training_kernel_knobs', [], "TrainingKernelConfig fields of shared_mosaic_gpu's attention "
+    "points, name=value (e.g. block_kv_dq=128); the step points use the default")
 _MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0,
                                     'skip per_seq_xla above this f32 score size, GB')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
@@ -131,6 +136,14 @@ def _impl(name):
   return 'mosaic_gpu' if name == 'shared_mosaic_gpu' else 'xla'
 
 
+def _kernel_config():
+  """--training_kernel_knobs as a TrainingKernelConfig (None: the kernels' default)."""
+  if not _KERNEL_KNOBS.value:
+    return None
+  from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig  # GPU Pallas
+  return config_from_knobs(TrainingKernelConfig, _KERNEL_KNOBS.value)
+
+
 def _time(fn, *args):
   t = timing.device_time(fn, *args, repeats=_REPEATS.value, target_s=_TARGET_MS.value / 1e3,
                          min_iters=1)
@@ -153,8 +166,9 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
   def shared(*a, impl='xla'):
     q_p, q_c, k_p, k_c, v_p, v_c = a
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
+    config = _kernel_config() if impl == 'mosaic_gpu' else None
     prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value,
-                                              impl=impl)
+                                              impl=impl, kernel_config=config)
     return prompt.out, completion.out
 
   def fwd_bwd(fn, args):
@@ -172,6 +186,8 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
   for impl in order:
     rec = dict(kind='attention', impl=impl, G=g, P=p, T=t, N=n, K=kh, H=head_dim,
                dtype=jnp.dtype(dtype).name)
+    if impl == 'shared_mosaic_gpu' and _KERNEL_KNOBS.value:
+      rec['training_kernel_knobs'] = _KERNEL_KNOBS.value
     kind = 'shared' if impl.startswith('shared') else 'per_seq'
     rec['floor_s'] = cost[kind].floor_s(ceilings)
     rec['flops'] = cost[kind].flops
@@ -286,6 +302,10 @@ def _speedups(records):
 def main(argv):
   del argv
   s = _settings()
+  try:  # a bad --training_kernel_knobs fails here, before anything runs
+    _kernel_config()
+  except ValueError as e:
+    raise app.UsageError(f'--training_kernel_knobs: {e}') from None
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
   if os.path.exists(path):

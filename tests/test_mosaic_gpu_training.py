@@ -405,3 +405,36 @@ def test_arguments_are_checked():
   qt, kt, vt = random_inputs(0, plan, 1, 4, 2, 64, BF16)
   with pytest.raises(ValueError, match='impl'):
     tree_attention_differentiable(qt, kt, vt, plan.to_device(), impl='cuda')
+  with pytest.raises(ValueError, match='kernel_config tunes the Mosaic GPU kernels'):
+    tree_attention_differentiable(qt, kt, vt, plan.to_device(),
+                                  kernel_config=ta.TrainingKernelConfig())
+
+
+def test_kernel_config_reaches_every_kernel(monkeypatch):
+  """`kernel_config` is what the four kernels get (each stood in for by its `*_reference`,
+  same signature), in the forward and the backward; the result is still exact."""
+  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
+  seen = {}
+  for name in ('segment_forward', 'causal_forward', 'segment_backward', 'causal_backward'):
+    reference = getattr(ta, f'{name}_reference')
+
+    def stand_in(*args, name=name, reference=reference, **kwargs):
+      seen[name] = kwargs['config']
+      return reference(*args, **kwargs)
+    monkeypatch.setattr(ta, name, stand_in)
+  rng = np.random.default_rng(zlib.crc32(b'kernel_config'))
+  t = 3
+  plan = hj.plan_tree(random_tree(rng, 2, 4, max_len=40), private_capacity=t + 2,
+                      private_lengths=[t, t + 1, t + 2, t])
+  q, k, v = random_inputs(int(rng.integers(1 << 30)), plan, t, 4, 2, 64, jnp.float32)
+  layout = plan.to_device()
+  assert layout.groups and layout.private_pages.size, 'the case needs both kinds of parts'
+
+  def loss(**kw):
+    return lambda q, k, v: jnp.sum(
+        tree_attention_differentiable(q, k, v, layout, **kw).out * jnp.cos(q))
+  actual = jax.grad(loss(impl='mosaic_gpu', kernel_config=cfg), argnums=(0, 1, 2))(q, k, v)
+  assert seen == dict.fromkeys(seen, cfg) and len(seen) == 4, seen
+  expected = jax.grad(loss(), argnums=(0, 1, 2))(q, k, v)
+  for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
+    np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)

@@ -154,16 +154,18 @@ def prefill_attention(
     kv_block: int = 1024,
     impl: str = 'xla',
     interpret: bool = False,
+    kernel_config=None,
 ) -> tuple[PartialState, PartialState]:
   """Causal attention of the prompts and of the completions (over their shared prompt).
 
   Differentiable in every argument but the layout. Returns the prompt state
   (out [Bp, P, N, H], lse [Bp, P, N]) and the completion state (out [Bp * G, T, N, H], ...).
-  impl, interpret: as in `tree_attention_differentiable` ('mosaic_gpu': all of it by the
-  Hopper kernels: the completions' shared prompts, each completion's causal self-attention
-  and each prompt's own causal attention; only the LSE merges stay on XLA).
+  impl, interpret, kernel_config: as in `tree_attention_differentiable` ('mosaic_gpu': all
+  of it by the Hopper kernels: the completions' shared prompts, each completion's causal
+  self-attention and each prompt's own causal attention; only the LSE merges stay on XLA).
   """
-  kw = dict(scale=scale, kv_block=kv_block, impl=impl, interpret=interpret)
+  kw = dict(scale=scale, kv_block=kv_block, impl=impl, interpret=interpret,
+            kernel_config=kernel_config)
   prompt = tree_attention_differentiable(q_prompt, k_buffer, v_buffer, layout.prompt_layout, **kw)
   completion = tree_attention_differentiable(
       q_completion, k_buffer, v_buffer, layout.completion_layout, **kw)

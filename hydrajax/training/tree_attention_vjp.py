@@ -51,6 +51,7 @@ class _Kernels:
   backward: str = 'xla'
   private: str = 'xla'  # the private (causal, per-row) parts, both passes: 'xla' or 'mosaic_gpu'
   interpret: object = False  # the kernels' interpret mode (see tree_attention_differentiable)
+  config: object = None  # the Mosaic GPU kernels' TrainingKernelConfig (None: their default)
 
 
 def _precision(dtype):
@@ -160,7 +161,7 @@ def _segment_args(x, j, kh):
   return x[j].reshape(x.shape[1:2] + (kh * x.shape[3],) + x.shape[4:])
 
 
-def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interpret):
+def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` of a segment group with the Mosaic GPU kernel, one call per segment."""
   from pallas_kernels.mosaic_gpu.training_attention import segment_forward  # imports hydrajax
 
@@ -170,7 +171,8 @@ def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interp
   for j in range(part.rows.shape[0]):  # segments of one group: few
     tok = part.tokens[j]
     out, lse = segment_forward(_segment_args(qz, j, kh), k_cache[tok], v_cache[tok],
-                               part.limit[j, 0], scale=scale, interpret=interpret)
+                               part.limit[j, 0], scale=scale, interpret=kernels.interpret,
+                               config=kernels.config)
     outs.append(out.astype(jnp.float32).reshape(qz.shape[1:]))
     lses.append(lse.reshape(qz.shape[1:-1]))
   return jnp.stack(outs), jnp.stack(lses)
@@ -184,7 +186,7 @@ def _private_args(q_pad, part: _Part):
   return q_pad[part.rows[:, 0]], part.limit[:, -1]
 
 
-def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, interpret):
+def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` of the private part with the batched causal kernel, all rows in one call."""
   from pallas_kernels.mosaic_gpu.training_attention import causal_forward
 
@@ -192,7 +194,7 @@ def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, int
   b, t, n, h = q.shape
   kh = k_cache.shape[1]
   out, lse = causal_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths, scale=scale,
-                            interpret=interpret)
+                            interpret=kernels.interpret, config=kernels.config)
   return (out.astype(jnp.float32).reshape(b, t, kh, n // kh, h),
           lse.reshape(b, t, kh, n // kh))
 
@@ -208,10 +210,9 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   rows, outs, lses = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0, t, n, h))], [jnp.zeros((0, t, n))]
   for part in parts:
     if part.shared and kernels.forward == 'mosaic_gpu':
-      out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels.interpret)
+      out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
     elif not part.shared and kernels.private == 'mosaic_gpu':
-      out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale,
-                                             kernels.interpret)
+      out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
     if not part.shared:  # row z's own: merged elementwise, not scattered
@@ -289,7 +290,7 @@ def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, p
 
 
 def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
-                              scale, dk, dv, interpret):
+                              scale, dk, dv, kernels: _Kernels):
   """`_part_backward` of a segment group with the Mosaic GPU kernels, one call per segment.
 
   Each call reduces dK, dV over the segment's rows and GQA heads in the kernel.
@@ -305,7 +306,8 @@ def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
     q_j, do_j, lse_j, delta_j = args(j)
     tok = part.tokens[j]
     dq, dk_j, dv_j = segment_backward(q_j, k_cache[tok], v_cache[tok], do_j, lse_j, delta_j,
-                                      part.limit[j, 0], scale=scale, interpret=interpret)
+                                      part.limit[j, 0], scale=scale,
+                                      interpret=kernels.interpret, config=kernels.config)
     dqs.append(dq.astype(jnp.float32).reshape(qz.shape[1:]))
     # Positions past the segment's length get exact zeros (their tokens belong to others).
     dk = dk.at[tok].add(dk_j.astype(jnp.float32))
@@ -314,7 +316,7 @@ def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
 
 
 def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
-                                 part: _Part, scale, dk, dv, interpret):
+                                 part: _Part, scale, dk, dv, kernels: _Kernels):
   """`_part_backward` of the private part with the batched causal kernels, all rows in one call.
 
   Each row's dK, dV are summed over its queries and GQA heads in the kernel.
@@ -327,7 +329,7 @@ def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_c
   kh = k_cache.shape[1]
   dq, dk_b, dv_b = causal_backward(q, k_cache[part.tokens], v_cache[part.tokens], do_pad[rows],
                                    lse_pad[rows], delta_pad[rows], lengths, scale=scale,
-                                   interpret=interpret)
+                                   interpret=kernels.interpret, config=kernels.config)
   # Positions past a row's length (and the block padding's clamped tokens) get exact zeros.
   dk = dk.at[part.tokens].add(dk_b.astype(jnp.float32))
   dv = dv.at[part.tokens].add(dv_b.astype(jnp.float32))
@@ -352,10 +354,10 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
                                            part, scale, dk, dv, kernels.interpret)
     elif part.shared and kernels.backward == 'mosaic_gpu':
       dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
-                                               v_cache, part, scale, dk, dv, kernels.interpret)
+                                               v_cache, part, scale, dk, dv, kernels)
     elif not part.shared and kernels.private == 'mosaic_gpu':
       dq_z, dk, dv = _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
-                                                  v_cache, part, scale, dk, dv, kernels.interpret)
+                                                  v_cache, part, scale, dk, dv, kernels)
     else:
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)
@@ -407,6 +409,7 @@ def tree_attention_differentiable(
     shared_backward: str | None = None,
     impl: str = 'xla',
     interpret=False,
+    kernel_config=None,
 ) -> PartialState:
   """`hydrajax.tree_attention` (same semantics, XLA path) with a flash-style custom VJP.
 
@@ -421,6 +424,9 @@ def tree_attention_differentiable(
     'mosaic_gpu', or 'mosaic_tpu' (the Mosaic TPU kernels of
     `pallas_kernels.tpu.shared_segment_bwd`; `interpret`: their interpret mode, e.g.
     `pltpu.InterpretParams()` on CPU).
+  kernel_config: the Mosaic GPU kernels' block sizes, a
+    `pallas_kernels.mosaic_gpu.training_attention.TrainingKernelConfig` (None: its default,
+    or in interpret mode its small `INTERPRET_CONFIG`).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   if kv_block < 1:
@@ -433,5 +439,9 @@ def tree_attention_differentiable(
         f"shared_backward must be 'xla', 'mosaic_tpu' or 'mosaic_gpu', got {shared_backward!r}")
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   uses_kernels = impl != 'xla' or shared_backward != 'xla'
-  kernels = _Kernels(impl, shared_backward, impl, interpret if uses_kernels else False)
+  if kernel_config is not None and 'mosaic_gpu' not in (impl, shared_backward):
+    raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
+                     f"shared_backward 'mosaic_gpu', got {impl!r} and {shared_backward!r}")
+  kernels = _Kernels(impl, shared_backward, impl, interpret if uses_kernels else False,
+                     kernel_config)
   return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels)
