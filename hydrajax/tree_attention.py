@@ -97,8 +97,6 @@ def merge_into_rows(num_rows, rows, outs, lses,
   return PartialState(out, lse)
 
 
-
-
 # ---------------------------------------------------------------------------
 # The backend protocol (see `hydrajax.attention_plan`)
 

@@ -408,6 +408,9 @@ def test_arguments_are_checked():
   with pytest.raises(ValueError, match='kernel_config tunes the Mosaic GPU kernels'):
     tree_attention_differentiable(qt, kt, vt, plan.to_device(),
                                   kernel_config=ta.TrainingKernelConfig())
+  with pytest.raises(TypeError, match='kernel_config must be a TrainingKernelConfig'):
+    tree_attention_differentiable(qt, kt, vt, plan.to_device(), impl='mosaic_gpu',
+                                  kernel_config=dict(block_kv_dq=64))
 
 
 def test_kernel_config_reaches_every_kernel(monkeypatch):

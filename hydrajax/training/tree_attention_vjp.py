@@ -439,9 +439,14 @@ def tree_attention_differentiable(
         f"shared_backward must be 'xla', 'mosaic_tpu' or 'mosaic_gpu', got {shared_backward!r}")
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   uses_kernels = impl != 'xla' or shared_backward != 'xla'
-  if kernel_config is not None and 'mosaic_gpu' not in (impl, shared_backward):
-    raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
-                     f"shared_backward 'mosaic_gpu', got {impl!r} and {shared_backward!r}")
+  if kernel_config is not None:
+    from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig
+    if not isinstance(kernel_config, TrainingKernelConfig):
+      raise TypeError('kernel_config must be a TrainingKernelConfig, got '
+                      f'{type(kernel_config).__name__}')
+    if 'mosaic_gpu' not in (impl, shared_backward):
+      raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
+                       f"shared_backward 'mosaic_gpu', got {impl!r} and {shared_backward!r}")
   kernels = _Kernels(impl, shared_backward, impl, interpret if uses_kernels else False,
                      kernel_config)
   return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels)
