@@ -163,10 +163,12 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
   q_p, q_c, k_p, k_c, v_p, v_c = shared_args
   seq_args = (seq(q_p, q_c), seq(k_p, k_c), seq(v_p, v_c))  # [G, P + T, ...]
 
+  kernel_config = _kernel_config()
+
   def shared(*a, impl='xla'):
     q_p, q_c, k_p, k_c, v_p, v_c = a
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    config = _kernel_config() if impl == 'mosaic_gpu' else None
+    config = kernel_config if impl == 'mosaic_gpu' else None
     prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value,
                                               impl=impl, kernel_config=config)
     return prompt.out, completion.out

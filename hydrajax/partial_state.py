@@ -42,16 +42,24 @@ def _weights(lses: jax.Array) -> tuple[jax.Array, jax.Array]:
   return w, total, lse
 
 
+def merge_stacked(outs: jax.Array, lses: jax.Array) -> PartialState:
+  """Merge of the states stacked on axis 0 (outs [S, ..., H] float32, lses [S, ...]).
+
+  An empty state adds nothing, whatever its `out` holds (NaN included).
+  """
+  w, total, lse = _weights(lses)
+  acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0)
+  return PartialState(acc / jnp.where(total > 0, total, 1.0)[..., None], lse)
+
+
 def merge_many(states: Sequence[PartialState], out_dtype=None) -> PartialState:
   """N-way merge of partial states over disjoint key sets (same shapes)."""
   if not states:
     raise ValueError('merge_many needs at least one state')
   out_dtype = out_dtype or states[0].out.dtype
-  lses = jnp.stack([s.lse.astype(jnp.float32) for s in states])
-  outs = jnp.stack([s.out.astype(jnp.float32) for s in states])
-  w, total, lse = _weights(lses)
-  out = jnp.sum(w[..., None] * outs, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-  return PartialState(out.astype(out_dtype), lse)
+  merged = merge_stacked(jnp.stack([s.out.astype(jnp.float32) for s in states]),
+                         jnp.stack([s.lse.astype(jnp.float32) for s in states]))
+  return PartialState(merged.out.astype(out_dtype), merged.lse)
 
 
 def merge(a: PartialState, b: PartialState, out_dtype=None) -> PartialState:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from hydrajax.layout import TreeLayout, as_int
-from hydrajax.partial_state import PartialState
+from hydrajax.partial_state import PartialState, merge_many, merge_stacked
 
 
 def _dot_precision(dtype):
@@ -58,43 +58,23 @@ def _attend(q, k, v, visible, scale):
   return out, lse
 
 
-def _merge_axis0(outs, lses):
-  m = jnp.max(lses, axis=0)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp(lses - m)
-  den = jnp.sum(w, axis=0)
-  acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0)
-  out = acc / jnp.where(den > 0, den, 1.0)[..., None]
-  lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-  return out, lse
-
-
-def merge_into_rows(num_rows, rows, outs, lses,
-                    base: PartialState | None = None) -> PartialState:
+def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
   """LSE-merges partial states into their rows (rows == num_rows are dropped).
 
-  rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. `base` (out
-  [num_rows, T, N, H], lse [num_rows, T, N]), if given, is one more state of every
-  row, in row order (each row's private part): it is merged elementwise, so it is
-  neither copied into `outs` nor scattered. Rows that receive nothing get (0, -inf).
+  rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. Rows that receive
+  nothing get (0, -inf). A state every row has once, in row order (its private
+  part), needs no scatter: `merge` it with the result.
   """
   size = num_rows + 1
   m = jnp.full((size,) + lses.shape[1:], -jnp.inf, jnp.float32).at[rows].max(lses)
-  if base is not None:
-    m = jnp.concatenate([jnp.maximum(m[:num_rows], base.lse), m[num_rows:]])
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m[rows])
-  den = jnp.zeros_like(m).at[rows].add(w)[:num_rows]
+  den = jnp.zeros_like(m).at[rows].add(w)
   contrib = jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0)  # an empty state adds nothing
-  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)[:num_rows]
-  m = m[:num_rows]
-  if base is not None:
-    w = jnp.exp(base.lse - m)
-    den = den + w
-    acc = acc + jnp.where(w[..., None] > 0, w[..., None] * base.out, 0.0)
+  acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)
   out = acc / jnp.where(den > 0, den, 1.0)[..., None]
   lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-  return PartialState(out, lse)
+  return PartialState(out[:num_rows], lse[:num_rows])
 
 
 # ---------------------------------------------------------------------------
@@ -196,7 +176,7 @@ def _group_partials(q, k_cache, v_cache, group: XlaGroup, kv_offset, scale):
     out, lse = one_block((group.tokens[0], group.visible[0]))
   else:  # bounded memory for long segments: a few partial states per row, merged below
     outs, lses = jax.lax.map(one_block, (group.tokens, group.visible))
-    out, lse = _merge_axis0(outs, lses)
+    out, lse = merge_stacked(outs, lses)
   return out.reshape(j, r, t, n, h), lse.reshape(j, r, t, n)
 
 
@@ -218,15 +198,15 @@ def _private_partial(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, scal
 @functools.partial(jax.jit, static_argnames=('scale',))
 def _attend_all(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, *, scale):
   b, t, n, h = q.shape
-  private = PartialState(*_private_partial(q, k_cache, v_cache, prepared, kv_offset, scale))
-  outs, lses = [jnp.zeros((0, t, n, h), jnp.float32)], [jnp.zeros((0, t, n), jnp.float32)]
-  for group in prepared.groups:
-    out, lse = _group_partials(q, k_cache, v_cache, group, kv_offset, scale)
-    outs.append(out.reshape((-1,) + out.shape[2:]))
-    lses.append(lse.reshape((-1,) + lse.shape[2:]))
-  merged = merge_into_rows(b, prepared.merge_rows, jnp.concatenate(outs), jnp.concatenate(lses),
-                           base=private)
-  return PartialState(merged.out.astype(q.dtype), merged.lse)
+  states = [PartialState(*_private_partial(q, k_cache, v_cache, prepared, kv_offset, scale))]
+  if prepared.groups:  # the groups' states scattered into their rows; the private one is each
+    # row's own, merged elementwise
+    outs, lses = zip(*(_group_partials(q, k_cache, v_cache, group, kv_offset, scale)
+                       for group in prepared.groups))
+    states.append(merge_into_rows(b, prepared.merge_rows,
+                                  jnp.concatenate([o.reshape((-1, t, n, h)) for o in outs]),
+                                  jnp.concatenate([l.reshape((-1, t, n)) for l in lses])))
+  return merge_many(states, out_dtype=q.dtype)
 
 
 def attend(q, k_cache, v_cache, prepared: XlaPrepared, *, shapes, config, kv_offset, scale,

@@ -175,16 +175,17 @@ def test_merge_into_rows():
 
 
 @pytest.mark.parametrize('scattered', [0, 7])
-def test_merge_into_rows_with_a_base_is_one_more_state_per_row(scattered):
-  """`base` (every row's own state, merged elementwise) is the same merge as listing it among
-  the scattered states at rows 0..B-1; empty base rows (-inf), a dump row and no scattered
-  state at all included."""
+def test_a_state_of_every_row_merges_without_a_scatter(scattered):
+  """A state every row has once, in row order (its private part), merged elementwise with the
+  scattered merge (what the XLA and differentiable paths do) is the same merge as listing it
+  among the scattered states at rows 0..B-1; empty rows (-inf, garbage out), a dump row and
+  no scattered state at all included."""
   num_rows, shape = 4, (2, 2, 4)  # [T, N, H]
   seed = int(np.random.default_rng().integers(1 << 30))
   base = _state(seed, shape=(num_rows,) + shape, empty_fraction=0.3, lse_scale=10.0)
   others = _state(seed + 1, shape=(scattered,) + shape, empty_fraction=0.2, lse_scale=10.0)
   rows = jnp.asarray(np.random.default_rng(seed).integers(0, num_rows + 1, scattered), jnp.int32)
-  got = hj.merge_into_rows(num_rows, rows, others.out, others.lse, base=base)
+  got = hj.merge(base, hj.merge_into_rows(num_rows, rows, others.out, others.lse))
   every_row = jnp.arange(num_rows, dtype=jnp.int32)
   want = hj.merge_into_rows(num_rows, jnp.concatenate([every_row, rows]),
                             jnp.concatenate([base.out, others.out]),
@@ -192,6 +193,10 @@ def test_merge_into_rows_with_a_base_is_one_more_state_per_row(scattered):
   _close(got, want, tol=1e-5)
   if not scattered:
     _close(got, base, tol=1e-6)
+  # An empty state adds nothing whatever its out holds: NaN in the base's empty rows.
+  garbage = hj.PartialState(jnp.where(jnp.isinf(base.lse)[..., None], jnp.nan, base.out), base.lse)
+  _close(hj.merge(garbage, hj.merge_into_rows(num_rows, rows, others.out, others.lse)), want,
+         tol=1e-5)
 
 
 def test_merge_into_rows_with_extreme_logits():

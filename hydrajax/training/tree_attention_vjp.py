@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax.layout import TreeLayout
-from hydrajax.partial_state import PartialState
+from hydrajax.partial_state import PartialState, merge_many
 from hydrajax.tree_attention import merge_into_rows
 from hydrajax.validation import check_tree_attention_inputs
 
@@ -205,9 +205,8 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   parts = _parts(layout, b, t, k_cache.shape[0], kv_block)
   if not parts:  # no keys at all
     return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
-  private = None  # the private part's state, merged elementwise; the groups' states are
-  # concatenated after an empty entry each (there may be no group)
-  rows, outs, lses = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0, t, n, h))], [jnp.zeros((0, t, n))]
+  states, rows, outs, lses = [], [], [], []  # the private state is each row's own, merged
+  # elementwise; the groups' states are scattered into their rows
   for part in parts:
     if part.shared and kernels.forward == 'mosaic_gpu':
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
@@ -216,15 +215,16 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
     if not part.shared:  # row z's own: merged elementwise, not scattered
-      private = PartialState(out.reshape(b, t, n, h), lse.reshape(b, t, n))
+      states.append(PartialState(out.reshape(b, t, n, h), lse.reshape(b, t, n)))
       continue
     z, r = part.rows.shape
     rows.append(part.rows.reshape(-1))
     outs.append(out.reshape(z * r, t, n, h))
     lses.append(lse.reshape(z * r, t, n))
-  merged = merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs), jnp.concatenate(lses),
-                           base=private)
-  return PartialState(merged.out.astype(q.dtype), merged.lse)
+  if rows:
+    states.append(merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs),
+                                  jnp.concatenate(lses)))
+  return merge_many(states, out_dtype=q.dtype)
 
 
 def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part, scale,
