@@ -102,6 +102,9 @@ class PrivateProblem:
   lane_steps: int = 0
   # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
+  # With `lane_steps`: each step reads the plan of the step `slots + 1` ahead (not `slots`), so
+  # the lane table's loads have a whole step to land before the refill uses them.
+  plan_ahead: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -303,6 +306,9 @@ def private_attention(
   direct = problem.direct_out
   staged = problem.staged_pages
   tabled = problem.lane_steps > 0
+  if problem.plan_ahead and not tabled:
+    raise ValueError('plan_ahead reads the lane table ahead: it needs lane_steps > 0')
+  ahead = int(problem.plan_ahead)
   want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
   if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
     raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
@@ -502,26 +508,40 @@ def private_attention(
         return (nr, ni), (toks, contiguous), packed
 
       def read_plan(step):
-        """`walk_plan` from the lane table: the cursor is the step's index, its plan 10 reads
-        (independent loads; a step past the frame's last reads the last row, never used)."""
+        """The lane table's row of a step: the cursor is the step's index, the plan 10
+        independent loads (a step past the frame's last reads the last row, never used),
+        returned raw: nothing uses them before `use_plan`, so their latency runs under the
+        work in between (a step's QK, softmax and PV, or a whole step more with
+        `plan_ahead`) instead of stalling where they are read."""
         row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
-        fields = [lanes_ref[frame, row, j] for j in range(LANE_FIELDS)]
-        toks = [kv_offset + tok for tok in fields[:_LANES]]
-        return step + 1, (toks, fields[_LANES] != 0), fields[_LANES + 1]
+        return step + 1, tuple(lanes_ref[frame, row, j] for j in range(LANE_FIELDS))
 
-      plan_step = read_plan if tabled else walk_plan
+      def use_plan(plan):
+        """((first tokens, contiguous), packed valid counts) of a step's plan."""
+        if not tabled:
+          return plan
+        toks = [kv_offset + tok for tok in plan[:_LANES]]
+        return (toks, plan[_LANES] != 0), plan[_LANES + 1]
+
+      def plan_step(cursor):
+        if tabled:
+          return read_plan(cursor)
+        cursor, toks, packed = walk_plan(cursor)
+        return cursor, (toks, packed)
 
       # The first steps: every plan (page ids included) before the first copy.
       if staged:
         plgpu.barrier_wait(pages_bar.at[0])
       cursor = jnp.int32(0) if tabled else (jnp.int32(0), jnp.int32(0))
-      first_steps = []
-      for _ in range(slots):
-        cursor, toks, packed = plan_step(cursor)
-        first_steps.append((toks, packed))
+      plans = []
+      for _ in range(slots + ahead):
+        cursor, plan = plan_step(cursor)
+        plans.append(plan)
+      first_steps = [use_plan(plan) for plan in plans[:slots]]
       for slot, (toks, _) in enumerate(first_steps):
         pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
       packs = tuple(packed for _, packed in first_steps)
+      pending = tuple(plans[slots:])  # with `plan_ahead`: step `slots`'s plan, read early
 
       # ---- the score mask: two compares against per-row bounds ----
       # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
@@ -623,7 +643,7 @@ def private_attention(
       plgpu.barrier_wait(q_bar.at[0])
 
       def private_step(step, carry):
-        acc, m_i, l_i, cursor, packs = carry
+        acc, m_i, l_i, cursor, packs, pending = carry
         slot = lax.rem(step, jnp.int32(slots))
         packed = packs[0]
         partial = packed != _FULL  # a lane with fewer than 8 valid tokens
@@ -638,8 +658,8 @@ def private_attention(
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-          # While the QK wgmma runs: the plan of step + slots (its page ids included), so the
-          # refill of this slot after the PV wgmma is only the copy.
+          # While the QK wgmma runs: the plan of step + slots (+ 1 with `plan_ahead`; its page
+          # ids included), so the refill of this slot after the PV wgmma is only the copy.
           with jax.named_scope('plan'):
             plan = plan_step(cursor)
           with jax.named_scope('zero_unseen'):
@@ -647,9 +667,9 @@ def private_attention(
           with jax.named_scope('qk_wait'):
             return acc_ref[...], plan
 
-        s, (cursor, next_toks, next_packed) = pl.run_scoped(
-            qk, plgpu.ACC((WG_M, _BLK), jnp.float32)
-        )
+        s, (cursor, plan) = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
+        if ahead:  # refill with the plan read a step ago; this one waits for the next
+          plan, pending = pending[0], (plan,)
         with jax.named_scope('softmax'):
           acc, m_new, l_i, p16 = osm.step(
               s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
@@ -660,12 +680,13 @@ def private_attention(
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
         # The slot's wgmmas are done (their results are in registers): refill it.
         with jax.named_scope('refill'):
+          next_toks, next_packed = use_plan(plan)
           pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
-        return acc, m_new, l_i, cursor, (*packs[1:], next_packed)
+        return acc, m_new, l_i, cursor, (*packs[1:], next_packed), pending
 
       with jax.named_scope('private'):
-        acc, m_i, l_i, _, _ = lax.fori_loop(
-            0, num_steps, private_step, (acc, m_i, l_i, cursor, packs)
+        acc, m_i, l_i, *_ = lax.fori_loop(
+            0, num_steps, private_step, (acc, m_i, l_i, cursor, packs, pending)
         )
 
       # ---- merge phase ----
