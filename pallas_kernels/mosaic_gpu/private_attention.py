@@ -102,9 +102,8 @@ class PrivateProblem:
   lane_steps: int = 0
   # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
-  # With `lane_steps`: each step reads the plan of the step `slots + 1` ahead (not `slots`), so
-  # the lane table's loads have a whole step to land before the refill uses them.
-  plan_ahead: bool = False
+  # Each step's K slot is refilled as soon as its QK wgmma is done, not with V's after PV.
+  early_k: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -306,9 +305,10 @@ def private_attention(
   direct = problem.direct_out
   staged = problem.staged_pages
   tabled = problem.lane_steps > 0
-  if problem.plan_ahead and not tabled:
-    raise ValueError('plan_ahead reads the lane table ahead: it needs lane_steps > 0')
-  ahead = int(problem.plan_ahead)
+  # With the lane table each step reads the plan of step + slots + 1 (one more than its refill
+  # needs), so the table's loads land under a whole step's work: H200, B=1024, P=1K, 9 private
+  # tokens a row, 32/32 heads: 105.5 -> 95.4 µs (`results/mosaic_gpu_check/s27`).
+  ahead = int(tabled)
   want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
   if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
     raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
@@ -334,24 +334,30 @@ def private_attention(
     kv_head = lax.axis_index('kv_head')
     kv_offset = offset_ref[0]
 
-    def copy_step(slot, toks, contiguous):
-      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
-      then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
-      plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
-      step. A copy moves the buffer's tokens whatever row they belong to, so merging two
-      lanes never changes what lands in the slot."""
+    def copy_step(slot, toks, contiguous, parts=(0, 1)):
+      """Copies a step's chunks of K (part 0) and/or V (part 1) into `slot`: one 64-token copy
+      when contiguous (the barriers then get 7 plain arrivals each), else 8 (with
+      `pair_copies`, one 16-token copy and a plain arrival for two lanes that follow each
+      other); each barrier sees 8 arrivals per step. A copy moves the buffer's tokens whatever
+      row they belong to, so merging two lanes never changes what lands in the slot."""
+      srcs, bars = (k_ref, v_ref), (k_bars, v_bars)
+
       def copy(tok, rows, j):
         src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
+        for part in parts:
+          plgpu.copy_gmem_to_smem(
+              srcs[part].at[src, kv_head], kv_smem.at[part, slot, dst], bars[part].at[slot])
+
+      def arrive():
+        for part in parts:
+          plgpu.barrier_arrive(bars[part].at[slot])
 
       @pl.when(contiguous)
       def _():
         copy(toks[0], _BLK, 0)
         for _ in range(_LANES - 1):
-          plgpu.barrier_arrive(k_bars.at[slot])
-          plgpu.barrier_arrive(v_bars.at[slot])
+          arrive()
 
       @pl.when(jnp.logical_not(contiguous))
       def _():
@@ -365,8 +371,7 @@ def private_attention(
           @pl.when(pair)
           def _(j=j):
             copy(toks[j], 2 * CHUNK, j)
-            plgpu.barrier_arrive(k_bars.at[slot])
-            plgpu.barrier_arrive(v_bars.at[slot])
+            arrive()
 
           @pl.when(jnp.logical_not(pair))
           def _(j=j):
@@ -510,9 +515,8 @@ def private_attention(
       def read_plan(step):
         """The lane table's row of a step: the cursor is the step's index, the plan 10
         independent loads (a step past the frame's last reads the last row, never used),
-        returned raw: nothing uses them before `use_plan`, so their latency runs under the
-        work in between (a step's QK, softmax and PV, or a whole step more with
-        `plan_ahead`) instead of stalling where they are read."""
+        returned raw: nothing uses them before `use_plan` a step later, so their latency runs
+        under that step's work instead of stalling where they are read."""
         row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
         return step + 1, tuple(lanes_ref[frame, row, j] for j in range(LANE_FIELDS))
 
@@ -541,7 +545,7 @@ def private_attention(
       for slot, (toks, _) in enumerate(first_steps):
         pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
       packs = tuple(packed for _, packed in first_steps)
-      pending = tuple(plans[slots:])  # with `plan_ahead`: step `slots`'s plan, read early
+      pending = tuple(plans[slots:])  # with the lane table: step `slots`'s plan, read early
 
       # ---- the score mask: two compares against per-row bounds ----
       # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
@@ -658,8 +662,8 @@ def private_attention(
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-          # While the QK wgmma runs: the plan of step + slots (+ 1 with `plan_ahead`; its page
-          # ids included), so the refill of this slot after the PV wgmma is only the copy.
+          # While the QK wgmma runs: the plan of step + slots (+ 1 with the lane table; the
+          # walk's page ids included), so the refill of this slot is only the copy.
           with jax.named_scope('plan'):
             plan = plan_step(cursor)
           with jax.named_scope('zero_unseen'):
@@ -670,6 +674,11 @@ def private_attention(
         s, (cursor, plan) = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
         if ahead:  # refill with the plan read a step ago; this one waits for the next
           plan, pending = pending[0], (plan,)
+        next_toks, next_packed = use_plan(plan)
+        refill = step + slots < num_steps
+        if problem.early_k:  # the QK wgmma is done (its scores are in registers): K's slot is free
+          with jax.named_scope('refill_k'):
+            pl.when(refill)(lambda: copy_step(slot, *next_toks, parts=(0,)))
         with jax.named_scope('softmax'):
           acc, m_new, l_i, p16 = osm.step(
               s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
@@ -680,8 +689,8 @@ def private_attention(
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
         # The slot's wgmmas are done (their results are in registers): refill it.
         with jax.named_scope('refill'):
-          next_toks, next_packed = use_plan(plan)
-          pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
+          pl.when(refill)(lambda: copy_step(
+              slot, *next_toks, parts=(1,) if problem.early_k else (0, 1)))
         return acc, m_new, l_i, cursor, (*packs[1:], next_packed), pending
 
       with jax.named_scope('private'):
