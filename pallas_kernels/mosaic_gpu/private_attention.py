@@ -28,7 +28,9 @@ start, and the page ids are shared-memory reads instead of global ones. A
 step of 8 more chunks of one row (long rows: 64 tokens, one or two page-id
 reads, one copy when they are contiguous) is planned in closed form; others
 walk their 8 lanes. With `lane_steps` (`MosaicGpuConfig.private_lane_table`) the plans
-come from a table XLA builds once per decode step (`lane_table`): 10 reads a step. The score
+come from a table XLA builds once per decode step (`lane_table`): 10 reads a step, issued a
+step before the refill that uses them (`slots + 1` steps ahead), so they land under that
+step's work. The score
 mask needs no walk: each query row sees one range of the packed lane-token
 positions (its row's chunks, cut at its length and causal bound), two per-row
 bounds computed once, so a step's mask is two compares per score.
@@ -102,8 +104,6 @@ class PrivateProblem:
   lane_steps: int = 0
   # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
-  # Each step's K slot is refilled as soon as its QK wgmma is done, not with V's after PV.
-  early_k: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -334,24 +334,23 @@ def private_attention(
     kv_head = lax.axis_index('kv_head')
     kv_offset = offset_ref[0]
 
-    def copy_step(slot, toks, contiguous, parts=(0, 1)):
-      """Copies a step's chunks of K (part 0) and/or V (part 1) into `slot`: one 64-token copy
-      when contiguous (the barriers then get 7 plain arrivals each), else 8 (with
-      `pair_copies`, one 16-token copy and a plain arrival for two lanes that follow each
-      other); each barrier sees 8 arrivals per step. A copy moves the buffer's tokens whatever
-      row they belong to, so merging two lanes never changes what lands in the slot."""
-      srcs, bars = (k_ref, v_ref), (k_bars, v_bars)
-
+    def copy_step(slot, toks, contiguous):
+      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
+      then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
+      plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
+      step. A copy moves the buffer's tokens whatever row they belong to, so merging two
+      lanes never changes what lands in the slot. (Refilling K's slot right after the QK
+      wgmma instead, apart from V's, was slower on the H200: 95.6 -> 111.2 µs at B=1024, P=1K,
+      9 tokens a row, 32/32, `results/mosaic_gpu_check/s27`.)"""
       def copy(tok, rows, j):
         src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
-        for part in parts:
-          plgpu.copy_gmem_to_smem(
-              srcs[part].at[src, kv_head], kv_smem.at[part, slot, dst], bars[part].at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
 
       def arrive():
-        for part in parts:
-          plgpu.barrier_arrive(bars[part].at[slot])
+        plgpu.barrier_arrive(k_bars.at[slot])
+        plgpu.barrier_arrive(v_bars.at[slot])
 
       @pl.when(contiguous)
       def _():
@@ -674,11 +673,6 @@ def private_attention(
         s, (cursor, plan) = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
         if ahead:  # refill with the plan read a step ago; this one waits for the next
           plan, pending = pending[0], (plan,)
-        next_toks, next_packed = use_plan(plan)
-        refill = step + slots < num_steps
-        if problem.early_k:  # the QK wgmma is done (its scores are in registers): K's slot is free
-          with jax.named_scope('refill_k'):
-            pl.when(refill)(lambda: copy_step(slot, *next_toks, parts=(0,)))
         with jax.named_scope('softmax'):
           acc, m_new, l_i, p16 = osm.step(
               s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
@@ -689,8 +683,8 @@ def private_attention(
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
         # The slot's wgmmas are done (their results are in registers): refill it.
         with jax.named_scope('refill'):
-          pl.when(refill)(lambda: copy_step(
-              slot, *next_toks, parts=(1,) if problem.early_k else (0, 1)))
+          next_toks, next_packed = use_plan(plan)
+          pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
         return acc, m_new, l_i, cursor, (*packs[1:], next_packed), pending
 
       with jax.named_scope('private'):
