@@ -262,10 +262,9 @@ class TestMosaicGpuKernels:
   @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
                                      dict(private_staged_pages=True),
                                      dict(private_lane_table=False),
-                                     dict(private_lane_table=False, private_staged_pages=False),
-                                     dict(private_lean_registers=True)],
+                                     dict(private_lane_table=False, private_staged_pages=False)],
                            ids=['pair_copies', 'slots=4', 'staged_pages', 'lane_walk',
-                                'walk_unstaged', 'lean_registers'])
+                                'walk_unstaged'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its

@@ -121,7 +121,6 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(max_splits=3),
     dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
     dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
-    dict(private_lean_registers=True),  # fewer registers held through the private steps (s27)
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -104,9 +104,6 @@ class PrivateProblem:
   lane_steps: int = 0
   # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
-  # Fewer registers held through the private steps (the score tile's column index rebuilt per
-  # step, the first merge window loaded after the steps): the kernel spills at 255 registers.
-  lean_registers: bool = False
 
   @property
   def rows_per_frame(self) -> int:
@@ -578,19 +575,13 @@ def private_attention(
       if t_of is not None:
         bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
       hi_rows = lo_rows + jnp.maximum(bound, 0)
-      def column_index():
-        return plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-
-      # With `lean_registers` the column index is rebuilt every step (a few integer ops) rather
-      # than held through the loop in 32 registers a thread.
-      cols = None if problem.lean_registers else column_index()
+      cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
 
       def step_mask(step):
-        cols_here = column_index() if cols is None else cols
         first = step * _BLK
         lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
         hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
-        return (cols_here >= lo) & (cols_here < hi)
+        return (cols >= lo) & (cols < hi)
 
       def zero_unseen(v_smem, packed):
         """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
@@ -648,9 +639,7 @@ def private_attention(
           return o, lse
 
         first = describe(jnp.int32(0), jnp.int32(0))
-        # Loaded before the private phase, its latency hides behind it; with `lean_registers`
-        # after it, so its 34 registers a thread are free during the steps.
-        first_window = None if problem.lean_registers else load_window(first[1])
+        first_window = load_window(first[1])
 
       # ---- private phase ----
       acc, m_i, l_i = osm.init(WG_M, h)
@@ -738,8 +727,6 @@ def private_attention(
           return nxt, next_run, next_window, acc, m_i, l_i
 
         zero = jnp.int32(0)
-        if first_window is None:
-          first_window = load_window(first[1])
         carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
         with jax.named_scope('merge'):
           *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)

@@ -108,9 +108,6 @@ class MosaicGpuConfig:
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
       of 163 at B=1024, P=1K, 32/32 heads on an H200, `throughput/s24`).
-    private_lean_registers: the private kernel holds fewer registers through its steps
-      (`PrivateProblem.lean_registers`; at 255 registers a thread it spills at G = 1). Off
-      until timed on the H200.
   """
 
   block_kv: int = 128
@@ -122,7 +119,6 @@ class MosaicGpuConfig:
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
   q_by_row: bool = True
-  private_lean_registers: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -262,7 +258,6 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
-                                lean_registers=config.private_lean_registers,
                                 # Read by row: folded row r is q[r // T, r % T, k]; a TMA copy
                                 # of a [rows, K, H] view needs whole 8-row tiles.
                                 q_by_row=(config.q_by_row and g == 1 and tgp == t
