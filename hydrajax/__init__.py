@@ -4,7 +4,10 @@
 
 # The XLA backend module first: `hydrajax.tree_attention` is then the function imported below,
 # not the submodule of the same name.
-from hydrajax.tree_attention import XlaConfig, merge_into_rows, tree_attention_xla
+from hydrajax.tree_attention import (
+    XlaConfig, merge_along_paths, merge_into_rows, path_item_index, sum_along_paths,
+    tree_attention_xla,
+)
 from hydrajax.attention_plan import (
     AttentionPlan, AttentionShapes, attend, prepare_attention, tree_attention,
 )
@@ -41,7 +44,10 @@ __all__ = [
     'demote',
     'empty_state',
     'merge',
+    'merge_along_paths',
     'merge_into_rows',
+    'path_item_index',
+    'sum_along_paths',
     'merge_many',
     'naive_attention',
     'naive_tree_attention',

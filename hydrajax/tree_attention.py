@@ -3,8 +3,10 @@
 For every shared segment, the covered rows (times the GQA group G, times the
 T query tokens) form the M dimension of one matrix-matrix product against the
 segment's keys; segments with the same static capacities are batched in one
-einsum. Private KV is plain masked decode attention per row. All partial
-states are then LSE-merged into their rows in one scatter.
+einsum. Private KV is plain masked decode attention per row. Each row then
+gathers the partial states of the segments on its path (`path_item_index`) and
+LSE-merges them with its private state in one pass (layouts without
+`row_segments`: the states are scattered into their rows, `merge_into_rows`).
 
 The backend protocol of `hydrajax.attention_plan`: `prepare` turns the layout
 into gather indices (tokens relative to one layer's buffer, clamped into it),
@@ -56,6 +58,59 @@ def _attend(q, k, v, visible, scale):
   out = o / jnp.where(l > 0, l, 1.0)[..., None]
   lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
   return out, lse
+
+
+def path_item_index(layout: TreeLayout) -> jax.Array | None:
+  """[B, D] int32: for row b and path column d, where row b's state of the segment
+  `layout.row_segments[b, d]` sits among the groups' states flattened and concatenated
+  (group after group, each `[J * R]` with slot j*R + i holding row `row_begin[j] + i`: the
+  order of `merge_into_rows`'s `rows`); -1 where the path has no segment. None when the
+  layout has no `row_segments`.
+
+  With it the rows gather their states (`merge_along_paths`, `sum_along_paths`): one dense pass,
+  where scattering them into the rows is a scatter per reduction plus dense passes after it.
+  """
+  if layout.row_segments is None or not layout.groups:
+    return None
+  bases, offset = [], 0
+  for g in layout.groups:  # slot of row b in segment j: offset + j*R + b - row_begin[j]
+    bases.append(offset + jnp.arange(g.num_segments, dtype=jnp.int32) * g.row_capacity
+                 - g.row_begin.astype(jnp.int32))
+    offset += g.num_segments * g.row_capacity
+  segments = layout.row_segments
+  base = jnp.concatenate(bases)[jnp.maximum(segments, 0)]
+  rows = jnp.arange(segments.shape[0], dtype=jnp.int32)[:, None]
+  return jnp.where(segments >= 0, base + rows, -1).astype(jnp.int32)
+
+
+def _along_paths(index, items):
+  """The items at each row's path columns: [D] of (valid [B], items[index[:, d]])."""
+  safe = jnp.maximum(index, 0)
+  return [(index[:, d] >= 0, items[safe[:, d]]) for d in range(index.shape[1])]
+
+
+def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) -> PartialState:
+  """Each row's dense state (its private part) LSE-merged with the states of the segments on
+  its path, gathered from the groups' states (outs [M, T, N, H], lses [M, T, N]; M = sum J*R)
+  at `path_item_index`. The same result as merging `dense` with `merge_into_rows`."""
+  states_out, states_lse = [dense.out.astype(jnp.float32)], [dense.lse.astype(jnp.float32)]
+  for (valid, out), (_, lse) in zip(_along_paths(index, outs), _along_paths(index, lses)):
+    states_out.append(out.astype(jnp.float32))
+    states_lse.append(jnp.where(valid.reshape((-1,) + (1,) * (lse.ndim - 1)),
+                                lse.astype(jnp.float32), -jnp.inf))
+  merged = merge_stacked(jnp.stack(states_out), jnp.stack(states_lse))
+  return PartialState(merged.out.astype(out_dtype or dense.out.dtype), merged.lse)
+
+
+def sum_along_paths(dense, index, items):
+  """dense [B, ...] plus, for every row, the items [M, ...] of the segments on its path
+  (gathered at `path_item_index`), in float32: what scatter-adding the items into their rows
+  would give."""
+  total = dense.astype(jnp.float32)
+  for valid, item in _along_paths(index, items):
+    mask = valid.reshape((-1,) + (1,) * (item.ndim - 1))
+    total = total + jnp.where(mask, item.astype(jnp.float32), 0.0)
+  return total
 
 
 def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
@@ -117,6 +172,7 @@ class XlaGroup:
 class XlaPrepared:
   groups: tuple[XlaGroup, ...]
   merge_rows: jax.Array  # [sum J*R] int32: the row of every group's partial state
+  path_items: jax.Array | None  # [B, D] int32 (`path_item_index`); None: scatter by merge_rows
   private_tokens: jax.Array  # [B, P*C] int32, relative to the layer, in [0, L)
   private_lengths: jax.Array  # [B] int32 (the layout's; swapped per decode step)
 
@@ -145,8 +201,8 @@ def _prepare(layout: TreeLayout, *, num_rows: int, kv_tokens: int, kv_block: int
   c = layout.page_size
   private = (layout.private_pages[:, :, None] * c + jnp.arange(c)).reshape(b, -1)
   return XlaPrepared(
-      tuple(groups), jnp.concatenate(merge_rows), jnp.minimum(private, last).astype(jnp.int32),
-      layout.private_lengths,
+      tuple(groups), jnp.concatenate(merge_rows), path_item_index(layout),
+      jnp.minimum(private, last).astype(jnp.int32), layout.private_lengths,
   )
 
 
@@ -198,15 +254,19 @@ def _private_partial(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, scal
 @functools.partial(jax.jit, static_argnames=('scale',))
 def _attend_all(q, k_cache, v_cache, prepared: XlaPrepared, kv_offset, *, scale):
   b, t, n, h = q.shape
-  states = [PartialState(*_private_partial(q, k_cache, v_cache, prepared, kv_offset, scale))]
-  if prepared.groups:  # the groups' states scattered into their rows; the private one is each
-    # row's own, merged elementwise
-    outs, lses = zip(*(_group_partials(q, k_cache, v_cache, group, kv_offset, scale)
-                       for group in prepared.groups))
-    states.append(merge_into_rows(b, prepared.merge_rows,
-                                  jnp.concatenate([o.reshape((-1, t, n, h)) for o in outs]),
-                                  jnp.concatenate([l.reshape((-1, t, n)) for l in lses])))
-  return merge_many(states, out_dtype=q.dtype)
+  private = PartialState(*_private_partial(q, k_cache, v_cache, prepared, kv_offset, scale))
+  if not prepared.groups:
+    return merge_many([private], out_dtype=q.dtype)
+  outs, lses = zip(*(_group_partials(q, k_cache, v_cache, group, kv_offset, scale)
+                     for group in prepared.groups))
+  outs = jnp.concatenate([o.reshape((-1, t, n, h)) for o in outs])
+  lses = jnp.concatenate([l.reshape((-1, t, n)) for l in lses])
+  if prepared.path_items is not None:  # each row gathers the states on its path
+    return merge_along_paths(private, prepared.path_items, outs, lses, out_dtype=q.dtype)
+  # No paths in the layout: the groups' states scattered into their rows, then merged with
+  # the private state (each row's own, elementwise).
+  return merge_many([private, merge_into_rows(b, prepared.merge_rows, outs, lses)],
+                    out_dtype=q.dtype)
 
 
 def attend(q, k_cache, v_cache, prepared: XlaPrepared, *, shapes, config, kv_offset, scale,

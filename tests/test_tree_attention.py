@@ -396,3 +396,38 @@ class TestXla(TreeAttentionConformance):
            (3, (4, 1), 3)], start=900)
   )
   config = hj.XlaConfig(kv_block=16)  # long segments run in several blocks
+
+
+@pytest.mark.parametrize('seed_offset', range(3))
+def test_states_gathered_along_paths_equal_the_scatter(seed_offset):
+  """`merge_along_paths` / `sum_along_paths` at `path_item_index` give what scattering the
+  groups' states into their rows gives (`merge_into_rows`; a scatter-add), on random forests
+  of several groups and depths: empty states (with NaN out) and padded slots included."""
+  seed = int(np.random.default_rng().integers(1 << 30)) + seed_offset
+  print(f'seed={seed}')  # shown on failure
+  rng = np.random.default_rng(seed)
+  roots = tuple(random_tree(rng, 3, int(rng.integers(2, 9)), max_fanout=3, max_len=90)
+                for _ in range(int(rng.integers(1, 4))))
+  layout = hj.plan_tree(roots, private_capacity=8, private_lengths=3).to_device()
+  b = layout.num_rows
+  rows = []  # the flattened order of the groups' states (what `merge_rows` holds)
+  for g in layout.groups:
+    r = np.arange(g.row_capacity)
+    slot_rows = np.asarray(g.row_begin)[:, None] + r
+    rows.append(np.where(r < np.asarray(g.row_count)[:, None], slot_rows, b).reshape(-1))
+  rows = jnp.asarray(np.concatenate(rows), jnp.int32)
+  m, shape = rows.shape[0], (2, 3, 4)  # [T, N, H]
+  draw = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32))
+  empty = jnp.asarray(rng.random((m,) + shape[:-1]) < 0.2)
+  outs = jnp.where(empty[..., None], jnp.nan, draw(m, *shape))
+  lses = jnp.where(empty, -jnp.inf, 5 * draw(m, *shape[:-1]))
+  dense = hj.PartialState(draw(b, *shape), 5 * draw(b, *shape[:-1]))
+  index = hj.path_item_index(layout)
+  assert index.shape == layout.row_segments.shape
+  got = hj.merge_along_paths(dense, index, outs, lses)
+  want = hj.merge_many([dense, hj.merge_into_rows(b, rows, outs, lses)])
+  assert_states_close(got, want, jnp.float32)
+  items = draw(m, *shape)
+  scattered = jnp.zeros((b + 1,) + shape).at[rows].add(items)[:b]
+  np.testing.assert_allclose(np.asarray(hj.sum_along_paths(dense.out, index, items)),
+                             np.asarray(dense.out + scattered), rtol=1e-6, atol=1e-6)

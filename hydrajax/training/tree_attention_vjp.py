@@ -23,7 +23,9 @@ one block of scores.
 their dQ, dK, dV (backward) with the Hopper kernels of
 `pallas_kernels.mosaic_gpu.training_attention`, one call per segment, and the
 private part (each row causal over its own pages) with their batched causal mode,
-one call for all rows; the merge stays on XLA. The private K/V are gathered into
+one call for all rows; the merge stays on XLA: each row gathers the states (and, backward,
+the dQ) of the segments on its path and merges them with its own in one pass
+(`hydrajax.tree_attention.path_item_index`). The private K/V are gathered into
 [B, pages * page_size] first (`k_cache[part.tokens]`, one copy of the private K/V),
 so any page layout works, contiguous or not, and T or page sizes that are no
 block multiple are padded and masked in the kernels' wrappers.
@@ -38,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax.layout import TreeLayout
-from hydrajax.partial_state import PartialState, merge_many
-from hydrajax.tree_attention import merge_into_rows
+from hydrajax.partial_state import PartialState, empty_state, merge_many
+from hydrajax.tree_attention import (
+    merge_along_paths, merge_into_rows, path_item_index, sum_along_paths,
+)
 from hydrajax.validation import check_tree_attention_inputs
 
 
@@ -173,7 +177,7 @@ def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernel
     out, lse = segment_forward(_segment_args(qz, j, kh), k_cache[tok], v_cache[tok],
                                part.limit[j, 0], scale=scale, interpret=kernels.interpret,
                                config=kernels.config)
-    outs.append(out.astype(jnp.float32).reshape(qz.shape[1:]))
+    outs.append(out.reshape(qz.shape[1:]))  # merged in float32 (`merge_along_paths`)
     lses.append(lse.reshape(qz.shape[1:-1]))
   return jnp.stack(outs), jnp.stack(lses)
 
@@ -195,8 +199,7 @@ def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, ker
   kh = k_cache.shape[1]
   out, lse = causal_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths, scale=scale,
                             interpret=kernels.interpret, config=kernels.config)
-  return (out.astype(jnp.float32).reshape(b, t, kh, n // kh, h),
-          lse.reshape(b, t, kh, n // kh))
+  return out.reshape(b, t, kh, n // kh, h), lse.reshape(b, t, kh, n // kh)
 
 
 def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
@@ -205,8 +208,10 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   parts = _parts(layout, b, t, k_cache.shape[0], kv_block)
   if not parts:  # no keys at all
     return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
-  states, rows, outs, lses = [], [], [], []  # the private state is each row's own, merged
-  # elementwise; the groups' states are scattered into their rows
+  # The private state is each row's own; the groups' states are gathered along each row's
+  # path (`path_item_index`) and merged with it in one pass, or, in a layout without paths,
+  # scattered into their rows.
+  states, rows, outs, lses = [], [], [], []
   for part in parts:
     if part.shared and kernels.forward == 'mosaic_gpu':
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
@@ -221,6 +226,11 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
     rows.append(part.rows.reshape(-1))
     outs.append(out.reshape(z * r, t, n, h))
     lses.append(lse.reshape(z * r, t, n))
+  index = path_item_index(layout)
+  if rows and index is not None:
+    private = states[0] if states else empty_state(q.shape)
+    return merge_along_paths(private, index, jnp.concatenate(outs), jnp.concatenate(lses),
+                             out_dtype=q.dtype)
   if rows:
     states.append(merge_into_rows(b, jnp.concatenate(rows), jnp.concatenate(outs),
                                   jnp.concatenate(lses)))
@@ -346,6 +356,8 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
   q_pad, do_pad = pad(q, 0), pad(d_out.astype(q.dtype), 0)
   lse_pad, delta_pad = pad(lse, jnp.inf), pad(delta, 0)
   dq = None  # [B, T, N, H] float32: the private part's, then each group's added at its rows
+  index = path_item_index(layout)
+  dq_items = []  # with paths: the groups' dq, gathered by each row after the loop
   dk = jnp.zeros(k_cache.shape, jnp.float32)
   dv = jnp.zeros(v_cache.shape, jnp.float32)
   for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
@@ -365,9 +377,15 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
     if not part.shared:  # row z's own: no scatter
       dq = dq_z.reshape(b, t, n, h) if dq is None else dq + dq_z.reshape(b, t, n, h)
       continue
+    if index is not None:
+      dq_items.append(dq_z.reshape(z * r, t, n, h))
+      continue
     dq = jnp.zeros((b, t, n, h), jnp.float32) if dq is None else dq
     # The dump row (index B) is past the end: its updates are dropped.
     dq = dq.at[part.rows.reshape(-1)].add(dq_z.reshape(z * r, t, n, h), mode='drop')
+  if dq_items:
+    dense = jnp.zeros((b, t, n, h), jnp.float32) if dq is None else dq
+    dq = sum_along_paths(dense, index, jnp.concatenate(dq_items))
   if dq is None:  # no keys at all
     dq = jnp.zeros((b, t, n, h), jnp.float32)
   return dq.astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
