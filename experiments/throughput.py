@@ -245,6 +245,8 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       ('decode tok/s', 'tokens_per_s'), ('step ms', _ms('step_s')),
       ('of no-attn', 'fraction_of_ceiling'), ('attn ms', _ms('attention_s')),
       ('attn floor ms', _ms('attention_floor_s')), ('attn/floor', 'attention_over_floor'),
+      ('attn kernels ms', _ms('attention_kernel_s')),
+      ('attn kernels/floor', 'attention_kernel_over_floor'),
       ('x paged xla', 'speedup_vs_paged_xla'), ('x paged mosaic', 'speedup_vs_paged_mosaic_gpu'),
       ('x no-sharing xla', 'speedup_vs_no_sharing_xla'),
       ('predicted tok/s', 'predicted_tokens_per_s'), ('matmul eff', 'matmul_efficiency'),
@@ -263,7 +265,9 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       'attn = step time minus the no-attention step time (same B, P); attn floor = '
       'layers x max(bytes / copy rate, FLOPs / matmul rate) of this mode\'s attention '
       '(tree: prefix read once), for one device\'s share on a mesh (heads / tp, rows / dp); '
-      'matmul eff likewise; predicted tok/s = B / (no-attention step + tree attention floor).\n',
+      'matmul eff likewise; predicted tok/s = B / (no-attention step + tree attention floor); '
+      'attn kernels = the same difference in device time (CUPTI, every kernel of one step each; '
+      'with --profile_kernels).\n',
   ]
   reasons = [f'- {r["name"]} B={r["batch"]} P={r["prefix"]}: {r["status"]}: {r.get("reason", "")}'
              for r in rows if r.get('status') not in ('ok',)]

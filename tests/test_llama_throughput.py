@@ -104,6 +104,12 @@ def test_derived_numbers():
   assert ceiling['matmul_efficiency'] == pytest.approx(
       db.decode_matmul_flops(config, 1024) / 0.020 / 8e14)
   assert paged['attention_floor_s'] > tree['attention_floor_s'] * 10  # it reads the prefix B times
+  assert 'attention_kernel_s' not in tree  # no kernel profile in these records
+  # With one step's device time of both (CUPTI): the share in device time too.
+  ceiling['kernel_step_s'], tree['kernel_step_s'] = 0.018, 0.024
+  db.add_derived(records, config, ceilings)
+  assert tree['attention_kernel_s'] == pytest.approx(0.006)
+  assert tree['attention_kernel_over_floor'] == pytest.approx(0.006 / tree['attention_floor_s'])
   (estimate,) = [e for e in db.max_batch_estimates(records, config) if e['name'] == 'tree_xla']
   shared = config.kv_bytes_per_token(2) * 16384
   per_row = (90 * 2**30 - 13 * 2**30 - shared) / 1024
