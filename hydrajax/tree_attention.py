@@ -83,8 +83,11 @@ def path_item_index(layout: TreeLayout) -> jax.Array | None:
   return jnp.where(segments >= 0, base + rows, -1).astype(jnp.int32)
 
 
-def _along_paths(index, items):
+def _along_paths(index, items, rows: int):
   """The items at each row's path columns: [D] of (valid [B], items[index[:, d]])."""
+  if index.ndim != 2 or index.shape[0] != rows or not jnp.issubdtype(index.dtype, jnp.integer):
+    raise ValueError(f'index must be an integer [B={rows}, D] array (path_item_index), got '
+                     f'{index.dtype}{list(index.shape)}')
   safe = jnp.maximum(index, 0)
   return [(index[:, d] >= 0, items[safe[:, d]]) for d in range(index.shape[1])]
 
@@ -93,8 +96,13 @@ def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) ->
   """Each row's dense state (its private part) LSE-merged with the states of the segments on
   its path, gathered from the groups' states (outs [M, T, N, H], lses [M, T, N]; M = sum J*R)
   at `path_item_index`. The same result as merging `dense` with `merge_into_rows`."""
+  if outs.shape[:-1] != lses.shape or outs.shape[1:] != dense.out.shape[1:]:
+    raise ValueError(f'outs must be [M, {", ".join(map(str, dense.out.shape[1:]))}] and lses '
+                     f'outs.shape[:-1]; got outs {list(outs.shape)}, lses {list(lses.shape)}')
+  rows = dense.out.shape[0]
   states_out, states_lse = [dense.out.astype(jnp.float32)], [dense.lse.astype(jnp.float32)]
-  for (valid, out), (_, lse) in zip(_along_paths(index, outs), _along_paths(index, lses)):
+  for (valid, out), (_, lse) in zip(_along_paths(index, outs, rows),
+                                    _along_paths(index, lses, rows)):
     states_out.append(out.astype(jnp.float32))
     states_lse.append(jnp.where(valid.reshape((-1,) + (1,) * (lse.ndim - 1)),
                                 lse.astype(jnp.float32), -jnp.inf))
@@ -106,8 +114,11 @@ def sum_along_paths(dense, index, items):
   """dense [B, ...] plus, for every row, the items [M, ...] of the segments on its path
   (gathered at `path_item_index`), in float32: what scatter-adding the items into their rows
   would give."""
+  if items.shape[1:] != dense.shape[1:]:
+    raise ValueError(f'items must be [M, {", ".join(map(str, dense.shape[1:]))}] like dense\'s '
+                     f'rows, got {list(items.shape)}')
   total = dense.astype(jnp.float32)
-  for valid, item in _along_paths(index, items):
+  for valid, item in _along_paths(index, items, dense.shape[0]):
     mask = valid.reshape((-1,) + (1,) * (item.ndim - 1))
     total = total + jnp.where(mask, item.astype(jnp.float32), 0.0)
   return total

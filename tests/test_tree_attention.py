@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
+from hydrajax.training import tree_attention_differentiable
 from tests.conftest import (
     assert_states_close,
     fanouts,
@@ -431,3 +432,36 @@ def test_states_gathered_along_paths_equal_the_scatter(seed_offset):
   scattered = jnp.zeros((b + 1,) + shape).at[rows].add(items)[:b]
   np.testing.assert_allclose(np.asarray(hj.sum_along_paths(dense.out, index, items)),
                              np.asarray(dense.out + scattered), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match='index must be an integer'):
+    hj.sum_along_paths(dense.out, index[:-1], items)
+  with pytest.raises(ValueError, match='items must be'):
+    hj.sum_along_paths(dense.out, index, items[..., :-1])
+  with pytest.raises(ValueError, match='outs must be'):
+    hj.merge_along_paths(dense, index, outs, lses[:-1])
+
+
+def test_layouts_without_paths_scatter_to_the_same_result():
+  """A layout built without `row_segments` (a hand-made `TreeLayout`) takes the scatter merge;
+  it gives what the gather along paths gives, forward (XLA path) and backward (the
+  differentiable attention's dq, dk, dv)."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f'seed={seed}')  # shown on failure
+  rng = np.random.default_rng(seed)
+  roots = tuple(random_tree(rng, 3, int(rng.integers(2, 7)), max_fanout=3, max_len=40)
+                for _ in range(2))
+  plan = hj.plan_tree(roots, private_capacity=8, private_lengths=3)
+  layout = plan.to_device()
+  no_paths = dataclasses.replace(layout, row_segments=None)
+  draw = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32))
+  q, k, v = draw(plan.num_rows, 1, 4, 16), draw(plan.kv_tokens, 2, 16), draw(plan.kv_tokens, 2, 16)
+  xla = hj.AttentionImpl.XLA
+  assert_states_close(hj.tree_attention(q, k, v, no_paths, impl=xla),
+                      hj.tree_attention(q, k, v, layout, impl=xla), jnp.float32)
+
+  def loss(q, k, v, lay):
+    state = tree_attention_differentiable(q, k, v, lay)
+    return jnp.sum(state.out * jnp.cos(state.out)) + jnp.sum(jnp.sin(state.lse))
+
+  grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, lay) for lay in (layout, no_paths)]
+  for got, want in zip(*grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
