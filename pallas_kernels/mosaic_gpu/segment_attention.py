@@ -372,7 +372,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
       while PV is on the tensor cores; acc is rescaled once PV is done."""
       del qo_smem
       softmax = lambda s, m, l, step, masked: osm.step_deferred(
-          s, m, l, scale_log2=qk_scale, dtype=dtype, may_be_empty=False,
+          s, m, l, scale_log2=qk_scale, may_be_empty=False,
           visible=_visible(s.shape, it, step, bk) if masked else None)
 
       def add_pv(acc_ref, p16, step):
@@ -392,8 +392,8 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
 
         s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[0])
-        _, m_i, l_i, p16 = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
-        return osm.init(WG_M, h)[0], m_i, l_i, p16
+        _, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
+        return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype)
 
       def kv_step(step, carry, masked: bool):
         acc, m_i, l_i, p16 = carry
@@ -401,11 +401,11 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
         plgpu.barrier_wait(k_barriers.at[slot])
 
         def products(refs):
-          acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+          acc_ref, alpha_ref, m_ref, l_ref, p_ref = refs
 
           def compute_qk(s_ref):
             qk(slot)(s_ref)
-            add_pv(acc_ref, p_ref[...], step - 1)
+            add_pv(acc_ref, p16, step - 1)
             schedule()
             return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # PV may still run
 
@@ -414,10 +414,11 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
           alpha_ref[...], m_ref[...], l_ref[...], p_ref[...] = softmax(
               s, m_ref[...], l_ref[...], step, masked)
 
-        acc, m_i, l_i, p16, alpha = pl.run_state(products)(
-            (plgpu.ACC.init(acc), m_i, l_i, p16, m_i))
+        scores = plgpu.layout_cast(jnp.zeros((WG_M, bk), jnp.float32), plgpu.Layout.WGMMA)
+        acc, alpha, m_i, l_i, p = pl.run_state(products)(
+            (plgpu.ACC.init(acc), m_i, m_i, l_i, scores))
         plgpu.barrier_arrive(v_consumed.at[lax.rem(step - 1, jnp.int32(steps))])
-        return osm.rescale(acc, alpha), m_i, l_i, p16
+        return osm.rescale(acc, alpha), m_i, l_i, p.astype(dtype)
 
       def last(carry):  # PV of the last block
         acc, m_i, l_i, p16 = carry
