@@ -290,9 +290,10 @@ class TestMosaicGpuKernels:
   @pytest.mark.parametrize('block_kv', [64, 128])
   def test_shared_schedules_change_nothing(self, knobs, block_kv):
     """The shared kernel's schedules (PV under the next block's softmax; warpgroups taking
-    turns or not) reorder when products are issued, not the arithmetic: states bitwise the
-    default's, with NaN/inf in every unattended slot, over segments of 0-150 tokens from
-    unaligned starts (masked first and last blocks, one-block and empty segments)."""
+    turns or not) reorder when products are issued, not the arithmetic, with NaN/inf in every
+    unattended slot, over segments of 0-150 tokens from unaligned starts (masked first and
+    last blocks, one-block and empty segments). Not bitwise: the compiler may contract l's
+    multiply-add into an fma in one schedule and not the other (H200: lse 1 ulp apart)."""
     if self.interpret:
       pytest.skip('interpret mode runs the single-warpgroup shared kernel, which has one '
                   'schedule; the compiled class runs this test')
@@ -311,8 +312,13 @@ class TestMosaicGpuKernels:
 
     want, got = attend(), attend(**knobs)
     _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
-    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
+    got_lse, want_lse = np.asarray(got.lse), np.asarray(want.lse)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[seen], want_lse[seen], rtol=1e-6, atol=0)
+    got_out, want_out = np.asarray(got.out, np.float32), np.asarray(want.out, np.float32)
+    assert np.isfinite(got_out).all()
+    np.testing.assert_allclose(got_out, want_out, rtol=2**-8, atol=1e-6)  # one bf16 ulp
 
   @pytest.mark.parametrize('t', [1, 2])
   def test_q_read_by_row_is_the_fold(self, t):
