@@ -318,7 +318,7 @@ class TestMosaicGpuKernels:
     np.testing.assert_allclose(got_lse[seen], want_lse[seen], rtol=1e-6, atol=0)
     got_out, want_out = np.asarray(got.out, np.float32), np.asarray(want.out, np.float32)
     assert np.isfinite(got_out).all()
-    np.testing.assert_allclose(got_out, want_out, rtol=2**-8, atol=1e-6)  # one bf16 ulp
+    np.testing.assert_allclose(got_out, want_out, rtol=2**-7, atol=1e-6)  # one bf16 ulp
 
   @pytest.mark.parametrize('t', [1, 2])
   def test_q_read_by_row_is_the_fold(self, t):

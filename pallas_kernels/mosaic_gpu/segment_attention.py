@@ -368,8 +368,9 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
       return _three_sections(kv_step, it, carry)
 
     def steps_overlapped(qo_smem):
-      """Step s issues QK^T of block s and PV of block s - 1, then runs block s's softmax
-      while PV is on the tensor cores; acc is rescaled once PV is done."""
+      """Step s issues QK^T of block s, rescales acc to block s - 1's maximum under it,
+      issues PV of block s - 1, and runs block s's softmax while PV is on the tensor cores
+      (FlashAttention-3's order). The carry's acc still awaits its last alpha."""
       del qo_smem
       softmax = lambda s, m, l, step, masked: osm.step_deferred(
           s, m, l, scale_log2=qk_scale, may_be_empty=False,
@@ -392,11 +393,11 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
 
         s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[0])
-        _, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
-        return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype)
+        alpha, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
+        return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype), alpha
 
       def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i, p16 = carry
+        acc, m_i, l_i, p16, alpha = carry
         slot = lax.rem(step, jnp.int32(steps))
         plgpu.barrier_wait(k_barriers.at[slot])
 
@@ -405,6 +406,8 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
 
           def compute_qk(s_ref):
             qk(slot)(s_ref)
+            # No wgmma writes acc now: read without a wait, rescale under QK^T.
+            acc_ref[...] = osm.rescale(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), alpha)
             add_pv(acc_ref, p16, step - 1)
             schedule()
             return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # PV may still run
@@ -418,24 +421,24 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
         acc, alpha, m_i, l_i, p = pl.run_state(products)(
             (plgpu.ACC.init(acc), m_i, m_i, l_i, scores))
         plgpu.barrier_arrive(v_consumed.at[lax.rem(step - 1, jnp.int32(steps))])
-        return osm.rescale(acc, alpha), m_i, l_i, p.astype(dtype)
+        return acc, m_i, l_i, p.astype(dtype), alpha
 
       def last(carry):  # PV of the last block
-        acc, m_i, l_i, p16 = carry
+        acc, m_i, l_i, p16, alpha = carry
         step = it.num_blocks - 1
 
         def compute_pv(acc_ref):
           add_pv(acc_ref, p16, step)
           schedule()
 
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(osm.rescale(acc, alpha)))
         plgpu.barrier_arrive(v_consumed.at[lax.rem(step, jnp.int32(steps))])
         return acc, m_i, l_i
 
       pl.when(wg == 1)(schedule)
       empty = osm.init(WG_M, h)
       zero_p = plgpu.layout_cast(jnp.zeros((WG_M, bk), dtype), plgpu.Layout.WGMMA)
-      carry = lax.cond(it.num_blocks > 0, first, lambda: (*empty, zero_p))
+      carry = lax.cond(it.num_blocks > 0, first, lambda: (*empty, zero_p, empty[2]))
       split = jnp.maximum(it.num_blocks - it.num_tail, 1)
       carry = lax.fori_loop(1, split, lambda i, c: kv_step(i, c, False), carry)
       carry = lax.fori_loop(split, it.num_blocks, lambda i, c: kv_step(i, c, True), carry)
