@@ -121,11 +121,6 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(max_splits=3),
     dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
     dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
-    # The shared kernel: PV under the next step's softmax (FA3's intra-warpgroup overlap), with
-    # and without the two warpgroups taking turns; the turns alone off.
-    dict(shared_overlap=True),
-    dict(shared_overlap=True, shared_pingpong=False),
-    dict(shared_pingpong=False),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

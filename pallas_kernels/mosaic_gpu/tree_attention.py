@@ -104,10 +104,6 @@ class MosaicGpuConfig:
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
       alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
       B=32 (`experiments/results/throughput/lane_table_s23`).
-    shared_overlap: the shared kernel issues each step's QK^T wgmma with the previous step's
-      PV and runs the softmax under PV (`SegmentKernelConfig.overlap`).
-    shared_pingpong: the shared kernel's two compute warpgroups take turns on the tensor
-      cores (`SegmentKernelConfig.pingpong`).
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -123,11 +119,9 @@ class MosaicGpuConfig:
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
   q_by_row: bool = True
-  shared_overlap: bool = False
-  shared_pingpong: bool = True
 
   def __post_init__(self):
-    self.segment_kernel  # validates its fields
+    SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
     if self.max_splits < 1:
       raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')
     if self.num_sms is not None and self.num_sms < 1:
@@ -144,8 +138,7 @@ class MosaicGpuConfig:
 
   @property
   def segment_kernel(self) -> SegmentKernelConfig:
-    return SegmentKernelConfig(self.block_kv, self.max_concurrent_steps,
-                               overlap=self.shared_overlap, pingpong=self.shared_pingpong)
+    return SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)
 
 
 DEFAULT_CONFIG = MosaicGpuConfig()
