@@ -441,3 +441,22 @@ def test_kernel_config_reaches_every_kernel(monkeypatch):
   expected = jax.grad(loss(), argnums=(0, 1, 2))(q, k, v)
   for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_check_training_records_jsonl(monkeypatch):
+  """check_training.py --out: each record is a JSON line with its kind and the config's fields."""
+  import io
+  import json
+
+  from pallas_kernels.mosaic_gpu import check_training
+
+  sink = io.StringIO()
+  monkeypatch.setattr(check_training, '_SINK', [sink])
+  config = ta.TrainingKernelConfig(block_kv_dq=128)
+  check_training.record('time', config, part='segment forward', ms=1.5)
+  check_training.record('check', None, passed=False)
+  first, second = (json.loads(line) for line in sink.getvalue().splitlines())
+  assert first == dict(kind='time', config=dataclasses.asdict(config), part='segment forward',
+                       ms=1.5)
+  assert second['config'] == dataclasses.asdict(ta.TrainingKernelConfig())
+  assert second['passed'] is False

@@ -19,9 +19,15 @@ comma-separated list of overrides, the configs separated by semicolons ('' is th
 default); a config that fails to build is reported and the next one runs:
 
   ... check_training.py --configs=';block_q_dq=128;compute_wgs=1'
+
+With `--out DIR` every check and timing is also a line of `DIR/results.jsonl` (kind check,
+time or breakdown; the config's fields in `config`).
 """
 
 import argparse
+import dataclasses
+import json
+import os
 import statistics
 import time
 
@@ -45,6 +51,17 @@ CHECKS = (  # (M, N, K, H, S, kv_length)
     (128, 4, 4, 64, 384, 129),
     (128, 4, 2, 128, 256, 0),
 )
+
+
+_SINK = []  # the open results.jsonl when --out is given
+
+
+def record(kind: str, cfg, **fields):
+  """One line of results.jsonl (when --out was given): kind, the config's fields, fields."""
+  if _SINK:
+    config = dataclasses.asdict(cfg or ta.TrainingKernelConfig())
+    _SINK[0].write(json.dumps(dict(kind=kind, config=config, **fields)) + '\n')
+    _SINK[0].flush()
 
 
 def inputs(m, n, k, h, s, length, seed=0, dtype=jnp.bfloat16):
@@ -73,7 +90,10 @@ def check(m, n, k, h, s, length, cfg=None):
     ok = (np.isfinite(a) == fin).all()
     errs[name] = float(np.abs(a[fin] - r[fin]).max(initial=0.0)) if ok else float('nan')
   print(f'check M={m} N={n} K={k} H={h} S={s} kv_length={length}: max abs err {errs}', flush=True)
-  return all(e <= 3e-2 for e in errs.values())
+  passed = all(e <= 3e-2 for e in errs.values())
+  record('check', cfg, kernel='segment', shape=dict(m=m, n=n, k=k, h=h, s=s, kv_length=length),
+         max_abs_err=errs, passed=passed)
+  return passed
 
 
 def check_causal(n, k, h, t, s, lengths, cfg=None):
@@ -100,7 +120,11 @@ def check_causal(n, k, h, t, s, lengths, cfg=None):
     errs[name] = float(np.abs(a[fin] - r[fin]).max(initial=0.0)) / size if ok else float('nan')
   print(f'check causal N={n} K={k} H={h} T={t} S={s} lengths={lengths.tolist()}: '
         f'max err / max(1, max |ref|) {errs}', flush=True)
-  return all(e <= 3e-2 for e in errs.values())
+  passed = all(e <= 3e-2 for e in errs.values())
+  record('check', cfg, kernel='causal',
+         shape=dict(n=n, k=k, h=h, t=t, s=s, lengths=lengths.tolist()),
+         max_err_over_max_ref=errs, passed=passed)
+  return passed
 
 
 def cupti_ms(fn, *args):
@@ -129,6 +153,8 @@ def bench(cfg=None):
                                ('backward', bwd, (q, kk, v, do, lse, delta, b['s']), 3.5)):
     ms, kernels = cupti_ms(fn, *args)
     times[f'segment {name}'] = ms
+    record('time', cfg, part=f'segment {name}', shape=b, ms=ms,
+           tflops=mult * flops / ms / 1e9, kernels=kernels)
     print(f'{name}: {ms:.2f} ms, {mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
           + ', '.join(f'{k[:60]}={t:.2f}' for k, t in kernels.items()), flush=True)
   for label, (z, t) in CAUSAL_BENCH.items():
@@ -146,6 +172,8 @@ def bench(cfg=None):
                                  ('backward', bwd, (q, kk, v, do, lse, delta, lengths), 3.5)):
       ms, kernels = cupti_ms(fn, *args)
       times[f'causal {label} {name}'] = ms
+      record('time', cfg, part=f'causal {label} {name}', shape=dict(z=z, t=t, **b), ms=ms,
+             tflops=mult * flops / ms / 1e9, kernels=kernels)
       print(f'causal {label} (Z={z}, T={t}) {name}: {ms:.2f} ms, '
             f'{mult * flops / ms / 1e9:.0f} TFLOP/s; kernels (ms): '
             + ', '.join(f'{k[:60]}={t_ms:.2f}' for k, t_ms in kernels.items()), flush=True)
@@ -198,6 +226,7 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
     return vjp(jax.tree.map(jnp.ones_like, out))
 
   ms, kernels = cupti_ms(jax.jit(run), *args)
+  record('breakdown', None, shape=dict(g=g, p=p, t=t, n=n, k=kh, h=h), ms=ms, kernels=kernels)
   print(f'prefill fwd+bwd G={g} P={p} T={t}: {ms:.1f} ms (kernel sum); top kernels (ms):')
   for name, t_ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
     print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
@@ -234,6 +263,7 @@ def main():
   parser.add_argument('--breakdown', action='store_true', help='prefill_attention kernel times')
   parser.add_argument('--configs', default=None,
                       help="TrainingKernelConfig overrides to check and time, ';'-separated")
+  parser.add_argument('--out', default=None, help='folder for results.jsonl (none: print only)')
   args = parser.parse_args()
   if args.lower_only:
     for text in (args.configs or '').split(';'):
@@ -244,6 +274,9 @@ def main():
         print(f'config {text or "default"} failed to lower: {str(e)[:400]}', flush=True)
     return
   print(jax.devices(), jax.__version__, flush=True)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    _SINK.append(open(os.path.join(args.out, 'results.jsonl'), 'a'))
   if args.breakdown:
     return prefill_breakdown()
   if args.configs is not None:
