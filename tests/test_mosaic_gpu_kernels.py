@@ -31,7 +31,7 @@ from pallas_kernels.mosaic_gpu.private_attention import (
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
-    pack_segments, segment_attention, segment_attention_reference,
+    as_folded, pack_segments, segment_attention, segment_attention_reference,
 )
 
 ON_HOPPER = mosaic._hopper_reason() is None
@@ -283,20 +283,27 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  @pytest.mark.parametrize('n, k', [(3, 3), (8, 4), (8, 2), (16, 2)],
+                           ids=['G=1', 'G=2', 'G=4', 'G=8'])
   @pytest.mark.parametrize('t', [1, 2])
-  def test_q_read_by_row_is_the_fold(self, t):
-    """MHA (G = 1): the kernels read q's [B*T, K, H] view in place (`q_by_row`); the states
-    are bitwise those of the folded copy, with NaN/inf in every unattended slot, over 16 rows
-    under segments of uneven widths (one 64-row tile: its rows past the batch read zeros)."""
+  def test_q_read_by_row_is_the_fold(self, t, n, k):
+    """The kernels read q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8,
+    `q_by_row_groups`) in place (`q_by_row`); the states are bitwise those of the folded
+    copy, with NaN/inf in every unattended slot, over 16 rows under segments of uneven widths
+    (one 64-row tile: its rows past the batch read zeros)."""
     lengths = [min(x + t - 1, self.capacity) for x in (4, 16, 9, 70, 5, 1, 33, 8) * 2]
     plan = _tree('wide', self.capacity, lengths)
     layout = plan.to_device()
-    q, kc, vc = _inputs(plan, t=t, n=3, k=3, h=self.head_dim, dtype=jnp.bfloat16,
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
                         seed=int(np.random.default_rng().integers(1 << 30)))
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
     attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
                                num_sms=1)
-    by_row, fold = attend(), attend(q_by_row=False)
+    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=1, q_by_row_groups=True)
+    prepared = mosaic.prepare(layout, mosaic.KernelShapes.of(q, fk), config,
+                              interpret=self.interpret)
+    assert prepared.problem.q_by_row  # the in-place read is what this compares
+    by_row, fold = attend(q_by_row_groups=True), attend(q_by_row=False)
     _assert_states_close(by_row, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(by_row.out, np.float32),
                                   np.asarray(fold.out, np.float32))
@@ -436,6 +443,16 @@ class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
 
 class TestSupportAndSchedule:
   """What AUTO needs to fall back, and the static work decomposition (no kernels run)."""
+
+  @pytest.mark.parametrize('t, g', [(1, 1), (1, 4), (2, 8), (3, 2)])
+  def test_by_row_views_fold_like_the_fold(self, t, g):
+    """`as_folded` of q's by-row view ([B*T, K, H] at G = 1, [B*T, K, G, H] else; what the
+    references take for `q_by_row`) is the fold the kernels otherwise read."""
+    b, kh, h = 5, 2, 8
+    q = jax.random.normal(jax.random.key(t * 10 + g), (b, t, kh * g, h), jnp.float32)
+    view = q.reshape(b * t, kh, *((g,) if g > 1 else ()), h)
+    want = mosaic._fold_queries(q, kh, t * g, b * t * g)
+    np.testing.assert_array_equal(np.asarray(as_folded(view, True)), np.asarray(want))
 
   def _args(self, dtype=jnp.bfloat16, h=128, capacity=16):
     plan = _tree('two_level', capacity, (3,))

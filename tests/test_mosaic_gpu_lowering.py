@@ -77,6 +77,19 @@ def test_private_knobs_lower_for_cuda(knobs):
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
 
+@pytest.mark.parametrize('b, p, s, n, k, t', [
+    (256, 16384, 1, 32, 8, 1),  # G = 4: the GQA decode step
+    (16, 2048, 3, 64, 8, 1),  # G = 8, one row a frame
+    (8, 2048, 9, 32, 16, 2),  # G = 2, T = 2
+    (3, 2048, 64, 32, 8, 64),  # prefill at G = 4: T*G = 256, several frames a row
+])
+def test_q_by_row_groups_lowers_for_cuda(b, p, s, n, k, t):
+  """q read in place at G > 1 (`q_by_row_groups`): a [64/G, G, H] TMA copy into an untiled
+  buffer (a reshaped ref), then through registers into the tiled Q buffer."""
+  kernels = _lower_tree(b, p, s, n, k, t, q_by_row_groups=True)
+  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
+
+
 @pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])
 def test_training_kernels_lower_for_cuda(n, k):
   sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)

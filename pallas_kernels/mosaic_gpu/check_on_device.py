@@ -121,6 +121,7 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(max_splits=3),
     dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
     dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
+    dict(q_by_row_groups=True),  # G = 2, 4, 8: q read in place too (built in s28, not yet run)
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -73,7 +73,7 @@ from pallas_kernels.mosaic_gpu.schedule import (
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.segment_attention import (
-    as_folded, floor_div, offset_operand, q_tile, segment_fields,
+    as_folded, finish_q, floor_div, offset_operand, q_staging, segment_fields, start_q,
 )
 
 _BLK = PRIVATE_BLOCK
@@ -102,7 +102,8 @@ class PrivateProblem:
   # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
   # built once per decode step for every layer and kv head) instead of walked in the kernel.
   lane_steps: int = 0
-  # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
+  # qf is q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8), not a folded
+  # copy (`segment_attention.q_tile`).
   q_by_row: bool = False
 
   @property
@@ -261,7 +262,8 @@ def unfold_states(out, lse, problem, num_heads: int):
 
 
 def private_attention(
-    qf: jax.Array,  # [K, M_q, H] folded queries, M_q >= frames*F + 64; [M_q, K, H] by row
+    qf: jax.Array,  # [K, M_q, H] folded queries, M_q >= frames*F + 64; by row [M_q, K, H]
+                    # (G = 1) or [M_q/G, K, G, H]
     k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
     v_cache: jax.Array,  # [L, K, H]
     private_pages: jax.Array,  # [B, P] int32
@@ -285,8 +287,8 @@ def private_attention(
   `lanes`: `lane_table(private_lengths, private_pages, problem)`, required when
   `problem.lane_steps` (the steps' plans are read there, not walked).
   """
-  q_by_row = problem.q_by_row  # qf is [M_q, K, H]
-  kh, h = (qf.shape[1], qf.shape[2]) if q_by_row else (qf.shape[0], qf.shape[2])
+  q_by_row = problem.q_by_row  # qf is [M_q, K, H] or [M_q/G, K, G, H]
+  kh, h = (qf.shape[1] if q_by_row else qf.shape[0]), qf.shape[-1]
   dtype = qf.dtype
   b_rows = problem.num_rows
   t_tok = problem.query_tokens
@@ -303,6 +305,9 @@ def private_attention(
   splits = sched.num_splits if merging else 0
   tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
   direct = problem.direct_out
+  grouped_q = q_staging(qf, q_by_row, WG_M, interpret)
+  if grouped_q is not None and not direct:
+    raise ValueError('q by row with G > 1 needs whole (b, t) rows a frame (direct_out)')
   staged = problem.staged_pages
   tabled = problem.lane_steps > 0
   # With the lane table each step reads the plan of step + slots + 1 (one more than its refill
@@ -333,6 +338,8 @@ def private_attention(
      lse_staging, pages_smem) = smem
     kv_head = lax.axis_index('kv_head')
     kv_offset = offset_ref[0]
+    # q by row with G > 1 lands in the output rows' buffer first (free until the epilogue).
+    q_staged = None if grouped_q is None else (o_staging if interpret else o_smem)
 
     def copy_step(slot, toks, contiguous):
       """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
@@ -414,7 +421,7 @@ def private_attention(
       f0 = frame * f_rows  # first folded row of the frame
       (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
        num_steps) = frame_rows(frame)
-      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, f0, q_by_row), q_smem, q_bar.at[0])
+      start_q(q_ref, kv_head, f0, q_by_row, q_smem, q_staged, q_bar.at[0])
       if staged:  # the frame's rows of the page table (the table is padded to whole frames)
         plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
       if not tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
@@ -643,7 +650,7 @@ def private_attention(
 
       # ---- private phase ----
       acc, m_i, l_i = osm.init(WG_M, h)
-      plgpu.barrier_wait(q_bar.at[0])
+      finish_q(q_smem, q_staged, q_bar.at[0])
 
       def private_step(step, carry):
         acc, m_i, l_i, cursor, packs, pending = carry

@@ -220,7 +220,7 @@ def segment_attention(
 
   `kv_offset` (int32 scalar, a multiple of ALIGN) is added to every kv token
   index: the segments index one layer's buffer that starts there in k_cache.
-  `q_by_row`: qf is [M, K, H] (`q_tile`).
+  `q_by_row`: qf is [M, K, H] or [M/G, K, G, H] (`q_tile`).
 
   On the GPU this is the warp-specialised kernel. With `interpret=True` it is
   the single-warpgroup kernel: the same items, masks, softmax and epilogue,
@@ -228,14 +228,15 @@ def segment_attention(
   computation, and three that wait on each other's barriers can starve a CPU
   thread pool of two cores).
   """
-  kh, h = (qf.shape[1], qf.shape[2]) if q_by_row else (qf.shape[0], qf.shape[2])
+  kh, h = (qf.shape[1] if q_by_row else qf.shape[0]), qf.shape[-1]
   rows = PARTIAL_PAD + sched.num_items * TILE_M + PARTIAL_PAD
   out_type = (
       jax.ShapeDtypeStruct((kh, rows, h), qf.dtype),
       jax.ShapeDtypeStruct((kh, rows), jnp.float32),
   )
   build = _single_warpgroup_kernel if interpret else _warp_specialized_kernel
-  kernel, scratch, mesh = build(qf, sched, scale=scale, config=config, q_by_row=q_by_row)
+  kernel, scratch, mesh = build(qf, sched, scale=scale, config=config, q_by_row=q_by_row,
+                                interpret=interpret)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -251,17 +252,64 @@ def segment_attention(
 def q_tile(q_ref, kv_head, first_row, q_by_row: bool, size: int = WG_M):
   """`size` folded query rows from `first_row` at kv_head, as a ref for one TMA copy.
 
-  q is folded, [K, M, H], or by row, [M, K, H]: a G = 1 query's [B*T, K, H] view, folded row
-  r at (r, k), so no fold is written per layer (a 16 MB pad and transpose at B=1024, 32
-  heads). Rows past its end read as zeros (TMA), as the fold's padding did.
+  q is folded, [K, M, H], or by row: a G = 1 query's [B*T, K, H] view, folded row r at
+  (r, k), or a G > 1 query's [B*T, K, G, H] view, folded row r at (r // G, k, r % G), so no
+  fold is written per layer (a 16 MB pad and transpose at B=1024, 32 heads). By row with
+  G > 1 the tile is its size/G whole (b, t) rows, [size/G, G, H] (`start_q` stages it; G
+  divides ALIGN, so first_row is whole rows). Rows past its end read as zeros (TMA), as
+  the fold's padding did.
   """
-  rows = pl.ds(pl.multiple_of(first_row, ALIGN), size)
+  first_row = pl.multiple_of(first_row, ALIGN)
+  if q_by_row and q_ref.ndim == 4:
+    g = q_ref.shape[2]
+    return q_ref.at[pl.ds(lax.div(first_row, jnp.int32(g)), size // g), kv_head]
+  rows = pl.ds(first_row, size)
   return q_ref.at[rows, kv_head] if q_by_row else q_ref.at[kv_head, rows]
+
+
+def q_staging(qf, q_by_row: bool, size: int, interpret: bool):
+  """Shared memory a Q tile of `size` rows passes through, or None (a direct copy).
+
+  By row with G > 1 the copy's [size/G, G, H] rows cannot land in the tiled buffer wgmma
+  reads (its tiles are 8 rows of one head), so they land in an untiled [size, H] buffer,
+  written through a [size/G, G, H] view; interpret mode cannot reshape refs, so there the
+  buffer is [size/G, G, H] itself.
+  """
+  if not (q_by_row and qf.ndim == 4):
+    return None
+  g, h = qf.shape[2], qf.shape[3]
+  return plgpu.SMEM((size // g, g, h) if interpret else (size, h), qf.dtype)
+
+
+def start_q(q_ref, kv_head, first_row, q_by_row: bool, q_smem, staging, barrier):
+  """Issues the TMA copy of the Q tile that `finish_q` then waits for: into q_smem, or into
+  `staging` (`q_staging`)."""
+  src = q_tile(q_ref, kv_head, first_row, q_by_row, q_smem.shape[0])
+  dst = q_smem if staging is None else (
+      staging if staging.ndim == 3 else staging.reshape(*src.shape))
+  plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
+def finish_q(q_smem, staging, barrier):
+  """Waits for `start_q`'s copy; staged rows then go through registers into q_smem."""
+  plgpu.barrier_wait(barrier)
+  if staging is None:
+    return
+  if staging.ndim == 3:  # interpret mode
+    q_smem[...] = staging[...].reshape(q_smem.shape)
+  else:
+    q_smem[...] = plgpu.load(staging, layout=plgpu.Layout.WGMMA, optimized=False)
+  plgpu.commit_smem()
 
 
 def as_folded(q, q_by_row: bool):
   """q as [K, M, H] (the references' layout), whichever layout the kernels read."""
-  return q.transpose(1, 0, 2) if q_by_row else q
+  if not q_by_row:
+    return q
+  if q.ndim == 4:  # [B*T, K, G, H]: row (bt, g) of kv head k is folded row bt*G + g
+    bt, kh, g, h = q.shape
+    return q.transpose(1, 0, 2, 3).reshape(kh, bt * g, h)
+  return q.transpose(1, 0, 2)
 
 
 def offset_operand(kv_offset) -> jax.Array:
@@ -272,9 +320,10 @@ def offset_operand(kv_offset) -> jax.Array:
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
+def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
   """FlashAttention-3 style: two compute warpgroups of 64 rows and one TMA warpgroup."""
-  _, _, h = qf.shape
+  h = qf.shape[-1]
+  staging = q_staging(qf, q_by_row, WG_M, interpret)
   dtype = qf.dtype
   bk = config.block_kv
   steps = config.max_concurrent_steps
@@ -282,7 +331,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
                             barriers, consumed, schedule_barrier):
-    qo_smem2, k_smem, v_smem, lse_smem2 = smem
+    qo_smem2, k_smem, v_smem, lse_smem2, q_staged2 = smem
     k_barriers, v_barriers, q_barriers = barriers
     k_consumed, v_consumed = consumed
     item = lax.axis_index('item')
@@ -298,9 +347,10 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
     def _compute():
       plgpu.set_max_registers(232, action='increase')
       qo_smem = qo_smem2.at[wg]
-      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row),
-                              qo_smem, q_barriers.at[wg])
-      plgpu.barrier_wait(q_barriers.at[wg])
+      q_staged = None if q_staged2 is None else q_staged2.at[wg]
+      start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_staged,
+              q_barriers.at[wg])
+      finish_q(qo_smem, q_staged, q_barriers.at[wg])
       carry = osm.init(WG_M, h)
 
       @pl.when(it.num_blocks > 0)
@@ -378,6 +428,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
           plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((2, WG_M), jnp.float32),
+          None if staging is None else plgpu.SMEM((2, *staging.shape), staging.dtype),
       ),
       (
           plgpu.Barrier(num_barriers=steps),
@@ -390,16 +441,16 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row):
   return shared_segment_kernel, scratch, dict(num_threads=3, thread_name='wg')
 
 
-def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row):
+def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row, interpret):
   """One warpgroup: TILE_M rows, K/V through two slots it fills and drains itself."""
-  _, _, h = qf.shape
+  h = qf.shape[-1]
   dtype = qf.dtype
   bk = config.block_kv
   qk_scale = scale * LOG2E
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
                             barriers):
-    qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_staged = smem
     q_bar, k_bars, v_bars = barriers
     item = lax.axis_index('item')
     kv_head = lax.axis_index('kv_head')
@@ -407,7 +458,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row):
 
     @pl.when(it.active)
     def _():
-      plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, it.tile_row, q_by_row, TILE_M), qo_smem, q_bar.at[0])
+      start_q(q_ref, kv_head, it.tile_row, q_by_row, qo_smem, q_staged, q_bar.at[0])
 
       def issue(step, slot):
         tok = pl.multiple_of(it.split_tok + step * bk, ALIGN)
@@ -416,7 +467,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row):
 
       for i in range(2):
         pl.when(i < it.num_blocks)(lambda i=i: issue(i, i))
-      plgpu.barrier_wait(q_bar.at[0])
+      finish_q(qo_smem, q_staged, q_bar.at[0])
 
       def kv_step(step, carry, masked: bool):
         slot = lax.rem(step, jnp.int32(2))
@@ -453,6 +504,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row):
           plgpu.SMEM((2, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((TILE_M,), jnp.float32),
           plgpu.SMEM((TILE_M, bk), dtype, transforms=_TILED),
+          q_staging(qf, q_by_row, TILE_M, interpret),
       ),
       (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
   ]

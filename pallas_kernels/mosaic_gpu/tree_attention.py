@@ -108,6 +108,12 @@ class MosaicGpuConfig:
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
       of 163 at B=1024, P=1K, 32/32 heads on an H200, `throughput/s24`).
+    q_by_row_groups: `q_by_row` also for G = 2, 4 or 8 (T*G rows a query row, none padded):
+      each kernel copies a Q tile's [64/G, G, H] rows from q's [B*T, K, G, H] view into an
+      untiled buffer and from there, through registers, into the tiled one wgmma reads. It
+      would take out the per-layer fold of q at GQA shapes (2.3-2.5 µs of 128 at B=256,
+      P=16K, 32/8 heads on an H200, `mosaic_gpu_check/s28`). Checked in interpret mode and
+      lowered for CUDA only: off until an H200 run checks and times it.
   """
 
   block_kv: int = 128
@@ -119,6 +125,7 @@ class MosaicGpuConfig:
   private_staged_pages: bool | None = None
   private_lane_table: bool = True
   q_by_row: bool = True
+  q_by_row_groups: bool = False
 
   def __post_init__(self):
     SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
@@ -258,10 +265,7 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
                                 staged_pages=staged, lane_steps=steps,
-                                # Read by row: folded row r is q[r // T, r % T, k]; a TMA copy
-                                # of a [rows, K, H] view needs whole 8-row tiles.
-                                q_by_row=(config.q_by_row and g == 1 and tgp == t
-                                          and b * tgp % ALIGN == 0))
+                                q_by_row=_reads_q_by_row(config, b, t, g, tgp))
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
@@ -271,6 +275,18 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
       pages, layout.private_lengths, layout.row_segments, pack_segments(layout.groups), sched,
       problem,
   )
+
+
+def _reads_q_by_row(config: MosaicGpuConfig, b: int, t: int, g: int, tgp: int) -> bool:
+  """Whether the kernels read q's rows in place (`MosaicGpuConfig.q_by_row`).
+
+  Folded row r is q[r // TGp, (r % TGp) // G, k*G + r % G]: in place only without padded
+  rows (TGp == T*G). A TMA copy of a [B*T, K, ...] view needs whole 8-row tiles of it
+  (B*T a multiple of 8), and with G > 1 a tile's first row must be a whole (b, t) row (G
+  divides ALIGN).
+  """
+  groups_ok = g == 1 or (config.q_by_row_groups and ALIGN % g == 0)
+  return config.q_by_row and groups_ok and tgp == t * g and b * t % ALIGN == 0
 
 
 def with_private_lengths(prepared: Prepared, lengths: jax.Array) -> Prepared:
@@ -371,10 +387,11 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
   tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
   rows = round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN)
   by_row = problem.q_by_row
-  if by_row:
-    qf = q.reshape(b * tgp, kh, q.shape[-1])
+  if by_row:  # [B*T, K, H] (G = 1) or [B*T, K, G, H]
+    g = n // kh
+    qf = q.reshape(b * tgp // g, kh, *((g,) if g > 1 else ()), q.shape[-1])
     if interpret:  # interpret mode clamps reads past the end; TMA reads them as zeros
-      qf = jnp.pad(qf, ((0, rows - b * tgp), (0, 0), (0, 0)))
+      qf = jnp.pad(qf, ((0, (rows - b * tgp) // g),) + ((0, 0),) * (qf.ndim - 1))
   else:
     qf = _fold_queries(q, kh, tgp, rows)
   partial_out, partial_lse = segment_attention(
