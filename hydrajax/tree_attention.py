@@ -83,13 +83,13 @@ def path_item_index(layout: TreeLayout) -> jax.Array | None:
   return jnp.where(segments >= 0, base + rows, -1).astype(jnp.int32)
 
 
-def _along_paths(index, items, rows: int):
-  """The items at each row's path columns: [D] of (valid [B], items[index[:, d]])."""
+def _along_paths(index, rows: int, *items):
+  """Each of `items` at each row's path columns: [D] of (valid [B], [item[index[:, d]] ...])."""
   if index.ndim != 2 or index.shape[0] != rows or not jnp.issubdtype(index.dtype, jnp.integer):
     raise ValueError(f'index must be an integer [B={rows}, D] array (path_item_index), got '
                      f'{index.dtype}{list(index.shape)}')
   safe = jnp.maximum(index, 0)
-  return [(index[:, d] >= 0, items[safe[:, d]]) for d in range(index.shape[1])]
+  return [(index[:, d] >= 0, [x[safe[:, d]] for x in items]) for d in range(index.shape[1])]
 
 
 def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) -> PartialState:
@@ -101,8 +101,7 @@ def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) ->
                      f'outs.shape[:-1]; got outs {list(outs.shape)}, lses {list(lses.shape)}')
   rows = dense.out.shape[0]
   states_out, states_lse = [dense.out.astype(jnp.float32)], [dense.lse.astype(jnp.float32)]
-  for (valid, out), (_, lse) in zip(_along_paths(index, outs, rows),
-                                    _along_paths(index, lses, rows)):
+  for valid, (out, lse) in _along_paths(index, rows, outs, lses):
     states_out.append(out.astype(jnp.float32))
     states_lse.append(jnp.where(valid.reshape((-1,) + (1,) * (lse.ndim - 1)),
                                 lse.astype(jnp.float32), -jnp.inf))
@@ -118,7 +117,7 @@ def sum_along_paths(dense, index, items):
     raise ValueError(f'items must be [M, {", ".join(map(str, dense.shape[1:]))}] like dense\'s '
                      f'rows, got {list(items.shape)}')
   total = dense.astype(jnp.float32)
-  for valid, item in _along_paths(index, items, dense.shape[0]):
+  for valid, (item,) in _along_paths(index, dense.shape[0], items):
     mask = valid.reshape((-1,) + (1,) * (item.ndim - 1))
     total = total + jnp.where(mask, item.astype(jnp.float32), 0.0)
   return total
