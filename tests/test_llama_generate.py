@@ -157,7 +157,13 @@ def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():
   expected, expected_cache = gen.prefill(model, tp, empty(), impl='xla', chunk=16)
   got, cache = gen.prefill(model, tp, empty(), impl='mosaic_gpu', chunk=16, interpret=True)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-2, atol=2e-2)
-  np.testing.assert_array_equal(np.asarray(got).argmax(-1), np.asarray(expected).argmax(-1))
+  # Greedy tokens agree wherever the allclose above decides them: a top-2 gap wider than what
+  # the tolerance lets both logits move (random bf16 weights can make a near tie, and then
+  # either run may pick either token: CI at e5fd98c saw 29 against 66 at one row).
+  got_np, want_np = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+  top2 = np.sort(want_np, axis=-1)[..., -2:]
+  decided = top2[..., 1] - top2[..., 0] > 2 * (2e-2 + 2e-2 * np.abs(top2[..., 1]))
+  np.testing.assert_array_equal(got_np.argmax(-1)[decided], want_np.argmax(-1)[decided])
   slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
                           for s in tp.plan.segments])
   np.testing.assert_allclose(np.asarray(cache.k, np.float32)[:, slots],
