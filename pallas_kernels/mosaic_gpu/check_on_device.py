@@ -121,7 +121,11 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(max_splits=3),
     dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
     dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
-    dict(q_by_row_groups=True),  # G = 2, 4, 8: q read in place too (built in s28, not yet run)
+    dict(q_by_row_groups=True),  # G = 2, 4, 8: q read in place too (s29: no faster)
+    # The shared kernel's steps: 192 kv tokens (fits once no reduction scratch is reserved),
+    # or three 128-token slots in flight (s29).
+    dict(block_kv=192),
+    dict(max_concurrent_steps=3),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

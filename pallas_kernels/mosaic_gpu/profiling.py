@@ -20,10 +20,13 @@ PROFILE_DIR = 'HYDRAJAX_MOSAIC_GPU_PROFILE_DIR'
 PROFILE_SPACE = 'HYDRAJAX_MOSAIC_GPU_PROFILE_SPACE'
 
 
-def compiler_params() -> plgpu.CompilerParams:
+def compiler_params(**overrides) -> plgpu.CompilerParams:
   """The kernels' compiler parameters (fast approximate exp/reciprocal; lane semantics: arrays
-  are a warpgroup's, with explicit layouts), with the profiler on when PROFILE_DIR is set."""
-  kwargs = dict(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+  are a warpgroup's, with explicit layouts), with the profiler on when PROFILE_DIR is set.
+
+  overrides: other `plgpu.CompilerParams` fields (the shared kernel reserves no reduction
+  scratch: its row reductions stay within a warp, and 192-token kv steps need those 2 KiB)."""
+  kwargs = dict(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane, **overrides)
   path = os.environ.get(PROFILE_DIR)
   if path:
     os.makedirs(path, exist_ok=True)

@@ -243,7 +243,9 @@ def segment_attention(
       scratch_types=scratch,
       grid=(sched.num_items, kh),
       grid_names=('item', 'kv_head'),
-      compiler_params=profiling.compiler_params(),
+      # Row reductions of the WGMMA layout stay within a warp: no cross-warp scratch (2 KiB,
+      # which 192-token kv steps need).
+      compiler_params=profiling.compiler_params(reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       **mesh,
   )(segments, offset_operand(kv_offset), qf, k_cache, v_cache)
