@@ -283,6 +283,40 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  @pytest.mark.parametrize('knobs', [dict(shared_overlap=True)], ids=['overlap'])
+  @pytest.mark.parametrize('block_kv', [64, 128])
+  def test_shared_schedules_change_nothing(self, knobs, block_kv):
+    """The shared kernel's overlapped schedule (PV under the next block's softmax, one-sided
+    turns) reorders when products are issued, not the arithmetic, with NaN/inf in every
+    unattended slot, over segments of 0-150 tokens from unaligned starts (masked first and
+    last blocks, one-block and empty segments). Not bitwise: the compiler may contract l's
+    multiply-add into an fma in one schedule and not the other (H200: lse 1 ulp apart)."""
+    if self.interpret:
+      pytest.skip('interpret mode runs the single-warpgroup shared kernel, which has one '
+                  'schedule; the compiled class runs this test')
+    plan = _tree('deep', self.capacity, (4, 16, 9, 70, 5))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=2, n=8, k=2, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=int(np.random.default_rng().integers(1 << 30)))
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    shapes = mosaic.KernelShapes.of(q, fk)
+
+    def attend(**kw):
+      config = mosaic.MosaicGpuConfig(block_kv=block_kv, **kw)
+      prepared = mosaic.prepare(layout, shapes, config)
+      return mosaic.attend(q, fk, fv, prepared, shapes=shapes, config=config,
+                           kv_offset=jnp.int32(offset))
+
+    want, got = attend(), attend(**knobs)
+    _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    got_lse, want_lse = np.asarray(got.lse), np.asarray(want.lse)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[seen], want_lse[seen], rtol=1e-6, atol=0)
+    got_out, want_out = np.asarray(got.out, np.float32), np.asarray(want.out, np.float32)
+    assert np.isfinite(got_out).all()
+    np.testing.assert_allclose(got_out, want_out, rtol=2**-7, atol=1e-6)  # one bf16 ulp
+
   @pytest.mark.parametrize('n, k', [(3, 3), (8, 4), (8, 2), (16, 2)],
                            ids=['G=1', 'G=2', 'G=4', 'G=8'])
   @pytest.mark.parametrize('t', [1, 2])

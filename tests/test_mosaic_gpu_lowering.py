@@ -90,6 +90,20 @@ def test_q_by_row_groups_lowers_for_cuda(b, p, s, n, k, t):
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
 
+@pytest.mark.parametrize('knobs', [dict(shared_overlap=True),
+                                   dict(shared_overlap=True, block_kv=64,
+                                        max_concurrent_steps=3),
+                                   dict(shared_overlap=True, block_kv=192)],
+                         ids=['overlap', 'overlap_block64_steps3', 'overlap_block192'])
+@pytest.mark.parametrize('shape', [(256, 16384, 1, 32, 8, 1), (8, 2048, 9, 32, 32, 2)],
+                         ids=['G=4', 'MHA_T=2'])
+def test_shared_knobs_lower_for_cuda(knobs, shape):
+  """The shared kernel's overlapped schedule (`shared_overlap`), and 192-token steps (which
+  fit in shared memory only without reduction scratch)."""
+  kernels = _lower_tree(*shape, **knobs)
+  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
+
+
 @pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])
 def test_training_kernels_lower_for_cuda(n, k):
   sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)

@@ -126,6 +126,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # or three 128-token slots in flight (s29).
     dict(block_kv=192),
     dict(max_concurrent_steps=3),
+    # The shared kernel: PV under the next step's softmax (FA3's intra-warpgroup overlap), the
+    # warpgroups taking one-sided turns at issuing (s29; s28's rendezvous turns were slower).
+    dict(shared_overlap=True),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

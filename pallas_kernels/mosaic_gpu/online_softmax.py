@@ -60,17 +60,40 @@ def step(s, acc, m, l, *, scale_log2: float, dtype, visible=None, may_be_empty: 
   Returns:
     (acc * alpha, m, l, p in dtype): acc rescaled to the new maximum, the new m and l.
   """
+  alpha, m_new, p = _probabilities(s, m, scale_log2, visible, may_be_empty)
+  acc = acc * _rows(alpha, acc.shape)
+  l = l * alpha
+  p16 = p.astype(dtype)
+  l = l + p.sum(axis=1)
+  return acc, m_new, l, p16
+
+
+def step_deferred(s, m, l, *, scale_log2: float, visible=None, may_be_empty: bool = True):
+  """`step` for a kernel whose acc and previous p are still in a wgmma while this runs.
+
+  Returns:
+    (alpha, m, l, p float32): once that wgmma is done, the caller multiplies acc by alpha
+    and converts p for its PV wgmma. (Registers that feed a wgmma written while another is
+    in flight make ptxas serialize the wgmmas.)
+  """
+  alpha, m_new, p = _probabilities(s, m, scale_log2, visible, may_be_empty)
+  return alpha, m_new, l * alpha + p.sum(axis=1), p
+
+
+def _probabilities(s, m, scale_log2, visible, may_be_empty):
+  """(alpha, new m, p): the block's probabilities against the new running maximum."""
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
   alpha = jnp.exp2(m - m_use)
   p = jnp.exp2(s * scale_log2 - _rows(m_use, s.shape))
-  acc = acc * _rows(alpha, acc.shape)
-  l = l * alpha
-  p16 = p.astype(dtype)
-  l = l + p.sum(axis=1)
-  return acc, m_new, l, p16
+  return alpha, m_new, p
+
+
+def rescale(acc, alpha):
+  """acc [M, H] times alpha [M] per row (`step_deferred`'s deferred half)."""
+  return acc * _rows(alpha, acc.shape)
 
 
 def add_pv(acc, p16, v_smem, p_smem=None):

@@ -48,10 +48,21 @@ def floor_div(x, d: int):
 
 @dataclasses.dataclass(frozen=True)
 class SegmentKernelConfig:
-  """Block sizes of the shared-segment kernel."""
+  """Block sizes and schedule of the shared-segment kernel.
+
+  Attributes:
+    block_kv: kv tokens per step (a multiple of 64).
+    max_concurrent_steps: shared-memory slots of the K/V pipeline (>= 2).
+    overlap: each step issues its QK^T wgmma and the previous step's PV wgmma together and
+      runs the softmax while PV is on the tensor cores (FlashAttention-3's intra-warpgroup
+      overlap), the two warpgroups taking one-sided turns at issuing. Off: a step waits for
+      QK^T, runs the softmax, then issues and waits for PV, the warpgroups meeting twice a
+      step (`_warp_specialized_kernel`).
+  """
 
   block_kv: int = 128
   max_concurrent_steps: int = 2
+  overlap: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -332,7 +343,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
   qk_scale = scale * LOG2E  # scores in base 2
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
-                            barriers, consumed, schedule_barrier):
+                            barriers, consumed, schedule_barrier, turns):
     qo_smem2, k_smem, v_smem, lse_smem2, q_staged2 = smem
     k_barriers, v_barriers, q_barriers = barriers
     k_consumed, v_consumed = consumed
@@ -341,18 +352,17 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
     wg = lax.axis_index('wg')
     it = _decode_item(sched, seg_ref, item, bk, offset_ref[0])
 
+    # In order: both compute warpgroups arrive on `schedule_barrier` and wait for it, so each
+    # such point is a rendezvous; warpgroup 1 passes one more at its start (and 0 at its end),
+    # which puts one's wgmmas under the other's softmax.
     def schedule():
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
-    @pl.when(it.active & (wg < 2))
-    def _compute():
-      plgpu.set_max_registers(232, action='increase')
-      qo_smem = qo_smem2.at[wg]
-      q_staged = None if q_staged2 is None else q_staged2.at[wg]
-      start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_staged,
-              q_barriers.at[wg])
-      finish_q(qo_smem, q_staged, q_barriers.at[wg])
+    def qk(slot):
+      return lambda s_ref: plgpu.wgmma(s_ref, qo_smem2.at[wg], k_smem.at[slot].transpose((1, 0)))
+
+    def steps_in_order():
       carry = osm.init(WG_M, h)
 
       @pl.when(it.num_blocks > 0)
@@ -364,14 +374,14 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
       def kv_step(step, carry, masked: bool):
         slot = lax.rem(step, jnp.int32(steps))
 
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        def compute_qk(s_ref):
+          qk(slot)(s_ref)
           schedule()
-          return acc_ref[...]
+          return s_ref[...]
 
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+        s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        acc, m_i, l_i, p16 = _softmax_step(qk, carry, it, step, bk, masked, qk_scale, dtype)
+        acc, m_i, l_i, p16 = _softmax_step(s, carry, it, step, bk, masked, qk_scale, dtype)
         acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(v_barriers.at[slot])
@@ -396,6 +406,109 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
 
       acc, m_i, l_i = _three_sections(kv_step, it, carry)
       pl.when(wg == 0)(schedule)
+      return acc, m_i, l_i
+
+    # Overlapped: one-sided turns, as FlashAttention-3's. A warpgroup waits for its turn only
+    # to issue its wgmmas and hands the turn over right after, so it never waits for the other
+    # one's softmax (s28's rendezvous did: both softmaxes then ran while the tensor cores
+    # idled). Warpgroup 1 opens warpgroup 0's first turn.
+    def take_turn():
+      plgpu.barrier_wait(turns.at[wg])
+
+    def pass_turn():
+      plgpu.barrier_arrive(turns.at[1 - wg])
+
+    def steps_overlapped():
+      """Step s issues QK^T of block s, rescales acc to block s - 1's maximum under it,
+      issues PV of block s - 1, and runs block s's softmax while PV is on the tensor cores
+      (FlashAttention-3's order). The carry's acc still awaits its last alpha."""
+      softmax = lambda s, m, l, step, masked: osm.step_deferred(
+          s, m, l, scale_log2=qk_scale, may_be_empty=False,
+          visible=_visible(s.shape, it, step, bk) if masked else None)
+
+      def boundary(step):  # the item's first or last block, which may hold tokens outside it
+        return (step < it.num_head) | (step >= it.num_blocks - it.num_tail)
+
+      def add_pv(acc_ref, p16, step):
+        slot = lax.rem(step, jnp.int32(steps))
+        plgpu.barrier_wait(v_barriers.at[slot])
+        # Both warpgroups zero the same rows: their writes agree.
+        pl.when(boundary(step))(lambda: _zero_outside(v_smem.at[slot], it, step, bk))
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+      def first():  # block 0: QK^T and its softmax, no PV yet
+        plgpu.barrier_wait(k_barriers.at[0])
+
+        def compute_qk(s_ref):
+          take_turn()
+          qk(0)(s_ref)
+          pass_turn()
+          return s_ref[...]
+
+        s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[0])
+        alpha, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
+        return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype), alpha
+
+      def kv_step(step, carry, masked: bool):
+        acc, m_i, l_i, p16, alpha = carry
+        slot = lax.rem(step, jnp.int32(steps))
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def products(refs):
+          acc_ref, alpha_ref, m_ref, l_ref, p_ref = refs
+
+          def compute_qk(s_ref):
+            take_turn()
+            qk(slot)(s_ref)
+            # No wgmma writes acc now: read without a wait, rescale under QK^T.
+            acc_ref[...] = osm.rescale(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), alpha)
+            add_pv(acc_ref, p16, step - 1)
+            pass_turn()
+            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # PV may still run
+
+          s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          alpha_ref[...], m_ref[...], l_ref[...], p_ref[...] = softmax(
+              s, m_ref[...], l_ref[...], step, masked)
+
+        scores = plgpu.layout_cast(jnp.zeros((WG_M, bk), jnp.float32), plgpu.Layout.WGMMA)
+        acc, alpha, m_i, l_i, p = pl.run_state(products)(
+            (plgpu.ACC.init(acc), m_i, m_i, l_i, scores))
+        plgpu.barrier_arrive(v_consumed.at[lax.rem(step - 1, jnp.int32(steps))])
+        return acc, m_i, l_i, p.astype(dtype), alpha
+
+      def last(carry):  # PV of the last block
+        acc, m_i, l_i, p16, alpha = carry
+        step = it.num_blocks - 1
+
+        def compute_pv(acc_ref):
+          take_turn()
+          add_pv(acc_ref, p16, step)
+          pass_turn()
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(osm.rescale(acc, alpha)))
+        plgpu.barrier_arrive(v_consumed.at[lax.rem(step, jnp.int32(steps))])
+        return acc, m_i, l_i
+
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
+      empty = osm.init(WG_M, h)
+      zero_p = plgpu.layout_cast(jnp.zeros((WG_M, bk), dtype), plgpu.Layout.WGMMA)
+      carry = lax.cond(it.num_blocks > 0, first, lambda: (*empty, zero_p, empty[2]))
+      split = jnp.maximum(it.num_blocks - it.num_tail, 1)
+      carry = lax.fori_loop(1, split, lambda i, c: kv_step(i, c, False), carry)
+      carry = lax.fori_loop(split, it.num_blocks, lambda i, c: kv_step(i, c, True), carry)
+      return lax.cond(it.num_blocks > 0, last, lambda c: c[:3], carry)
+
+    @pl.when(it.active & (wg < 2))
+    def _compute():
+      plgpu.set_max_registers(232, action='increase')
+      qo_smem = qo_smem2.at[wg]
+      q_staged = None if q_staged2 is None else q_staged2.at[wg]
+      start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_staged,
+              q_barriers.at[wg])
+      finish_q(qo_smem, q_staged, q_barriers.at[wg])
+      acc, m_i, l_i = (steps_overlapped if config.overlap else steps_in_order)()
       osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
       out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M + wg * WG_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
@@ -439,6 +552,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
       ),
       (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
       plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_barriers=2) if config.overlap else None,  # the warpgroups' turns
   ]
   return shared_segment_kernel, scratch, dict(num_threads=3, thread_name='wg')
 

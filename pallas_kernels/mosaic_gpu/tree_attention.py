@@ -104,6 +104,10 @@ class MosaicGpuConfig:
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
       alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
       B=32 (`experiments/results/throughput/lane_table_s23`).
+    shared_overlap: the shared kernel issues each step's QK^T wgmma with the previous step's
+      PV and runs the softmax under PV, its warpgroups taking one-sided turns at issuing
+      (`SegmentKernelConfig.overlap`). With s28's rendezvous turns it was 12-16% slower on an
+      H200 (`mosaic_gpu_check/s28`); the one-sided turns are checked on the CPU only so far.
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -126,9 +130,10 @@ class MosaicGpuConfig:
   private_lane_table: bool = True
   q_by_row: bool = True
   q_by_row_groups: bool = False
+  shared_overlap: bool = False
 
   def __post_init__(self):
-    SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)  # validates both
+    self.segment_kernel  # validates its fields
     if self.max_splits < 1:
       raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')
     if self.num_sms is not None and self.num_sms < 1:
@@ -145,7 +150,8 @@ class MosaicGpuConfig:
 
   @property
   def segment_kernel(self) -> SegmentKernelConfig:
-    return SegmentKernelConfig(self.block_kv, self.max_concurrent_steps)
+    return SegmentKernelConfig(self.block_kv, self.max_concurrent_steps,
+                               overlap=self.shared_overlap)
 
 
 DEFAULT_CONFIG = MosaicGpuConfig()
