@@ -31,7 +31,8 @@ from pallas_kernels.mosaic_gpu.private_attention import (
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
-    as_folded, pack_segments, segment_attention, segment_attention_reference,
+    OVERLAP_MIN_BLOCKS, SegmentKernelConfig, as_folded, overlaps, pack_segments,
+    segment_attention, segment_attention_reference,
 )
 
 ON_HOPPER = mosaic._hopper_reason() is None
@@ -307,7 +308,7 @@ class TestMosaicGpuKernels:
       return mosaic.attend(q, fk, fv, prepared, shapes=shapes, config=config,
                            kv_offset=jnp.int32(offset))
 
-    want, got = attend(), attend(**knobs)
+    want, got = attend(shared_overlap=False), attend(**knobs)
     _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     got_lse, want_lse = np.asarray(got.lse), np.asarray(want.lse)
     np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
@@ -575,6 +576,23 @@ class TestSupportAndSchedule:
     assert sched.num_splits == splits
     gs = sched.groups[0]
     assert gs.split_tokens * splits >= 16384 and gs.split_tokens % 128 == 0
+
+  @pytest.mark.parametrize('batch,prefix,group,kv_heads,overlap', [
+      (1024, 16384, 4, 8, True), (256, 16384, 4, 8, True), (32, 2048, 4, 8, False),
+      (1024, 1024, 1, 32, False)])
+  def test_overlap_resolves_by_program_length(self, batch, prefix, group, kv_heads, overlap):
+    """shared_overlap=None turns the overlapped schedule on for programs of at least
+    OVERLAP_MIN_BLOCKS kv blocks (the P=16K decode steps: 65-129 blocks), off for short ones
+    (B=32, P=2K: 8 splits of 3 blocks; P=1K: 9); an explicit value wins."""
+    plan = hydrajax.plan_tree(PromptNode(prefix, num_samples=batch), private_capacity=64)
+    sched = schedule.shared_schedule(
+        plan.to_device(), rows_per_query=group, num_kv_heads=kv_heads, block_kv=128,
+        num_sms=132, max_splits=8)
+    blocks = max(g.split_tokens for g in sched.groups) // 128
+    assert (blocks >= OVERLAP_MIN_BLOCKS) == overlap
+    assert overlaps(SegmentKernelConfig(), sched) == overlap
+    for explicit in (True, False):
+      assert overlaps(SegmentKernelConfig(overlap=explicit), sched) == explicit
 
   def test_one_lane_table_serves_every_layer(self):
     """The lane table depends on the step's lengths only: in a step that attends two layers,

@@ -126,9 +126,12 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # or three 128-token slots in flight (s29).
     dict(block_kv=192),
     dict(max_concurrent_steps=3),
-    # The shared kernel: PV under the next step's softmax (FA3's intra-warpgroup overlap), the
-    # warpgroups taking one-sided turns at issuing (s29; s28's rendezvous turns were slower).
+    # The shared kernel's overlap (PV under the next step's softmax, FA3's intra-warpgroup
+    # overlap, one-sided turns; s29) everywhere, and nowhere (before s29); by default it is on
+    # for programs of 16 kv blocks or more (`segment_attention.overlaps`).
     dict(shared_overlap=True),
+    dict(shared_overlap=False),
+    dict(block_kv=192, shared_overlap=True),  # both of s29's shared-kernel gains (not yet run)
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -57,18 +57,34 @@ class SegmentKernelConfig:
       runs the softmax while PV is on the tensor cores (FlashAttention-3's intra-warpgroup
       overlap), the two warpgroups taking one-sided turns at issuing. Off: a step waits for
       QK^T, runs the softmax, then issues and waits for PV, the warpgroups meeting twice a
-      step (`_warp_specialized_kernel`).
+      step (`_warp_specialized_kernel`). None: on when a program may run OVERLAP_MIN_BLOCKS
+      kv blocks or more (`overlaps`).
   """
 
   block_kv: int = 128
   max_concurrent_steps: int = 2
-  overlap: bool = False
+  overlap: bool | None = None
 
   def __post_init__(self):
     if self.block_kv % 64:
       raise ValueError(f'block_kv must be a multiple of 64, got {self.block_kv}')
     if self.max_concurrent_steps < 2:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
+
+
+# H200, kernel alone (`experiments/results/mosaic_gpu_check/s29`): the overlap took the shared
+# kernel from 410.0 to 400.9 µs at B=1024, P=16K, 32/8 (128 blocks a program), left it at 108.9
+# -> 108.6 at B=256 (64 blocks), and cost 9.5 -> 10.2 at B=32, P=2K (2 blocks: its first and
+# last steps are extra). Between 2 and 64 blocks it is unmeasured; 16 splits the difference.
+OVERLAP_MIN_BLOCKS = 16
+
+
+def overlaps(config: SegmentKernelConfig, sched: SharedSchedule) -> bool:
+  """Whether the shared kernel runs the overlapped schedule (`SegmentKernelConfig.overlap`)."""
+  if config.overlap is not None:
+    return config.overlap
+  longest = max((g.split_tokens for g in sched.groups), default=0) // sched.block_kv
+  return longest >= OVERLAP_MIN_BLOCKS
 
 
 def _align_down(x):
@@ -341,6 +357,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
   bk = config.block_kv
   steps = config.max_concurrent_steps
   qk_scale = scale * LOG2E  # scores in base 2
+  overlap = overlaps(config, sched)
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
                             barriers, consumed, schedule_barrier, turns):
@@ -508,7 +525,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
       start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_staged,
               q_barriers.at[wg])
       finish_q(qo_smem, q_staged, q_barriers.at[wg])
-      acc, m_i, l_i = (steps_overlapped if config.overlap else steps_in_order)()
+      acc, m_i, l_i = (steps_overlapped if overlap else steps_in_order)()
       osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
       out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M + wg * WG_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
@@ -552,7 +569,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
       ),
       (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
       plgpu.Barrier(num_arrivals=2),
-      plgpu.Barrier(num_barriers=2) if config.overlap else None,  # the warpgroups' turns
+      plgpu.Barrier(num_barriers=2) if overlap else None,  # the warpgroups' turns
   ]
   return shared_segment_kernel, scratch, dict(num_threads=3, thread_name='wg')
 

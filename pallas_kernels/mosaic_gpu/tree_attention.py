@@ -77,8 +77,12 @@ class MosaicGpuConfig:
 
   Attributes:
     block_kv: kv tokens per step of the shared kernel (multiple of 64; 64 was slower on
-      every H200 shape measured).
-    max_concurrent_steps: shared-memory slots of the shared kernel's K/V pipeline (>= 2).
+      every H200 shape measured). 192 (the most that fits with two slots) took the shared
+      kernel alone 414.2 -> 400.7 µs at B=1024, P=16K, 32/8, but 109.4 -> 111.3 at B=256, and
+      the 7B decode step's attention kernels 4.18 -> 4.34 ms at B=1024, P=1K
+      (`mosaic_gpu_check/s29`); 128 stays the default.
+    max_concurrent_steps: shared-memory slots of the shared kernel's K/V pipeline (>= 2;
+      3 was slower on an H200 at every P=16K shape, s29).
     max_splits: most kv splits per shared segment (8 measured best at B=32, P=2K on an
       H200: 25.9 us against 29.8 with 16 and 26.1 with 4; larger batches use 1-2).
     num_sms: multiprocessors to fill (None: the device's; 132 off the GPU).
@@ -106,8 +110,10 @@ class MosaicGpuConfig:
       B=32 (`experiments/results/throughput/lane_table_s23`).
     shared_overlap: the shared kernel issues each step's QK^T wgmma with the previous step's
       PV and runs the softmax under PV, its warpgroups taking one-sided turns at issuing
-      (`SegmentKernelConfig.overlap`). With s28's rendezvous turns it was 12-16% slower on an
-      H200 (`mosaic_gpu_check/s28`); the one-sided turns are checked on the CPU only so far.
+      (`SegmentKernelConfig.overlap`; None: on for programs of 16 kv blocks or more,
+      `segment_attention.overlaps`). H200, shared kernel alone: 410.0 -> 400.9 µs at B=1024,
+      P=16K, 32/8; 108.9 -> 108.6 at B=256; 9.5 -> 10.2 at B=32, P=2K
+      (`mosaic_gpu_check/s29`). With s28's rendezvous turns it was 12-16% slower.
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -115,9 +121,10 @@ class MosaicGpuConfig:
     q_by_row_groups: `q_by_row` also for G = 2, 4 or 8 (T*G rows a query row, none padded):
       each kernel copies a Q tile's [64/G, G, H] rows from q's [B*T, K, G, H] view into an
       untiled buffer and from there, through registers, into the tiled one wgmma reads. It
-      would take out the per-layer fold of q at GQA shapes (2.3-2.5 µs of 128 at B=256,
-      P=16K, 32/8 heads on an H200, `mosaic_gpu_check/s28`). Checked in interpret mode and
-      lowered for CUDA only: off until an H200 run checks and times it.
+      takes out the per-layer fold of q at GQA shapes, but on an H200 the kernels spend what
+      the fold cost (`mosaic_gpu_check/s29`, call 1, 32/8 heads): B=256, P=16K 128.1 -> 129.2
+      µs a call, B=1024 455.6 -> 455.0, B=32, P=2K 27.3 -> 26.2. Correct on every check
+      layout; off.
   """
 
   block_kv: int = 128
@@ -130,7 +137,7 @@ class MosaicGpuConfig:
   private_lane_table: bool = True
   q_by_row: bool = True
   q_by_row_groups: bool = False
-  shared_overlap: bool = False
+  shared_overlap: bool | None = None
 
   def __post_init__(self):
     self.segment_kernel  # validates its fields
