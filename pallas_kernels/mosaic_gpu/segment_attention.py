@@ -5,7 +5,8 @@ see `schedule.py`) for one kv head: the segment's rows times the GQA group are
 the M dimension of two wgmma matrix products per kv block (QK^T and PV), as in
 FlashAttention-3: two compute warpgroups of 64 rows each and one memory
 warpgroup that streams K and V blocks with TMA through `max_concurrent_steps`
-shared-memory slots. Scores are kept in base 2 (scale * log2(e) folded into
+shared-memory slots. On long programs each warpgroup also overlaps its softmax with its own
+PV product (`SegmentKernelConfig.overlap`). Scores are kept in base 2 (scale * log2(e) folded into
 one multiply); the written lse is natural-log.
 
 Output: per item a normalised partial state, out `[K, PAD + W*TILE_M + PAD, H]`
