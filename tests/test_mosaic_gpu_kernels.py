@@ -547,6 +547,10 @@ class TestSupportAndSchedule:
                 dict(num_sms=0), dict(private_slots=1), dict(private_slots=6)):
       with pytest.raises(ValueError, match=next(iter(bad))):
         mosaic.MosaicGpuConfig(**bad)
+    with pytest.raises(ValueError, match='shared_overlap must be None, True or False'):
+      mosaic.MosaicGpuConfig(shared_overlap='yes')
+    with pytest.raises(ValueError, match='overlap must be None, True or False'):
+      mosaic.SegmentKernelConfig(overlap=1.5)
 
   def test_float32_raises_value_error(self):
     with pytest.raises(ValueError, match='float32'):

@@ -71,6 +71,8 @@ class SegmentKernelConfig:
       raise ValueError(f'block_kv must be a multiple of 64, got {self.block_kv}')
     if self.max_concurrent_steps < 2:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
+    if self.overlap not in (None, True, False):
+      raise ValueError(f'overlap must be None, True or False, got {self.overlap!r}')
 
 
 # H200, kernel alone (`experiments/results/mosaic_gpu_check/s29`): the overlap took the shared

@@ -140,6 +140,8 @@ class MosaicGpuConfig:
   shared_overlap: bool | None = None
 
   def __post_init__(self):
+    if self.shared_overlap not in (None, True, False):
+      raise ValueError(f'shared_overlap must be None, True or False, got {self.shared_overlap!r}')
     self.segment_kernel  # validates its fields
     if self.max_splits < 1:
       raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')

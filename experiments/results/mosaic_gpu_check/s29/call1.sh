@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 29, call 1 (the script session 28 left as call5_not_run.sh). One nvidia-h200 (bash call1.sh
+# Session 29, call 1 (session 28 left it as s28/call5_not_run.sh, removed once run). One nvidia-h200 (bash call1.sh
 # <commit>, with OUT set; about 7 minutes): q read in place at G = 2, 4, 8
 # (`q_by_row_groups`, variant 13 of check_on_device.py):
 # (1) the compiled by-row tests (bitwise the fold, G = 1, 2, 4, 8, T = 1, 2);
