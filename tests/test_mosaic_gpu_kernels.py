@@ -597,6 +597,9 @@ class TestSupportAndSchedule:
     assert overlaps(SegmentKernelConfig(), sched) == overlap
     for explicit in (True, False):
       assert overlaps(SegmentKernelConfig(overlap=explicit), sched) == explicit
+    # 192-token steps: off unless asked for (the overlap spills registers there).
+    assert not overlaps(SegmentKernelConfig(block_kv=192), sched)
+    assert overlaps(SegmentKernelConfig(block_kv=192, overlap=True), sched)
 
   def test_one_lane_table_serves_every_layer(self):
     """The lane table depends on the step's lengths only: in a step that attends two layers,

@@ -131,7 +131,7 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # for programs of 16 kv blocks or more (`segment_attention.overlaps`).
     dict(shared_overlap=True),
     dict(shared_overlap=False),
-    dict(block_kv=192, shared_overlap=True),  # both of s29's shared-kernel gains (not yet run)
+    dict(block_kv=192, shared_overlap=True),  # s29's two gains at once: spills, 1.6x slower (s30)
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -59,7 +59,7 @@ class SegmentKernelConfig:
       overlap), the two warpgroups taking one-sided turns at issuing. Off: a step waits for
       QK^T, runs the softmax, then issues and waits for PV, the warpgroups meeting twice a
       step (`_warp_specialized_kernel`). None: on when a program may run OVERLAP_MIN_BLOCKS
-      kv blocks or more (`overlaps`).
+      kv blocks or more of at most OVERLAP_MAX_BLOCK_KV tokens (`overlaps`).
   """
 
   block_kv: int = 128
@@ -78,14 +78,21 @@ class SegmentKernelConfig:
 # H200, kernel alone (`experiments/results/mosaic_gpu_check/s29`): the overlap took the shared
 # kernel from 410.0 to 400.9 µs at B=1024, P=16K, 32/8 (128 blocks a program), left it at 108.9
 # -> 108.6 at B=256 (64 blocks), and cost 9.5 -> 10.2 at B=32, P=2K (2 blocks: its first and
-# last steps are extra). Between 2 and 64 blocks it is unmeasured; 16 splits the difference.
+# last steps are extra). At 9 blocks (B=1024, P=1K, 32/32) it changed nothing (148.8 against
+# 148.7 µs a call, `mosaic_gpu_check/s30`); 16 stays the threshold.
 OVERLAP_MIN_BLOCKS = 16
+# With 192-token steps the overlap's two score tiles do not fit the consumer's registers
+# (ptxas spills about 1 KB): 704 µs a call at B=1024, P=16K, 32/8 (`mosaic_gpu_check/s30`,
+# call 2), against 444.6 for 192-token steps in order (s29, call 3). None leaves it off there.
+OVERLAP_MAX_BLOCK_KV = 128
 
 
 def overlaps(config: SegmentKernelConfig, sched: SharedSchedule) -> bool:
   """Whether the shared kernel runs the overlapped schedule (`SegmentKernelConfig.overlap`)."""
   if config.overlap is not None:
     return config.overlap
+  if config.block_kv > OVERLAP_MAX_BLOCK_KV:
+    return False
   longest = max((g.split_tokens for g in sched.groups), default=0) // sched.block_kv
   return longest >= OVERLAP_MIN_BLOCKS
 

@@ -110,10 +110,11 @@ class MosaicGpuConfig:
       B=32 (`experiments/results/throughput/lane_table_s23`).
     shared_overlap: the shared kernel issues each step's QK^T wgmma with the previous step's
       PV and runs the softmax under PV, its warpgroups taking one-sided turns at issuing
-      (`SegmentKernelConfig.overlap`; None: on for programs of 16 kv blocks or more,
-      `segment_attention.overlaps`). H200, shared kernel alone: 410.0 -> 400.9 µs at B=1024,
-      P=16K, 32/8; 108.9 -> 108.6 at B=256; 9.5 -> 10.2 at B=32, P=2K
-      (`mosaic_gpu_check/s29`). With s28's rendezvous turns it was 12-16% slower.
+      (`SegmentKernelConfig.overlap`). None: on for programs of 16 kv blocks or more, off
+      with `block_kv` over 128, where it spills registers (`segment_attention.overlaps`).
+      H200, shared kernel alone: 410.0 -> 400.9 µs at B=1024, P=16K, 32/8; 108.9 -> 108.6 at
+      B=256; 9.5 -> 10.2 at B=32, P=2K (`mosaic_gpu_check/s29`). With s28's rendezvous turns
+      it was 12-16% slower; with 192-token steps 1.6x slower (s30).
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
