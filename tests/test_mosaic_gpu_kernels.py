@@ -284,6 +284,20 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  def test_unguarded_private_steps_on_a_finite_cache(self):
+    """`private_zero_unseen=False` leaves stale V rows of partial chunks in place: on a cache
+    whose unattended slots are finite (zeros) the states are bitwise the guarded kernel's."""
+    plan = _long_rows_plan(16, (9, 9, 16, 3, 17, 9, 70, 1))
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=1, n=8, k=2, h=self.head_dim, dtype=jnp.bfloat16, seed=91)
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=False)
+    attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
+                               num_sms=1)
+    want, got = attend(), attend(private_zero_unseen=False)
+    _assert_states_close(want, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
+
   @pytest.mark.parametrize('knobs', [dict(shared_overlap=True)], ids=['overlap'])
   @pytest.mark.parametrize('block_kv', [64, 128])
   def test_shared_schedules_change_nothing(self, knobs, block_kv):

@@ -68,8 +68,10 @@ def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
 
 @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True, private_slots=3),
                                    dict(private_slots=5), dict(private_staged_pages=True),
-                                   dict(private_lane_table=False)],
-                         ids=['pairs_slots=3', 'slots=5', 'staged_pages', 'lane_walk'])
+                                   dict(private_lane_table=False),
+                                   dict(private_zero_unseen=False)],
+                         ids=['pairs_slots=3', 'slots=5', 'staged_pages', 'lane_walk',
+                              'unguarded'])
 def test_private_knobs_lower_for_cuda(knobs):
   """The private kernel's pipeline knobs at the decode step's MHA shape (16-token copies
   beside 8- and 64-token ones; 3-5 slots)."""

@@ -132,6 +132,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(shared_overlap=True),
     dict(shared_overlap=False),
     dict(block_kv=192, shared_overlap=True),  # s29's two gains at once: spills, 1.6x slower (s30)
+    # No zeroing of V rows past a partial chunk's valid tokens: what the NaN/inf guard costs
+    # (its results are only right on a cache whose unattended slots are finite; s30).
+    dict(private_zero_unseen=False),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -105,6 +105,9 @@ class PrivateProblem:
   # qf is q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8), not a folded
   # copy (`segment_attention.q_tile`).
   q_by_row: bool = False
+  # False: the caller promises finite values in every kv slot a step copies but no row attends
+  # (past a row's length in its last chunk); the V rows there are then not zeroed.
+  zero_unseen: bool = True
 
   @property
   def rows_per_frame(self) -> int:
@@ -656,7 +659,9 @@ def private_attention(
         acc, m_i, l_i, cursor, packs, pending = carry
         slot = lax.rem(step, jnp.int32(slots))
         packed = packs[0]
-        partial = packed != _FULL  # a lane with fewer than 8 valid tokens
+        # A lane with fewer than 8 valid tokens (None: not looked for, `zero_unseen` off).
+        partial = (packed != _FULL) if problem.zero_unseen else None
+        when_partial = (lambda f: pl.when(partial)(f)) if partial is not None else (lambda f: None)
         # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
         with jax.named_scope('mask'):
           visible = step_mask(step)
@@ -664,7 +669,7 @@ def private_attention(
           plgpu.barrier_wait(k_bars.at[slot])
           # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
           # other waits after the softmax, so V's arrival overlaps QK (long rows).
-          pl.when(partial)(lambda: plgpu.barrier_wait(v_bars.at[slot]))
+          when_partial(lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
@@ -673,7 +678,7 @@ def private_attention(
           with jax.named_scope('plan'):
             plan = plan_step(cursor)
           with jax.named_scope('zero_unseen'):
-            pl.when(partial)(lambda: zero_unseen(kv_smem.at[1, slot], packed))
+            when_partial(lambda: zero_unseen(kv_smem.at[1, slot], packed))
           with jax.named_scope('qk_wait'):
             return acc_ref[...], plan
 
@@ -685,7 +690,10 @@ def private_attention(
               s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
           )
         with jax.named_scope('wait_v'):
-          pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
+          if partial is None:
+            plgpu.barrier_wait(v_bars.at[slot])
+          else:
+            pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
         with jax.named_scope('pv'):
           acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
         # The slot's wgmmas are done (their results are in registers): refill it.

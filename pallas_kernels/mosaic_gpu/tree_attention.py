@@ -115,6 +115,10 @@ class MosaicGpuConfig:
       H200, shared kernel alone: 410.0 -> 400.9 µs at B=1024, P=16K, 32/8; 108.9 -> 108.6 at
       B=256; 9.5 -> 10.2 at B=32, P=2K (`mosaic_gpu_check/s29`). With s28's rendezvous turns
       it was 12-16% slower; with 192-token steps 1.6x slower (s30).
+    private_zero_unseen: the private kernel zeroes the V rows of a step's partial chunks
+      past their valid tokens, so that NaN or inf there never meets a zero probability
+      (0 * inf). False is for caches whose unattended slots are finite (an experiment: what
+      the guard costs a decode step).
     q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
       B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
       folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
@@ -139,6 +143,7 @@ class MosaicGpuConfig:
   q_by_row: bool = True
   q_by_row_groups: bool = False
   shared_overlap: bool | None = None
+  private_zero_unseen: bool = True
 
   def __post_init__(self):
     if self.shared_overlap not in (None, True, False):
@@ -280,6 +285,7 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   staged = stage and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
+                                zero_unseen=config.private_zero_unseen,
                                 staged_pages=staged, lane_steps=steps,
                                 q_by_row=_reads_q_by_row(config, b, t, g, tgp))
   sched = shared_schedule(
