@@ -14,13 +14,14 @@ echo "time rc=$?"; grep '^|' $R/time/time.txt | grep -v xla
 timeout 250 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $R/prof --attend_only \
   --shapes 5,8 --variants 0 --capacity=128 --profile > $R/prof/prof.txt 2>&1
 echo "prof rc=$?"; grep '^|' $R/prof/prof.txt | grep -v xla
-cat $R/time/results.jsonl $R/prof/results.jsonl | python3 - /dev/stdin <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-  r = json.loads(line)
-  if r.get('kind') == 'profile':
-    print(r['shape'], json.dumps(r['regions'])[:2500])
-  if r.get('kind') == 'time':
-    print(r['shape'], r['impl'], round(r['us'], 1), json.dumps(r.get('kernels'))[:300])
-PY
+python3 -c "
+import json
+for path in ('$R/time/results.jsonl', '$R/prof/results.jsonl'):
+  for line in open(path):
+    r = json.loads(line)
+    if r.get('kind') == 'profile':
+      print(r['shape'], json.dumps(r['regions'])[:2500])
+    elif r.get('kind') == 'time':
+      print(r['shape'], r['impl'], round(r['us'], 1), json.dumps(r.get('kernels'))[:300])
+"
 rm -rf $R/prof/profile
