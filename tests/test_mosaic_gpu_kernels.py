@@ -563,6 +563,12 @@ class TestSupportAndSchedule:
         mosaic.MosaicGpuConfig(**bad)
     with pytest.raises(ValueError, match='shared_overlap must be None, True or False'):
       mosaic.MosaicGpuConfig(shared_overlap='yes')
+    for name in ('private_zero_unseen', 'q_by_row', 'private_lane_table'):
+      with pytest.raises(ValueError, match=f'{name} must be True or False'):
+        mosaic.MosaicGpuConfig(**{name: 1})
+    with pytest.raises(ValueError, match='private_staged_pages must be None, True or False'):
+      mosaic.MosaicGpuConfig(private_staged_pages='auto')
+    mosaic.MosaicGpuConfig(private_staged_pages=None, shared_overlap=None)  # resolved per call
     with pytest.raises(ValueError, match='overlap must be None, True or False'):
       mosaic.SegmentKernelConfig(overlap=1.5)
 

@@ -146,8 +146,11 @@ class MosaicGpuConfig:
   private_zero_unseen: bool = True
 
   def __post_init__(self):
-    if self.shared_overlap not in (None, True, False):
-      raise ValueError(f'shared_overlap must be None, True or False, got {self.shared_overlap!r}')
+    for name in _SWITCHES + _OPTIONAL_SWITCHES:
+      value = getattr(self, name)
+      if not (isinstance(value, bool) or (value is None and name in _OPTIONAL_SWITCHES)):
+        allowed = 'None, True or False' if name in _OPTIONAL_SWITCHES else 'True or False'
+        raise ValueError(f'{name} must be {allowed}, got {value!r}')
     self.segment_kernel  # validates its fields
     if self.max_splits < 1:
       raise ValueError(f'max_splits must be >= 1, got {self.max_splits}')
@@ -169,6 +172,9 @@ class MosaicGpuConfig:
                                overlap=self.shared_overlap)
 
 
+_SWITCHES = ('private_pair_copies', 'private_lane_table', 'q_by_row', 'q_by_row_groups',
+             'private_zero_unseen')
+_OPTIONAL_SWITCHES = ('private_staged_pages', 'shared_overlap')  # None: resolved per call
 DEFAULT_CONFIG = MosaicGpuConfig()
 
 
