@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 30, call 1 (was s29/call7_not_run.sh). One nvidia-h200 (bash call7_not_run.sh
+# Session 30, call 1 (was s29/call7_not_run.sh). One nvidia-h200 (bash call1.sh
 # <commit>, with OUT set; about 8 minutes): the shared kernel's overlap, on by default since
 # session 29 for programs of 16 kv blocks or more (`segment_attention.overlaps`).
 # (1) every CHECK_SHAPES entry at the default (0) and with the overlap everywhere (16), against

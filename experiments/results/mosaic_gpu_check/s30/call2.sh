@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 30, call 2 (was s29/call8_not_run.sh). One nvidia-h200 (bash call8_not_run.sh
+# Session 30, call 2 (was s29/call8_not_run.sh). One nvidia-h200 (bash call2.sh
 # <commit>, with OUT set; about 6 minutes):
 # (1) the CodeLlama-7B decode grid (B=1024/32, P=1K/16K) at the session-29 default (the
 #     overlap on for long programs), every kernel of one step profiled ("attn kernels/floor";
