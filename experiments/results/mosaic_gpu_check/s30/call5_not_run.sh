@@ -1,5 +1,6 @@
 #!/bin/bash
-# Not yet run (session 30 had too little device time left to start a machine). One nvidia-h200 (bash call5_not_run.sh <commit>, with OUT set; about 3 minutes):
+# Not yet run (session 30 had too little device time left to start a machine).
+# One nvidia-h200 (bash call5_not_run.sh <commit>, with OUT set; about 3 minutes):
 # the compiled (not interpret-mode) Mosaic GPU tests:
 # the new `private_zero_unseen=False` test on a finite cache (bitwise the guarded kernel),
 # and the shared kernel's schedules (with NaN/inf in every unattended slot).
