@@ -28,9 +28,9 @@ What it does on the GPU:
 times a tree that predates `prepare`/`attend` (the "before" of a change).
 `--attend_only` skips `tree_attention` (one compile less per shape): `attend`
 is checked against XLA, then the garbage check and its timing as in 5.
-`--check_shapes` first checks `CHECK_SHAPES` against XLA (no timing): the
-paged-decode kernel and the private kernel's other output paths (lse not in
-[B, T, N] order for G = 1, a last frame past the batch, T > 1).
+`--check_shapes` first checks `CHECK_SHAPES` against XLA (no timing), under each
+of `--variants`: the paged-decode kernel and the private kernel's other output
+paths (lse not in [B, T, N] order for G = 1, a last frame past the batch, T > 1).
 
 Run 5 (the kernels write [B, T, N, H] themselves), about 2.5 minutes:
 
@@ -54,6 +54,7 @@ H200); batches <= 64 also time smaller `max_splits`.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -327,11 +328,11 @@ def main():
     sink.flush()
     print(json.dumps(kw))
 
-  for shape in checks:  # correctness only
+  for shape, variant in itertools.product(checks, variants):  # correctness only
     try:
       plan, layout, q, kc, vc = problem(*shape)
       want = jax.jit(hydrajax.tree_attention_xla)(q, kc, vc, layout)
-      fn_a, prepared = attend_fn(q, kc, layout, variants[0])
+      fn_a, prepared = attend_fn(q, kc, layout, variant)
       got = fn_a(q, kc, vc, prepared, jnp.int32(0))
       mask = attended_mask(plan)
       dk, offset = dirty_layer(plan, mask, kc)
@@ -342,14 +343,14 @@ def main():
           and np.array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
       )
       problem_ = prepared.problem
-      record(kind='check', shape=shape, problem=type(problem_).__name__, direct=[
-          getattr(problem_, a) for a in ('direct', 'direct_out', 'direct_lse')
-          if hasattr(problem_, a)
-      ], garbage_bitwise_equal=same, **errors(got, want))
+      record(kind='check', shape=shape, variant=variant, problem=type(problem_).__name__,
+             direct=[getattr(problem_, a) for a in ('direct', 'direct_out', 'direct_lse')
+                     if hasattr(problem_, a)],
+             garbage_bitwise_equal=same, **errors(got, want))
       del plan, layout, q, kc, vc, want, got, dk, dv, dirty
     except Exception as e:
       trace = ''.join(traceback.format_exception(e))[-3000:]
-      record(kind='error', shape=shape, stage='check', error=trace)
+      record(kind='error', shape=shape, variant=variant, stage='check', error=trace)
 
   rate, bandwidth = ceilings()
   record(kind='ceilings', matmul_tflops=rate / 1e12, copy_tbps=bandwidth / 1e12)
