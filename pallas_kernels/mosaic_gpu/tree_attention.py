@@ -174,9 +174,10 @@ class MosaicGpuConfig:
                                overlap=self.shared_overlap)
 
 
-_SWITCHES = ('private_pair_copies', 'private_lane_table', 'q_by_row', 'q_by_row_groups',
-             'private_zero_unseen')
-_OPTIONAL_SWITCHES = ('private_staged_pages', 'shared_overlap')  # None: resolved per call
+# The on/off fields, from their annotations: `bool`, or `bool | None` (None: resolved per call).
+_SWITCHES = tuple(f.name for f in dataclasses.fields(MosaicGpuConfig) if f.type is bool)
+_OPTIONAL_SWITCHES = tuple(
+    f.name for f in dataclasses.fields(MosaicGpuConfig) if f.type == bool | None)
 DEFAULT_CONFIG = MosaicGpuConfig()
 
 
