@@ -101,6 +101,86 @@ def private_decode(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, p
   )(q, k_cache, v_cache, pages, lengths, offset, pout, plse)
 
 
+def private_decode_dot(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, page_size,
+                       hb, bt, num_warps, num_stages=1, interpret=False):
+  """As `private_decode`, with contiguous loads of [bt, hb, H] (a gathered token index, then
+  slices: vectorized, GPU only) and the scores of the hb*G q rows (padded to 16) against the
+  bt*hb (token, head) rows as one tensor-core dot, masked to each q row's kv head."""
+  b_rows, kh, g, h = q.shape
+  scale = h**-0.5 * LOG2E
+  rows_q = max(16, hb * g)
+
+  def kernel(q_ref, k_ref, v_ref, pages_ref, len_ref, off_ref, pout_ref, plse_ref, o_ref,
+             lse_ref):
+    b = pl.program_id(0)
+    heads = pl.ds(pl.program_id(1) * hb, hb)
+    length = len_ref[b]
+    off = off_ref[0]
+    qs = (q_ref[...].astype(jnp.float32) * scale).reshape(hb * g, h)
+    if rows_q > hb * g:
+      qs = jnp.concatenate([qs, jnp.zeros((rows_q - hb * g, h), jnp.float32)], 0)
+    qs = qs.astype(q.dtype)
+    row_head = jnp.arange(rows_q, dtype=jnp.int32) // g  # [rows_q]
+    col_head = jnp.arange(bt * hb, dtype=jnp.int32) % hb  # [bt*hb], token-major
+
+    def body(i, carry):
+      m, l, acc = carry
+      t = i * bt + jnp.arange(bt, dtype=jnp.int32)
+      valid = t < length
+      page = pltr.load(pages_ref.at[b, t // page_size], mask=valid, other=0)
+      slot = off + page * page_size + t % page_size
+      mask = jnp.broadcast_to(valid[:, None, None], (bt, hb, h))
+      if interpret:  # interpret mode takes no mixed indexers: the same elements, as arrays
+        at = (jnp.broadcast_to(slot[:, None, None], (bt, hb, h)),
+              jnp.broadcast_to(heads.start + jnp.arange(hb)[None, :, None], (bt, hb, h)),
+              jnp.broadcast_to(jnp.arange(h)[None, None, :], (bt, hb, h)))
+      else:
+        at = (slot, heads, slice(None))
+      k = pltr.load(k_ref.at[at], mask=mask, other=0.0).reshape(bt * hb, h)
+      v = pltr.load(v_ref.at[at], mask=mask, other=0.0).reshape(bt * hb, h)
+      s = pltr.dot(qs, k, trans_b=True)  # [rows_q, bt*hb] f32
+      col_valid = jnp.broadcast_to(valid[:, None], (bt, hb)).reshape(bt * hb)
+      see = (row_head[:, None] == col_head[None, :]) & col_valid[None, :]
+      s = jnp.where(see, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - m_new[:, None])
+      l = l * alpha + jnp.sum(p, axis=1)
+      acc = acc * alpha[:, None] + pltr.dot(p.astype(v.dtype), v)
+      return m_new, l, acc
+
+    init = (jnp.full((rows_q,), -1e30, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
+            jnp.zeros((rows_q, h), jnp.float32))
+    m, l, acc = lax.fori_loop(0, (length + bt - 1) // bt, body, init)
+    m, l, acc = m[:hb * g].reshape(hb, g), l[:hb * g].reshape(hb, g), acc[:hb * g].reshape(hb, g, h)
+    ls = plse_ref[...] * LOG2E
+    mp = jnp.where(l > 0, m, -jnp.inf)
+    top = jnp.maximum(ls, mp)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    ws = jnp.exp2(ls - top)
+    wp = jnp.exp2(mp - top)
+    den = ws + wp * l
+    num = ws[..., None] * pout_ref[...] + wp[..., None] * acc
+    safe = jnp.where(den > 0, den, 1.0)
+    o_ref[...] = (num / safe[..., None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(den > 0, (top + jnp.log2(safe)) / LOG2E, -jnp.inf)
+
+  full = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+  block = lambda *tail: pl.BlockSpec((None, hb, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+  return pl.pallas_call(
+      kernel,
+      grid=(b_rows, kh // hb),
+      in_specs=[block(g, h), full(k_cache), full(v_cache), full(pages), full(lengths),
+                full(offset), block(g, h), block(g)],
+      out_specs=[block(g, h), block(g)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)],
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f'private_decode_dot_hb{hb}_bt{bt}_w{num_warps}',
+  )(q, k_cache, v_cache, pages, lengths, offset, pout, plse)
+
+
 def reference(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, page_size):
   b_rows, kh, g, h = q.shape
   cap = pages.shape[1] * page_size
@@ -137,8 +217,8 @@ def make(b, s, kh, g, *, capacity, page_size, seed, dtype=jnp.bfloat16):
           plse)
 
 
-def check(args_, page_size, want=None, **kw):
-  out, lse = private_decode(*args_, page_size=page_size, **kw)
+def check(args_, page_size, want=None, *, dot=False, **kw):
+  out, lse = (private_decode_dot if dot else private_decode)(*args_, page_size=page_size, **kw)
   ro, rl = want or reference(*args_, page_size=page_size)
   o, r = np.asarray(out, np.float32), np.asarray(ro, np.float32)
   rel = float(np.linalg.norm(o - r) / np.linalg.norm(r))
@@ -155,9 +235,11 @@ def main():
     for (b, kh, g, hb, bt), seed in zip([(5, 4, 1, 2, 16), (3, 4, 4, 2, 8), (4, 2, 8, 1, 16)],
                                         itertools.count()):
       a = make(b, -1, kh, g, capacity=48, page_size=16, seed=seed, dtype=jnp.float32)
-      rel, lse_err = check(a, 16, hb=hb, bt=bt, num_warps=4, interpret=True)
-      print(f'B={b} K={kh} G={g} hb={hb} bt={bt}: out rel {rel:.2e} lse max {lse_err:.2e}')
-      assert rel < 1e-5 and lse_err < 1e-4, (rel, lse_err)
+      for dot in (False, True):
+        rel, lse_err = check(a, 16, dot=dot, hb=hb, bt=bt, num_warps=4, interpret=True)
+        print(f'B={b} K={kh} G={g} hb={hb} bt={bt} dot={dot}: out rel {rel:.2e} '
+              f'lse max {lse_err:.2e}')
+        assert rel < 2e-2 and lse_err < 2e-2, (rel, lse_err)  # dot: bf16 q and p
     return
 
   sys.path.insert(0, os.getcwd())
@@ -166,22 +248,23 @@ def main():
   sink = open(os.path.join(args.out, 'results.jsonl'), 'a')
   # (B, S, K, G): the decode grid's short rows (32/32, 128-token pages as --capacity=128) and
   # the 32/8 shapes' one private token.
-  shapes = [(1024, 9, 32, 1), (1024, 8, 32, 1), (1024, 13, 32, 1), (1024, 65, 32, 1),
-            (32, 9, 32, 1), (256, 1, 8, 4), (32, 1, 8, 4)]
-  configs = [dict(hb=hb, bt=bt, num_warps=w) for hb, bt, w in
-             [(4, 16, 4), (8, 16, 4), (2, 16, 4), (4, 16, 2), (8, 16, 8), (4, 32, 4),
-              (8, 8, 4), (16, 16, 8)]]
+  shapes = [(1024, 9, 32, 1), (1024, 13, 32, 1), (1024, 65, 32, 1), (32, 9, 32, 1)]
+  configs = [dict(dot=True, hb=hb, bt=bt, num_warps=w) for hb, bt, w in
+             [(16, 16, 4), (8, 16, 4), (16, 8, 4), (32, 8, 4), (8, 32, 4), (16, 16, 8)]]
+  configs += [dict(hb=hb, bt=bt, num_warps=w) for hb, bt, w in [(4, 16, 2), (8, 8, 4)]]
   for (b, s, kh, g) in shapes:
     sets = [make(b, s, kh, g, capacity=128, page_size=128, seed=i) for i in range(3)]
     want = jax.jit(functools.partial(reference, page_size=128))(*sets[0])
     useful = b * kh * s * 128 * 2 * 2 + b * kh * g * 128 * (2 * 2 + 4 + 4)
     for cfg in configs:
-      if cfg['hb'] > kh or (g > 1 and cfg['hb'] * g > 32):
+      if cfg['hb'] > kh or (g > 1 and cfg['hb'] * g > 32 * (1 + cfg.get('dot', False))):
         continue
       t0 = time.time()
       try:
         rel, lse_err = check(sets[0], 128, want, **cfg)
-        fn = jax.jit(functools.partial(private_decode, page_size=128, **cfg))
+        kernel = private_decode_dot if cfg.get('dot') else private_decode
+        fn = jax.jit(functools.partial(kernel, page_size=128,
+                                       **{k: v for k, v in cfg.items() if k != 'dot'}))
         us, _ = cupti_us(fn, sets)
         rec = dict(shape=[b, s, kh, g], **cfg, us=round(us, 2), out_rel=rel, lse_err=lse_err,
                    tb_s=round(useful / us / 1e6, 2))
