@@ -1,6 +1,6 @@
 #!/bin/bash
-# Session 31, call 1 (session 30's call5_not_run.sh, then the Triton probe).
-# One nvidia-h200 (bash call5_not_run.sh <commit>, with OUT set; about 5 minutes):
+# Session 31, call 1 (session 30 left (1) and (2) as s30/call5_not_run.sh, removed once run; (3) is new).
+# One nvidia-h200 (bash call1.sh <commit>, with OUT set; about 7 minutes):
 # (1) the compiled (not interpret-mode) Mosaic GPU tests: the new `private_zero_unseen=False`
 #     test on a finite cache (bitwise the guarded kernel), and the shared kernel's schedules
 #     (with NaN/inf in every unattended slot);

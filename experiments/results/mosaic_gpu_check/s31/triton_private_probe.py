@@ -32,6 +32,42 @@ from jax import lax
 LOG2E = math.log2(math.e)
 
 
+def merge_shared(m, l, acc, pout_ref, plse_ref, o_ref, lse_ref):
+  """Writes the private state (running max m and sum l in log2 units, unnormalized acc) merged
+  with the shared partial state (pout normalized, plse natural log; -inf: none)."""
+  ls = plse_ref[...] * LOG2E
+  mp = jnp.where(l > 0, m, -jnp.inf)
+  top = jnp.maximum(ls, mp)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  ws = jnp.exp2(ls - top)
+  wp = jnp.exp2(mp - top)
+  den = ws + wp * l
+  num = ws[..., None] * pout_ref[...] + wp[..., None] * acc
+  safe = jnp.where(den > 0, den, 1.0)
+  o_ref[...] = (num / safe[..., None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(den > 0, (top + jnp.log2(safe)) / LOG2E, -jnp.inf)
+
+
+def launch(kernel, q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, hb, num_warps,
+           num_stages, interpret, name):
+  """One program per (row, hb kv heads); caches, pages, lengths and offset whole."""
+  b_rows, kh, g, h = q.shape
+  full = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+  block = lambda *tail: pl.BlockSpec((None, hb, *tail), lambda i, j: (i, j) + (0,) * len(tail))
+  return pl.pallas_call(
+      kernel,
+      grid=(b_rows, kh // hb),
+      in_specs=[block(g, h), full(k_cache), full(v_cache), full(pages), full(lengths),
+                full(offset), block(g, h), block(g)],
+      out_specs=[block(g, h), block(g)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)],
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(q, k_cache, v_cache, pages, lengths, offset, pout, plse)
+
+
 def private_decode(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, page_size,
                    hb, bt, num_warps, num_stages=1, interpret=False):
   """out [B, K, G, H] (q.dtype), lse [B, K, G] f32 (natural): private tokens merged with the
@@ -73,32 +109,11 @@ def private_decode(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, p
     init = (jnp.full((hb, g), -1e30, jnp.float32), jnp.zeros((hb, g), jnp.float32),
             jnp.zeros((hb, g, h), jnp.float32))
     m, l, acc = lax.fori_loop(0, (length + bt - 1) // bt, body, init)
-    ls = plse_ref[...] * LOG2E  # [hb, G], -inf when no shared state
-    mp = jnp.where(l > 0, m, -jnp.inf)
-    top = jnp.maximum(ls, mp)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    ws = jnp.exp2(ls - top)
-    wp = jnp.exp2(mp - top)
-    den = ws + wp * l
-    num = ws[..., None] * pout_ref[...] + wp[..., None] * acc
-    safe = jnp.where(den > 0, den, 1.0)
-    o_ref[...] = (num / safe[..., None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(den > 0, (top + jnp.log2(safe)) / LOG2E, -jnp.inf)
+    merge_shared(m, l, acc, pout_ref, plse_ref, o_ref, lse_ref)
 
-  full = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
-  block = lambda *tail: pl.BlockSpec((None, hb, *tail), lambda i, j: (i, j) + (0,) * len(tail))
-  return pl.pallas_call(
-      kernel,
-      grid=(b_rows, kh // hb),
-      in_specs=[block(g, h), full(k_cache), full(v_cache), full(pages), full(lengths),
-                full(offset), block(g, h), block(g)],
-      out_specs=[block(g, h), block(g)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=f'private_decode_triton_hb{hb}_bt{bt}_w{num_warps}',
-  )(q, k_cache, v_cache, pages, lengths, offset, pout, plse)
+  return launch(kernel, q, k_cache, v_cache, pages, lengths, offset, pout, plse, hb=hb,
+                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                name=f'private_decode_triton_hb{hb}_bt{bt}_w{num_warps}')
 
 
 def private_decode_dot(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, page_size,
@@ -153,32 +168,11 @@ def private_decode_dot(q, k_cache, v_cache, pages, lengths, offset, pout, plse, 
             jnp.zeros((rows_q, h), jnp.float32))
     m, l, acc = lax.fori_loop(0, (length + bt - 1) // bt, body, init)
     m, l, acc = m[:hb * g].reshape(hb, g), l[:hb * g].reshape(hb, g), acc[:hb * g].reshape(hb, g, h)
-    ls = plse_ref[...] * LOG2E
-    mp = jnp.where(l > 0, m, -jnp.inf)
-    top = jnp.maximum(ls, mp)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    ws = jnp.exp2(ls - top)
-    wp = jnp.exp2(mp - top)
-    den = ws + wp * l
-    num = ws[..., None] * pout_ref[...] + wp[..., None] * acc
-    safe = jnp.where(den > 0, den, 1.0)
-    o_ref[...] = (num / safe[..., None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(den > 0, (top + jnp.log2(safe)) / LOG2E, -jnp.inf)
+    merge_shared(m, l, acc, pout_ref, plse_ref, o_ref, lse_ref)
 
-  full = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
-  block = lambda *tail: pl.BlockSpec((None, hb, *tail), lambda i, j: (i, j) + (0,) * len(tail))
-  return pl.pallas_call(
-      kernel,
-      grid=(b_rows, kh // hb),
-      in_specs=[block(g, h), full(k_cache), full(v_cache), full(pages), full(lengths),
-                full(offset), block(g, h), block(g)],
-      out_specs=[block(g, h), block(g)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)],
-      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=f'private_decode_dot_hb{hb}_bt{bt}_w{num_warps}',
-  )(q, k_cache, v_cache, pages, lengths, offset, pout, plse)
+  return launch(kernel, q, k_cache, v_cache, pages, lengths, offset, pout, plse, hb=hb,
+                num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                name=f'private_decode_dot_hb{hb}_bt{bt}_w{num_warps}')
 
 
 def reference(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, page_size):
