@@ -33,6 +33,21 @@ LN2 = 0.6931471805599453  # ln(2): base-2 lse to natural log
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # layout of per-row vectors (m, l, lse)
 
 
+def store_untiled(ref, value) -> None:
+  """`ref[...] = value` for an untiled shared-memory ref, bank conflicts allowed.
+
+  JAX 0.11 lowers that assignment so (`optimized=False`). JAX 0.12 defaults to
+  `optimized=True`, which refuses a wgmma-layout tile into untiled rows ("Failed to
+  synthesize a transfer pattern that avoids bank conflicts"), and asks for
+  `plgpu.store(..., optimized=False)`, which 0.11 does not have.
+  """
+  store = getattr(plgpu, 'store', None)
+  if store is None:  # JAX 0.11
+    ref[...] = value
+  else:
+    store(ref, value, optimized=False)
+
+
 def init(rows: int, h: int):
   """Empty state (acc [rows, h] = 0, m [rows] = -inf, l [rows] = 0)."""
   m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), ROWS)
@@ -136,8 +151,8 @@ def finish(acc, m, l, o_smem, lse_smem, dtype):
   """Normalised out [M, H] and natural-log lse [M] into shared memory; (0, -inf) if empty."""
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  o_smem[...] = (acc / _rows(l_safe, acc.shape)).astype(dtype)
-  lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
+  store_untiled(o_smem, (acc / _rows(l_safe, acc.shape)).astype(dtype))
+  store_untiled(lse_smem, jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf))
   plgpu.commit_smem()
 
 
