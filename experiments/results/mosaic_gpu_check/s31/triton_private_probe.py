@@ -48,6 +48,15 @@ def merge_shared(m, l, acc, pout_ref, plse_ref, o_ref, lse_ref):
   lse_ref[...] = jnp.where(den > 0, (top + jnp.log2(safe)) / LOG2E, -jnp.inf)
 
 
+def block_slots(pages_ref, b, i, length, offset, *, bt, page_size):
+  """(valid [bt], kv slot [bt]) of row b's tokens [i*bt, (i+1)*bt): page table lookups masked
+  past the row's length (their slots are never read)."""
+  t = i * bt + jnp.arange(bt, dtype=jnp.int32)
+  valid = t < length
+  page = pltr.load(pages_ref.at[b, t // page_size], mask=valid, other=0)
+  return valid, offset + page * page_size + t % page_size
+
+
 def launch(kernel, q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, hb, num_warps,
            num_stages, interpret, name):
   """One program per (row, hb kv heads); caches, pages, lengths and offset whole."""
@@ -87,10 +96,7 @@ def private_decode(q, k_cache, v_cache, pages, lengths, offset, pout, plse, *, p
 
     def body(i, carry):
       m, l, acc = carry
-      t = i * bt + jnp.arange(bt, dtype=jnp.int32)
-      valid = t < length
-      page = pltr.load(pages_ref.at[b, t // page_size], mask=valid, other=0)
-      slot = off + page * page_size + t % page_size
+      valid, slot = block_slots(pages_ref, b, i, length, off, bt=bt, page_size=page_size)
       shape = (bt, hb, h)  # every index an array (interpret mode takes no mixed indexers)
       rows = jnp.broadcast_to(slot[:, None, None], shape)
       mask = jnp.broadcast_to(valid[:, None, None], shape)
@@ -140,10 +146,7 @@ def private_decode_dot(q, k_cache, v_cache, pages, lengths, offset, pout, plse, 
 
     def body(i, carry):
       m, l, acc = carry
-      t = i * bt + jnp.arange(bt, dtype=jnp.int32)
-      valid = t < length
-      page = pltr.load(pages_ref.at[b, t // page_size], mask=valid, other=0)
-      slot = off + page * page_size + t % page_size
+      valid, slot = block_slots(pages_ref, b, i, length, off, bt=bt, page_size=page_size)
       mask = jnp.broadcast_to(valid[:, None, None], (bt, hb, h))
       if interpret:  # interpret mode takes no mixed indexers: the same elements, as arrays
         at = (jnp.broadcast_to(slot[:, None, None], (bt, hb, h)),
