@@ -65,6 +65,7 @@ from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # 128-byte rows
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # per-row vectors of a [rows, cols] wgmma result
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # per-column vectors
 
@@ -88,6 +89,13 @@ class TrainingKernelConfig:
   block_kv_dkv: int = 64  # dK/dV: kv tokens per warpgroup
   max_concurrent_steps: int = 2
   compute_wgs: int = 2
+  # dQ in the dK/dV kernel: dS K (dS staged in shared memory) added into a float32 dQ by TMA
+  # reduce-add, and no dQ kernel: 5 matmuls a backward instead of 7 (the dQ kernel's
+  # recomputed QK^T and dO V^T go), for dQ partials reduced in L2. 0: off (the dQ kernel);
+  # 1: each warpgroup adds [bq, H] over its own keys; 2: the two warpgroups split H, each
+  # adding [bq, H/2] over both warpgroups' keys (half the reduce traffic; compiled only:
+  # interpret mode runs one warpgroup, i.e. mode 1).
+  fused_dq: int = 0
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -98,6 +106,10 @@ class TrainingKernelConfig:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
     if self.compute_wgs not in (1, 2):
       raise ValueError(f'compute_wgs must be 1 or 2, got {self.compute_wgs}')
+    if self.fused_dq not in (0, 1, 2):
+      raise ValueError(f'fused_dq must be 0, 1 or 2, got {self.fused_dq}')
+    if self.fused_dq == 2 and self.compute_wgs != 2:
+      raise ValueError('fused_dq=2 splits H between two compute warpgroups: compute_wgs=2')
 
 
 INTERPRET_CONFIG = TrainingKernelConfig(64, 64, 64, 64, 64, 64, 2, 1)
@@ -426,8 +438,12 @@ def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, c
   delta_t = jnp.swapaxes(_pad_to(delta.astype(jnp.float32), 1, rows), 1, 2)
   args = (qp, k, v, dop, lse2, delta_t, length)
   kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
-  dq = _dq(*args, **kw)
-  dk, dv = _dkv(*args, **kw)
+  if cfg.fused_dq:
+    dq, dk, dv = _dkv(*args, **kw)
+    dq = dq.astype(q.dtype)
+  else:
+    dq = _dq(*args, **kw)
+    dk, dv = _dkv(*args, **kw)
   return dq[:, :m], dk[:, :s_in], dv[:, :s_in]
 
 
@@ -543,14 +559,30 @@ def _first_q_block(kv_len, first_key, causal_t, bq, num_q_blocks):
 
 
 def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
+  """dk, dv [Z, S, K, H]; with `cfg.fused_dq` (dq [Z, M, N, H] float32, dk, dv).
+
+  Fused, each step also multiplies dS (staged in shared memory, read transposed) by the
+  program's K and adds the [bq, H] float32 partial into dQ by a TMA reduce-add (into a
+  zeroed buffer passed as a `jax.new_ref`: the kernel's aliased output). Interpret mode has
+  no TMA reduction: there each kv tile writes its partials into a slab of its own, summed
+  after the kernel.
+  """
   z, mp, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dkv, cfg.block_kv_dkv
   dtype = k.dtype
+  fused = cfg.fused_dq
+  split = fused == 2 and not interpret  # interpret mode runs one warpgroup
+  hq = h // 2 if split else h  # dQ columns a warpgroup adds
+  tiles = s // (wgs * bk)
 
-  def training_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dk_ref,
-                          dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers):
+  def training_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, *refs):
+    if fused:
+      dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers, ds_smem2, \
+          dq_smem2, ds_ready = refs
+    else:
+      dk_ref, dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers = refs
     kv_head, seq = lax.axis_index('kv_heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
@@ -575,6 +607,44 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
+    def add_dq(ds16, j, i):
+      """dQ of query block i of head j += scale * dS K (see `TrainingKernelConfig.fused_dq`)."""
+      dq_smem = dq_smem2.at[wg]
+      rows, head = pl.ds((q0 + i) * bq, bq), kv_head * g + j
+      if split:
+        # dS^T of both warpgroups, double-buffered by step parity: a buffer is rewritten two
+        # steps on, after the other warpgroup has passed the next step's barrier (and so
+        # has finished this step's wgmmas, which read it).
+        buf = ds_smem2.at[lax.rem(j * (mp // bq - q0) + i, 2)]
+        buf.at[wg][...] = ds16
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready)
+        plgpu.barrier_wait(ds_ready)
+        cols = pl.ds(wg * hq, hq)
+
+        def run(ref):
+          for w in range(wgs):
+            plgpu.wgmma(ref, buf.at[w].transpose((1, 0)), k_smem2.at[w, :, cols])
+          return ref[...]
+
+        part = pl.run_scoped(run, plgpu.ACC((bq, hq), jnp.float32))
+        dq_dst = dq_ref.at[seq, rows, head, cols]
+      else:
+        ds_smem = ds_smem2.at[0, wg]
+        ds_smem[...] = ds16  # dS^T [bk, bq]; the wgmma reads it transposed
+        plgpu.commit_smem()
+        part = _matmul(ds_smem.transpose((1, 0)), k_smem, (bq, h))
+        dq_dst = dq_ref.at[seq, rows, head]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous partial has left
+      dq_smem[...] = part * scale
+      plgpu.commit_smem()
+      if interpret:  # no TMA reduction there: a slab per kv tile, summed after the kernel
+        slab = lax.axis_index('kv_tiles') * wgs + wg
+        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[slab, seq, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+      else:
+        plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op='add')
+
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, q_consumed, do_consumed, lse_consumed,
              delta_consumed, carry):
       dk, dv = carry
@@ -591,8 +661,11 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       delta = plgpu.load(delta_smem, layout=_COLS)
       _arrive(delta_consumed)
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bk, bq), [1]))
-      dk = _mma(dk, ds_t.astype(dtype), q_smem, stage_ds)
+      ds16 = ds_t.astype(dtype)
+      dk = _mma(dk, ds16, q_smem, stage_ds)
       _arrive(q_consumed)
+      if fused:
+        add_dq(ds16, idx[0], idx[1])
       return dk, dv
 
     # Steps walk the G query heads of this kv head, and the query blocks of each from q0 on
@@ -612,11 +685,24 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.SMEM((bk, bq), dtype, transforms=_TILED) if interpret else None,
       plgpu.Barrier(num_barriers=2 * wgs),
   ]
+  if fused:
+    scratch += [plgpu.SMEM((1 + split, wgs, bk, bq), dtype, transforms=_TILED),
+                plgpu.SMEM((wgs, bq, hq), jnp.float32, transforms=_TILED_F32),
+                plgpu.Barrier(num_arrivals=wgs) if split else None]
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  return _launch(training_dkv_kernel, interpret=interpret, config=cfg,
-                 grid=(s // (wgs * bk), kh, z),
-                 grid_names=('kv_tiles', 'kv_heads', 'rows'), out_type=(kv_type, kv_type),
-                 scratch=scratch)(q, k, v, do, lse2, delta, length)
+  launch = _launch(training_dkv_kernel, interpret=interpret, config=cfg,
+                   grid=(tiles, kh, z), grid_names=('kv_tiles', 'kv_heads', 'rows'),
+                   out_type=(kv_type, kv_type), scratch=scratch)
+  args = (q, k, v, do, lse2, delta, length)
+  if not fused:
+    return launch(*args)
+  if interpret:
+    slabs = jax.new_ref(jnp.zeros((tiles * wgs, z, mp, n, h), jnp.float32))
+    dk, dv = launch(*args, slabs)
+    return slabs[...].sum(0), dk, dv
+  dq = jax.new_ref(jnp.zeros((z, mp, n, h), jnp.float32))
+  dk, dv = launch(*args, dq)
+  return dq[...], dk, dv
 
 
 def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal):
