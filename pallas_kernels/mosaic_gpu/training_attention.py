@@ -94,7 +94,8 @@ class TrainingKernelConfig:
   # recomputed QK^T and dO V^T go), for dQ partials reduced in L2. 0: off (the dQ kernel);
   # 1: each warpgroup adds [bq, H] over its own keys; 2: the two warpgroups split H, each
   # adding [bq, H/2] over both warpgroups' keys (half the reduce traffic; compiled only:
-  # interpret mode runs one warpgroup, i.e. mode 1).
+  # interpret mode runs one warpgroup, i.e. mode 1; H a multiple of 128, else mode 1);
+  # 3: as 2, a step late (step i adds step i - 1's dQ), so the warpgroups drift a step apart.
   fused_dq: int = 0
 
   def __post_init__(self):
@@ -106,10 +107,10 @@ class TrainingKernelConfig:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
     if self.compute_wgs not in (1, 2):
       raise ValueError(f'compute_wgs must be 1 or 2, got {self.compute_wgs}')
-    if self.fused_dq not in (0, 1, 2):
-      raise ValueError(f'fused_dq must be 0, 1 or 2, got {self.fused_dq}')
-    if self.fused_dq == 2 and self.compute_wgs != 2:
-      raise ValueError('fused_dq=2 splits H between two compute warpgroups: compute_wgs=2')
+    if self.fused_dq not in (0, 1, 2, 3):
+      raise ValueError(f'fused_dq must be 0, 1, 2 or 3, got {self.fused_dq}')
+    if self.fused_dq >= 2 and self.compute_wgs != 2:
+      raise ValueError('fused_dq=2, 3 split H between two compute warpgroups: compute_wgs=2')
 
 
 INTERPRET_CONFIG = TrainingKernelConfig(64, 64, 64, 64, 64, 64, 2, 1)
@@ -573,7 +574,9 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dkv, cfg.block_kv_dkv
   dtype = k.dtype
   fused = cfg.fused_dq
-  split = fused == 2 and not interpret  # interpret mode runs one warpgroup
+  split = fused >= 2 and not interpret and h % 128 == 0  # interpret: one warpgroup
+  late = split and fused == 3
+  nq_of = lambda q0: mp // bq - q0  # query blocks a head's steps walk
   hq = h // 2 if split else h  # dQ columns a warpgroup adds
   tiles = s // (wgs * bk)
 
@@ -591,6 +594,7 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     q0 = _first_q_block(kv_len, tile, causal_t, bq, mp // bq)
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: k, v
+    nq = nq_of(q0)
 
     def context(pipeline):
       toks = pl.ds(first, bk)
@@ -600,6 +604,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.barrier_wait(bar(1))
       zeros = plgpu.layout_cast(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv = pipeline((zeros, zeros))
+      if late:  # the last step's dQ
+        split_dq(g * nq - 1)
       k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer needed: they stage dK, dV
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -607,43 +613,66 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
-    def add_dq(ds16, j, i):
-      """dQ of query block i of head j += scale * dS K (see `TrainingKernelConfig.fused_dq`)."""
+    def put_ds(ds16, flat):
+      """Stages this warpgroup's dS^T of step `flat` for both warpgroups' dQ (split H).
+
+      Double-buffered by step parity. Mode 2 rewrites a buffer two steps on, after the other
+      warpgroup has passed the next step's barrier (so it has finished the wgmmas that read
+      it). Mode 3 reads step i - 1's buffer before it writes step i's, so a write follows
+      the other warpgroup's arrival for step i - 1, after its reads of step i - 2's.
+      """
+      ds_smem2.at[lax.rem(flat, 2), wg][...] = ds16
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_ready)
+
+    def split_dq(flat):
+      """dQ columns of this warpgroup, over both warpgroups' keys, of step `flat`."""
+      plgpu.barrier_wait(ds_ready)
+      buf = ds_smem2.at[lax.rem(flat, 2)]
+      cols = pl.ds(wg * hq, hq)
+
+      def run(ref):
+        for w in range(wgs):
+          plgpu.wgmma(ref, buf.at[w].transpose((1, 0)), k_smem2.at[w, :, cols])
+        return ref[...]
+
+      part = pl.run_scoped(run, plgpu.ACC((bq, hq), jnp.float32))
+      j, i = lax.div(flat, nq), lax.rem(flat, nq)
+      reduce_dq(part, dq_ref.at[seq, pl.ds((q0 + i) * bq, bq), kv_head * g + j, cols])
+
+    def reduce_dq(part, dst):
       dq_smem = dq_smem2.at[wg]
-      rows, head = pl.ds((q0 + i) * bq, bq), kv_head * g + j
-      if split:
-        # dS^T of both warpgroups, double-buffered by step parity: a buffer is rewritten two
-        # steps on, after the other warpgroup has passed the next step's barrier (and so
-        # has finished this step's wgmmas, which read it).
-        buf = ds_smem2.at[lax.rem(j * (mp // bq - q0) + i, 2)]
-        buf.at[wg][...] = ds16
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready)
-        plgpu.barrier_wait(ds_ready)
-        cols = pl.ds(wg * hq, hq)
-
-        def run(ref):
-          for w in range(wgs):
-            plgpu.wgmma(ref, buf.at[w].transpose((1, 0)), k_smem2.at[w, :, cols])
-          return ref[...]
-
-        part = pl.run_scoped(run, plgpu.ACC((bq, hq), jnp.float32))
-        dq_dst = dq_ref.at[seq, rows, head, cols]
-      else:
-        ds_smem = ds_smem2.at[0, wg]
-        ds_smem[...] = ds16  # dS^T [bk, bq]; the wgmma reads it transposed
-        plgpu.commit_smem()
-        part = _matmul(ds_smem.transpose((1, 0)), k_smem, (bq, h))
-        dq_dst = dq_ref.at[seq, rows, head]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous partial has left
       dq_smem[...] = part * scale
       plgpu.commit_smem()
-      if interpret:  # no TMA reduction there: a slab per kv tile, summed after the kernel
-        slab = lax.axis_index('kv_tiles') * wgs + wg
-        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[slab, seq, rows, head])
-        plgpu.wait_smem_to_gmem(0)
-      else:
-        plgpu.copy_smem_to_gmem(dq_smem, dq_dst, reduction_op='add')
+      plgpu.copy_smem_to_gmem(dq_smem, dst, reduction_op='add')
+
+    def add_dq(ds16, j, i):
+      """dQ of query block i of head j += scale * dS K (see `TrainingKernelConfig.fused_dq`)."""
+      flat = j * nq + i
+      if late:
+        pl.when(flat > 0)(lambda: split_dq(flat - 1))
+        put_ds(ds16, flat)
+        return
+      if split:
+        put_ds(ds16, flat)
+        split_dq(flat)
+        return
+      ds_smem = ds_smem2.at[0, wg]
+      ds_smem[...] = ds16  # dS^T [bk, bq]; the wgmma reads it transposed
+      plgpu.commit_smem()
+      part = _matmul(ds_smem.transpose((1, 0)), k_smem, (bq, h))
+      rows, head = pl.ds((q0 + i) * bq, bq), kv_head * g + j
+      if not interpret:
+        reduce_dq(part, dq_ref.at[seq, rows, head])
+        return
+      # No TMA reduction in interpret mode: a slab per kv tile, summed after the kernel.
+      dq_smem = dq_smem2.at[wg]
+      dq_smem[...] = part * scale
+      plgpu.commit_smem()
+      slab = lax.axis_index('kv_tiles') * wgs + wg
+      plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[slab, seq, rows, head])
+      plgpu.wait_smem_to_gmem(0)
 
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, q_consumed, do_consumed, lse_consumed,
              delta_consumed, carry):
@@ -674,7 +703,7 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     row_spec = plgpu.BlockSpec((bq, None, h), lambda j, i: (q0 + i, head(j), 0),
                                transforms=_TILED)
     stat_spec = plgpu.BlockSpec((None, bq), lambda j, i: (head(j), q0 + i))
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(g, mp // bq - q0),
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(g, nq),
               in_specs=[row_spec, row_spec, stat_spec, stat_spec])(
                   q_ref.at[seq], do_ref.at[seq], lse_ref.at[seq], delta_ref.at[seq])
 
