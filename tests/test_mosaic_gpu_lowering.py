@@ -107,21 +107,30 @@ def test_shared_knobs_lower_for_cuda(knobs, shape):
 
 
 @pytest.mark.parametrize('n, k', [(32, 8), (64, 8), (32, 32), (32, 1)])
-def test_training_kernels_lower_for_cuda(n, k):
+@pytest.mark.parametrize('fused_dq', [True, False], ids=['fused_dq', 'dq_kernel'])
+def test_training_kernels_lower_for_cuda(n, k, fused_dq):
+  """A shared segment's dQ comes from the dK/dV kernel (`fused_dq`, by TMA reduce-add) or the
+  dQ kernel; the causal kernels always run the dQ kernel."""
   sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  cfg = ta.TrainingKernelConfig(fused_dq=fused_dq)
   m, s, z, t = 256, 512, 2, 192
-  for forward, backward, q, kv, stat, length in (
-      (ta.segment_forward, ta.segment_backward, (m, n, HEAD_DIM), (s, k, HEAD_DIM), (m, n), ()),
+  for forward, backward, q, kv, stat, length, fused in (
+      (ta.segment_forward, ta.segment_backward, (m, n, HEAD_DIM), (s, k, HEAD_DIM), (m, n), (),
+       fused_dq),
       (ta.causal_forward, ta.causal_backward, (z, t, n, HEAD_DIM), (z, t, k, HEAD_DIM), (z, t, n),
-       (z,)),
+       (z,), False),
   ):
     q, kv, stat, length = sd(q), sd(kv), sd(stat, jnp.float32), sd(length, jnp.int32)
-    fwd = _kernels(jax.jit(lambda *a, f=forward: f(*a, scale=0.1)).trace(
+    fwd = _kernels(jax.jit(lambda *a, f=forward: f(*a, scale=0.1, config=cfg)).trace(
         q, kv, kv, length).lower(lowering_platforms=CUDA))
-    bwd = _kernels(jax.jit(lambda *a, f=backward: f(*a, scale=0.1)).trace(
-        q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA))
+    lowered = jax.jit(lambda *a, f=backward: f(*a, scale=0.1, config=cfg)).trace(
+        q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA)
     assert fwd == {'training_fwd_kernel'}, fwd
-    assert bwd == {'training_dq_kernel', 'training_dkv_kernel'}, bwd
+    if fused:
+      assert _kernels(lowered) == {'training_dkv_kernel'}, _kernels(lowered)
+      assert 'cp.reduce.async.bulk.tensor' in lowered.as_text()  # dQ's TMA reduce-add
+    else:
+      assert _kernels(lowered) == {'training_dq_kernel', 'training_dkv_kernel'}
 
 
 

@@ -28,12 +28,15 @@ Authors, Apache License 2.0): the forward and dQ kernels run one program per
 runs one program per (kv block, kv head, row z) and streams the query blocks of
 all G query heads of the kv head's group, so the GQA sum and the sum over all M
 rows happen in its float32 accumulators (nothing per row or per query head is
-written). On the GPU each kernel is warp-specialised: `compute_wgs` compute
-warpgroups and one memory warpgroup that feeds them by TMA
-(`emit_pipeline_warp_specialized`). Differences from the JAX kernels: the input
-dtype everywhere (bf16 or f16; its scratch is float16), dynamic lengths (scores
+written). A shared segment's backward runs the dK/dV kernel alone by default
+(`TrainingKernelConfig.fused_dq`): it also computes dQ = dS K from the dS it stages in
+shared memory and TMA-reduce-adds it into a float32 dQ, so the dQ kernel's recomputed
+QK^T and dO V^T are not run (5 matmuls instead of 7). On the GPU each kernel is
+warp-specialised: `compute_wgs` compute warpgroups and one memory warpgroup that feeds
+them by TMA (`emit_pipeline_warp_specialized`). Differences from the JAX kernels: the
+input dtype everywhere (bf16 or f16; its scratch is float16), dynamic lengths (scores
 past them masked by a where), the in-kernel GQA reduction, natural-log lse at the
-interface, a causal backward.
+interface, a causal backward, the fused dQ.
 
 Every block is masked by a where (length and, causal, the diagonal), also the
 blocks that need none: Lane-semantics Pallas has no value-returning branch in
@@ -78,7 +81,9 @@ class TrainingKernelConfig:
   `block_kv_dq=64` (128 before) took the causal backward from 5.36 to 3.97 ms (64 completions of
   1K) and from 4.09 to 3.02 ms (an 8K prompt), the shared segment's unchanged (48.8 ms); 128
   query rows a dK/dV step, 128 kv tokens a dK/dV warpgroup and 64-token forward steps were all
-  slower.
+  slower. `fused_dq` (`experiments/results/train_fused_dq/`): the 8K prompt's backward against
+  64 x 1K rows 49.6 -> 42.1 ms. The causal kernels keep the dQ kernel: fused, the 64 causal
+  completions of 1K took 5.1 ms against 4.0 (the 8K prompt's own 2.8 against 3.0).
   """
 
   block_q: int = 64  # forward: query rows per warpgroup
@@ -89,14 +94,13 @@ class TrainingKernelConfig:
   block_kv_dkv: int = 64  # dK/dV: kv tokens per warpgroup
   max_concurrent_steps: int = 2
   compute_wgs: int = 2
-  # dQ in the dK/dV kernel: dS K (dS staged in shared memory) added into a float32 dQ by TMA
-  # reduce-add, and no dQ kernel: 5 matmuls a backward instead of 7 (the dQ kernel's
-  # recomputed QK^T and dO V^T go), for dQ partials reduced in L2. 0: off (the dQ kernel);
-  # 1: each warpgroup adds [bq, H] over its own keys; 2: the two warpgroups split H, each
-  # adding [bq, H/2] over both warpgroups' keys (half the reduce traffic; compiled only:
-  # interpret mode runs one warpgroup, i.e. mode 1; H a multiple of 128, else mode 1);
-  # 3: as 2, a step late (step i adds step i - 1's dQ), so the warpgroups drift a step apart.
-  fused_dq: int = 0
+  # A shared segment's dQ in the dK/dV kernel, and no dQ kernel: 5 matmuls a backward instead
+  # of 7 (the dQ kernel recomputes QK^T and dO V^T). Each step stages its dS in shared memory;
+  # the next step, each warpgroup multiplies both warpgroups' dS by their K's columns of its
+  # half of H and TMA-reduce-adds that [bq, H/2] partial into a float32 dQ (a step late, so
+  # the warpgroups need not run in lockstep). Needs H a multiple of 64 per warpgroup (else the
+  # dQ kernel runs); the causal kernels always run the dQ kernel (see above).
+  fused_dq: bool = True
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -107,10 +111,6 @@ class TrainingKernelConfig:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
     if self.compute_wgs not in (1, 2):
       raise ValueError(f'compute_wgs must be 1 or 2, got {self.compute_wgs}')
-    if self.fused_dq not in (0, 1, 2, 3):
-      raise ValueError(f'fused_dq must be 0, 1, 2 or 3, got {self.fused_dq}')
-    if self.fused_dq >= 2 and self.compute_wgs != 2:
-      raise ValueError('fused_dq=2, 3 split H between two compute warpgroups: compute_wgs=2')
 
 
 INTERPRET_CONFIG = TrainingKernelConfig(64, 64, 64, 64, 64, 64, 2, 1)
@@ -439,8 +439,8 @@ def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, c
   delta_t = jnp.swapaxes(_pad_to(delta.astype(jnp.float32), 1, rows), 1, 2)
   args = (qp, k, v, dop, lse2, delta_t, length)
   kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
-  if cfg.fused_dq:
-    dq, dk, dv = _dkv(*args, **kw)
+  if _fused_dq(cfg, causal_t, k.shape[-1]):
+    dq, dk, dv = _dkv(*args, **kw, fused=True)
     dq = dq.astype(q.dtype)
   else:
     dq = _dq(*args, **kw)
@@ -559,25 +559,30 @@ def _first_q_block(kv_len, first_key, causal_t, bq, num_q_blocks):
   return jnp.minimum(lax.div(first, jnp.int32(bq)), num_q_blocks - 1)
 
 
-def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
-  """dk, dv [Z, S, K, H]; with `cfg.fused_dq` (dq [Z, M, N, H] float32, dk, dv).
+def _fused_dq(cfg, causal_t, h) -> bool:
+  """Whether the dK/dV kernel computes dQ (`TrainingKernelConfig.fused_dq`): shared segments,
+  with H split into 64-column halves (H a multiple of 64 per compute warpgroup)."""
+  return cfg.fused_dq and causal_t is None and h % (64 * cfg.compute_wgs) == 0
 
-  Fused, each step also multiplies dS (staged in shared memory, read transposed) by the
-  program's K and adds the [bq, H] float32 partial into dQ by a TMA reduce-add (into a
-  zeroed buffer passed as a `jax.new_ref`: the kernel's aliased output). Interpret mode has
-  no TMA reduction: there each kv tile writes its partials into a slab of its own, summed
-  after the kernel.
+
+def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, fused=False):
+  """dk, dv [Z, S, K, H]; fused (`_fused_dq`): dq [Z, M, N, H] float32, dk, dv.
+
+  Fused, step f stages its dS^T in shared memory (double-buffered by step parity), and step
+  f + 1 (the last one after the loop) adds step f's dQ: warpgroup w multiplies every
+  warpgroup's dS by that warpgroup's K, columns [w H / W, (w + 1) H / W), and TMA-reduce-adds
+  the float32 partial into dQ, a zeroed buffer passed as a `jax.new_ref` (the kernel's aliased
+  output). A barrier (W arrivals) per step says both dS are staged; a warpgroup reads step
+  f's buffer before it writes step f + 1's, so the buffer it writes next (f + 2's) was last
+  read at step f + 1 by a warpgroup that has since arrived for f + 1. Interpret mode has no
+  TMA reduction: there each kv tile writes its partials into a slab of its own, summed after.
   """
   z, mp, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dkv, cfg.block_kv_dkv
   dtype = k.dtype
-  fused = cfg.fused_dq
-  split = fused >= 2 and not interpret and h % 128 == 0  # interpret: one warpgroup
-  late = split and fused == 3
-  nq_of = lambda q0: mp // bq - q0  # query blocks a head's steps walk
-  hq = h // 2 if split else h  # dQ columns a warpgroup adds
+  hq = h // wgs  # dQ columns a warpgroup adds
   tiles = s // (wgs * bk)
 
   def training_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, *refs):
@@ -592,9 +597,9 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     tile = lax.axis_index('kv_tiles') * (wgs * bk)
     first = tile + wg * bk
     q0 = _first_q_block(kv_len, tile, causal_t, bq, mp // bq)
+    nq = mp // bq - q0  # query blocks of each head this tile streams
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: k, v
-    nq = nq_of(q0)
 
     def context(pipeline):
       toks = pl.ds(first, bk)
@@ -604,8 +609,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.barrier_wait(bar(1))
       zeros = plgpu.layout_cast(jnp.zeros((bk, h), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv = pipeline((zeros, zeros))
-      if late:  # the last step's dQ
-        split_dq(g * nq - 1)
+      if fused:
+        add_dq(g * nq - 1)  # the last step's
       k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer needed: they stage dK, dV
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -613,66 +618,36 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
       plgpu.wait_smem_to_gmem(0)
 
-    def put_ds(ds16, flat):
-      """Stages this warpgroup's dS^T of step `flat` for both warpgroups' dQ (split H).
-
-      Double-buffered by step parity. Mode 2 rewrites a buffer two steps on, after the other
-      warpgroup has passed the next step's barrier (so it has finished the wgmmas that read
-      it). Mode 3 reads step i - 1's buffer before it writes step i's, so a write follows
-      the other warpgroup's arrival for step i - 1, after its reads of step i - 2's.
-      """
+    def stage_ds_for_dq(ds16, flat):
       ds_smem2.at[lax.rem(flat, 2), wg][...] = ds16
       plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready)
+      if ds_ready is not None:
+        plgpu.barrier_arrive(ds_ready)
 
-    def split_dq(flat):
-      """dQ columns of this warpgroup, over both warpgroups' keys, of step `flat`."""
-      plgpu.barrier_wait(ds_ready)
+    def add_dq(flat):
+      """dQ of step `flat`'s query block and head += scale * dS K, this warpgroup's columns."""
+      if ds_ready is not None:
+        plgpu.barrier_wait(ds_ready)
       buf = ds_smem2.at[lax.rem(flat, 2)]
       cols = pl.ds(wg * hq, hq)
 
       def run(ref):
-        for w in range(wgs):
+        for w in range(wgs):  # dS^T [bk, bq] read transposed, times K [bk, hq]
           plgpu.wgmma(ref, buf.at[w].transpose((1, 0)), k_smem2.at[w, :, cols])
         return ref[...]
 
       part = pl.run_scoped(run, plgpu.ACC((bq, hq), jnp.float32))
-      j, i = lax.div(flat, nq), lax.rem(flat, nq)
-      reduce_dq(part, dq_ref.at[seq, pl.ds((q0 + i) * bq, bq), kv_head * g + j, cols])
-
-    def reduce_dq(part, dst):
+      rows, head = pl.ds((q0 + lax.rem(flat, nq)) * bq, bq), kv_head * g + lax.div(flat, nq)
       dq_smem = dq_smem2.at[wg]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous partial has left
       dq_smem[...] = part * scale
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, dst, reduction_op='add')
-
-    def add_dq(ds16, j, i):
-      """dQ of query block i of head j += scale * dS K (see `TrainingKernelConfig.fused_dq`)."""
-      flat = j * nq + i
-      if late:
-        pl.when(flat > 0)(lambda: split_dq(flat - 1))
-        put_ds(ds16, flat)
-        return
-      if split:
-        put_ds(ds16, flat)
-        split_dq(flat)
-        return
-      ds_smem = ds_smem2.at[0, wg]
-      ds_smem[...] = ds16  # dS^T [bk, bq]; the wgmma reads it transposed
-      plgpu.commit_smem()
-      part = _matmul(ds_smem.transpose((1, 0)), k_smem, (bq, h))
-      rows, head = pl.ds((q0 + i) * bq, bq), kv_head * g + j
-      if not interpret:
-        reduce_dq(part, dq_ref.at[seq, rows, head])
-        return
-      # No TMA reduction in interpret mode: a slab per kv tile, summed after the kernel.
-      dq_smem = dq_smem2.at[wg]
-      dq_smem[...] = part * scale
-      plgpu.commit_smem()
-      slab = lax.axis_index('kv_tiles') * wgs + wg
-      plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[slab, seq, rows, head])
-      plgpu.wait_smem_to_gmem(0)
+      if interpret:
+        dq_dst = dq_ref.at[lax.axis_index('kv_tiles'), seq, rows, head, cols]
+        plgpu.copy_smem_to_gmem(dq_smem, dq_dst)
+        plgpu.wait_smem_to_gmem(0)
+      else:
+        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[seq, rows, head, cols], reduction_op='add')
 
     def step(idx, q_smem, do_smem, lse_smem, delta_smem, q_consumed, do_consumed, lse_consumed,
              delta_consumed, carry):
@@ -694,7 +669,9 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       dk = _mma(dk, ds16, q_smem, stage_ds)
       _arrive(q_consumed)
       if fused:
-        add_dq(ds16, idx[0], idx[1])
+        flat = idx[0] * nq + idx[1]
+        pl.when(flat > 0)(lambda: add_dq(flat - 1))
+        stage_ds_for_dq(ds16, flat)
       return dk, dv
 
     # Steps walk the G query heads of this kv head, and the query blocks of each from q0 on
@@ -715,9 +692,9 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       plgpu.Barrier(num_barriers=2 * wgs),
   ]
   if fused:
-    scratch += [plgpu.SMEM((1 + split, wgs, bk, bq), dtype, transforms=_TILED),
+    scratch += [plgpu.SMEM((2, wgs, bk, bq), dtype, transforms=_TILED),
                 plgpu.SMEM((wgs, bq, hq), jnp.float32, transforms=_TILED_F32),
-                plgpu.Barrier(num_arrivals=wgs) if split else None]
+                plgpu.Barrier(num_arrivals=wgs) if wgs > 1 else None]
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   launch = _launch(training_dkv_kernel, interpret=interpret, config=cfg,
                    grid=(tiles, kh, z), grid_names=('kv_tiles', 'kv_heads', 'rows'),
@@ -726,7 +703,7 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
   if not fused:
     return launch(*args)
   if interpret:
-    slabs = jax.new_ref(jnp.zeros((tiles * wgs, z, mp, n, h), jnp.float32))
+    slabs = jax.new_ref(jnp.zeros((tiles, z, mp, n, h), jnp.float32))
     dk, dv = launch(*args, slabs)
     return slabs[...].sum(0), dk, dv
   dq = jax.new_ref(jnp.zeros((z, mp, n, h), jnp.float32))
