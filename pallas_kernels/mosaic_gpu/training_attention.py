@@ -99,7 +99,9 @@ class TrainingKernelConfig:
   # the next step, each warpgroup multiplies both warpgroups' dS by their K's columns of its
   # half of H and TMA-reduce-adds that [bq, H/2] partial into a float32 dQ (a step late, so
   # the warpgroups need not run in lockstep). Needs H a multiple of 64 per warpgroup (else the
-  # dQ kernel runs); the causal kernels always run the dQ kernel (see above).
+  # dQ kernel runs); the causal kernels always run the dQ kernel (see above). The reduce-adds
+  # land in any order, so dQ may differ in its last bits from run to run: False is the
+  # deterministic backward.
   fused_dq: bool = True
 
   def __post_init__(self):
