@@ -11,7 +11,7 @@ Per point (G completions of T tokens sharing one P-token prompt):
   --max_scores_gb). `shared_mosaic_gpu`: `shared_xla` with all of its attention (the
   shared prompts, each completion's and each prompt's causal self-attention), forward
   and backward, in the Hopper kernels of `pallas_kernels/mosaic_gpu/training_attention.py`
-  (`impl='mosaic_gpu'`; Hopper and bf16 / f16 only, recorded 'unsupported' elsewhere,
+  (`impl=AttentionImpl.MOSAIC_GPU`; Hopper and bf16 / f16 only, recorded 'unsupported' elsewhere,
   e.g. in the CPU smoke).
   Outputs are checked against the first per-sequence baseline that ran before
   timing. floor_s: the roofline of the shared computation (`hydrajax.training.costs`,
@@ -62,9 +62,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from hydrajax.attention_plan import AttentionShapes
 from hydrajax.benchmarking import report, roofline, timing
-from hydrajax.dispatch import hopper_reason
-from hydrajax.training import costs
+from hydrajax.dispatch import AttentionImpl
+from hydrajax.training import costs, training_unsupported_reason
 from hydrajax.training import prefill_layout as pl
 from pallas_kernels.knobs import config_from_knobs
 from models.config import get_config
@@ -119,21 +120,18 @@ def _per_seq_attention(impl):
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
 
 
-def _unsupported(impl, dtype=None):
+def _unsupported(impl, shapes: AttentionShapes):
+  """Why a variant cannot run here, or None; shapes: the completions' attention."""
   if impl == 'per_seq_cudnn' and jax.default_backend() != 'gpu':
     return 'cuDNN needs a GPU'
-  if impl == 'shared_mosaic_gpu':
-    if hopper_reason() is not None:
-      return f'Mosaic GPU kernels: {hopper_reason()}'
-    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),
-                                                      jnp.dtype(jnp.float16)):
-      return f'Mosaic GPU kernels need bf16 / f16, got {jnp.dtype(dtype).name}'
+  if impl == 'shared_mosaic_gpu':  # the reason the training attention's resolver would give
+    return training_unsupported_reason(AttentionImpl.MOSAIC_GPU, shapes)
   return None
 
 
 def _impl(name):
   """impl argument of prefill_attention for a shared_* variant."""
-  return 'mosaic_gpu' if name == 'shared_mosaic_gpu' else 'xla'
+  return AttentionImpl.MOSAIC_GPU if name == 'shared_mosaic_gpu' else AttentionImpl.XLA
 
 
 def _kernel_config():
@@ -165,10 +163,10 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
 
   kernel_config = _kernel_config()
 
-  def shared(*a, impl='xla'):
+  def shared(*a, impl=AttentionImpl.XLA):
     q_p, q_c, k_p, k_c, v_p, v_c = a
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    config = kernel_config if impl == 'mosaic_gpu' else None
+    config = kernel_config if impl is AttentionImpl.MOSAIC_GPU else None
     prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value,
                                               impl=impl, kernel_config=config)
     return prompt.out, completion.out
@@ -184,6 +182,7 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
               per_seq=costs.training_attention_cost(1, g, p, t, n, kh, head_dim, shared=False,
                                                     dtype_bytes=jnp.dtype(dtype).itemsize))
   records, reference = [], None
+  shapes = AttentionShapes(g, t, n, kh, head_dim, layout.kv_tokens, dtype)
   order = sorted(_IMPLS.value, key=lambda i: i.startswith('shared'))  # baselines first: the check
   for impl in order:
     rec = dict(kind='attention', impl=impl, G=g, P=p, T=t, N=n, K=kh, H=head_dim,
@@ -193,7 +192,7 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
     kind = 'shared' if impl.startswith('shared') else 'per_seq'
     rec['floor_s'] = cost[kind].floor_s(ceilings)
     rec['flops'] = cost[kind].flops
-    reason = _unsupported(impl, dtype)
+    reason = _unsupported(impl, shapes)
     scores_gb = g * n * (p + t) ** 2 * 4 / 1e9
     if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
       reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'
@@ -246,6 +245,8 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
       1 if config.tie_embeddings else 2)
   head_flops = 6 * g * t * config.dim * config.vocab_size
   records = []
+  shapes = AttentionShapes(g, t, config.num_heads, config.num_kv_heads, config.head_dim,
+                           layout.kv_tokens, dtype)
   for impl in _IMPLS.value:
     shared = impl.startswith('shared')
     tokens = p + g * t if shared else g * (p + t)
@@ -256,7 +257,7 @@ def step_point(g, p, t, preset, layers, vocab, dtype, ceilings, seed):
                vocab=config.vocab_size,
                dtype=jnp.dtype(dtype).name, flops=float(flops),
                floor_s=flops / ceilings.matmul_rate)
-    reason = _unsupported(impl, dtype)
+    reason = _unsupported(impl, shapes)
     scores_gb = g * config.num_heads * (p + t) ** 2 * 4 / 1e9
     if impl == 'per_seq_xla' and scores_gb > _MAX_SCORES_GB.value:
       reason = f'score matrix of {scores_gb:.0f} GB > --max_scores_gb'

@@ -213,9 +213,9 @@ def prepare_attention(
 
 
 def _check_call(q, k_cache, v_cache, plan: AttentionPlan, kv_offset) -> None:
-  s = plan.shapes
   if not isinstance(plan, AttentionPlan):
     raise ValueError(f'plan must be an AttentionPlan (prepare_attention), got {type(plan).__name__}')
+  s = plan.shapes
   expected_q = (s.num_rows, s.query_tokens, s.num_heads, s.head_dim)
   if tuple(q.shape) != expected_q:
     raise ValueError(f'q must be [B, T, N, H] = {expected_q} as planned, got {tuple(q.shape)}')

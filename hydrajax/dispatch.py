@@ -132,8 +132,10 @@ def backend(impl: AttentionImpl) -> Any:
 _warned: set[tuple[AttentionImpl, str]] = set()
 
 
-def _fallback(kernel: AttentionImpl, reason: str) -> None:
-  message = f'tree_attention: falling back to XLA from {kernel.name}: {reason}'
+def fallback(kernel: AttentionImpl, reason: str, *, source: str = 'tree_attention') -> None:
+  """AUTO's visible fallback from `kernel` to XLA: a log line, and an `AttentionFallbackWarning`
+  once per (kernel, reason). `source` names the caller's path (e.g. 'training attention')."""
+  message = f'{source}: falling back to XLA from {kernel.name}: {reason}'
   log.info(message)
   if (kernel, reason) not in _warned:
     _warned.add((kernel, reason))
@@ -162,7 +164,7 @@ def resolve_backend(
     return kernel, module
   if explicit:
     raise ValueError(f'impl={kernel.name} does not support these inputs: {reason}')
-  _fallback(kernel, reason)
+  fallback(kernel, reason)
   return AttentionImpl.XLA, backend(AttentionImpl.XLA)
 
 

@@ -18,6 +18,10 @@ and two `TreeLayout`s index it:
 
 Completion row r belongs to prompt r // G; its token j sits at sequence
 position `prompt_lengths[r // G] + j` (RoPE).
+
+A model attends both every layer: `prepare_prefill_attention` once (the two layouts'
+`TrainingAttentionPlan`s), then `attend_prefill` per layer; `prefill_attention` is the
+one-call form.
 """
 
 import dataclasses
@@ -27,9 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax.attention_plan import AttentionShapes
+from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.training.tree_attention_vjp import tree_attention_differentiable
+from hydrajax.training.training_plan import (
+    TrainingAttentionPlan, attend_differentiable, prepare_training_attention,
+)
+from hydrajax.validation import check_tree_attention_inputs
 
 
 @jax.tree_util.register_dataclass
@@ -143,6 +152,69 @@ def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Arr
       completion_kv.reshape(-1, k, h).astype(prompt_kv.dtype))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillAttentionPlan:
+  """The prompts' and the completions' prepared plans (a jit pytree)."""
+
+  prompt: TrainingAttentionPlan
+  completion: TrainingAttentionPlan
+
+
+def prepare_prefill_attention(
+    layout: PrefillLayout,
+    q_prompt,  # [Bp, P, N, H]: an array or a jax.ShapeDtypeStruct (its shape and dtype)
+    q_completion,  # [Bp * G, T, N, H]
+    k_buffer,  # [L, K, H]
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    kv_block: int = 1024,
+    interpret: bool = False,
+    kernel_config=None,
+) -> PrefillAttentionPlan:
+  """Both plans of `attend_prefill`, once per batch layout (every layer reuses them).
+
+  impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
+  all of it on the Hopper kernels: the completions' shared prompts, each completion's causal
+  self-attention and each prompt's own causal attention; only the LSE merges stay on XLA).
+  """
+  if not isinstance(layout, PrefillLayout):
+    raise ValueError(
+        f'layout must be a PrefillLayout (plan_prefill(...).to_device()), got '
+        f'{type(layout).__name__}'
+    )
+  plans = []
+  for q, tree in ((q_prompt, layout.prompt_layout), (q_completion, layout.completion_layout)):
+    check_tree_attention_inputs(q, k_buffer, k_buffer, tree)
+    plans.append(prepare_training_attention(
+        tree, AttentionShapes.of(q, k_buffer), impl=impl, kv_block=kv_block,
+        kernel_config=kernel_config, interpret=interpret))
+  return PrefillAttentionPlan(*plans)
+
+
+def attend_prefill(
+    q_prompt: jax.Array,  # [Bp, P, N, H]
+    q_completion: jax.Array,  # [Bp * G, T, N, H]
+    k_buffer: jax.Array,  # [L, K, H] from `write_kv`
+    v_buffer: jax.Array,  # [L, K, H]
+    plan: PrefillAttentionPlan,
+    *,
+    scale: float | None = None,
+) -> tuple[PartialState, PartialState]:
+  """Causal attention of the prompts and of the completions (over their shared prompt).
+
+  Differentiable in every array. Returns the prompt state (out [Bp, P, N, H], lse [Bp, P, N])
+  and the completion state (out [Bp * G, T, N, H], ...).
+  """
+  if not isinstance(plan, PrefillAttentionPlan):
+    raise ValueError('plan must be a PrefillAttentionPlan (prepare_prefill_attention), got '
+                     f'{type(plan).__name__}')
+  prompt = attend_differentiable(q_prompt, k_buffer, v_buffer, plan.prompt, scale=scale)
+  completion = attend_differentiable(q_completion, k_buffer, v_buffer, plan.completion,
+                                     scale=scale)
+  return prompt, completion
+
+
 def prefill_attention(
     q_prompt: jax.Array,  # [Bp, P, N, H]
     q_completion: jax.Array,  # [Bp * G, T, N, H]
@@ -152,24 +224,19 @@ def prefill_attention(
     *,
     scale: float | None = None,
     kv_block: int = 1024,
-    impl: str = 'xla',
+    impl: AttentionImpl | str = AttentionImpl.XLA,
     interpret: bool = False,
     kernel_config=None,
 ) -> tuple[PartialState, PartialState]:
-  """Causal attention of the prompts and of the completions (over their shared prompt).
+  """`attend_prefill` with its plan prepared in the call: the one-call form.
 
-  Differentiable in every argument but the layout. Returns the prompt state
-  (out [Bp, P, N, H], lse [Bp, P, N]) and the completion state (out [Bp * G, T, N, H], ...).
-  impl, interpret, kernel_config: as in `tree_attention_differentiable` ('mosaic_gpu': all
-  of it by the Hopper kernels: the completions' shared prompts, each completion's causal
-  self-attention and each prompt's own causal attention; only the LSE merges stay on XLA).
+  impl (XLA by default), kv_block, interpret, kernel_config: as in
+  `prepare_prefill_attention`. A model calling it every layer prepares once instead.
   """
-  kw = dict(scale=scale, kv_block=kv_block, impl=impl, interpret=interpret,
-            kernel_config=kernel_config)
-  prompt = tree_attention_differentiable(q_prompt, k_buffer, v_buffer, layout.prompt_layout, **kw)
-  completion = tree_attention_differentiable(
-      q_completion, k_buffer, v_buffer, layout.completion_layout, **kw)
-  return prompt, completion
+  plan = prepare_prefill_attention(layout, q_prompt, q_completion, k_buffer, impl=impl,
+                                   kv_block=kv_block, interpret=interpret,
+                                   kernel_config=kernel_config)
+  return attend_prefill(q_prompt, q_completion, k_buffer, v_buffer, plan, scale=scale)
 
 
 def unshared_sequences(prompts: jax.Array, completions: jax.Array, prompt_lengths: jax.Array,

@@ -19,7 +19,12 @@ matmul per kv block: the prompt's gradient is accumulated once, never per row.
 Both passes walk long segments in kv blocks (a scan), so memory is bounded by
 one block of scores.
 
-`impl='mosaic_gpu'` computes the shared segments' partial states (forward) and
+The index arrays both passes walk (`_parts`: each part's rows, kv tokens and causal limits;
+`path_item_index`) are derived from the layout once, by `prepare_training_attention`
+(`hydrajax.training.training_plan`), which also resolves the kernels (`_Kernels`); the custom
+VJP takes them from its plan.
+
+`impl=MOSAIC_GPU` computes the shared segments' partial states (forward) and
 their dQ, dK, dV (backward) with the Hopper kernels of
 `pallas_kernels.mosaic_gpu.training_attention`, one call per segment, and the
 private part (each row causal over its own pages) with their batched causal mode,
@@ -33,52 +38,56 @@ block multiple are padded and masked in the kernels' wrappers.
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax.attention_plan import AttentionShapes
+from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState, empty_state, merge_many
-from hydrajax.tree_attention import (
-    merge_along_paths, merge_into_rows, path_item_index, sum_along_paths,
-)
-from hydrajax.validation import check_tree_attention_inputs
+from hydrajax.tree_attention import merge_along_paths, merge_into_rows, sum_along_paths
 
 
 @dataclasses.dataclass(frozen=True)
 class _Kernels:
-  """Which kernels compute the shared segments (static): 'xla', 'mosaic_tpu' or 'mosaic_gpu'."""
+  """Which kernels run (static; resolved by `prepare_training_attention`)."""
 
-  forward: str = 'xla'
-  backward: str = 'xla'
-  private: str = 'xla'  # the private (causal, per-row) parts, both passes: 'xla' or 'mosaic_gpu'
-  interpret: object = False  # the kernels' interpret mode (see tree_attention_differentiable)
-  config: object = None  # the Mosaic GPU kernels' TrainingKernelConfig (None: their default)
+  # Every part's forward and the private (causal, per-row) parts' backward: XLA or MOSAIC_GPU.
+  impl: AttentionImpl
+  # The shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU.
+  shared_backward: AttentionImpl
+  interpret: object  # the kernels' interpret mode (see prepare_training_attention)
+  config: object  # the Mosaic GPU kernels' TrainingKernelConfig (None: their default)
 
 
 def _precision(dtype):
   return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-class _Part(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Part:
   """Queries of Z items (R rows each) against S kv tokens each, walked in blocks of `block`.
 
   rows [Z, R] int32 (B is the dump row), tokens [Z, S] int32 (indices into the buffer,
   S a multiple of `block`), limit [Z, M or 1] int32 (key position p is visible to query
-  row m when p < limit[z, m]; M = R * T).
+  row m when p < limit[z, m]; M = R * T). A jit pytree (a plan's leaves; block, shared static).
   """
 
   rows: jax.Array
   tokens: jax.Array
   limit: jax.Array
-  block: int
-  shared: bool  # a segment group (limit [Z, 1]: the segments' lengths); else the private
-  # part, whose item z is row z (rows [B, 1] = arange(B))
+  block: int = dataclasses.field(metadata=dict(static=True))
+  # A segment group (limit [Z, 1]: the segments' lengths); else the private part, whose item z
+  # is row z (rows [B, 1] = arange(B)).
+  shared: bool = dataclasses.field(metadata=dict(static=True))
 
 
-def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> list[_Part]:
+def _parts(layout: TreeLayout, shapes: AttentionShapes, kv_block: int) -> tuple[_Part, ...]:
+  """The parts of a layout (`prepare_training_attention` derives them once per plan)."""
+  b, t, length = shapes.num_rows, shapes.query_tokens, shapes.kv_tokens
   parts = []
   c = layout.page_size
   pages = layout.private_pages.shape[1]
@@ -94,7 +103,7 @@ def _parts(layout: TreeLayout, b: int, t: int, length: int, kv_block: int) -> li
     rows = jnp.where(jnp.arange(r)[None, :] < group.row_count[:, None], rows, b)  # [J, R]
     tokens = group.kv_start[:, None] + jnp.arange(group.kv_capacity)[None, :]
     parts.append(_blocked(rows, tokens, group.kv_length[:, None], kv_block, length, True))
-  return parts
+  return tuple(parts)
 
 
 def _blocked(rows, tokens, limit, kv_block, length, shared) -> _Part:
@@ -202,10 +211,10 @@ def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, ker
   return out.reshape(b, t, kh, n // kh, h), lse.reshape(b, t, kh, n // kh)
 
 
-def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
+def _forward(q, k_cache, v_cache, parts, index, scale, kernels: _Kernels):
   b, t, n, h = q.shape
   q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
-  parts = _parts(layout, b, t, k_cache.shape[0], kv_block)
+  gpu = kernels.impl is AttentionImpl.MOSAIC_GPU
   if not parts:  # no keys at all
     return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
   # The private state is each row's own; the groups' states are gathered along each row's
@@ -213,9 +222,9 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
   # scattered into their rows.
   states, rows, outs, lses = [], [], [], []
   for part in parts:
-    if part.shared and kernels.forward == 'mosaic_gpu':
+    if gpu and part.shared:
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
-    elif not part.shared and kernels.private == 'mosaic_gpu':
+    elif gpu:
       out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
@@ -226,7 +235,6 @@ def _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels: _Kernels):
     rows.append(part.rows.reshape(-1))
     outs.append(out.reshape(z * r, t, n, h))
     lses.append(lse.reshape(z * r, t, n))
-  index = path_item_index(layout)
   if rows and index is not None:
     private = states[0] if states else empty_state(q.shape)
     return merge_along_paths(private, index, jnp.concatenate(outs), jnp.concatenate(lses),
@@ -346,7 +354,7 @@ def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_c
   return dq.astype(jnp.float32).reshape(b, t, kh, n // kh, h), dk, dv
 
 
-def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
+def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
               kernels: _Kernels):
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
@@ -356,18 +364,17 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
   q_pad, do_pad = pad(q, 0), pad(d_out.astype(q.dtype), 0)
   lse_pad, delta_pad = pad(lse, jnp.inf), pad(delta, 0)
   dq = None  # [B, T, N, H] float32: the private part's, then each group's added at its rows
-  index = path_item_index(layout)
   dq_items = []  # with paths: the groups' dq, gathered by each row after the loop
   dk = jnp.zeros(k_cache.shape, jnp.float32)
   dv = jnp.zeros(v_cache.shape, jnp.float32)
-  for part in _parts(layout, b, t, k_cache.shape[0], kv_block):
-    if part.shared and kernels.backward == 'mosaic_tpu':
+  for part in parts:
+    if part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_TPU:
       dq_z, dk, dv = _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
                                            part, scale, dk, dv, kernels.interpret)
-    elif part.shared and kernels.backward == 'mosaic_gpu':
+    elif part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_GPU:
       dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                v_cache, part, scale, dk, dv, kernels)
-    elif not part.shared and kernels.private == 'mosaic_gpu':
+    elif not part.shared and kernels.impl is AttentionImpl.MOSAIC_GPU:
       dq_z, dk, dv = _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                   v_cache, part, scale, dk, dv, kernels)
     else:
@@ -391,80 +398,27 @@ def _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_blo
   return dq.astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels):
-  return _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k_cache, v_cache, parts, index, scale, kernels):
+  """The custom VJP over a plan's parts and path index [B, D] (or None); see the module doc."""
+  return _forward(q, k_cache, v_cache, parts, index, scale, kernels)
 
 
-def _attention_fwd(q, k_cache, v_cache, layout, scale, kv_block, kernels):
-  state = _forward(q, k_cache, v_cache, layout, scale, kv_block, kernels)
-  return state, (q, k_cache, v_cache, layout, state.out, state.lse)
+def _attention_fwd(q, k_cache, v_cache, parts, index, scale, kernels):
+  state = _forward(q, k_cache, v_cache, parts, index, scale, kernels)
+  return state, (q, k_cache, v_cache, parts, index, state.out, state.lse)
 
 
 def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attention_bwd(scale, kv_block, kernels, residuals, cotangent):
-  q, k_cache, v_cache, layout, out, lse = residuals
+def _attention_bwd(scale, kernels, residuals, cotangent):
+  q, k_cache, v_cache, parts, index, out, lse = residuals
   d_out, d_lse = cotangent
-  dq, dk, dv = _backward(q, k_cache, v_cache, layout, out, lse, d_out, d_lse, scale, kv_block,
+  dq, dk, dv = _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
                          kernels)
-  return dq, dk, dv, jax.tree.map(_zero_cotangent, layout)
+  return dq, dk, dv, jax.tree.map(_zero_cotangent, parts), jax.tree.map(_zero_cotangent, index)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def tree_attention_differentiable(
-    q: jax.Array,  # [B, T, N, H]
-    k_cache: jax.Array,  # [L, K, H]
-    v_cache: jax.Array,  # [L, K, H]
-    layout: TreeLayout,
-    *,
-    scale: float | None = None,
-    kv_block: int = 1024,
-    shared_backward: str | None = None,
-    impl: str = 'xla',
-    interpret=False,
-    kernel_config=None,
-) -> PartialState:
-  """`hydrajax.tree_attention` (same semantics, XLA path) with a flash-style custom VJP.
-
-  Differentiable in q, k_cache, v_cache (and through both outputs: out and lse).
-  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
-  kv_block: kv tokens per block of scores in both passes (bounds memory).
-  impl: 'xla', or 'mosaic_gpu': the shared segments' and the private (causal) parts' forward
-    and backward by the Hopper kernels of `pallas_kernels.mosaic_gpu.training_attention`
-    (bf16 / f16, head dim a multiple of 64; `interpret=True` runs them in Pallas interpret
-    mode, e.g. on CPU); only the merge of the parts stays on XLA.
-  shared_backward: the shared segments' dQ, dK, dV only (default: as `impl`): 'xla',
-    'mosaic_gpu', or 'mosaic_tpu' (the Mosaic TPU kernels of
-    `pallas_kernels.tpu.shared_segment_bwd`; `interpret`: their interpret mode, e.g.
-    `pltpu.InterpretParams()` on CPU).
-  kernel_config: the Mosaic GPU kernels' block sizes, a
-    `pallas_kernels.mosaic_gpu.training_attention.TrainingKernelConfig` (None: its default,
-    or in interpret mode its small `INTERPRET_CONFIG`).
-  """
-  check_tree_attention_inputs(q, k_cache, v_cache, layout)
-  if kv_block < 1:
-    raise ValueError(f'kv_block must be >= 1, got {kv_block}')
-  if impl not in ('xla', 'mosaic_gpu'):
-    raise ValueError(f"impl must be 'xla' or 'mosaic_gpu', got {impl!r}")
-  shared_backward = impl if shared_backward is None else shared_backward
-  if shared_backward not in ('xla', 'mosaic_tpu', 'mosaic_gpu'):
-    raise ValueError(
-        f"shared_backward must be 'xla', 'mosaic_tpu' or 'mosaic_gpu', got {shared_backward!r}")
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  uses_kernels = impl != 'xla' or shared_backward != 'xla'
-  if kernel_config is not None:
-    from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig
-    if not isinstance(kernel_config, TrainingKernelConfig):
-      raise TypeError('kernel_config must be a TrainingKernelConfig, got '
-                      f'{type(kernel_config).__name__}')
-    if 'mosaic_gpu' not in (impl, shared_backward):
-      raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
-                       f"shared_backward 'mosaic_gpu', got {impl!r} and {shared_backward!r}")
-  kernels = _Kernels(impl, shared_backward, impl, interpret if uses_kernels else False,
-                     kernel_config)
-  return _attention(q, k_cache, v_cache, layout, scale, kv_block, kernels)

@@ -18,6 +18,7 @@ prompt token for j = 0).
 import jax
 import jax.numpy as jnp
 
+from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import prefill_layout as pl
 from models.kv_cache import DenseKVCache
 from models.llama import Llama, _mlp, _qkv, rms_norm
@@ -39,10 +40,13 @@ def _token_logprobs(model: Llama, h_prev, completions):
 
 
 def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
-                  kv_block: int = 1024, impl: str = 'xla', interpret: bool = False):
+                  kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                  interpret: bool = False):
   """Final-norm hidden states of the prompts [Bp, P, D] and completions [Bp * G, T, D].
 
-  impl, interpret: the attention's kernels, as in `prefill_attention`.
+  impl, interpret: the attention's kernels, as in `prepare_prefill_attention`. The attention
+  is prepared once, at the first layer (every layer's q and K/V have its shapes and dtypes),
+  and every layer attends with that plan.
   """
   c = model.config
   _check(prompts, completions, layout)
@@ -52,13 +56,16 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
   x_p, x_c = embed[prompts], embed[completions]
   pos_p = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (bp, p))
   pos_c = layout.completion_positions
+  plan = None
   for layer in model.layers:
     w = layer.arrays()
     q_p, k_p, v_p = _qkv(w, x_p, pos_p, inv_freq, c.norm_eps)
     q_c, k_c, v_c = _qkv(w, x_c, pos_c, inv_freq, c.norm_eps)
     k_buf, v_buf = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    a_p, a_c = pl.prefill_attention(q_p, q_c, k_buf, v_buf, layout, kv_block=kv_block,
-                                    impl=impl, interpret=interpret)
+    if plan is None:
+      plan = pl.prepare_prefill_attention(layout, q_p, q_c, k_buf, impl=impl, kv_block=kv_block,
+                                          interpret=interpret)
+    a_p, a_c = pl.attend_prefill(q_p, q_c, k_buf, v_buf, plan)
     x_p = _mlp(w, x_p + jnp.einsum('btnh,nhd->btd', a_p.out.astype(x_p.dtype), w['wo']),
                c.norm_eps)
     x_c = _mlp(w, x_c + jnp.einsum('btnh,nhd->btd', a_c.out.astype(x_c.dtype), w['wo']),
@@ -68,12 +75,13 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
 
 
 def shared_forward(model: Llama, prompts, completions, layout: pl.PrefillLayout, *,
-                   kv_block: int = 1024, impl: str = 'xla', interpret: bool = False) -> jax.Array:
+                   kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                   interpret: bool = False) -> jax.Array:
   """log p(completion tokens) [Bp * G, T] float32, each prompt computed once.
 
   prompts [Bp, P] int32 (right-padded), completions [Bp * G, T] int32 (row r
   continues prompt r // G), layout from `plan_prefill(...).to_device()`. impl, interpret:
-  the attention's kernels ('mosaic_gpu': Hopper, bf16 / f16), as in `prefill_attention`.
+  the attention's kernels (MOSAIC_GPU: Hopper, bf16 / f16), as in `prepare_prefill_attention`.
   """
   h_p, h_c = shared_hidden(model, prompts, completions, layout, kv_block=kv_block, impl=impl,
                            interpret=interpret)

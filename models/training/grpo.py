@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import PrefillLayout
 from models.training.forward import shared_forward, unshared_forward
 
@@ -83,10 +84,11 @@ def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, di
 
 
 def policy_logprobs(model, batch: GrpoBatch, layout: PrefillLayout, *, shared: bool = True,
-                    kv_block: int = 1024, impl: str = 'xla', interpret: bool = False) -> jax.Array:
+                    kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                    interpret: bool = False) -> jax.Array:
   """log p(batch.completions) [B, T] under `model`, shared or per-sample forward.
 
-  impl, interpret: the shared forward's attention kernels (`prefill_attention`).
+  impl, interpret: the shared forward's attention kernels (`prepare_prefill_attention`).
   """
   if shared:
     return shared_forward(model, batch.prompts, batch.completions, layout, kv_block=kv_block,
@@ -97,7 +99,7 @@ def policy_logprobs(model, batch: GrpoBatch, layout: PrefillLayout, *, shared: b
 
 def loss_and_grads(graphdef, params, batch: GrpoBatch, layout: PrefillLayout,
                    config: GrpoConfig, *, shared: bool = True, kv_block: int = 1024,
-                   impl: str = 'xla', interpret: bool = False):
+                   impl: AttentionImpl | str = AttentionImpl.XLA, interpret: bool = False):
   """((loss, metrics), grads) with respect to the parameter state `params`."""
 
   def loss(params):
@@ -110,11 +112,11 @@ def loss_and_grads(graphdef, params, batch: GrpoBatch, layout: PrefillLayout,
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig, *,
-                    shared: bool = True, kv_block: int = 1024, impl: str = 'xla',
-                    interpret: bool = False):
+                    shared: bool = True, kv_block: int = 1024,
+                    impl: AttentionImpl | str = AttentionImpl.XLA, interpret: bool = False):
   """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics).
 
-  impl, interpret: the shared forward's attention kernels (`prefill_attention`).
+  impl, interpret: the shared forward's attention kernels (`prepare_prefill_attention`).
   """
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -207,7 +207,8 @@ def sweep(texts):
 
 
 def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
-  """CUPTI kernel times of prefill_attention's forward + backward (impl='mosaic_gpu'), top 15."""
+  """CUPTI kernel times of prefill_attention's forward + backward (MOSAIC_GPU), top 15."""
+  from hydrajax.dispatch import AttentionImpl
   from hydrajax.training import prefill_layout as pl
 
   layout = pl.plan_prefill([p], g, t).to_device()
@@ -218,7 +219,8 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
 
   def shared(q_p, q_c, k_p, k_c, v_p, v_c):
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, impl='mosaic_gpu')
+    prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout,
+                                              impl=AttentionImpl.MOSAIC_GPU)
     return prompt.out, completion.out
 
   def run(*a):

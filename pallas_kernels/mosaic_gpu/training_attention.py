@@ -124,6 +124,17 @@ def _config(config, interpret):
   return INTERPRET_CONFIG if interpret else TrainingKernelConfig()
 
 
+def unsupported_reason(dtypes, head_dim: int) -> str | None:
+  """Why the kernels cannot take inputs of these dtypes (q, k, v, ...) and head dim, or None
+  (what `hydrajax.training.prepare_training_attention` asks before it picks them)."""
+  if head_dim % 64:
+    return f'head dim must be a multiple of 64, got {head_dim}'
+  names = [jnp.dtype(d).name for d in dtypes]
+  if len(set(names)) != 1 or names[0] not in ('bfloat16', 'float16'):
+    return f'q, k, v (and do) must share one dtype, bfloat16 or float16 (wgmma); got {names}'
+  return None
+
+
 def _check(q, k, v, *others, batched=False):
   want = 'q [Z, T, N, H] and k, v [Z, S, K, H]' if batched else 'q [M, N, H] and k, v [S, K, H]'
   ndim = 3 + batched
@@ -133,12 +144,9 @@ def _check(q, k, v, *others, batched=False):
   if q.shape[-2] % k.shape[-2]:
     raise ValueError(f'query heads ({q.shape[-2]}) must be a multiple of kv heads '
                      f'({k.shape[-2]})')
-  if q.shape[-1] % 64:
-    raise ValueError(f'head dim must be a multiple of 64, got {q.shape[-1]}')
-  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, *others)}
-  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError('q, k, v (and do) must share one dtype, bfloat16 or float16 (wgmma); got '
-                     f'{[jnp.dtype(x.dtype).name for x in (q, k, v, *others)]}')
+  reason = unsupported_reason([x.dtype for x in (q, k, v, *others)], q.shape[-1])
+  if reason is not None:
+    raise ValueError(reason)
 
 
 def _pad_to(x, axis, multiple, value=0):

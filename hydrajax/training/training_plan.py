@@ -1,0 +1,275 @@
+"""Plan once per batch layout, attend every layer: the prepared plan of the differentiable path.
+
+    plan = prepare_training_attention(layout, AttentionShapes.of(q, k_layer))  # per batch
+    for layer in range(num_layers):                                          # every layer
+      out, lse = attend_differentiable(q, k_layer, v_layer, plan)            # custom VJP
+
+`prepare_training_attention` resolves the kernels once, in one function on top of
+`hydrajax.dispatch` (its device check and its fallback warning), and derives from the layout
+what both passes of the custom VJP (`tree_attention_vjp`) walk: each part's rows, kv tokens and
+causal limits, and the rows' index into the segments' states (`path_item_index`). Without a
+plan, every layer's forward and backward derived them again. The plan is a jit pytree: the
+layout and those arrays are leaves; the resolved kernels, the shapes, `kv_block`, the kernel
+config and `interpret` are static.
+
+Unlike `hydrajax.attend` there is no `kv_offset`: the training path attends one layer's buffer
+[L, K, H] (the dK, dV it returns have that shape), e.g. `prefill_layout.write_kv`'s.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from hydrajax import dispatch
+from hydrajax.attention_plan import AttentionShapes, check_scale
+from hydrajax.dispatch import AttentionImpl
+from hydrajax.layout import TreeLayout
+from hydrajax.partial_state import PartialState
+from hydrajax.training.tree_attention_vjp import _attention, _Kernels, _Part, _parts
+from hydrajax.tree_attention import path_item_index
+from hydrajax.validation import check_tree_attention_inputs
+
+_IMPLS = tuple(AttentionImpl)
+_SHARED_BACKWARDS = (AttentionImpl.XLA, AttentionImpl.MOSAIC_GPU, AttentionImpl.MOSAIC_TPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingAttentionPlan:
+  """A layout with its training kernels resolved and its part index arrays derived.
+
+  Built once per batch layout by `prepare_training_attention`; a jit pytree (layout, parts and
+  index are leaves, the rest static).
+  """
+
+  layout: TreeLayout
+  parts: tuple[_Part, ...]  # the private part (if any), then one per segment group
+  index: jax.Array | None  # [B, D] int32 `path_item_index` (None: a layout without paths)
+  impl: AttentionImpl  # every part's forward, the private parts' backward: XLA or MOSAIC_GPU
+  shared_backward: AttentionImpl  # the shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU
+  shapes: AttentionShapes
+  kv_block: int
+  kernel_config: Any  # the Mosaic GPU kernels' TrainingKernelConfig, or None (their default)
+  interpret: Any  # the kernels' interpret mode (False when only XLA runs)
+
+  @property
+  def kernels(self) -> _Kernels:
+    return _Kernels(self.impl, self.shared_backward, self.interpret, self.kernel_config)
+
+
+jax.tree_util.register_dataclass(
+    TrainingAttentionPlan,
+    data_fields=['layout', 'parts', 'index'],
+    meta_fields=['impl', 'shared_backward', 'shapes', 'kv_block', 'kernel_config', 'interpret'],
+)
+
+
+def training_unsupported_reason(
+    impl: AttentionImpl | str, shapes: AttentionShapes, *, interpret=False
+) -> str | None:
+  """Why `impl`'s training kernels cannot run `shapes` here, or None (XLA runs anything).
+
+  The device check is `dispatch.device_reason`'s; the Mosaic GPU kernels' own limits (dtype,
+  head dim) are `pallas_kernels.mosaic_gpu.training_attention.unsupported_reason`.
+  """
+  impl = AttentionImpl(impl)
+  reason = dispatch.device_reason(impl, interpret=interpret)
+  if reason is not None or impl is not AttentionImpl.MOSAIC_GPU:
+    return reason
+  from pallas_kernels.mosaic_gpu import training_attention  # pallas_kernels imports hydrajax
+
+  return training_attention.unsupported_reason(
+      (shapes.dtype, shapes.kv_dtype, shapes.kv_dtype), shapes.head_dim)
+
+
+def _as_impl(name: str, value, allowed) -> AttentionImpl:
+  try:
+    impl = AttentionImpl(value)
+  except ValueError:
+    impl = None
+  if impl not in allowed:
+    names = ', '.join(i.name for i in allowed)
+    raise ValueError(f'{name} must be one of {names} (an AttentionImpl or its value), '
+                     f'got {value!r}')
+  return impl
+
+
+def resolve_training(
+    impl: AttentionImpl | str,
+    shared_backward: AttentionImpl | str | None,
+    shapes: AttentionShapes,
+    *,
+    interpret=False,
+) -> tuple[AttentionImpl, AttentionImpl]:
+  """(forward, shared backward) that will run: see `prepare_training_attention`."""
+  requested = _as_impl('impl', impl, _IMPLS)
+  # MOSAIC_TPU's kernels run the shared backward only. AUTO tries this machine's kernel on a
+  # Hopper GPU only: the Mosaic TPU training kernels are tested in interpret mode only.
+  forward = AttentionImpl.XLA
+  if requested is AttentionImpl.MOSAIC_GPU:
+    forward = requested
+  elif requested is AttentionImpl.AUTO and dispatch.default_kernel() is AttentionImpl.MOSAIC_GPU:
+    reason = training_unsupported_reason(AttentionImpl.MOSAIC_GPU, shapes, interpret=interpret)
+    if reason is None:
+      forward = AttentionImpl.MOSAIC_GPU
+    else:
+      dispatch.fallback(AttentionImpl.MOSAIC_GPU, reason, source='training attention')
+  explicit = [] if requested is AttentionImpl.AUTO else [('impl', requested)]
+  if shared_backward is None:
+    backward = requested if requested is AttentionImpl.MOSAIC_TPU else forward
+  else:
+    backward = _as_impl('shared_backward', shared_backward, _SHARED_BACKWARDS)
+    explicit.append(('shared_backward', backward))
+  for name, kernel in explicit:  # an explicit kernel that cannot run never falls back
+    reason = training_unsupported_reason(kernel, shapes, interpret=interpret)
+    if reason is not None:
+      raise ValueError(f'{name}={kernel.name} does not support these inputs: {reason}')
+  return forward, backward
+
+
+def _check_kernel_config(config) -> None:
+  if config is None:
+    return
+  from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig  # GPU Pallas
+
+  if not isinstance(config, TrainingKernelConfig):
+    raise TypeError(f'kernel_config must be a TrainingKernelConfig, got {type(config).__name__}')
+
+
+def prepare_training_attention(
+    layout: TreeLayout,
+    shapes: AttentionShapes,
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    shared_backward: AttentionImpl | str | None = None,
+    kv_block: int = 1024,
+    kernel_config=None,
+    interpret=False,
+) -> TrainingAttentionPlan:
+  """Resolves the training kernels and derives the part index arrays; once per batch layout.
+
+  Args:
+    layout: the device layout (`SharingPlan.to_device()`).
+    shapes: the static shapes of the calls (`AttentionShapes.of(q, one_layer_k_cache)`).
+    impl: an `AttentionImpl` or its value. AUTO: MOSAIC_GPU on a Hopper GPU where the kernels
+      support the shapes, else XLA (with an `AttentionFallbackWarning` naming the reason when
+      the Hopper kernels were the candidate); on a TPU AUTO keeps XLA (the Mosaic TPU training
+      kernels are tested in interpret mode only). XLA: all of it on XLA. MOSAIC_GPU: every
+      part's forward and backward on the Hopper kernels of
+      `pallas_kernels.mosaic_gpu.training_attention` (bf16 / f16 q and K/V, head dim a multiple
+      of 64); only the merge of the parts stays on XLA. MOSAIC_TPU: XLA, but the shared
+      segments' backward on the Mosaic TPU kernels (`pallas_kernels.tpu.shared_segment_bwd`).
+      An explicit kernel that cannot run raises ValueError with the reason.
+    shared_backward: the shared segments' dQ, dK, dV only: XLA, MOSAIC_GPU or MOSAIC_TPU
+      (None: as `impl`).
+    kv_block: kv tokens per block of scores in both passes of the XLA parts (bounds memory).
+    kernel_config: the Mosaic GPU kernels' `TrainingKernelConfig` (None: its default, or in
+      interpret mode its small `INTERPRET_CONFIG`); ignored when AUTO chose XLA.
+    interpret: run the kernels in interpret mode (any machine, e.g. CPU tests): True, or for
+      Mosaic TPU e.g. `pltpu.InterpretParams()`.
+  """
+  if not isinstance(shapes, AttentionShapes):
+    raise ValueError(f'shapes must be an AttentionShapes, got {type(shapes).__name__}')
+  kv = shapes.kv_struct()
+  check_tree_attention_inputs(shapes.query_struct(), kv, kv, layout)
+  if isinstance(kv_block, bool) or not isinstance(kv_block, (int, np.integer)) or kv_block < 1:
+    raise ValueError(f'kv_block must be an integer >= 1, got {kv_block!r}')
+  kv_block = int(kv_block)
+  _check_kernel_config(kernel_config)
+  forward, backward = resolve_training(impl, shared_backward, shapes, interpret=interpret)
+  if kernel_config is not None and AttentionImpl.MOSAIC_GPU not in (forward, backward):
+    if AttentionImpl(impl) is not AttentionImpl.AUTO:
+      raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
+                       f'shared_backward MOSAIC_GPU, got {forward.name} and {backward.name}')
+    kernel_config = None  # AUTO chose XLA: the config of the kernels it did not choose
+  if forward is AttentionImpl.XLA and backward is AttentionImpl.XLA:
+    interpret = False  # one static form for all-XLA plans
+  return TrainingAttentionPlan(layout, _parts(layout, shapes, kv_block), path_item_index(layout),
+                               forward, backward, shapes, kv_block, kernel_config, interpret)
+
+
+def _check_call(q, k_cache, v_cache, plan: TrainingAttentionPlan) -> None:
+  if not isinstance(plan, TrainingAttentionPlan):
+    raise ValueError('plan must be a TrainingAttentionPlan (prepare_training_attention), got '
+                     f'{type(plan).__name__}')
+  s = plan.shapes
+  expected_q = (s.num_rows, s.query_tokens, s.num_heads, s.head_dim)
+  if tuple(q.shape) != expected_q:
+    raise ValueError(f'q must be [B, T, N, H] = {expected_q} as planned, got {tuple(q.shape)}')
+  expected_kv = (s.kv_tokens, s.num_kv_heads, s.head_dim)
+  for name, x in (('k_cache', k_cache), ('v_cache', v_cache)):
+    if tuple(x.shape) != expected_kv:  # one layer's buffer: its dK / dV have its shape
+      raise ValueError(
+          f'{name} must be one layer\'s [L, K, H] = {expected_kv} as planned, got '
+          f'{tuple(x.shape)}'
+      )
+  if q.dtype != s.dtype or k_cache.dtype != s.kv_dtype or v_cache.dtype != s.kv_dtype:
+    raise ValueError(
+        f'dtypes must be q {s.dtype} and k/v {s.kv_dtype} as planned, got q {q.dtype}, '
+        f'k {k_cache.dtype}, v {v_cache.dtype}'
+    )
+
+
+def attend_differentiable(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]: one layer's buffer
+    v_cache: jax.Array,  # [L, K, H]
+    plan: TrainingAttentionPlan,
+    *,
+    scale: float | None = None,
+) -> PartialState:
+  """Tree attention over `plan`, differentiable in q, k_cache and v_cache (custom VJP).
+
+  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log), differentiable
+  through both. scale: softmax scale, H**-0.5 if None. Nothing derived from the layout is
+  recomputed, in the forward or the backward.
+  """
+  _check_call(q, k_cache, v_cache, plan)
+  scale = check_scale(scale)
+  scale = plan.shapes.head_dim**-0.5 if scale is None else scale
+  return _attention(q, k_cache, v_cache, plan.parts, plan.index, scale, plan.kernels)
+
+
+def tree_attention_differentiable(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    scale: float | None = None,
+    kv_block: int = 1024,
+    shared_backward: AttentionImpl | str | None = None,
+    impl: AttentionImpl | str = 'xla',
+    interpret=False,
+    kernel_config=None,
+) -> PartialState:
+  """`hydrajax.tree_attention` (same semantics) with a flash-style custom VJP: the one-call form.
+
+  The same as `attend_differentiable(q, k, v, prepare_training_attention(layout,
+  AttentionShapes.of(q, k), ...))`; a model calling it
+  every layer prepares once instead. Differentiable in q, k_cache, v_cache (and through both
+  outputs: out and lse). Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural
+  log).
+
+  Args:
+    scale: softmax scale, H**-0.5 if None.
+    kv_block: kv tokens per block of scores in both passes (bounds memory).
+    impl: XLA (the default), AUTO, MOSAIC_GPU (the shared segments' and the private (causal)
+      parts' forward and backward by the Hopper kernels of
+      `pallas_kernels.mosaic_gpu.training_attention`; bf16 / f16, head dim a multiple of 64;
+      `interpret=True` runs them in Pallas interpret mode, e.g. on CPU; only the merge of the
+      parts stays on XLA) or MOSAIC_TPU; an `AttentionImpl` or its value ('xla', ...). See
+      `prepare_training_attention`.
+    shared_backward: the shared segments' dQ, dK, dV only (None: as `impl`): XLA, MOSAIC_GPU
+      or MOSAIC_TPU (the Mosaic TPU kernels of `pallas_kernels.tpu.shared_segment_bwd`;
+      `interpret`: their interpret mode, e.g. `pltpu.InterpretParams()` on CPU).
+    kernel_config: the Mosaic GPU kernels' block sizes, a
+      `pallas_kernels.mosaic_gpu.training_attention.TrainingKernelConfig` (None: its default,
+      or in interpret mode its small `INTERPRET_CONFIG`).
+  """
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  plan = prepare_training_attention(
+      layout, AttentionShapes.of(q, k_cache), impl=impl, shared_backward=shared_backward,
+      kv_block=kv_block, kernel_config=kernel_config, interpret=interpret)
+  return attend_differentiable(q, k_cache, v_cache, plan, scale=scale)
