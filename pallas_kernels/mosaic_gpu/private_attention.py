@@ -184,6 +184,10 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
   lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
   empty lane), rows past the batch none.
+
+  Two XLA fusions: the rows' lane ranges (a cumsum over the frame's R rows), then every lane's
+  fields, elementwise over the R ranges. A reduce over R, or over a step's 8 lanes, would be a
+  fusion, and a launch, of its own (1-2 µs each, against a call of tens of µs).
   """
   steps = problem.lane_steps
   r_rows, b_rows, c = problem.rows_per_frame, problem.num_rows, problem.page_size
@@ -194,7 +198,8 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   else:  # one query row over several 64-row tiles
     tiles = tgp // WG_M
     row0, q0 = frames // tiles, (frames % tiles) * WG_M
-  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)  # [F, R]
+  # Row facts [F, R].
+  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)
   inside = rows < b_rows
   lengths = jnp.asarray(private_lengths, jnp.int32)
   length = jnp.where(inside, lengths[jnp.minimum(rows, b_rows - 1)], 0)
@@ -204,26 +209,34 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
     t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
     seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
   chunks = (seen + CHUNK - 1) // CHUNK
-  ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)  # [F, R]
-  lane = jnp.arange(steps * _LANES, dtype=jnp.int32)
-  r = jnp.sum(ends[:, None, :] <= lane[None, :, None], axis=-1)  # [F, lanes]: its row, R past
-  rr = jnp.minimum(r, r_rows - 1)
-  take = lambda a: jnp.take_along_axis(a, rr, axis=1)
-  i = lane[None] - (take(ends) - jnp.where(take(inside), jnp.maximum(take(chunks), 1), 0))
-  real = (r < r_rows) & (i < take(chunks))
+  ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)
+  starts = ends - jnp.where(inside, jnp.maximum(chunks, 1), 0)
+  # Lane facts [F, lanes]: lane l belongs to row j when starts[j] <= l < ends[j] (at most one j;
+  # none past the frame's rows, whose r is then R).
+  lane = jnp.arange(steps * _LANES, dtype=jnp.int32)[None, :]
+  r = jnp.full(lane.shape, r_rows, jnp.int32)
+  first = row_length = row_chunks = jnp.zeros_like(lane)
+  for j in range(r_rows):
+    hit = (starts[:, j:j + 1] <= lane) & (lane < ends[:, j:j + 1])
+    r = jnp.where(hit, j, r)
+    first = jnp.where(hit, starts[:, j:j + 1], first)
+    row_length = jnp.where(hit, length[:, j:j + 1], row_length)
+    row_chunks = jnp.where(hit, chunks[:, j:j + 1], row_chunks)
+  i = lane - first
+  real = (r < r_rows) & (i < row_chunks)
   pos = i * CHUNK
-  valid = jnp.where(real, jnp.clip(take(length) - pos, 0, CHUNK), 0)
+  valid = jnp.where(real, jnp.clip(row_length - pos, 0, CHUNK), 0)
   pages = jnp.asarray(private_pages, jnp.int32)
   page = jnp.clip(pos // c, 0, pages.shape[1] - 1)
-  page_row = jnp.minimum(row0[:, None] + rr, pages.shape[0] - 1)
+  page_row = jnp.minimum(row0[:, None] + jnp.minimum(r, r_rows - 1), pages.shape[0] - 1)
   tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
   shape = (problem.num_frames, steps, _LANES)
   tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
-  step = jnp.arange(_LANES, dtype=jnp.int32) * CHUNK
-  contiguous = jnp.all(real & (r == r[..., :1]) & (tok == tok[..., :1] + step), axis=-1)
-  packed = jnp.zeros(shape[:2], jnp.int32)
-  for j in range(_LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
-    packed = packed | lax.shift_left(valid[..., j], jnp.int32(4 * j))
+  contiguous = real[..., 0]
+  packed = valid[..., 0]
+  for j in range(1, _LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
+    contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * CHUNK)
+    packed |= lax.shift_left(valid[..., j], jnp.int32(4 * j))
   return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
 
 
