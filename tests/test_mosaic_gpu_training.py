@@ -170,6 +170,12 @@ class TestTrainingKernels:
     refs = ta.segment_backward_reference(*args, scale=scale)
     for name, a, r in zip(('dq', 'dk', 'dv'), (dq, dk, dv), refs):
       _close(name, a, r)
+    # dq_dtype=float32: the sums before rounding (what the VJP adds other parts' dQ to).
+    dq32 = ta.segment_backward(*args, scale=scale, interpret=self.interpret, config=config,
+                               dq_dtype=jnp.float32)[0]
+    assert dq32.dtype == jnp.float32 and dq.dtype == q.dtype
+    _close('dq float32', dq32, ta.segment_backward_reference(*args, scale=scale,
+                                                            dq_dtype=jnp.float32)[0])
     # Tokens past kv_length (NaN in K / V) get exactly zero gradient.
     np.testing.assert_array_equal(np.asarray(dk[n:], np.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(dv[n:], np.float32), 0.0)

@@ -265,3 +265,26 @@ def test_shared_forward_prepares_once_with_the_same_numbers(monkeypatch):
   monkeypatch.setattr(pl, 'attend_prefill', every_layer_in_one_call)
   before = fw.shared_forward(model, prompts, completions, layout, kv_block=4)
   np.testing.assert_allclose(planned, before, rtol=1e-6, atol=1e-6)
+
+
+def test_write_kv_puts_every_token_at_its_slot():
+  """The concatenation is the slots' scatter (padding zero), and its gradient each token's."""
+  layout = pl.plan_prefill((5, 11), 3, 6, prompt_capacity=12).to_device()
+  rng = np.random.default_rng()
+  prompt_kv = jnp.asarray(rng.standard_normal((2, 12, 2, 8), np.float32))
+  completion_kv = jnp.asarray(rng.standard_normal((6, 6, 2, 8), np.float32))
+  buffer = pl.write_kv(layout, prompt_kv, completion_kv)
+  want = np.zeros((layout.kv_tokens, 2, 8), np.float32)
+  want[np.asarray(layout.prompt_slots).reshape(-1)] = np.asarray(prompt_kv).reshape(-1, 2, 8)
+  want[np.asarray(layout.completion_slots).reshape(-1)] = np.asarray(completion_kv).reshape(-1, 2, 8)
+  np.testing.assert_array_equal(np.asarray(buffer), want)
+  weights = jnp.asarray(rng.standard_normal(buffer.shape, np.float32))
+  d_prompt, d_completion = jax.grad(
+      lambda p, c: jnp.sum(pl.write_kv(layout, p, c) * weights), argnums=(0, 1))(
+          prompt_kv, completion_kv)
+  np.testing.assert_array_equal(np.asarray(d_prompt),
+                                np.asarray(weights)[np.asarray(layout.prompt_slots)])
+  np.testing.assert_array_equal(np.asarray(d_completion),
+                                np.asarray(weights)[np.asarray(layout.completion_slots)])
+  with pytest.raises(ValueError, match=r'completion_kv must be \[6, 6, K, H\]'):
+    pl.write_kv(layout, prompt_kv, completion_kv[:5])

@@ -143,13 +143,19 @@ def plan_prefill(
 def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Array) -> jax.Array:
   """prompt_kv [Bp, P, K, H] and completion_kv [Bp * G, T, K, H] -> the flat buffer [L, K, H].
 
-  A scatter: its transpose gathers every token's dK / dV back (each token written once).
+  The slots are the buffer's order (`PrefillPlan.to_device`), so this is a concatenation and
+  its transpose slices every token's dK / dV back (no scatter, no gather).
   """
+  for name, kv, slots in (('prompt_kv', prompt_kv, layout.prompt_slots),
+                          ('completion_kv', completion_kv, layout.completion_slots)):
+    if kv.ndim != 4 or kv.shape[:2] != slots.shape or kv.shape[2:] != prompt_kv.shape[2:]:
+      raise ValueError(f'{name} must be [{", ".join(map(str, slots.shape))}, K, H] (K, H as '
+                       f'prompt_kv\'s), got {kv.shape}')
   k, h = prompt_kv.shape[2:]
-  buffer = jnp.zeros((layout.kv_tokens, k, h), prompt_kv.dtype)
-  buffer = buffer.at[layout.prompt_slots.reshape(-1)].set(prompt_kv.reshape(-1, k, h))
-  return buffer.at[layout.completion_slots.reshape(-1)].set(
-      completion_kv.reshape(-1, k, h).astype(prompt_kv.dtype))
+  prompts, completions = prompt_kv.reshape(-1, k, h), completion_kv.reshape(-1, k, h)
+  pad = jnp.zeros((layout.kv_tokens - prompts.shape[0] - completions.shape[0], k, h),
+                  prompt_kv.dtype)
+  return jnp.concatenate([prompts, pad, completions.astype(prompt_kv.dtype)])
 
 
 @jax.tree_util.register_dataclass

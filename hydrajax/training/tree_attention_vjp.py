@@ -325,8 +325,9 @@ def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
     tok = part.tokens[j]
     dq, dk_j, dv_j = segment_backward(q_j, k_cache[tok], v_cache[tok], do_j, lse_j, delta_j,
                                       part.limit[j, 0], scale=scale,
-                                      interpret=kernels.interpret, config=kernels.config)
-    dqs.append(dq.astype(jnp.float32).reshape(qz.shape[1:]))
+                                      interpret=kernels.interpret, config=kernels.config,
+                                      dq_dtype=jnp.float32)
+    dqs.append(dq.reshape(qz.shape[1:]))
     # Positions past the segment's length get exact zeros (their tokens belong to others).
     dk = dk.at[tok].add(dk_j.astype(jnp.float32))
     dv = dv.at[tok].add(dv_j.astype(jnp.float32))

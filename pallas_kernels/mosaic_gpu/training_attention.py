@@ -435,9 +435,11 @@ def causal_forward_reference(q, k, v, lengths, *, scale: float, interpret: bool 
 
 # Backward.
 
-def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, cfg):
-  """(dq [Z, M, N, H], dk, dv [Z, S, K, H]) of q [Z, M, N, H], k, v [Z, S, K, H] and
-  merged lse, delta [Z, M, N]; pads and prepares, then runs the dQ and dK/dV kernels."""
+def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, cfg,
+              dq_dtype=None):
+  """(dq [Z, M, N, H] in dq_dtype (default q's), dk, dv [Z, S, K, H]) of q [Z, M, N, H],
+  k, v [Z, S, K, H] and merged lse, delta [Z, M, N]; pads and prepares, then runs the dQ and
+  dK/dV kernels."""
   z, m = q.shape[:2]
   s_in = k.shape[1]
   length, k, v = _prepare_kv(
@@ -450,20 +452,21 @@ def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, c
   args = (qp, k, v, dop, lse2, delta_t, length)
   kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
   if _fused_dq(cfg, causal_t, k.shape[-1]):
-    dq, dk, dv = _dkv(*args, **kw, fused=True)
-    dq = dq.astype(q.dtype)
+    dq, dk, dv = _dkv(*args, **kw, fused=True)  # dq float32
   else:
     dq = _dq(*args, **kw)
     dk, dv = _dkv(*args, **kw)
-  return dq[:, :m], dk[:, :s_in], dv[:, :s_in]
+  return dq[:, :m].astype(dq_dtype or q.dtype), dk[:, :s_in], dv[:, :s_in]
 
 
 def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
-                     interpret: bool = False, config: TrainingKernelConfig | None = None):
-  """(dq [M, N, H] in q.dtype, dk, dv [S, K, H] in k.dtype) of one segment.
+                     interpret: bool = False, config: TrainingKernelConfig | None = None,
+                     dq_dtype=None):
+  """(dq [M, N, H] in dq_dtype (default q.dtype), dk, dv [S, K, H] in k.dtype) of one segment.
 
   lse [M, N] (natural log) and delta [M, N] = rowsum(dO * O) - dlse are the rows'
-  MERGED statistics over all their keys, not this segment's.
+  MERGED statistics over all their keys, not this segment's. dq_dtype=float32 keeps the
+  fused dQ's float32 sums (no rounding to q.dtype and back when the caller adds more to it).
   """
   _check(q, k, v, do)
   if lse.shape != q.shape[:2] or delta.shape != q.shape[:2]:
@@ -471,7 +474,7 @@ def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
                      f'{delta.shape}')
   grads = _backward(q[None], k[None], v[None], do[None], lse[None], delta[None], kv_length,
                     scale=scale, causal_t=None, interpret=interpret,
-                    cfg=_config(config, interpret))
+                    cfg=_config(config, interpret), dq_dtype=dq_dtype)
   return tuple(x[0] for x in grads)
 
 
@@ -721,7 +724,7 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   return dq[...], dk, dv
 
 
-def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal):
+def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal, dq_dtype=None):
   z, m, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
@@ -735,15 +738,16 @@ def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal):
   dv = jnp.einsum('zmkgs,zmkgh->zskh', p, dof, precision=hi)
   dk = jnp.einsum('zmkgs,zmkgh->zskh', ds, qf, precision=hi) * scale
   dq = jnp.einsum('zmkgs,zskh->zmkgh', ds, kf, precision=hi) * scale
-  return dq.reshape(z, m, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return (dq.reshape(z, m, n, h).astype(dq_dtype or q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype))
 
 
 def segment_backward_reference(q, k, v, do, lse, delta, kv_length, *, scale: float,
-                               interpret: bool = False, config=None):
+                               interpret: bool = False, config=None, dq_dtype=None):
   """`segment_backward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
   grads = _backward_reference(q[None], k[None], v[None], do[None], lse[None], delta[None],
-                              kv_length, scale, False)
+                              kv_length, scale, False, dq_dtype)
   return tuple(x[0] for x in grads)
 
 
