@@ -639,8 +639,9 @@ class TestSupportAndSchedule:
       return mosaic.attend(q, kc, kc, prepared, shapes=shapes, config=config,
                            kv_offset=layer * length, interpret=True).out
 
-    mesh = jax.make_mesh((2,), ('tp',), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:2])
+    devices = jax.devices()[:2]  # two of CPU's eight fake devices; the one GPU of a GPU host
+    mesh = jax.make_mesh((len(devices),), ('tp',), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
     heads = jax.sharding.PartitionSpec(None, None, 'tp', None)
     kv_heads = jax.sharding.PartitionSpec(None, 'tp', None)
 
@@ -659,7 +660,8 @@ class TestSupportAndSchedule:
       return len(re.findall(r' reduce-window\(', lowered.compile().as_text()))
 
     assert cumsums(2, attend, q, kc) == cumsums(1, attend, q, kc) > 0
-    q2, kc2 = jnp.concatenate([q, q], axis=2), jnp.concatenate([kc, kc], axis=1)  # 2 devices' heads
+    q2 = jnp.concatenate([q] * len(devices), axis=2)  # each device's heads
+    kc2 = jnp.concatenate([kc] * len(devices), axis=1)
     assert cumsums(2, sharded, q2, kc2) == cumsums(1, sharded, q2, kc2) > 0
 
   def test_config_from_knobs(self):

@@ -318,6 +318,7 @@ def main():
   if args.lower_only:
     return lower_only((*checks, *shapes), variants)
   print(jax.devices(), jax.__version__)
+  os.makedirs(args.out, exist_ok=True)
   sink = open(os.path.join(args.out, 'results.jsonl'), 'a')
 
   start = time.time()
