@@ -3,9 +3,12 @@ elementwise over a frame's rows), CUPTI kernel time and XLA fusions, at check_on
 
     PYTHONPATH=. python3 experiments/results/mosaic_gpu_check/s33/lane_table_probe.py --shapes 0,1,5
 
-Checks that both tables are equal first.
+Checks that both tables are equal first. `--random_cases N` (any backend, CPU included) only
+compares the two tables on N random problems (B, T, G, page size, lengths with zeros, pages),
+as `test_lane_table_is_the_kernels_chunk_walk` draws them.
 """
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -70,11 +73,36 @@ def old_lane_table(private_lengths, private_pages, problem: PrivateProblem) -> j
   return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
 
 
+def compare_random(cases: int, seed: int):
+  from pallas_kernels.mosaic_gpu import schedule
+  rng = np.random.default_rng(seed)
+  unequal = 0
+  for _ in range(cases):
+    b, t = int(rng.integers(1, 1100)), int(rng.choice([1, 1, 2, 3, 8]))
+    g, page = int(rng.choice([1, 2, 4, 8, 32, 64])), int(rng.choice([8, 16, 64, 128]))
+    tgp = schedule.padded_rows_per_query(t * g)
+    problem = PrivateProblem(b, t, g, tgp, schedule.private_frame_rows(b, tgp, 8, 132), page)
+    max_pages = int(rng.integers(1, 5))
+    problem = dataclasses.replace(problem, lane_steps=pa.lane_steps(problem, max_pages))
+    lengths = rng.integers(0, max_pages * page + 1, b)
+    lengths[rng.random(b) < 0.2] = 0
+    pages = rng.permutation(4 * b * max_pages)[: b * max_pages].reshape(b, max_pages)
+    equal = np.array_equal(np.asarray(old_lane_table(lengths, pages, problem)),
+                           np.asarray(pa.lane_table(lengths, pages, problem)))
+    unequal += not equal
+  print(json.dumps(dict(random_cases=cases, seed=seed, unequal=unequal,
+                        backend=jax.default_backend())), flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--shapes', default='0,1,5')
   parser.add_argument('--capacity', type=int, default=128)
+  parser.add_argument('--random_cases', type=int, default=0)
+  parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args()
+  if args.random_cases:
+    return compare_random(args.random_cases, args.seed)
   cod.CAPACITY = args.capacity
   for i in args.shapes.split(','):
     shape = cod.SHAPES[int(i)]
