@@ -125,6 +125,23 @@ def _cases():
           yield db.Case(mode, impl, batch, prefix, FLAGS.new_tokens)
 
 
+def _recorded_config(records, flag_config):
+  """The model shape a raw.jsonl was measured with: its records' preset and layer count (the
+  floors depend on them), whatever --preset says. Records without them keep flag_config."""
+  presets = {r['preset'] for r in records if 'preset' in r}
+  layers = {r['num_layers'] for r in records if 'num_layers' in r}
+  if len(presets) > 1 or len(layers) > 1:
+    raise ValueError(f'--rebuild={FLAGS.rebuild}: records of several models (presets '
+                     f'{sorted(presets)}, layer counts {sorted(layers)}); rebuild one at a time')
+  if not presets:
+    return flag_config
+  if FLAGS['preset'].present and FLAGS.preset not in presets:
+    raise ValueError(f'--preset={FLAGS.preset}, but --rebuild={FLAGS.rebuild} was measured with '
+                     f'{presets.pop()}; leave --preset out when rebuilding')
+  overrides = {'num_layers': layers.pop()} if layers else {}
+  return get_config(presets.pop(), **overrides)
+
+
 def main(argv):
   del argv
   started = time.perf_counter()
@@ -139,6 +156,7 @@ def main(argv):
   sr.check_mesh(config, mesh)
   if FLAGS.rebuild:
     records = read_jsonl(FLAGS.rebuild)
+    config = _recorded_config(records, config)
     meta, ceil = records[0]['meta'], records[0]['ceilings']
     ceilings = Ceilings(ceil['copy_bandwidth'], ceil['matmul_rate'])
     prefill = {r['prefix']: r['prefill_s'] for r in records if 'prefill_s' in r}
@@ -189,7 +207,8 @@ def main(argv):
         r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])
     seconds = prefill[case.prefix]
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
-             ceilings=ceil, preset=config.name, run_s=time.perf_counter() - started,
+             ceilings=ceil, preset=config.name, num_layers=config.num_layers,
+             run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
              tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
              fuse_qkv=FLAGS.fuse_qkv, page_size=FLAGS.page_size)

@@ -156,7 +156,10 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
     records = [json.loads(line) for line in f]
   assert [(r['name'], r['status']) for r in records] == [('no_attention', 'ok'), ('tree_xla', 'ok')]
   assert records[1]['attention_s'] == pytest.approx(records[1]['step_s'] - records[0]['step_s'])
-  out = run(f'--rebuild={tmp_path / "a" / "raw.jsonl"}', f'--workdir={tmp_path / "b"}')
+  # The rebuild takes the model from the records (tiny_mha), not from --preset's default.
+  out = subprocess.run(base[:-1] + [f'--rebuild={tmp_path / "a" / "raw.jsonl"}',
+                                    f'--workdir={tmp_path / "b"}'],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   table = lambda d: [l for l in (tmp_path / d / 'table.md').read_text().splitlines()
                      if l.startswith('| ')]
