@@ -27,6 +27,7 @@ from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
 from pallas_kernels.mosaic_gpu import training_attention as ta
+from pallas_kernels.mosaic_gpu.schedule import row_parts
 from tests.conftest import assert_states_close, random_inputs, random_tree
 
 TOL = dict(rtol=3e-2, atol=3e-2)  # bf16 (see the module docstring)
@@ -191,6 +192,40 @@ class TestTrainingKernels:
     for name, a, e in zip(('dq', 'dk', 'dv'), (dq, dk[:n], dv[:n]), expected):
       assert np.abs(np.asarray(e, np.float32)).max() > 0.1, f'{name}: no gradient exercised'
       _close(f'{name} vs oracle grad', a, e)
+
+  @pytest.mark.parametrize('parts', [2, 4])
+  def test_backward_in_row_parts(self, parts, request):
+    """The fused dK/dV kernel split over query rows (`row_parts`): every part's float32 dK / dV
+    summed after, dQ reduce-added as before; the reference's gradients."""
+    seed = zlib.crc32(request.node.name.encode())
+    case = Case((8, 2), 500, 200, 130, h=128)  # 512 padded rows: 8 query blocks of 64
+    q, k, v, (w_out, w_lse) = _inputs(case, seed)
+    scale = case.h**-0.5
+    out, lse = ta.segment_forward_reference(q, k, v, case.kv_length, scale=scale)
+    delta = jnp.sum(w_out * out.astype(jnp.float32), -1) - w_lse
+    args = (q, k, v, w_out.astype(BF16), lse, delta, case.kv_length)
+    default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
+    config = dataclasses.replace(default, row_parts=parts)
+    assert ta._row_parts(config, case.s, case.heads[1], 512, self.interpret) == parts
+    grads = ta.segment_backward(*args, scale=scale, interpret=self.interpret, config=config)
+    for name, a, r in zip(('dq', 'dk', 'dv'), grads, ta.segment_backward_reference(*args,
+                                                                                 scale=scale)):
+      assert a.dtype == r.dtype, name
+      _close(name, a, r)
+    for name, x in zip(('dk', 'dv'), grads[1:]):  # tokens past kv_length (NaN in K / V)
+      np.testing.assert_array_equal(np.asarray(x[case.kv_length:], np.float32), 0.0, name)
+
+  def test_row_parts_fill_the_chip(self):
+    """`schedule.row_parts`: a 1K prompt at 8 kv heads (64 programs) runs in 2 parts; 8K (512
+    programs) in 1; parts divide the query blocks."""
+    cfg = ta.TrainingKernelConfig()
+    assert ta._row_parts(cfg, 1024, 8, 65536, False) == 2
+    assert row_parts(64, 1024, num_sms=132) == 2
+    assert row_parts(512, 1024, num_sms=132) == 1
+    assert row_parts(192, 1024, num_sms=132) == 2  # 2 waves of 1024 -> 3 waves of 512
+    assert row_parts(64, 7, num_sms=132) == 1  # 7 blocks: no part count divides them
+    assert ta._row_parts(dataclasses.replace(cfg, block_kv_dkv=128), 1024, 8, 65536,
+                         False) == 1  # staging through the dQ buffer needs bk == bq
 
   def test_dkv_reduced_in_kernel_over_rows_and_group(self):
     """Many query blocks and all G heads of a kv head land in one dK / dV (no per-row output)."""

@@ -24,6 +24,8 @@ window of consecutive query rows is one contiguous read.
 import dataclasses
 from collections.abc import Sequence
 
+import jax
+
 from hydrajax.layout import TreeLayout
 
 ALIGN = 8  # rows per tile of the (8, 64) shared-memory tiling used by wgmma
@@ -79,6 +81,30 @@ class SharedSchedule:
   @property
   def num_segments(self) -> int:
     return sum(g.num_segments for g in self.groups)
+
+
+DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+
+
+def device_num_sms(interpret: bool = False) -> int:
+  """Multiprocessors of the default device (DEFAULT_NUM_SMS off the GPU or in interpret mode)."""
+  if not interpret and jax.default_backend() == 'gpu':
+    return int(getattr(jax.devices()[0], 'core_count', DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
+  return DEFAULT_NUM_SMS
+
+
+def row_parts(programs: int, blocks: int, *, num_sms: int, most: int = 4) -> int:
+  """Parts (1..most, dividing `blocks`) to split each of `programs` equal programs of
+  `blocks` steps into: the count whose launch ends first, ties to fewer.
+
+  The shared segment's dK/dV kernel has one program per kv tile and kv head, each streaming
+  every query row: a 1K-token prompt at 8 kv heads is 64 programs on 132 multiprocessors.
+  Two parts of the rows are 128 programs of half the steps, one wave of half the time.
+  """
+  def time(parts):
+    return cdiv(programs * parts, num_sms) * (blocks // parts)
+  candidates = [p for p in range(1, most + 1) if blocks % p == 0]
+  return min(candidates, key=lambda p: (time(p), p))
 
 
 PROGRAM_COST_BLOCKS = 3  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks

@@ -66,6 +66,7 @@ from jax import lax
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
+from pallas_kernels.mosaic_gpu.schedule import device_num_sms, row_parts
 
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # 128-byte rows
@@ -103,6 +104,11 @@ class TrainingKernelConfig:
   # land in any order, so dQ may differ in its last bits from run to run: False is the
   # deterministic backward.
   fused_dq: bool = True
+  # Query-row parts of a shared segment's fused dK/dV kernel (`_dkv`): each part streams a
+  # share of the query blocks and writes a float32 partial dK/dV, summed after. None: the
+  # count whose launch ends first (`schedule.row_parts`; a 1K-token prompt at 8 kv heads is 64
+  # programs, half the H200's multiprocessors, so 2 parts). 1: one program a kv tile, as before.
+  row_parts: int | None = None
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -113,6 +119,8 @@ class TrainingKernelConfig:
       raise ValueError(f'max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}')
     if self.compute_wgs not in (1, 2):
       raise ValueError(f'compute_wgs must be 1 or 2, got {self.compute_wgs}')
+    if self.row_parts is not None and not 1 <= self.row_parts <= 8:
+      raise ValueError(f'row_parts must be None or in [1, 8], got {self.row_parts}')
 
 
 INTERPRET_CONFIG = TrainingKernelConfig(64, 64, 64, 64, 64, 64, 2, 1)
@@ -452,7 +460,8 @@ def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, c
   args = (qp, k, v, dop, lse2, delta_t, length)
   kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
   if _fused_dq(cfg, causal_t, k.shape[-1]):
-    dq, dk, dv = _dkv(*args, **kw, fused=True)  # dq float32
+    parts = _row_parts(cfg, z * k.shape[1], k.shape[2], qp.shape[1], interpret)
+    dq, dk, dv = _dkv(*args, **kw, fused=True, parts=parts)  # dq float32
   else:
     dq = _dq(*args, **kw)
     dk, dv = _dkv(*args, **kw)
@@ -572,14 +581,33 @@ def _first_q_block(kv_len, first_key, causal_t, bq, num_q_blocks):
   return jnp.minimum(lax.div(first, jnp.int32(bq)), num_q_blocks - 1)
 
 
+def _row_parts(cfg, s, kh, mp, interpret) -> int:
+  """Query-row parts of the fused dK/dV kernel (`TrainingKernelConfig.row_parts`): S kv
+  tokens in all (rows x tokens), kh kv heads, mp padded query rows. Parts stage their
+  float32 dK/dV through the dQ buffer, which needs block_kv_dkv == block_q_dkv."""
+  blocks = mp // cfg.block_q_dkv
+  if cfg.block_kv_dkv != cfg.block_q_dkv:
+    return 1
+  if cfg.row_parts is not None:
+    return cfg.row_parts if blocks % cfg.row_parts == 0 else 1
+  programs = s // (cfg.compute_wgs * cfg.block_kv_dkv) * kh
+  return row_parts(programs, blocks, num_sms=device_num_sms(interpret))
+
+
 def _fused_dq(cfg, causal_t, h) -> bool:
   """Whether the dK/dV kernel computes dQ (`TrainingKernelConfig.fused_dq`): shared segments,
   with H split into 64-column halves (H a multiple of 64 per compute warpgroup)."""
   return cfg.fused_dq and causal_t is None and h % (64 * cfg.compute_wgs) == 0
 
 
-def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, fused=False):
+def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, fused=False,
+         parts=1):
   """dk, dv [Z, S, K, H]; fused (`_fused_dq`): dq [Z, M, N, H] float32, dk, dv.
+
+  parts > 1 (fused only): each kv tile's program is `parts` programs, part r streaming query
+  blocks [r, r + 1) * (M / bq / parts) and writing its float32 dK/dV, [bk, H] a warpgroup,
+  through its dQ staging buffer ([bq, H / W] float32, so bk == bq) in W column pieces; XLA
+  sums the parts. The grid's third axis is then Z * parts.
 
   Fused, step f stages its dS^T in shared memory (double-buffered by step parity), and step
   f + 1 (the last one after the loop) adds step f's dQ: warpgroup w multiplies every
@@ -597,6 +625,10 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   dtype = k.dtype
   hq = h // wgs  # dQ columns a warpgroup adds
   tiles = s // (wgs * bk)
+  if parts > 1 and not (fused and causal_t is None and bk == bq and (mp // bq) % parts == 0):
+    raise ValueError(f'row parts ({parts}) need the fused, non-causal kernel, block_kv_dkv == '
+                     f'block_q_dkv and {mp // bq} query blocks divisible by them')
+  per_part = mp // bq // parts
 
   def training_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, *refs):
     if fused:
@@ -604,13 +636,18 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
           dq_smem2, ds_ready = refs
     else:
       dk_ref, dv_ref, k_smem2, v_smem2, stage_p, stage_ds, barriers = refs
-    kv_head, seq = lax.axis_index('kv_heads'), lax.axis_index('rows')
+    kv_head, seq, part = lax.axis_index('kv_heads'), lax.axis_index('rows'), 0
+    if parts > 1:
+      seq, part = lax.div(seq, jnp.int32(parts)), lax.rem(seq, jnp.int32(parts))
     wg = _wg(interpret)
     kv_len = len_ref[seq]
     tile = lax.axis_index('kv_tiles') * (wgs * bk)
     first = tile + wg * bk
-    q0 = _first_q_block(kv_len, tile, causal_t, bq, mp // bq)
-    nq = mp // bq - q0  # query blocks of each head this tile streams
+    if parts > 1:
+      q0, nq = part * per_part, per_part
+    else:
+      q0 = _first_q_block(kv_len, tile, causal_t, bq, mp // bq)
+      nq = mp // bq - q0  # query blocks of each head this tile streams
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     bar = lambda i: barriers.at[i * wgs + wg]  # i: k, v
 
@@ -624,11 +661,26 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
       dk, dv = pipeline((zeros, zeros))
       if fused:
         add_dq(g * nq - 1)  # the last step's
+      if parts > 1:
+        store_part(dk * scale, dk_ref.at[seq, part, toks, kv_head])
+        store_part(dv, dv_ref.at[seq, part, toks, kv_head])
+        return
       k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer needed: they stage dK, dV
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[seq, toks, kv_head])
       plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    def store_part(x, dst):
+      """x [bk, H] float32 -> dst, through this warpgroup's dQ staging buffer, H / W
+      columns at a time (each after the previous copy has read the buffer)."""
+      dq_smem = dq_smem2.at[wg]
+      for c in range(h // hq):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dq_smem[...] = x[:, c * hq:(c + 1) * hq]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem, dst.at[:, pl.ds(c * hq, hq)])
       plgpu.wait_smem_to_gmem(0)
 
     def stage_ds_for_dq(ds16, flat):
@@ -708,9 +760,10 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
     scratch += [plgpu.SMEM((2, wgs, bk, bq), dtype, transforms=_TILED),
                 plgpu.SMEM((wgs, bq, hq), jnp.float32, transforms=_TILED_F32),
                 plgpu.Barrier(num_arrivals=wgs) if wgs > 1 else None]
-  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  kv_type = (jax.ShapeDtypeStruct(k.shape, dtype) if parts == 1 else
+             jax.ShapeDtypeStruct((z, parts, *k.shape[1:]), jnp.float32))
   launch = _launch(training_dkv_kernel, interpret=interpret, config=cfg,
-                   grid=(tiles, kh, z), grid_names=('kv_tiles', 'kv_heads', 'rows'),
+                   grid=(tiles, kh, z * parts), grid_names=('kv_tiles', 'kv_heads', 'rows'),
                    out_type=(kv_type, kv_type), scratch=scratch)
   args = (q, k, v, do, lse2, delta, length)
   if not fused:
@@ -718,10 +771,14 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   if interpret:
     slabs = jax.new_ref(jnp.zeros((tiles, z, mp, n, h), jnp.float32))
     dk, dv = launch(*args, slabs)
-    return slabs[...].sum(0), dk, dv
-  dq = jax.new_ref(jnp.zeros((z, mp, n, h), jnp.float32))
-  dk, dv = launch(*args, dq)
-  return dq[...], dk, dv
+    dq = slabs[...].sum(0)
+  else:
+    dq = jax.new_ref(jnp.zeros((z, mp, n, h), jnp.float32))
+    dk, dv = launch(*args, dq)
+    dq = dq[...]
+  if parts > 1:
+    dk, dv = (x.sum(1).astype(dtype) for x in (dk, dv))
+  return dq, dk, dv
 
 
 def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal, dq_dtype=None):

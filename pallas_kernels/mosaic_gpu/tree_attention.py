@@ -58,8 +58,8 @@ from pallas_kernels.mosaic_gpu.private_attention import (
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
-    ALIGN, TILE_M, SharedSchedule, padded_rows_per_query, private_frame_rows, round_up,
-    shared_schedule,
+    ALIGN, TILE_M, SharedSchedule, device_num_sms, padded_rows_per_query, private_frame_rows,
+    round_up, shared_schedule,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
     SegmentKernelConfig, pack_segments, segment_attention,
@@ -67,7 +67,6 @@ from pallas_kernels.mosaic_gpu.segment_attention import (
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
-DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
 MAX_PRIVATE_SLOTS = 5  # 160 KiB of K/V slots at H=128, with Q and the output rows 192 of 227 KiB
 
 
@@ -256,11 +255,7 @@ def unsupported_reason(shapes, layout, *legacy, interpret: bool = False) -> str 
 
 
 def _num_sms(config: MosaicGpuConfig, interpret: bool) -> int:
-  if config.num_sms is not None:
-    return config.num_sms
-  if not interpret and jax.default_backend() == 'gpu':
-    return int(getattr(jax.devices()[0], 'core_count', DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
-  return DEFAULT_NUM_SMS
+  return config.num_sms if config.num_sms is not None else device_num_sms(interpret)
 
 
 def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG, *,
