@@ -215,6 +215,39 @@ class TestTrainingKernels:
     for name, x in zip(('dk', 'dv'), grads[1:]):  # tokens past kv_length (NaN in K / V)
       np.testing.assert_array_equal(np.asarray(x[case.kv_length:], np.float32), 0.0, name)
 
+  def test_unmasked_steps_change_nothing(self):
+    """Steps whose block holds no invisible pair skip the mask (`mask_all_steps=False`, the
+    default): the kernels that mask every step, causal and not, to within a bf16 ulp (the two
+    branches' multiply-adds may be contracted differently). dQ unfused: the fused one's
+    reduce-adds may land in any order."""
+    default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
+    configs = [dataclasses.replace(default, fused_dq=False, mask_all_steps=m) for m in (0, 1)]
+    case = CAUSAL_CASES[0]
+    q, k, v, (w_out, _) = _causal_inputs(case, 11)
+    lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
+    causal = [ta.causal_forward(q, k, v, lengths, scale=scale, interpret=self.interpret,
+                                config=c) for c in configs]
+    out, lse = causal[0]
+    delta = jnp.sum(w_out * out.astype(jnp.float32), -1)
+    causal += [ta.causal_backward(q, k, v, w_out.astype(BF16), lse, delta, lengths, scale=scale,
+                                  interpret=self.interpret, config=c) for c in configs]
+    case = CASES[0]
+    q, k, v, (w_out, _) = _inputs(case, 12)
+    segment = [ta.segment_forward(q, k, v, case.kv_length, scale=scale,
+                                  interpret=self.interpret, config=c) for c in configs]
+    out, lse = segment[0]
+    delta = jnp.sum(w_out * out.astype(jnp.float32), -1)
+    segment += [ta.segment_backward(q, k, v, w_out.astype(BF16), lse, delta, case.kv_length,
+                                    scale=scale, interpret=self.interpret, config=c)
+                for c in configs]
+    for name, pair in (('causal forward', causal[:2]), ('causal backward', causal[2:]),
+                       ('segment forward', segment[:2]), ('segment backward', segment[2:])):
+      for a, b in zip(*pair):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=name)
+        fin = np.isfinite(b)
+        np.testing.assert_allclose(a[fin], b[fin], rtol=2**-7, atol=1e-6, err_msg=name)  # 1 ulp
+
   def test_row_parts_fill_the_chip(self):
     """`schedule.row_parts`: a 1K prompt at 8 kv heads (64 programs) runs in 2 parts; 8K (512
     programs) in 1; parts divide the query blocks."""

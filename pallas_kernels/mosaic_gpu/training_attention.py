@@ -109,6 +109,10 @@ class TrainingKernelConfig:
   # count whose launch ends first (`schedule.row_parts`; a 1K-token prompt at 8 kv heads is 64
   # programs, half the H200's multiprocessors, so 2 parts). 1: one program a kv tile, as before.
   row_parts: int | None = None
+  # Every step masks its scores (the kernels before session 35). False: only the steps whose
+  # block holds an invisible (query, key) pair (past the segment's length, or above the
+  # causal diagonal) build and apply the mask; the others take an unmasked branch.
+  mask_all_steps: bool = False
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -274,6 +278,19 @@ def _visible(shape, keys_axis, kv_len, key0, query0, causal_t):
   return visible
 
 
+def _masked(cfg, shape, keys_axis, kv_len, key0, query0, causal_t, apply):
+  """apply(visible): the step's result with its [rows, cols] visibility (`_visible`), or with
+  None (every pair visible) when the block holds no invisible pair: keys [key0, key0 + bk) are
+  below kv_len and, causal, below the first query's diagonal, kv_len - T + 1 + query0. A
+  uniform branch (scalars only): the unmasked steps skip the iota, compares and selects."""
+  masked = lambda: apply(_visible(shape, keys_axis, kv_len, key0, query0, causal_t))
+  if cfg.mask_all_steps:
+    return masked()
+  end = key0 + shape[keys_axis]
+  limit = kv_len if causal_t is None else jnp.minimum(kv_len, kv_len - causal_t + 1 + query0)
+  return lax.cond(end <= limit, lambda: apply(None), masked)
+
+
 def _kv_steps(kv_len, queries_end, causal_t, bk, s):
   """kv blocks a query tile streams: all S / bk, or (causal) those up to its last query's diagonal.
 
@@ -338,9 +355,10 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
 
       s_blk = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       _arrive(k_consumed)
-      visible = _visible((bq, bk), 1, kv_len, idx[0] * bk, row, causal_t)
-      acc, m_i, l_i, p16 = osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
-                                    visible=visible)
+      acc, m_i, l_i, p16 = _masked(
+          cfg, (bq, bk), 1, kv_len, idx[0] * bk, row, causal_t,
+          lambda visible: osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
+                                   visible=visible))
       _schedule(schedule_barrier)
       acc = _mma(acc, p16, v_smem, stage)
       _arrive(v_consumed)
@@ -541,7 +559,8 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       dq, lse, delta = carry
       s_blk = _matmul(q_smem, k_smem.transpose((1, 0)), (bq, bk))
       p = jnp.exp2(s_blk * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bq, bk), [0]))
-      p = jnp.where(_visible((bq, bk), 1, kv_len, idx[0] * bk, row, causal_t), p, 0.0)
+      p = _masked(cfg, (bq, bk), 1, kv_len, idx[0] * bk, row, causal_t,
+                  lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
       dp = _matmul(do_smem, v_smem.transpose((1, 0)), (bq, bk))
       _arrive(v_consumed)
       ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
@@ -722,8 +741,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
       lse = plgpu.load(lse_smem, layout=_COLS)
       _arrive(lse_consumed)
       p_t = jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bk, bq), [1]))
-      visible = _visible((bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq, causal_t)
-      p_t = jnp.where(visible, p_t, 0.0)
+      p_t = _masked(cfg, (bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq, causal_t,
+                    lambda visible: p_t if visible is None else jnp.where(visible, p_t, 0.0))
       dv = _mma(dv, p_t.astype(dtype), do_smem, stage_p)
       dp_t = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, bq))
       _arrive(do_consumed)

@@ -1,0 +1,60 @@
+"""Speedup of shared-prompt training attention over per-sequence cuDNN, one panel per G.
+
+  python experiments/results/train_bench_grid_s35/plot_grid.py RESULTS.jsonl [RESULTS.jsonl ...] OUT.png
+
+Each results.jsonl is a `experiments.train_bench` run; a later file's points replace an
+earlier one's (same G, P, T), and the replaced ones are drawn dashed as "before".
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def speedups(path):
+  by_point = {}
+  for line in open(path):
+    r = json.loads(line)
+    if r.get('kind') == 'attention' and r.get('status') == 'ok':
+      by_point.setdefault((r['G'], r['P'], r['T']), {})[r['impl']] = r['time_s']
+  return {k: v['per_seq_cudnn'] / v['shared_mosaic_gpu'] for k, v in by_point.items()
+          if 'per_seq_cudnn' in v and 'shared_mosaic_gpu' in v}
+
+
+def main(paths, out):
+  runs = [speedups(p) for p in paths]
+  latest = {}
+  for run in runs:
+    latest.update(run)
+  before = {k: v for run in runs[:-1] for k, v in run.items() if k in runs[-1]}
+  groups = sorted({g for g, _, _ in latest})
+  fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), sharey=True)
+  for ax, g in zip(axes, groups):
+    for t, color in zip((256, 1024, 2048), ('C0', 'C1', 'C2')):
+      pts = sorted((p, s) for (gg, p, tt), s in latest.items() if gg == g and tt == t)
+      if pts:
+        ax.plot(*zip(*pts), 'o-', color=color, label=f'completions {t}')
+      old = sorted((p, s) for (gg, p, tt), s in before.items() if gg == g and tt == t)
+      if old:
+        ax.plot(*zip(*old), 'x--', color=color, alpha=0.5)
+    ax.axhline(1.0, color='gray', lw=0.8)
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log', base=2)
+    ax.set_yticks([0.5, 1, 2, 4, 8, 16], ['0.5', '1', '2', '4', '8', '16'])
+    ax.set_xticks([1024, 2048, 4096, 8192], ['1K', '2K', '4K', '8K'])
+    ax.set_xlabel('prompt tokens')
+    ax.set_title(f'G = {g} samples a prompt')
+  axes[0].set_ylabel('x faster than per-sequence cuDNN')
+  axes[-1].legend(fontsize=8, title='solid: latest, dashed: before' if before else None,
+                  title_fontsize=7)
+  fig.suptitle('Training attention forward + backward, H200, 32/8 heads, d=128, bf16')
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:-1], sys.argv[-1])
