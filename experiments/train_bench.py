@@ -40,8 +40,8 @@ GRPO step at the default --step_points):
 
 (--nosmoke: --points=8:1024:256,16:4096:512,64:8192:1024 at 32/8 heads, d=128, bf16;
 --step_points=32:8192:1024 with llama3_8b at 2 layers and a 32K vocabulary. The whole
-issue grid, G in {8, 16, 64} x prompt 1K-8K x completion 256-2K, is --points=... over
-several calls.) --training_kernel_knobs=block_kv_dq=128,... times the attention points of
+issue grid, G in {8, 16, 64} x prompt {1K, 4K, 8K} x completion {256, 1K, 2K}, against cuDNN
+takes about 8 minutes: experiments/results/train_bench_grid_s35/call2.sh.) --training_kernel_knobs=block_kv_dq=128,... times the attention points of
 `shared_mosaic_gpu` under other kernel block sizes (`TrainingKernelConfig`).
 Writes, into --workdir: results.jsonl (one record per implementation and point,
 plus the ceilings), table.md, time.png.
