@@ -111,6 +111,7 @@ class TrainingKernelConfig:
   # share of the query blocks and writes a float32 partial dK/dV, summed after. None: the
   # count whose launch ends first (`schedule.row_parts`; a 1K-token prompt at 8 kv heads is 64
   # programs, half the H200's multiprocessors, so 2 parts). 1: one program a kv tile, as before.
+  # A count that does not divide the query blocks, or block_kv_dkv != block_q_dkv, runs as 1.
   row_parts: int | None = None
   # Every step masks its scores (the kernels before session 35). False: only the steps whose
   # block holds an invisible (query, key) pair (past the segment's length, or above the
