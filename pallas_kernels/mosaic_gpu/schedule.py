@@ -93,20 +93,6 @@ def device_num_sms(interpret: bool = False) -> int:
   return DEFAULT_NUM_SMS
 
 
-def row_parts(programs: int, blocks: int, *, num_sms: int, most: int = 4) -> int:
-  """Parts (1..most, dividing `blocks`) to split each of `programs` equal programs of
-  `blocks` steps into: the count whose launch ends first, ties to fewer.
-
-  The shared segment's dK/dV kernel has one program per kv tile and kv head, each streaming
-  every query row: a 1K-token prompt at 8 kv heads is 64 programs on 132 multiprocessors.
-  Two parts of the rows are 128 programs of half the steps, one wave of half the time.
-  """
-  def time(parts):
-    return cdiv(programs * parts, num_sms) * (blocks // parts)
-  candidates = [p for p in range(1, most + 1) if blocks % p == 0]
-  return min(candidates, key=lambda p: (time(p), p))
-
-
 PROGRAM_COST_BLOCKS = 3  # a program's fixed cost (its Q tile in, its partial state out), in kv blocks
 
 
@@ -166,6 +152,20 @@ def _deal(free: dict[int, int], count: int, cost: int) -> dict[int, int]:
     if not out[lo]:
       del out[lo]
   return out
+
+
+def row_parts(programs: int, blocks: int, *, num_sms: int, most: int = 4) -> int:
+  """Parts (1..most, dividing `blocks`) to split each of `programs` equal programs of
+  `blocks` steps into: the count whose launch ends first by `launch_time` (a part pays a
+  program's fixed cost again), ties to fewer.
+
+  The shared segment's dK/dV kernel has one program per kv tile and kv head, each streaming
+  every query row: a 1K-token prompt at 8 kv heads is 64 programs on 132 multiprocessors.
+  Two parts of the rows are 128 programs of half the steps, one wave of half the time.
+  """
+  candidates = [p for p in range(1, most + 1) if blocks % p == 0]
+  return min(candidates, key=lambda p: (
+      launch_time([(programs * p, blocks // p)], num_sms=num_sms), p))
 
 
 def choose_splits(
