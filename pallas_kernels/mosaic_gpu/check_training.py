@@ -14,6 +14,9 @@ multiple, lengths above and below T), then times each kernel at the benchmark sh
 On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 (Pallas -> Mosaic GPU MLIR, TMA and layout checks; not ptxas).
 
+`--breakdown=16:1024:2048,...` times prefill_attention's forward + backward at G:P:T points
+(CUPTI: the top kernels, and every Mosaic GPU launch in order), under each of `--configs`.
+
 `--configs` checks and times several `TrainingKernelConfig`s in one call, each a
 comma-separated list of overrides, the configs separated by semicolons ('' is the
 default); a config that fails to build is reported and the next one runs:
@@ -127,7 +130,9 @@ def check_causal(n, k, h, t, s, lengths, cfg=None):
   return passed
 
 
-def cupti_ms(fn, *args):
+def cupti_ms(fn, *args, launches=False):
+  """(median ms of a call over 5, {kernel name: ms} of the last call; launches=True: also the
+  last call's [(kernel name, ms)] in launch order)."""
   from jax.experimental.mosaic.gpu import profiler
 
   _, timings = profiler.measure(fn, aggregate=False, iterations=5)(*args)
@@ -135,6 +140,8 @@ def cupti_ms(fn, *args):
   by_kernel = {}
   for name, t in timings[-1]:  # kernels of one name (several launches) summed
     by_kernel[name] = by_kernel.get(name, 0.0) + t
+  if launches:
+    return statistics.median(per_call), by_kernel, list(timings[-1])
   return statistics.median(per_call), by_kernel
 
 
@@ -206,8 +213,9 @@ def sweep(texts):
     print(f'| {text} | {"passed" if ok else "FAILED"} | ' + ' | '.join(cells) + ' |', flush=True)
 
 
-def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
-  """CUPTI kernel times of prefill_attention's forward + backward (MOSAIC_GPU), top 15."""
+def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128, cfg=None):
+  """CUPTI kernel times of prefill_attention's forward + backward (MOSAIC_GPU): the top 15 by
+  name, and every Mosaic GPU launch in order (which part each is: the order of the VJP)."""
   from hydrajax.dispatch import AttentionImpl
   from hydrajax.training import prefill_layout as pl
 
@@ -220,18 +228,23 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128):
   def shared(q_p, q_c, k_p, k_c, v_p, v_c):
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
     prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout,
-                                              impl=AttentionImpl.MOSAIC_GPU)
+                                              impl=AttentionImpl.MOSAIC_GPU, kernel_config=cfg)
     return prompt.out, completion.out
 
   def run(*a):
     out, vjp = jax.vjp(shared, *a)
     return vjp(jax.tree.map(jnp.ones_like, out))
 
-  ms, kernels = cupti_ms(jax.jit(run), *args)
-  record('breakdown', None, shape=dict(g=g, p=p, t=t, n=n, k=kh, h=h), ms=ms, kernels=kernels)
-  print(f'prefill fwd+bwd G={g} P={p} T={t}: {ms:.1f} ms (kernel sum); top kernels (ms):')
+  ms, kernels, launches = cupti_ms(jax.jit(run), *args, launches=True)
+  mosaic = [(name.split('_mosaic_gpu')[0], t_ms) for name, t_ms in launches
+            if 'mosaic_gpu' in name]
+  record('breakdown', cfg, shape=dict(g=g, p=p, t=t, n=n, k=kh, h=h), ms=ms, kernels=kernels,
+         mosaic_launches=mosaic)
+  print(f'prefill fwd+bwd G={g} P={p} T={t}: {ms:.2f} ms (kernel sum); top kernels (ms):')
   for name, t_ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
-    print(f'  {t_ms:8.2f}  {name[:100]}', flush=True)
+    print(f'  {t_ms:8.3f}  {name[:100]}', flush=True)
+  print('  Mosaic GPU launches in order (ms): '
+        + ', '.join(f'{name}={t_ms:.3f}' for name, t_ms in mosaic), flush=True)
 
 
 def _lower(forward, backward, q, kv, stat, length, cfg):
@@ -262,7 +275,9 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--lower_only', action='store_true')
   parser.add_argument('--no_bench', action='store_true')
-  parser.add_argument('--breakdown', action='store_true', help='prefill_attention kernel times')
+  parser.add_argument('--breakdown', nargs='?', const='64:8192:1024', default=None,
+                      help='prefill_attention kernel times at G:P:T points (comma-separated; '
+                           'under each of --configs)')
   parser.add_argument('--configs', default=None,
                       help="TrainingKernelConfig overrides to check and time, ';'-separated")
   parser.add_argument('--out', default=None, help='folder for results.jsonl (none: print only)')
@@ -280,7 +295,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     _SINK.append(open(os.path.join(args.out, 'results.jsonl'), 'a'))
   if args.breakdown:
-    return prefill_breakdown()
+    for text in (args.configs or '').split(';'):
+      print(f'== config {text or "default"}', flush=True)
+      for point in args.breakdown.split(','):
+        g, p, t = (int(x) for x in point.split(':'))
+        prefill_breakdown(g, p, t, cfg=parse_config(text) if text else None)
+    return
   if args.configs is not None:
     return sweep(args.configs.split(';'))
   ok = all([check(*c) for c in CHECKS] + [check_causal(*c) for c in CAUSAL_CHECKS])

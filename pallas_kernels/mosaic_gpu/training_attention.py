@@ -117,6 +117,11 @@ class TrainingKernelConfig:
   # block holds an invisible (query, key) pair (past the segment's length, or above the
   # causal diagonal) build and apply the mask; the others take an unmasked branch.
   mask_all_steps: bool = False
+  # Causal forward and dQ programs run two query tiles each: tile p, then tile n - 1 - p of the
+  # n tiles (`_tile_pair`), so every program streams about n + 1 kv blocks (one tile a program
+  # streams 1..n, longest first). Half the programs; each one's prologue (its Q, dO, lse loads)
+  # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
+  pair_causal_tiles: bool = True
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -307,13 +312,72 @@ def _kv_steps(kv_len, queries_end, causal_t, bk, s):
   return jnp.clip(lax.div(seen + (bk - 1), jnp.int32(bk)), 1, s // bk)
 
 
-def _query_tile(rows_per_tile, num_tiles, causal_t):
-  """First query row of this program's tile. Causal: the last (longest) tiles get the first
-  program ids, so that short tiles fill the launch's tail."""
-  tile = lax.axis_index('q_tiles')
-  if causal_t is not None:
-    tile = num_tiles - 1 - tile
-  return tile * rows_per_tile
+class _Tiles:
+  """The query tiles of one forward or dQ program, and which one a pipeline step is in.
+
+  Unpaired: one tile (causal: the last, longest tiles get the first program ids, so that short
+  tiles fill the launch's tail). Paired (`TrainingKernelConfig.pair_causal_tiles`, causal only):
+  program p runs tile p, then tile n - 1 - p (none when they coincide, the middle of an odd n);
+  its pipeline's steps are tile p's kv blocks, then the other's. Slot 0 or 1 of the program's
+  shared-memory buffers holds a tile's rows (Q, dO, lse, ...).
+  """
+
+  def __init__(self, rows_per_tile, num_tiles, causal_t, paired, kv_steps):
+    """kv_steps(first row after the tile) -> kv blocks the tile streams."""
+    self.paired = paired
+    p = lax.axis_index('q_tiles')
+    if paired:
+      self.first, second = p, num_tiles - 1 - p
+      self.has_second = second > p
+      self.steps_first = kv_steps((p + 1) * rows_per_tile)
+      self.steps = self.steps_first + jnp.where(
+          self.has_second, kv_steps((second + 1) * rows_per_tile), 0)
+      self.second = second
+    else:
+      self.first = num_tiles - 1 - p if causal_t is not None else p
+      self.steps = kv_steps((self.first + 1) * rows_per_tile)
+    self.rows = rows_per_tile
+
+  @staticmethod
+  def programs(num_tiles, paired):
+    return (num_tiles + 1) // 2 if paired else num_tiles
+
+  def at(self, step):
+    """(slot, first query row of the tile, the step's kv block within the tile)."""
+    if not self.paired:
+      return 0, self.first * self.rows, step
+    later = step >= self.steps_first
+    tile = jnp.where(later, self.second, self.first)
+    return later.astype(jnp.int32), tile * self.rows, step - jnp.where(later, self.steps_first, 0)
+
+  def switches_after(self, step):
+    """Whether `step` is the first tile's last with a second tile to follow (traced bool)."""
+    return self.has_second & (step == self.steps_first - 1)
+
+  def last(self):
+    """(slot, first query row) of the program's last tile."""
+    if not self.paired:
+      return 0, self.first * self.rows
+    return (self.has_second.astype(jnp.int32),
+            jnp.where(self.has_second, self.second, self.first) * self.rows)
+
+  def both(self):
+    """[(slot, first query row, whether the tile exists)] of the program's tiles."""
+    if not self.paired:
+      return [(0, self.first * self.rows, None)]
+    return [(0, self.first * self.rows, None), (1, self.second * self.rows, self.has_second)]
+
+
+def _paired(cfg, causal_t):
+  return cfg.pair_causal_tiles and causal_t is not None
+
+
+def _when(exists, fn):
+  """fn() when `exists` is None (always), else under pl.when(exists)."""
+  if exists is None:
+    fn()
+  else:
+    pl.when(exists)(fn)
 
 
 # Forward.
@@ -326,31 +390,45 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q, cfg.block_kv
   dtype = q.dtype
   scale_log2 = scale * LOG2E
+  paired = _paired(cfg, causal_t)
+  slots = 2 if paired else 1
+  num_tiles = mp // (wgs * bq)
 
-  def training_fwd_kernel(q_ref, k_ref, v_ref, len_ref, out_ref, lse_ref, qo_smem2, lse_smem2,
+  def training_fwd_kernel(q_ref, k_ref, v_ref, len_ref, out_ref, lse_ref, qo_smem3, lse_smem3,
                           stage, q_barriers, schedule_barrier):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
-    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
-    row = tile + wg * bq
-    qo_smem = qo_smem2.at[wg]
+    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired,
+                   lambda end: _kv_steps(kv_len, end, causal_t, bk, s))
+    rows_of = lambda tile_row: pl.ds(tile_row + wg * bq, bq)
+
+    def finish(acc, m_i, l_i, slot, tile_row):
+      """The tile's normalised out and lse to HBM, staged in its Q buffer (Q is done)."""
+      qo_smem, lse_smem = qo_smem3.at[slot, wg], lse_smem3.at[slot, wg]
+      osm.finish(acc, m_i, l_i, qo_smem, lse_smem, dtype)
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[seq, rows_of(tile_row), head])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, head, rows_of(tile_row)])
 
     def context(pipeline):
-      plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(row, bq), head], qo_smem, q_barriers.at[wg])
-      plgpu.barrier_wait(q_barriers.at[wg])
+      for slot, tile_row, exists in tiles.both():
+        _when(exists, lambda slot=slot, tile_row=tile_row: plgpu.copy_gmem_to_smem(
+            q_ref.at[seq, rows_of(tile_row), head], qo_smem3.at[slot, wg],
+            q_barriers.at[slot * wgs + wg]))
+      for slot, _, exists in tiles.both():
+        _when(exists, lambda slot=slot: plgpu.barrier_wait(q_barriers.at[slot * wgs + wg]))
       if wgs == 2:
         pl.when(wg == 1)(lambda: _schedule(schedule_barrier))
       acc, m_i, l_i = pipeline(osm.init(bq, h))
       if wgs == 2:
         pl.when(wg == 0)(lambda: _schedule(schedule_barrier))
-      osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[seq, pl.ds(row, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[seq, head, pl.ds(row, bq)])
+      finish(acc, m_i, l_i, *tiles.last())
       plgpu.wait_smem_to_gmem(0)
 
     def step(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
       acc, m_i, l_i = carry
+      slot, tile_row, block = tiles.at(idx[0])
+      qo_smem = qo_smem3.at[slot, wg]
 
       def qk(ref):
         plgpu.wgmma(ref, qo_smem, k_smem.transpose((1, 0)))
@@ -360,30 +438,35 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
       s_blk = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       _arrive(k_consumed)
       acc, m_i, l_i, p16 = _masked(
-          cfg, (bq, bk), 1, kv_len, idx[0] * bk, row, causal_t,
+          cfg, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
           lambda visible: osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
                                    visible=visible))
       _schedule(schedule_barrier)
       acc = _mma(acc, p16, v_smem, stage)
       _arrive(v_consumed)
-      return acc, m_i, l_i
+      if not paired:
+        return acc, m_i, l_i
+      switch = tiles.switches_after(idx[0])
+      pl.when(switch)(lambda: finish(acc, m_i, l_i, 0, tile_row))
+      # The second tile starts from the empty state: m = -inf is enough, as the next step
+      # rescales acc and l by 2^(m - m_new) = 0 (both are finite).
+      return acc, m_i + jnp.where(switch, -jnp.inf, 0.0), l_i
 
-    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (i, 0), transforms=_TILED)
+    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (tiles.at(i)[2], 0), transforms=_TILED)
     kv_head = lax.div(head, jnp.int32(g))
-    steps = _kv_steps(kv_len, tile + wgs * bq, causal_t, bk, s)
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(steps,),
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(tiles.steps,),
               in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
   scratch = [
-      plgpu.SMEM((wgs, bq, h), dtype, transforms=_TILED),  # Q, then the output
-      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),  # Q, then the output
+      plgpu.SMEM((slots, wgs, bq), jnp.float32),
       plgpu.SMEM((bq, bk), dtype, transforms=_TILED) if interpret else None,
-      plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=slots * wgs),
       plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else None,
   ]
   return _launch(
-      training_fwd_kernel, interpret=interpret, config=cfg, grid=(n, mp // (wgs * bq), z),
-      grid_names=('heads', 'q_tiles', 'rows'),
+      training_fwd_kernel, interpret=interpret, config=cfg,
+      grid=(n, _Tiles.programs(num_tiles, paired), z), grid_names=('heads', 'q_tiles', 'rows'),
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((z, n, mp), jnp.float32)),  # rows minor: 1D TMA per head
       scratch=scratch)(q, k, v, length)
@@ -531,63 +614,85 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dq, cfg.block_kv_dq
   dtype = q.dtype
+  paired = _paired(cfg, causal_t)
+  slots = 2 if paired else 1
+  num_tiles = mp // (wgs * bq)
 
   def training_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dq_ref,
-                         q_smem2, do_smem2, lse_smem2, delta_smem2, stage, barriers):
+                         q_smem3, do_smem3, lse_smem3, delta_smem3, stage, barriers):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
-    tile = _query_tile(wgs * bq, mp // (wgs * bq), causal_t)
-    row = tile + wg * bq
-    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-    bar = lambda i: barriers.at[i * wgs + wg]  # i: q, do, lse, delta
+    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired,
+                   lambda end: _kv_steps(kv_len, end, causal_t, bk, s))
+    rows_of = lambda tile_row: pl.ds(tile_row + wg * bq, bq)
+    bar = lambda slot, i: barriers.at[(slot * 4 + i) * wgs + wg]  # i: q, do, lse, delta
+
+    def finish(dq, slot, tile_row):
+      q_smem = q_smem3.at[slot, wg]  # the tile's Q is no longer needed: its buffer stages dQ
+      q_smem[...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, rows_of(tile_row), head])
 
     def context(pipeline):
-      rows = pl.ds(row, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[seq, rows, head], q_smem, bar(0))
-      plgpu.copy_gmem_to_smem(do_ref.at[seq, rows, head], do_smem, bar(1))
-      plgpu.copy_gmem_to_smem(lse_ref.at[seq, head, rows], lse_smem2.at[wg], bar(2))
-      plgpu.copy_gmem_to_smem(delta_ref.at[seq, head, rows], delta_smem2.at[wg], bar(3))
-      for i in range(4):
-        plgpu.barrier_wait(bar(i))
-      lse = plgpu.load(lse_smem2.at[wg], layout=_ROWS)
-      delta = plgpu.load(delta_smem2.at[wg], layout=_ROWS)
+      for slot, tile_row, exists in tiles.both():
+        def load(slot=slot, tile_row=tile_row):
+          rows = rows_of(tile_row)
+          plgpu.copy_gmem_to_smem(q_ref.at[seq, rows, head], q_smem3.at[slot, wg], bar(slot, 0))
+          plgpu.copy_gmem_to_smem(do_ref.at[seq, rows, head], do_smem3.at[slot, wg],
+                                  bar(slot, 1))
+          plgpu.copy_gmem_to_smem(lse_ref.at[seq, head, rows], lse_smem3.at[slot, wg],
+                                  bar(slot, 2))
+          plgpu.copy_gmem_to_smem(delta_ref.at[seq, head, rows], delta_smem3.at[slot, wg],
+                                  bar(slot, 3))
+
+        _when(exists, load)
+      for slot, _, exists in tiles.both():
+        def wait(slot=slot):
+          for i in range(4):
+            plgpu.barrier_wait(bar(slot, i))
+
+        _when(exists, wait)
       zeros = plgpu.layout_cast(jnp.zeros((bq, h), jnp.float32), plgpu.Layout.WGMMA)
-      dq, _, _ = pipeline((zeros, lse, delta))
-      q_smem[...] = (dq * scale).astype(dtype)  # Q is no longer needed: its buffer stages dQ
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, rows, head])
+      finish(pipeline(zeros), *tiles.last())
       plgpu.wait_smem_to_gmem(0)
 
-    def step(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
-      dq, lse, delta = carry
+    def step(idx, k_smem, v_smem, k_consumed, v_consumed, dq):
+      slot, tile_row, block = tiles.at(idx[0])
+      q_smem, do_smem = q_smem3.at[slot, wg], do_smem3.at[slot, wg]
+      lse = plgpu.load(lse_smem3.at[slot, wg], layout=_ROWS)
+      delta = plgpu.load(delta_smem3.at[slot, wg], layout=_ROWS)
       s_blk = _matmul(q_smem, k_smem.transpose((1, 0)), (bq, bk))
       p = jnp.exp2(s_blk * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bq, bk), [0]))
-      p = _masked(cfg, (bq, bk), 1, kv_len, idx[0] * bk, row, causal_t,
+      p = _masked(cfg, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
                   lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
       dp = _matmul(do_smem, v_smem.transpose((1, 0)), (bq, bk))
       _arrive(v_consumed)
       ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
       dq = _mma(dq, ds.astype(dtype), k_smem, stage)
       _arrive(k_consumed)
-      return dq, lse, delta
+      if not paired:
+        return dq
+      switch = tiles.switches_after(idx[0])
+      pl.when(switch)(lambda: finish(dq, 0, tile_row))
+      return lax.cond(switch, lambda: dq * 0.0, lambda: dq)  # dq is finite
 
-    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (i, 0), transforms=_TILED)
+    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (tiles.at(i)[2], 0), transforms=_TILED)
     kv_head = lax.div(head, jnp.int32(g))
-    steps = _kv_steps(kv_len, tile + wgs * bq, causal_t, bk, s)
-    _pipeline(step, context, interpret=interpret, config=cfg, grid=(steps,),
+    _pipeline(step, context, interpret=interpret, config=cfg, grid=(tiles.steps,),
               in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
   scratch = [
-      plgpu.SMEM((wgs, bq, h), dtype, transforms=_TILED),
-      plgpu.SMEM((wgs, bq, h), dtype, transforms=_TILED),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),
+      plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),
+      plgpu.SMEM((slots, wgs, bq), jnp.float32),
+      plgpu.SMEM((slots, wgs, bq), jnp.float32),
       plgpu.SMEM((bq, bk), dtype, transforms=_TILED) if interpret else None,
-      plgpu.Barrier(num_barriers=4 * wgs),
+      plgpu.Barrier(num_barriers=slots * 4 * wgs),
   ]
   return _launch(training_dq_kernel, interpret=interpret, config=cfg,
-                 grid=(n, mp // (wgs * bq), z), grid_names=('heads', 'q_tiles', 'rows'),
+                 grid=(n, _Tiles.programs(num_tiles, paired), z),
+                 grid_names=('heads', 'q_tiles', 'rows'),
                  out_type=jax.ShapeDtypeStruct(q.shape, dtype),
                  scratch=scratch)(q, k, v, do, lse2, delta, length)
 
