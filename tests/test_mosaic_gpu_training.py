@@ -217,11 +217,12 @@ class TestTrainingKernels:
 
   def test_unmasked_steps_change_nothing(self):
     """Steps whose block holds no invisible pair skip the mask (`mask_all_steps=False`, the
-    default): the kernels that mask every step, causal and not, to within a bf16 ulp (the two
-    branches' multiply-adds may be contracted differently). dQ unfused: the fused one's
-    reduce-adds may land in any order."""
+    forward's and dQ's default; `mask_all_steps_dkv=False`): the kernels that mask every
+    step, causal and not, to within a bf16 ulp (the two branches' multiply-adds may be
+    contracted differently). dQ unfused: the fused one's reduce-adds may land in any order."""
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
-    configs = [dataclasses.replace(default, fused_dq=False, mask_all_steps=m) for m in (0, 1)]
+    configs = [dataclasses.replace(default, fused_dq=False, mask_all_steps=m,
+                                   mask_all_steps_dkv=m) for m in (False, True)]
     case = CAUSAL_CASES[0]
     q, k, v, (w_out, _) = _causal_inputs(case, 11)
     lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
@@ -418,8 +419,9 @@ class TestTrainingKernels:
       np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
 
   def test_prefill_attention_impl(self):
-    """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention)
-    against the XLA path: values of both states and gradients of q_p, q_c, k, v."""
+    """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention;
+    on slices of the buffer, `prefill_vjp`) against the XLA path: values of both states and
+    gradients of q_p, q_c, k, v. Two prompts of different lengths, no block multiples."""
     lengths, g, t, p, n, kh, h = (5, 11), 3, 6, 12, 4, 2, 64
     layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
     rng = np.random.default_rng(9)
@@ -444,6 +446,9 @@ class TestTrainingKernels:
       return f
 
     args = (q_p, q_c, kb, vb)
+    prepare = lambda impl: pl.prepare_prefill_attention(layout, q_p, q_c, kb, impl=impl,
+                                                        interpret=self.interpret)
+    assert prepare('mosaic_gpu').on_slices and not prepare('xla').on_slices  # `prefill_vjp`
     for actual, expected in zip(states('mosaic_gpu')(*args), states('xla')(*args)):
       assert_states_close(actual, expected)
     actual = jax.grad(loss('mosaic_gpu'), argnums=(0, 1, 2, 3))(*args)

@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes
+from hydrajax.attention_plan import AttentionShapes, check_scale
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
+from hydrajax.training.prefill_vjp import prefill_attention_kernels
 from hydrajax.training.training_plan import (
-    TrainingAttentionPlan, attend_differentiable, prepare_training_attention,
+    TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
 )
 from hydrajax.validation import check_tree_attention_inputs
 
@@ -161,10 +162,16 @@ def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Arr
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillAttentionPlan:
-  """The prompts' and the completions' prepared plans (a jit pytree)."""
+  """The prompts' and the completions' prepared plans (a jit pytree).
+
+  `on_slices` (static): every part runs on the Mosaic GPU kernels, so `attend_prefill` calls
+  them on slices of the buffer (`prefill_vjp`) instead of walking the two trees.
+  """
 
   prompt: TrainingAttentionPlan
   completion: TrainingAttentionPlan
+  prompt_lengths: jax.Array  # [Bp] int32
+  on_slices: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def prepare_prefill_attention(
@@ -182,7 +189,8 @@ def prepare_prefill_attention(
 
   impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
   all of it on the Hopper kernels: the completions' shared prompts, each completion's causal
-  self-attention and each prompt's own causal attention; only the LSE merges stay on XLA).
+  self-attention and each prompt's own causal attention, called on slices of the buffer
+  (`prefill_vjp`); only the LSE merge and the gradient sums stay on XLA).
   """
   if not isinstance(layout, PrefillLayout):
     raise ValueError(
@@ -195,7 +203,9 @@ def prepare_prefill_attention(
     plans.append(prepare_training_attention(
         tree, AttentionShapes.of(q, k_buffer), impl=impl, kv_block=kv_block,
         kernel_config=kernel_config, interpret=interpret))
-  return PrefillAttentionPlan(*plans)
+  kernels = [k for plan in plans for k in (plan.impl, plan.shared_backward)]
+  on_slices = all(k is AttentionImpl.MOSAIC_GPU for k in kernels)
+  return PrefillAttentionPlan(*plans, prompt_lengths=layout.prompt_lengths, on_slices=on_slices)
 
 
 def attend_prefill(
@@ -215,6 +225,13 @@ def attend_prefill(
   if not isinstance(plan, PrefillAttentionPlan):
     raise ValueError('plan must be a PrefillAttentionPlan (prepare_prefill_attention), got '
                      f'{type(plan).__name__}')
+  if plan.on_slices:
+    for q, tree_plan in ((q_prompt, plan.prompt), (q_completion, plan.completion)):
+      check_call(q, k_buffer, v_buffer, tree_plan)
+    scale = check_scale(scale)
+    scale = q_prompt.shape[-1]**-0.5 if scale is None else scale
+    return prefill_attention_kernels(q_prompt, q_completion, k_buffer, v_buffer,
+                                     plan.prompt_lengths, scale, plan.completion.kernels)
   prompt = attend_differentiable(q_prompt, k_buffer, v_buffer, plan.prompt, scale=scale)
   completion = attend_differentiable(q_completion, k_buffer, v_buffer, plan.completion,
                                      scale=scale)

@@ -189,7 +189,8 @@ def prepare_training_attention(
                                forward, backward, shapes, kv_block, kernel_config, interpret)
 
 
-def _check_call(q, k_cache, v_cache, plan: TrainingAttentionPlan) -> None:
+def check_call(q, k_cache, v_cache, plan: TrainingAttentionPlan) -> None:
+  """ValueError naming the argument unless q, k_cache, v_cache have the planned shapes."""
   if not isinstance(plan, TrainingAttentionPlan):
     raise ValueError('plan must be a TrainingAttentionPlan (prepare_training_attention), got '
                      f'{type(plan).__name__}')
@@ -225,7 +226,7 @@ def attend_differentiable(
   through both. scale: softmax scale, H**-0.5 if None. Nothing derived from the layout is
   recomputed, in the forward or the backward.
   """
-  _check_call(q, k_cache, v_cache, plan)
+  check_call(q, k_cache, v_cache, plan)
   scale = check_scale(scale)
   scale = plan.shapes.head_dim**-0.5 if scale is None else scale
   return _attention(q, k_cache, v_cache, plan.parts, plan.index, scale, plan.kernels)

@@ -24,7 +24,8 @@ pipeline grid), so the square's upper half is never loaded nor multiplied.
 Three kernels, after JAX's FlashAttention-3 for Hopper
 (`jax/experimental/pallas/ops/gpu/attention_mgpu.py`, Copyright 2024 The JAX
 Authors, Apache License 2.0): the forward and dQ kernels run one program per
-(query head, tile of query rows, row z) and stream K/V blocks; the dK/dV kernel
+(query head, tile of query rows, row z) and stream K/V blocks (causal: a program runs
+two tiles, a short and a long one, `pair_causal_tiles`); the dK/dV kernel
 runs one program per (kv block, kv head, row z) and streams the query blocks of
 all G query heads of the kv head's group, so the GQA sum and the sum over all M
 rows happen in its float32 accumulators (nothing per row or per query head is
@@ -38,9 +39,10 @@ input dtype everywhere (bf16 or f16; its scratch is float16), dynamic lengths (s
 past them masked by a where), the in-kernel GQA reduction, natural-log lse at the
 interface, a causal backward, the fused dQ.
 
-Every block is masked by a where (length and, causal, the diagonal), also the
-blocks that need none: Lane-semantics Pallas has no value-returning branch in
-the step, and the where is a few VPU ops next to the exp2.
+The forward and dQ kernels mask (a where: length and, causal, the diagonal) only the
+blocks that hold an invisible pair, the others taking an unmasked branch (a uniform
+`lax.cond`); the dK/dV kernel masks every block, where the branch costs more than the
+where saves (`TrainingKernelConfig.mask_all_steps`, `mask_all_steps_dkv`).
 
 Interpret mode (`interpret=True`, CPU) runs the same step functions pipelined by
 one warpgroup (`emit_pipeline`) and stages register operands of wgmma through
@@ -113,12 +115,16 @@ class TrainingKernelConfig:
   # programs, half the H200's multiprocessors, so 2 parts). 1: one program a kv tile, as before.
   # A count that does not divide the query blocks, or block_kv_dkv != block_q_dkv, runs as 1.
   row_parts: int | None = None
-  # Every step masks its scores (the kernels before session 35). False: only the steps whose
-  # block holds an invisible (query, key) pair (past the segment's length, or above the
-  # causal diagonal) build and apply the mask; the others take an unmasked branch.
+  # The forward and dQ kernels mask every step's scores (as before session 35). False: only
+  # the steps whose block holds an invisible (query, key) pair (past the segment's length, or
+  # above the causal diagonal) build and apply the mask; the others take an unmasked branch.
   mask_all_steps: bool = False
+  # The same for the dK/dV kernel, where the branch costs more than the mask saves: the 8K
+  # prompt's fused dK/dV against 64 x 1K rows took 38.8 ms masking every step, 42.9-44.9 with
+  # the branch (`experiments/results/train_causal_pairs_s36/`, call 1).
+  mask_all_steps_dkv: bool = True
   # Causal forward and dQ programs run two query tiles each: tile p, then tile n - 1 - p of the
-  # n tiles (`_tile_pair`), so every program streams about n + 1 kv blocks (one tile a program
+  # n tiles (`_Tiles`), so every program streams about n + 1 kv blocks (one tile a program
   # streams 1..n, longest first). Half the programs; each one's prologue (its Q, dO, lse loads)
   # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
   pair_causal_tiles: bool = True
@@ -287,13 +293,13 @@ def _visible(shape, keys_axis, kv_len, key0, query0, causal_t):
   return visible
 
 
-def _masked(cfg, shape, keys_axis, kv_len, key0, query0, causal_t, apply):
+def _masked(mask_all, shape, keys_axis, kv_len, key0, query0, causal_t, apply):
   """apply(visible): the step's result with its [rows, cols] visibility (`_visible`), or with
   None (every pair visible) when the block holds no invisible pair: keys [key0, key0 + bk) are
   below kv_len and, causal, below the first query's diagonal, kv_len - T + 1 + query0. A
   uniform branch (scalars only): the unmasked steps skip the iota, compares and selects."""
   masked = lambda: apply(_visible(shape, keys_axis, kv_len, key0, query0, causal_t))
-  if cfg.mask_all_steps:
+  if mask_all:
     return masked()
   end = key0 + shape[keys_axis]
   limit = kv_len if causal_t is None else jnp.minimum(kv_len, kv_len - causal_t + 1 + query0)
@@ -438,7 +444,7 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
       s_blk = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       _arrive(k_consumed)
       acc, m_i, l_i, p16 = _masked(
-          cfg, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
+          cfg.mask_all_steps, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
           lambda visible: osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
                                    visible=visible))
       _schedule(schedule_barrier)
@@ -476,12 +482,23 @@ def segment_forward(q, k, v, kv_length, *, scale: float, interpret: bool = False
                     config: TrainingKernelConfig | None = None):
   """(out [M, N, H] in q.dtype, lse [M, N] float32 natural log, -inf for no key)."""
   _check(q, k, v)
+  out, lse = segments_forward(q[None], k[None], v[None], kv_length, scale=scale,
+                              interpret=interpret, config=config)
+  return out[0], lse[0]
+
+
+def segments_forward(q, k, v, kv_lengths, *, scale: float, interpret: bool = False,
+                     config: TrainingKernelConfig | None = None):
+  """Z segments in one launch, each attended by its own rows: q [Z, M, N, H], k, v
+  [Z, S, K, H], kv_lengths [Z] (or a scalar) -> (out [Z, M, N, H], lse [Z, M, N])."""
+  _check(q, k, v, batched=True)
+  _check_lengths(kv_lengths, q.shape[0])
   cfg = _config(config, interpret)
-  m = q.shape[0]
-  length, k, v = _prepare_kv(k[None], v[None], kv_length, cfg.block_kv)
-  out, lse = _forward(_pad_to(q, 0, cfg.compute_wgs * cfg.block_q)[None], k, v, length,
+  m = q.shape[1]
+  length, k, v = _prepare_kv(k, v, kv_lengths, cfg.block_kv)
+  out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k, v, length,
                       scale=float(scale), causal_t=None, interpret=interpret, cfg=cfg)
-  return out[0, :m], lse[0, :, :m].T
+  return out[:, :m], jnp.swapaxes(lse[:, :, :m], 1, 2)
 
 
 def causal_forward(q, k, v, lengths, *, scale: float, interpret: bool = False,
@@ -539,6 +556,13 @@ def segment_forward_reference(q, k, v, kv_length, *, scale: float, interpret: bo
   return out[0], lse[0]
 
 
+def segments_forward_reference(q, k, v, kv_lengths, *, scale: float, interpret: bool = False,
+                               config=None):
+  """`segments_forward` in jnp, float32 math; same arguments and outputs."""
+  del interpret, config
+  return _forward_reference(q, k, v, kv_lengths, scale, False)
+
+
 def causal_forward_reference(q, k, v, lengths, *, scale: float, interpret: bool = False,
                              config=None):
   """`causal_forward` in jnp, float32 math; same arguments and outputs."""
@@ -586,10 +610,24 @@ def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
   if lse.shape != q.shape[:2] or delta.shape != q.shape[:2]:
     raise ValueError(f'lse and delta must be [M, N] = {q.shape[:2]}, got {lse.shape}, '
                      f'{delta.shape}')
-  grads = _backward(q[None], k[None], v[None], do[None], lse[None], delta[None], kv_length,
-                    scale=scale, causal_t=None, interpret=interpret,
-                    cfg=_config(config, interpret), dq_dtype=dq_dtype)
+  grads = segments_backward(q[None], k[None], v[None], do[None], lse[None], delta[None],
+                            kv_length, scale=scale, interpret=interpret, config=config,
+                            dq_dtype=dq_dtype)
   return tuple(x[0] for x in grads)
+
+
+def segments_backward(q, k, v, do, lse, delta, kv_lengths, *, scale: float,
+                      interpret: bool = False, config: TrainingKernelConfig | None = None,
+                      dq_dtype=None):
+  """`segment_backward` of Z segments in one launch (`segments_forward`'s shapes): dq
+  [Z, M, N, H] in dq_dtype (default q.dtype), dk, dv [Z, S, K, H]; lse, delta [Z, M, N]."""
+  _check(q, k, v, do, batched=True)
+  _check_lengths(kv_lengths, q.shape[0])
+  if lse.shape != q.shape[:3] or delta.shape != q.shape[:3]:
+    raise ValueError(f'lse and delta must be [Z, M, N] = {q.shape[:3]}, got {lse.shape}, '
+                     f'{delta.shape}')
+  return _backward(q, k, v, do, lse, delta, kv_lengths, scale=scale, causal_t=None,
+                   interpret=interpret, cfg=_config(config, interpret), dq_dtype=dq_dtype)
 
 
 def causal_backward(q, k, v, do, lse, delta, lengths, *, scale: float, interpret: bool = False,
@@ -664,8 +702,8 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       delta = plgpu.load(delta_smem3.at[slot, wg], layout=_ROWS)
       s_blk = _matmul(q_smem, k_smem.transpose((1, 0)), (bq, bk))
       p = jnp.exp2(s_blk * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bq, bk), [0]))
-      p = _masked(cfg, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
-                  lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
+      p = _masked(cfg.mask_all_steps, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq,
+                  causal_t, lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
       dp = _matmul(do_smem, v_smem.transpose((1, 0)), (bq, bk))
       _arrive(v_consumed)
       ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
@@ -850,7 +888,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
       lse = plgpu.load(lse_smem, layout=_COLS)
       _arrive(lse_consumed)
       p_t = jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bk, bq), [1]))
-      p_t = _masked(cfg, (bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq, causal_t,
+      p_t = _masked(cfg.mask_all_steps_dkv, (bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq,
+                    causal_t,
                     lambda visible: p_t if visible is None else jnp.where(visible, p_t, 0.0))
       dv = _mma(dv, p_t.astype(dtype), do_smem, stage_p)
       dp_t = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, bq))
@@ -934,6 +973,13 @@ def segment_backward_reference(q, k, v, do, lse, delta, kv_length, *, scale: flo
   grads = _backward_reference(q[None], k[None], v[None], do[None], lse[None], delta[None],
                               kv_length, scale, False, dq_dtype)
   return tuple(x[0] for x in grads)
+
+
+def segments_backward_reference(q, k, v, do, lse, delta, kv_lengths, *, scale: float,
+                                interpret: bool = False, config=None, dq_dtype=None):
+  """`segments_backward` in jnp, float32 math; same arguments and outputs."""
+  del interpret, config
+  return _backward_reference(q, k, v, do, lse, delta, kv_lengths, scale, False, dq_dtype)
 
 
 def causal_backward_reference(q, k, v, do, lse, delta, lengths, *, scale: float,
