@@ -89,7 +89,10 @@ class TrainingKernelConfig:
   completions of 1K took 5.1 ms against 4.0 (the 8K prompt's own 2.8 against 3.0).
   `row_parts` and the unmasked steps (`mask_all_steps=False`), together
   (`experiments/results/train_bench_grid_s35/`): attention forward + backward at a 1K prompt,
-  G = 8 and 16, completions 256-2K, 17-21% faster (G=16, T=1K: 5.25 -> 4.25 ms).
+  G = 8 and 16, completions 256-2K, 17-21% faster (G=16, T=1K: 5.25 -> 4.25 ms); timed apart
+  in `experiments/results/train_causal_pairs_s36/`, where the dK/dV kernel's branch lost (see
+  `mask_all_steps_dkv`). `pair_causal_tiles` (same folder): the completions' causal forward
+  5-10% faster (64 x 1K: 1.72 -> 1.56 ms), the causal dQ 0-4%.
   """
 
   block_q: int = 64  # forward: query rows per warpgroup

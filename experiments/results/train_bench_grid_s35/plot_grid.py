@@ -2,8 +2,10 @@
 
   python experiments/results/train_bench_grid_s35/plot_grid.py RESULTS.jsonl [RESULTS.jsonl ...] OUT.png
 
-Each results.jsonl is a `experiments.train_bench` run; a later file's points replace an
-earlier one's (same G, P, T), and the replaced ones are drawn dashed as "before".
+Each results.jsonl is a `experiments.train_bench` run (A.jsonl+B.jsonl: several files as one
+run); a later run's points replace an earlier one's (same G, P, T), and the replaced ones are
+drawn dashed as "before". Prints the latest points as a markdown table, with the time and
+speedup they replaced.
 """
 
 import json
@@ -15,17 +17,42 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def speedups(path):
+def records(paths):
+  """{(G, P, T): {impl: record}} of the attention points of '+'-joined results.jsonl files."""
   by_point = {}
-  for line in open(path):
-    r = json.loads(line)
-    if r.get('kind') == 'attention' and r.get('status') == 'ok':
-      by_point.setdefault((r['G'], r['P'], r['T']), {})[r['impl']] = r['time_s']
-  return {k: v['per_seq_cudnn'] / v['shared_mosaic_gpu'] for k, v in by_point.items()
-          if 'per_seq_cudnn' in v and 'shared_mosaic_gpu' in v}
+  for path in paths.split('+'):
+    for line in open(path):
+      r = json.loads(line)
+      if r.get('kind') == 'attention' and r.get('status') == 'ok':
+        by_point.setdefault((r['G'], r['P'], r['T']), {})[r['impl']] = r
+  return {k: v for k, v in by_point.items() if 'per_seq_cudnn' in v and 'shared_mosaic_gpu' in v}
+
+
+def speedups(paths):
+  return {k: v['per_seq_cudnn']['time_s'] / v['shared_mosaic_gpu']['time_s']
+          for k, v in records(paths).items()}
+
+
+def table(paths):
+  """Markdown rows of the last run's points, with the shared time an earlier run measured."""
+  last, earlier = records(paths[-1]), {}
+  for run in paths[:-1]:
+    earlier.update(records(run))
+  print('| G | P | T | cuDNN ms | shared ms (before) | shared ms | x cuDNN (before) | x cuDNN '
+        '| shared / floor |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+  for (g, p, t), v in sorted(last.items()):
+    cudnn, shared = v['per_seq_cudnn']['time_s'], v['shared_mosaic_gpu']['time_s']
+    old = earlier.get((g, p, t))
+    old_ms = f'{old["shared_mosaic_gpu"]["time_s"] * 1e3:.2f}' if old else ''
+    old_x = (f'{old["per_seq_cudnn"]["time_s"] / old["shared_mosaic_gpu"]["time_s"]:.2f}'
+             if old else '')
+    print(f'| {g} | {p} | {t} | {cudnn * 1e3:.2f} | {old_ms} | {shared * 1e3:.2f} | {old_x} | '
+          f'{cudnn / shared:.2f} | {v["shared_mosaic_gpu"]["time_over_floor"]:.2f} |')
 
 
 def main(paths, out):
+  table(paths)
   runs = [speedups(p) for p in paths]
   latest = {}
   for run in runs:
