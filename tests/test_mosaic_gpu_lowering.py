@@ -134,6 +134,26 @@ def test_training_kernels_lower_for_cuda(n, k, fused_dq):
 
 
 
+@pytest.mark.parametrize('knobs', [dict(block_kv_dq=128), dict(block_q_dq=128),
+                                   dict(block_q=128)], ids=lambda kw: ','.join(kw))
+def test_causal_kernels_with_large_blocks_lower_for_cuda(knobs):
+  """Paired causal tiles (`pair_causal_tiles`) double a program's Q / dO buffers: configs whose
+  second slot would not fit in shared memory run one tile a program instead of failing."""
+  sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  cfg = ta.TrainingKernelConfig(**knobs)
+  assert not (ta._paired_forward(cfg, 512, HEAD_DIM, jnp.bfloat16)
+              and ta._paired_dq(cfg, 512, HEAD_DIM, jnp.bfloat16))
+  assert ta._paired_forward(ta.TrainingKernelConfig(), 512, HEAD_DIM, jnp.bfloat16)
+  assert ta._paired_dq(ta.TrainingKernelConfig(), 512, HEAD_DIM, jnp.bfloat16)
+  z, t, n, k = 2, 512, 32, 8
+  q, kv, stat, length = (sd((z, t, n, HEAD_DIM)), sd((z, t, k, HEAD_DIM)),
+                         sd((z, t, n), jnp.float32), sd((z,), jnp.int32))
+  jax.jit(lambda *a: ta.causal_forward(*a, scale=0.1, config=cfg)).trace(
+      q, kv, kv, length).lower(lowering_platforms=CUDA)
+  jax.jit(lambda *a: ta.causal_backward(*a, scale=0.1, config=cfg)).trace(
+      q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA)
+
+
 def test_profiler_switch_and_trace_summary(monkeypatch, tmp_path):
   """The profiler is on only with its variable (its dump is a host callback, so a profiled
   kernel lowers on the GPU only); `summarize` sums each region's time per warpgroup trace."""

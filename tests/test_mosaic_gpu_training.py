@@ -259,6 +259,9 @@ class TestTrainingKernels:
     the same order."""
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
     configs = [dataclasses.replace(default, pair_causal_tiles=p) for p in (True, False)]
+    for paired in (ta._paired_forward, ta._paired_dq):
+      assert paired(configs[0], case.t, case.h, BF16) and not paired(configs[1], case.t, case.h,
+                                                                       BF16)
     q, k, v, (w_out, w_lse) = _causal_inputs(case, zlib.crc32(request.node.name.encode()))
     lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
     forward = [ta.causal_forward(q, k, v, lengths, scale=scale, interpret=self.interpret,

@@ -130,6 +130,7 @@ class TrainingKernelConfig:
   # n tiles (`_Tiles`), so every program streams about n + 1 kv blocks (one tile a program
   # streams 1..n, longest first). Half the programs; each one's prologue (its Q, dO, lse loads)
   # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
+  # Blocks too large for two slots of Q (and dO) in shared memory run one tile a program.
   pair_causal_tiles: bool = True
 
   def __post_init__(self):
@@ -377,8 +378,28 @@ class _Tiles:
     return [(0, self.first * self.rows, None), (1, self.second * self.rows, self.has_second)]
 
 
-def _paired(cfg, causal_t):
-  return cfg.pair_causal_tiles and causal_t is not None
+_SMEM_BYTES = 232448  # shared memory a Hopper block may take (227 KiB)
+_SMEM_SLACK = 4096  # barriers and alignment beside the buffers (2.6 KiB measured)
+
+
+def _paired(cfg, causal_t, slot_bytes, stream_bytes):
+  """Whether a causal program runs two query tiles (`TrainingKernelConfig.pair_causal_tiles`):
+  only when a second slot of the tile's buffers (slot_bytes) fits in shared memory beside the
+  K/V pipeline (stream_bytes); a config with larger blocks runs one tile a program."""
+  fits = 2 * slot_bytes + stream_bytes + _SMEM_SLACK <= _SMEM_BYTES
+  return cfg.pair_causal_tiles and causal_t is not None and fits
+
+
+def _paired_forward(cfg, causal_t, h, dtype):
+  item = jnp.dtype(dtype).itemsize
+  return _paired(cfg, causal_t, slot_bytes=cfg.compute_wgs * cfg.block_q * (h * item + 4),
+                 stream_bytes=cfg.max_concurrent_steps * 2 * cfg.block_kv * h * item)  # Q, lse
+
+
+def _paired_dq(cfg, causal_t, h, dtype):
+  item = jnp.dtype(dtype).itemsize  # Q, dO, lse, delta
+  return _paired(cfg, causal_t, slot_bytes=cfg.compute_wgs * cfg.block_q_dq * (2 * h * item + 8),
+                 stream_bytes=cfg.max_concurrent_steps * 2 * cfg.block_kv_dq * h * item)
 
 
 def _when(exists, fn):
@@ -399,7 +420,7 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q, cfg.block_kv
   dtype = q.dtype
   scale_log2 = scale * LOG2E
-  paired = _paired(cfg, causal_t)
+  paired = _paired_forward(cfg, causal_t, h, dtype)
   slots = 2 if paired else 1
   num_tiles = mp // (wgs * bq)
 
@@ -655,7 +676,7 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dq, cfg.block_kv_dq
   dtype = q.dtype
-  paired = _paired(cfg, causal_t)
+  paired = _paired_dq(cfg, causal_t, h, dtype)
   slots = 2 if paired else 1
   num_tiles = mp // (wgs * bq)
 
