@@ -554,6 +554,44 @@ def test_kernel_config_reaches_every_kernel(monkeypatch):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+def test_kernel_config_reaches_every_prefill_kernel(monkeypatch):
+  """The prefill on slices (`prefill_vjp`): `kernel_config` reaches the batched segment and
+  causal kernels (stood in for by their `*_reference`s), forward and backward, and the states
+  and gradients equal the XLA path's (two prompts of different lengths, float32)."""
+  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
+  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  seen = {}
+  for name in ('segments_forward', 'causal_forward', 'segments_backward', 'causal_backward'):
+    reference = getattr(ta, f'{name}_reference')
+
+    def stand_in(*args, name=name, reference=reference, **kwargs):
+      seen[name] = kwargs['config']
+      return reference(*args, **kwargs)
+    monkeypatch.setattr(ta, name, stand_in)
+  lengths, g, t, p, n, kh, h = (3, 7), 2, 5, 8, 4, 2, 16
+  layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
+  rng = np.random.default_rng(zlib.crc32(b'prefill kernel_config'))
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  bp, b = len(lengths), len(lengths) * g
+  args = (draw(bp, p, n, h), draw(b, t, n, h), pl.write_kv(layout, draw(bp, p, kh, h),
+          draw(b, t, kh, h)), pl.write_kv(layout, draw(bp, p, kh, h), draw(b, t, kh, h)))
+
+  def loss(**kw):
+    def f(*a):
+      prompt, completion = pl.prefill_attention(*a, layout, **kw)
+      return (jnp.sum(prompt.out * jnp.cos(a[0])) + jnp.sum(completion.out * jnp.sin(a[1]))
+              + jnp.sum(completion.lse * 0.1))
+    return f
+
+  actual = jax.value_and_grad(loss(impl='mosaic_gpu', kernel_config=cfg), argnums=(0, 1, 2, 3))(
+      *args)
+  assert seen == dict.fromkeys(seen, cfg) and len(seen) == 4, seen
+  expected = jax.value_and_grad(loss(), argnums=(0, 1, 2, 3))(*args)
+  np.testing.assert_allclose(actual[0], expected[0], rtol=2e-5)
+  for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual[1], expected[1]):
+    np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
 def test_check_training_records_jsonl(monkeypatch):
   """check_training.py --out: each record is a JSON line with its kind and the config's fields."""
   import io
