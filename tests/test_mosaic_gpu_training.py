@@ -592,6 +592,18 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+def test_full_lengths_skip_the_kv_pass():
+  """K/V tokens past the lengths are zeroed (a select over K/V) unless the length is a Python
+  int covering every token (the prefill's prompts and completions): then no pass at all."""
+  k = jnp.zeros((2, 100, 2, 64), BF16)
+  jaxpr = lambda lengths: str(jax.make_jaxpr(lambda k: ta._prepare_kv(k, k, lengths, 64))(k))
+  assert 'select_n' not in jaxpr(100) and 'select_n' in jaxpr(99)
+  assert 'select_n' in jaxpr(jnp.array([100, 100]))
+  length, kp, _ = jax.jit(lambda k: ta._prepare_kv(k, k, 100, 64))(k + 1)
+  assert kp.shape == (2, 128, 2, 64) and length.tolist() == [100, 100]
+  assert bool(jnp.all(kp[:, :100] == 1)) and bool(jnp.all(kp[:, 100:] == 0))
+
+
 def test_check_training_records_jsonl(monkeypatch):
   """check_training.py --out: each record is a JSON line with its kind and the config's fields."""
   import io

@@ -191,12 +191,14 @@ def _pad_to(x, axis, multiple, value=0):
 
 def _prepare_kv(k, v, lengths, multiple):
   """k, v [Z, S, K, H] -> (lengths [Z] int32 clamped to [0, S], k, v with tokens >= the row's
-  length zeroed, padded along S to `multiple`)."""
+  length zeroed, padded along S to `multiple`). A Python int length >= S (the prefill's
+  completions and prompts) has no such token: no pass over K/V then."""
   z, s = k.shape[:2]
   length = jnp.clip(jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (z,)), 0, s)
-  seen = (jnp.arange(s)[None, :] < length[:, None])[:, :, None, None]
-  k, v = (_pad_to(jnp.where(seen, x, jnp.zeros((), x.dtype)), 1, multiple) for x in (k, v))
-  return length, k, v
+  if not (isinstance(lengths, int) and lengths >= s):
+    seen = (jnp.arange(s)[None, :] < length[:, None])[:, :, None, None]
+    k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
+  return length, _pad_to(k, 1, multiple), _pad_to(v, 1, multiple)
 
 
 def _lcm(*xs):
