@@ -522,20 +522,28 @@ def test_arguments_are_checked():
                                   kernel_config=dict(block_kv_dq=64))
 
 
-def test_kernel_config_reaches_every_kernel(monkeypatch):
-  """`kernel_config` is what the four kernels get (each stood in for by its `*_reference`,
-  same signature), in the forward and the backward; the result is still exact."""
-  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
-  # The stand-ins run anywhere and in float32: the resolver may pick the kernels.
-  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+def _reference_stand_ins(monkeypatch, names):
+  """Stands each kernel in `names` in for by its `*_reference` (same signature); returns the
+  dict in which each records the `config` it was called with."""
   seen = {}
-  for name in ('segment_forward', 'causal_forward', 'segment_backward', 'causal_backward'):
+  for name in names:
     reference = getattr(ta, f'{name}_reference')
 
     def stand_in(*args, name=name, reference=reference, **kwargs):
       seen[name] = kwargs['config']
       return reference(*args, **kwargs)
     monkeypatch.setattr(ta, name, stand_in)
+  return seen
+
+
+def test_kernel_config_reaches_every_kernel(monkeypatch):
+  """`kernel_config` is what the four kernels get (each stood in for by its `*_reference`,
+  same signature), in the forward and the backward; the result is still exact."""
+  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
+  # The stand-ins run anywhere and in float32: the resolver may pick the kernels.
+  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  seen = _reference_stand_ins(monkeypatch, ('segment_forward', 'causal_forward',
+                                            'segment_backward', 'causal_backward'))
   rng = np.random.default_rng(zlib.crc32(b'kernel_config'))
   t = 3
   plan = hj.plan_tree(random_tree(rng, 2, 4, max_len=40), private_capacity=t + 2,
@@ -560,14 +568,8 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch):
   and gradients equal the XLA path's (two prompts of different lengths, float32)."""
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
   monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
-  seen = {}
-  for name in ('segments_forward', 'causal_forward', 'segments_backward', 'causal_backward'):
-    reference = getattr(ta, f'{name}_reference')
-
-    def stand_in(*args, name=name, reference=reference, **kwargs):
-      seen[name] = kwargs['config']
-      return reference(*args, **kwargs)
-    monkeypatch.setattr(ta, name, stand_in)
+  seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
+                                            'segments_backward', 'causal_backward'))
   lengths, g, t, p, n, kh, h = (3, 7), 2, 5, 8, 4, 2, 16
   layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
   rng = np.random.default_rng(zlib.crc32(b'prefill kernel_config'))

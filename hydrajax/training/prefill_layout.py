@@ -35,7 +35,7 @@ from hydrajax.attention_plan import AttentionShapes, check_scale
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.training.prefill_vjp import prefill_attention_kernels
+from hydrajax.training.prefill_vjp import join_buffer, prefill_attention_kernels
 from hydrajax.training.training_plan import (
     TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
 )
@@ -152,11 +152,7 @@ def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Arr
     if kv.ndim != 4 or kv.shape[:2] != slots.shape or kv.shape[2:] != prompt_kv.shape[2:]:
       raise ValueError(f'{name} must be [{", ".join(map(str, slots.shape))}, K, H] (K, H as '
                        f'prompt_kv\'s), got {kv.shape}')
-  k, h = prompt_kv.shape[2:]
-  prompts, completions = prompt_kv.reshape(-1, k, h), completion_kv.reshape(-1, k, h)
-  pad = jnp.zeros((layout.kv_tokens - prompts.shape[0] - completions.shape[0], k, h),
-                  prompt_kv.dtype)
-  return jnp.concatenate([prompts, pad, completions.astype(prompt_kv.dtype)])
+  return join_buffer(prompt_kv, completion_kv, layout.kv_tokens)
 
 
 @jax.tree_util.register_dataclass

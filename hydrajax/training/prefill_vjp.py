@@ -29,9 +29,19 @@ import numpy as np
 from hydrajax.partial_state import PartialState, merge_many
 
 
+def join_buffer(prompts, completions, kv_tokens):
+  """prompts [Bp, P, ...] and completions [B, T, ...] -> the buffer [L = kv_tokens, ...] in its
+  order: prompts, zeros to a page of T, completions (`PrefillPlan.to_device`'s slots)."""
+  rest = prompts.shape[2:]
+  prompts, completions = prompts.reshape((-1,) + rest), completions.reshape((-1,) + rest)
+  pad = jnp.zeros((kv_tokens - prompts.shape[0] - completions.shape[0],) + rest, prompts.dtype)
+  return jnp.concatenate([prompts, pad, completions.astype(prompts.dtype)])
+
+
 def _split(buffer, bp, p, b, t):
-  """buffer [L, K, H] -> (prompts [Bp, P, K, H], completions [B, T, K, H]): static slices."""
-  first = -(-bp * p // t) * t  # the completions start at a page of T (`PrefillPlan.to_device`)
+  """`join_buffer`'s inverse: buffer [L, K, H] -> (prompts [Bp, P, K, H], completions
+  [B, T, K, H]), static slices."""
+  first = -(-bp * p // t) * t  # the completions start at a page of T
   rest = buffer.shape[1:]
   return (buffer[:bp * p].reshape((bp, p) + rest),
           buffer[first:first + b * t].reshape((b, t) + rest))
@@ -97,12 +107,9 @@ def _bwd(scale, kernels, residuals, cotangents):
   dq_own, dkc, dvc = ta.causal_backward(q_completion, kc, vc, do_c, lse_c, delta_c, t, **kw)
   dq_c = (dq_shared.reshape(b, t, n, h) + dq_own.astype(jnp.float32)).astype(q_completion.dtype)
 
-  def buffer(prompt_parts, completions, like):
+  def buffer(prompt_parts, completions, like):  # the prompts' two parts summed in float32
     prompts = sum(x.astype(jnp.float32) for x in prompt_parts).astype(like.dtype)
-    prompts, completions = (x.reshape((-1,) + like.shape[1:]) for x in (prompts, completions))
-    pad = jnp.zeros((like.shape[0] - prompts.shape[0] - completions.shape[0],) + like.shape[1:],
-                    like.dtype)
-    return jnp.concatenate([prompts, pad, completions.astype(like.dtype)])
+    return join_buffer(prompts, completions, like.shape[0])
 
   dk = buffer((dkp_own, dkp_shared), dkc, k_buffer)
   dv = buffer((dvp_own, dvp_shared), dvc, v_buffer)
