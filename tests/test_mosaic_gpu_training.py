@@ -425,13 +425,13 @@ class TestTrainingKernels:
   def test_prefixed_causal_forward(self, lengths, request):
     """The completions' forward in one launch (`prefixed_causal_forward`) against its reference
     and against what it replaces: segments_forward over the prompts, causal_forward over the
-    completions, LSE-merged. Two prompts (empty, partial or full; NaN past their lengths), G = 3,
-    3 query tiles a row (an odd count: a paired program runs one); GQA 4:1."""
+    completions, LSE-merged. Two prompts (empty, partial or full; NaN past their lengths), G = 2,
+    T = 384 (compiled: 3 query tiles, an odd count, so a paired program runs one); GQA 4:1."""
     rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
-    p, t, g, n, kh, h = 128, 192, 3, 8, 2, 64
+    p, t, g, n, kh, h = 128, 384, 2, 8, 2, 64
     lengths = jnp.asarray(lengths)
-    bp, z = 2, 6
-    start = bp * p + 64  # the rows after a pad, as in the prefill buffer
+    bp, z = 2, 4
+    start = bp * p + 128  # the rows after a pad, as in the prefill buffer
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
     tok = jnp.arange(start + z * t)
     past = (tok < bp * p) & (tok % p >= lengths[jnp.minimum(tok // p, bp - 1)])

@@ -344,8 +344,6 @@ class _RowKeys:
   """The keys of a forward or dQ program's row z: the first kv_len of its own S tokens (k[z]),
   causal_t: its queries are the last T of them."""
 
-  prefix_len = None  # no prefix (`_PrefixedKeys`): the wrapper zeroed K/V past kv_len
-
   def __init__(self, kv_len, causal_t, bk, s):
     self.kv_len, self.causal_t, self.bk, self.s = kv_len, causal_t, bk, s
 
@@ -558,10 +556,6 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg, prefix=None):
           cfg.mask_all_steps, (bq, bk), 1, limits,
           lambda visible: osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
                                    visible=visible))
-      if keys.prefix_len is not None:  # a prefix's last block: its V rows past the prefix
-        key_limit = limits[0]  # may hold anything (no 0 * NaN in P @ V)
-        pl.when(key_limit < bk)(lambda: osm.zero_rows(
-            v_smem, lambda r: r < key_limit, lambda first: first + osm.WG_M > key_limit))
       _schedule(schedule_barrier)
       acc = _mma(acc, p16, v_smem, stage)
       _arrive(v_consumed)
@@ -678,7 +672,16 @@ def prefixed_causal_forward(q, k, v, prefix_lengths, *, prefix_tokens: int, grou
     raise ValueError(f'the buffer k, v [L = {k.shape[0]}, ...] must hold the prefixes '
                      f'({z // group} x {prefix_tokens}) and the rows (from {own_start}, {z} x {t})')
   cfg = _config(config, interpret)
-  lengths = jnp.repeat(jnp.clip(jnp.asarray(prefix_lengths, jnp.int32), 0, prefix_tokens), group)
+  lengths = jnp.clip(jnp.asarray(prefix_lengths, jnp.int32), 0, prefix_tokens)
+  # V past a prefix's length may hold anything: zero it (no 0 * NaN in P @ V; scores there are
+  # masked by a where). A pass over V, in place of `_prepare_kv`'s over both K and V: zeroing
+  # rows in the kernel's steps instead made every step slower (call 2 of
+  # experiments/results/train_prefixed_s37).
+  token = jnp.arange(v.shape[0])
+  prefix = jnp.minimum(token // prefix_tokens, lengths.shape[0] - 1)
+  past = (token < lengths.shape[0] * prefix_tokens) & (token % prefix_tokens >= lengths[prefix])
+  v = jnp.where(past[:, None, None], jnp.zeros((), v.dtype), v)
+  lengths = jnp.repeat(lengths, group)
   out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k[None], v[None], lengths,
                       scale=float(scale), causal_t=t, interpret=interpret, cfg=cfg,
                       prefix=_Prefix(prefix_tokens, group, own_start))
