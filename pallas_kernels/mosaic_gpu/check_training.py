@@ -220,7 +220,7 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128, cfg=None):
   from hydrajax.training import prefill_layout as pl
 
   layout = pl.plan_prefill([p], g, t).to_device()
-  keys = iter(jax.random.split(jax.random.key(0), 6))
+  keys = iter(jax.random.split(jax.random.key(0), 8))
   draw = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(jnp.bfloat16)
   args = (draw(1, p, n, h), draw(g, t, n, h), draw(1, p, kh, h), draw(g, t, kh, h),
           draw(1, p, kh, h), draw(g, t, kh, h))
@@ -231,11 +231,13 @@ def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128, cfg=None):
                                               impl=AttentionImpl.MOSAIC_GPU, kernel_config=cfg)
     return prompt.out, completion.out
 
-  def run(*a):
-    out, vjp = jax.vjp(shared, *a)
-    return vjp(jax.tree.map(jnp.ones_like, out))
+  def run(cotangents, *a):  # random cotangents, passed in (as in experiments.train_bench)
+    _, vjp = jax.vjp(shared, *a)
+    return vjp(cotangents)
 
-  ms, kernels, launches = cupti_ms(jax.jit(run), *args, launches=True)
+  outs = jax.eval_shape(shared, *args)
+  cotangents = tuple(draw(*o.shape) for o in outs)
+  ms, kernels, launches = cupti_ms(jax.jit(run), cotangents, *args, launches=True)
   mosaic = [(name.split('_mosaic_gpu')[0], t_ms) for name, t_ms in launches
             if 'mosaic_gpu' in name]
   record('breakdown', cfg, shape=dict(g=g, p=p, t=t, n=n, k=kh, h=h), ms=ms, kernels=kernels,
