@@ -421,45 +421,11 @@ class TestTrainingKernels:
     for name, a in zip(('dk', 'dv'), actual[1:]):  # unattended tokens: exact zeros
       np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
 
-  @pytest.mark.parametrize('lengths', [(0, 65), (128, 100)], ids=['empty_partial', 'full_partial'])
-  def test_prefixed_causal_forward(self, lengths, request):
-    """The completions' forward in one launch (`prefixed_causal_forward`) against its reference
-    and against what it replaces: segments_forward over the prompts, causal_forward over the
-    completions, LSE-merged. Two prompts (empty, partial or full; NaN past their lengths), G = 2,
-    T = 384 (compiled: 3 query tiles, an odd count, so a paired program runs one); GQA 4:1."""
-    rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
-    p, t, g, n, kh, h = 128, 384, 2, 8, 2, 64
-    lengths = jnp.asarray(lengths)
-    bp, z = 2, 4
-    start = bp * p + 128  # the rows after a pad, as in the prefill buffer
-    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
-    tok = jnp.arange(start + z * t)
-    past = (tok < bp * p) & (tok % p >= lengths[jnp.minimum(tok // p, bp - 1)])
-    k, v = (jnp.where(past[:, None, None], jnp.nan, draw(tok.size, kh, h)) for _ in range(2))
-    q = draw(z, t, n, h)
-    kw = dict(prefix_tokens=p, group=g, own_start=start, scale=h**-0.5)
-    out, lse = ta.prefixed_causal_forward(q, k, v, lengths, interpret=self.interpret, **kw)
-    ref = hj.PartialState(*ta.prefixed_causal_forward_reference(q, k, v, lengths, **kw))
-    assert_states_close(hj.PartialState(out, lse), ref)
-    shared = ta.segments_forward_reference(
-        q.reshape(bp, g * t, n, h), k[:bp * p].reshape(bp, p, kh, h),
-        v[:bp * p].reshape(bp, p, kh, h), lengths, scale=kw['scale'])
-    own = ta.causal_forward_reference(q, k[start:].reshape(z, t, kh, h),
-                                      v[start:].reshape(z, t, kh, h), t, scale=kw['scale'])
-    parts = hj.merge_many([hj.PartialState(shared[0].reshape(q.shape), shared[1].reshape(z, t, n)),
-                           hj.PartialState(*own)], out_dtype=BF16)
-    assert_states_close(hj.PartialState(out, lse), parts)
-
-  @pytest.mark.parametrize('sizes', [(12, 6), (128, 128)], ids=['three_calls', 'prefixed'])
-  def test_prefill_attention_impl(self, sizes):
+  def test_prefill_attention_impl(self):
     """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention;
     on slices of the buffer, `prefill_vjp`) against the XLA path: values of both states and
-    gradients of q_p, q_c, k, v. Two prompts of different lengths, P and T no block multiples
-    (the completions' forward in two calls and a merge) or multiples of every block (in one,
-    `prefixed_causal_forward`)."""
-    (p, t), lengths, g, n, kh, h = sizes, (5, 11), 3, 4, 2, 64
-    first = -(-len(lengths) * p // t) * t
-    assert (ta.prefixed_reason(p, t, first, interpret=self.interpret) is None) == (p == 128)
+    gradients of q_p, q_c, k, v. Two prompts of different lengths, no block multiples."""
+    lengths, g, t, p, n, kh, h = (5, 11), 3, 6, 12, 4, 2, 64
     layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
     rng = np.random.default_rng(9)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
@@ -544,18 +510,6 @@ def test_arguments_are_checked():
     ta.causal_forward(qb, kb, kb, jnp.array([64, 64, 64]), scale=1.0, interpret=True)
   with pytest.raises(ValueError, match='block_q'):
     ta.TrainingKernelConfig(block_q=32)
-  buffer, lengths = jnp.zeros((512, 2, 64), BF16), jnp.array([64])
-  prefixed = lambda q, **kw: ta.prefixed_causal_forward(
-      q, buffer, buffer, kw.pop('lengths', lengths), **(dict(prefix_tokens=64, group=2,
-      own_start=128, scale=1.0, interpret=True) | kw))
-  with pytest.raises(ValueError, match='group'):
-    prefixed(qb, group=3)
-  with pytest.raises(ValueError, match=r'prefix_lengths must be \[Z / group\]'):
-    prefixed(qb, lengths=jnp.array([64, 64]))
-  with pytest.raises(ValueError, match='own_start .* multiple of block_kv'):
-    prefixed(qb, own_start=100)
-  with pytest.raises(ValueError, match='buffer'):
-    prefixed(qb, own_start=448)
   plan = hj.plan_tree(hj.PromptNode(3, num_samples=2), private_capacity=2, private_lengths=1)
   qt, kt, vt = random_inputs(0, plan, 1, 4, 2, 64, BF16)
   with pytest.raises(ValueError, match='impl'):
@@ -608,19 +562,15 @@ def test_kernel_config_reaches_every_kernel(monkeypatch):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize('sizes', [(8, 5), (128, 128)], ids=['three_calls', 'prefixed'])
-def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, sizes):
+def test_kernel_config_reaches_every_prefill_kernel(monkeypatch):
   """The prefill on slices (`prefill_vjp`): `kernel_config` reaches the batched segment and
   causal kernels (stood in for by their `*_reference`s), forward and backward, and the states
-  and gradients equal the XLA path's (two prompts of different lengths, float32). With P and T
-  multiples of block_kv, the completions' forward is `prefixed_causal_forward` instead of the
-  segment and causal calls."""
+  and gradients equal the XLA path's (two prompts of different lengths, float32)."""
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
   monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
   seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
-                                            'prefixed_causal_forward', 'segments_backward',
-                                            'causal_backward'))
-  (p, t), lengths, g, n, kh, h = sizes, (3, 7), 2, 4, 2, 16
+                                            'segments_backward', 'causal_backward'))
+  lengths, g, t, p, n, kh, h = (3, 7), 2, 5, 8, 4, 2, 16
   layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
   rng = np.random.default_rng(zlib.crc32(b'prefill kernel_config'))
   draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
@@ -637,9 +587,7 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, sizes):
 
   actual = jax.value_and_grad(loss(impl='mosaic_gpu', kernel_config=cfg), argnums=(0, 1, 2, 3))(
       *args)
-  forward = {'prefixed_causal_forward'} if p == 128 else {'segments_forward'}
-  assert seen == dict.fromkeys(seen, cfg), seen
-  assert set(seen) == {'causal_forward', 'segments_backward', 'causal_backward'} | forward, seen
+  assert seen == dict.fromkeys(seen, cfg) and len(seen) == 4, seen
   expected = jax.value_and_grad(loss(), argnums=(0, 1, 2, 3))(*args)
   np.testing.assert_allclose(actual[0], expected[0], rtol=2e-5)
   for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual[1], expected[1]):

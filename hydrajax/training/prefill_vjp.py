@@ -8,11 +8,10 @@
   the queries of its G completions, [G * T] rows (a reshape of q [Bp * G, T]);
 * each completion's causal attention over itself: one batched causal call over [Bp * G, T].
 
-The forward runs the last two as one launch, `prefixed_causal_forward`, reading the buffer in
-place, when P and T are multiples of the forward's kv block (`prefixed_reason`); otherwise as
-two, their states LSE-merged on XLA. The backward runs the three calls' backward kernels from
-the merged (lse, delta); the prompt's dK/dV sums its causal and its segment parts, and the
-buffer's cotangent is their concatenation (which `write_kv`'s transpose slices back).
+The completions' two states are LSE-merged on XLA. The backward runs the same three calls'
+backward kernels from the merged (lse, delta); the prompt's dK/dV sums its causal and its
+segment parts, and the buffer's cotangent is their concatenation (which `write_kv`'s
+transpose slices back).
 
 The general custom VJP (`tree_attention_vjp`) walks any tree: it gathers each part's queries
 and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back. On an H200
@@ -39,14 +38,10 @@ def join_buffer(prompts, completions, kv_tokens):
   return jnp.concatenate([prompts, pad, completions.astype(prompts.dtype)])
 
 
-def _completions_start(bp, p, t):
-  return -(-bp * p // t) * t  # the completions start at a page of T
-
-
 def _split(buffer, bp, p, b, t):
   """`join_buffer`'s inverse: buffer [L, K, H] -> (prompts [Bp, P, K, H], completions
   [B, T, K, H]), static slices."""
-  first = _completions_start(bp, p, t)
+  first = -(-bp * p // t) * t  # the completions start at a page of T
   rest = buffer.shape[1:]
   return (buffer[:bp * p].reshape((bp, p) + rest),
           buffer[first:first + b * t].reshape((b, t) + rest))
@@ -65,11 +60,6 @@ def _forward(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale, 
   bp, p, b, t, n, h, g = _dims(q_prompt, q_completion)
   (kp, kc), (vp, vc) = (_split(x, bp, p, b, t) for x in (k_buffer, v_buffer))
   prompt = PartialState(*ta.causal_forward(q_prompt, kp, vp, p, **kw))
-  first = _completions_start(bp, p, t)
-  if ta.prefixed_reason(p, t, first, kernels.config, kernels.interpret) is None:
-    return prompt, PartialState(*ta.prefixed_causal_forward(
-        q_completion, k_buffer, v_buffer, prompt_lengths, prefix_tokens=p, group=g,
-        own_start=first, **kw))
   shared_out, shared_lse = ta.segments_forward(q_completion.reshape(bp, g * t, n, h), kp, vp,
                                                prompt_lengths, **kw)
   own = PartialState(*ta.causal_forward(q_completion, kc, vc, t, **kw))

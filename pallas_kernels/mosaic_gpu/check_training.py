@@ -271,14 +271,6 @@ def lower_only(cfg=None):
            cfg)
     print(f'lowered causal forward and backward, {name}: Z={z} x T={t}, {n}/{k} heads, d={h}, '
           f'in {time.time() - t0:.1f}s', flush=True)
-  (z, t), p, t0 = CAUSAL_BENCH['completions'], b['s'], time.time()
-  sd = jax.ShapeDtypeStruct
-  jax.jit(lambda q, kv, lengths: ta.prefixed_causal_forward(
-      q, kv, kv, lengths, prefix_tokens=p, group=z, own_start=p, scale=0.1, config=cfg)).trace(
-          sd((z, t, n, h), jnp.bfloat16), sd((p + z * t, k, h), jnp.bfloat16),
-          sd((1,), jnp.int32)).lower(lowering_platforms=('cuda',))
-  print(f'lowered the prefixed causal forward: Z={z} x T={t} after a {p}-token prefix, in '
-        f'{time.time() - t0:.1f}s', flush=True)
 
 
 def main():

@@ -132,10 +132,6 @@ class TrainingKernelConfig:
   # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
   # Blocks too large for two slots of Q (and dO) in shared memory run one tile a program.
   pair_causal_tiles: bool = True
-  # The prefill's completions attend their prompt and themselves in one forward launch
-  # (`prefixed_causal_forward`, where P and T are multiples of block_kv), reading the K/V
-  # buffer in place. False: a segment launch, a causal launch and an XLA merge, as before.
-  prefixed_forward: bool = True
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -289,43 +285,31 @@ def _check_lengths(lengths, z):
     raise ValueError(f'lengths must be a scalar or [Z] = [{z}], got shape {jnp.shape(lengths)}')
 
 
-def _limits(kv_len, key0, query0, causal_t):
-  """(key_limit, diag_limit) of a block (`_visible`) whose first key is key0 and first query
-  query0: keys >= kv_len are never visible; causal (bottom-right aligned), query j sees keys
-  < kv_len - T + j + 1, T = causal_t."""
-  diag = None if causal_t is None else kv_len - causal_t + 1 + query0 - key0
-  return kv_len - key0, diag
+def _visible(shape, keys_axis, kv_len, key0, query0, causal_t):
+  """[rows, cols] bool (wgmma layout): key key0 + i is visible to query query0 + j.
 
-
-def _visible(shape, keys_axis, limits):
-  """[rows, cols] bool (wgmma layout): key i of the block is visible to its query j.
-
-  i runs along `keys_axis`, j along the other; limits = (key_limit, diag_limit) (`_limits`):
-  visible iff i < key_limit and (diag_limit None or) i - j < diag_limit.
+  i runs along `keys_axis`, j along the other. Keys >= kv_len are never visible;
+  causal (bottom-right aligned): query j sees keys < kv_len - T + j + 1, T = causal_t.
   """
-  key_limit, diag_limit = limits
   iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
   keys = iota(keys_axis)
-  visible = keys < key_limit
-  if diag_limit is not None:
-    visible &= keys - iota(1 - keys_axis) < diag_limit
+  visible = keys < kv_len - key0
+  if causal_t is not None:
+    visible &= keys - iota(1 - keys_axis) < kv_len - causal_t + 1 + query0 - key0
   return visible
 
 
-def _masked(mask_all, shape, keys_axis, limits, apply):
+def _masked(mask_all, shape, keys_axis, kv_len, key0, query0, causal_t, apply):
   """apply(visible): the step's result with its [rows, cols] visibility (`_visible`), or with
-  None (every pair visible) when the block holds no invisible pair: all its keys are below
-  key_limit and, causal, below the first query's diagonal. A uniform branch (scalars only):
-  the unmasked steps skip the iota, compares and selects."""
-  masked = lambda: apply(_visible(shape, keys_axis, limits))
+  None (every pair visible) when the block holds no invisible pair: keys [key0, key0 + bk) are
+  below kv_len and, causal, below the first query's diagonal, kv_len - T + 1 + query0. A
+  uniform branch (scalars only): the unmasked steps skip the iota, compares and selects."""
+  masked = lambda: apply(_visible(shape, keys_axis, kv_len, key0, query0, causal_t))
   if mask_all:
     return masked()
-  key_limit, diag_limit = limits
-  bk = shape[keys_axis]
-  whole = bk <= key_limit
-  if diag_limit is not None:
-    whole &= bk <= diag_limit  # the largest key - query in the block is bk - 1
-  return lax.cond(whole, lambda: apply(None), masked)
+  end = key0 + shape[keys_axis]
+  limit = kv_len if causal_t is None else jnp.minimum(kv_len, kv_len - causal_t + 1 + query0)
+  return lax.cond(end <= limit, lambda: apply(None), masked)
 
 
 def _kv_steps(kv_len, queries_end, causal_t, bk, s):
@@ -338,67 +322,6 @@ def _kv_steps(kv_len, queries_end, causal_t, bk, s):
     return s // bk
   seen = jnp.minimum(kv_len, kv_len - causal_t + queries_end)
   return jnp.clip(lax.div(seen + (bk - 1), jnp.int32(bk)), 1, s // bk)
-
-
-class _RowKeys:
-  """The keys of a forward or dQ program's row z: the first kv_len of its own S tokens (k[z]),
-  causal_t: its queries are the last T of them."""
-
-  def __init__(self, kv_len, causal_t, bk, s):
-    self.kv_len, self.causal_t, self.bk, self.s = kv_len, causal_t, bk, s
-
-  def steps(self, queries_end):
-    """kv blocks a query tile ending before row `queries_end` streams."""
-    return _kv_steps(self.kv_len, queries_end, self.causal_t, self.bk, self.s)
-
-  def block(self, j):
-    """The token block (of the row's K/V) of the tile's j-th step."""
-    return j
-
-  def limits(self, j, query0):
-    return _limits(self.kv_len, j * self.bk, query0, self.causal_t)
-
-
-class _PrefixedKeys:
-  """A prefill completion's keys in the K/V buffer (`prefixed_causal_forward`): its prefix's
-  first prefix_len tokens from token block prefix_block on, all visible, then its own T tokens
-  from block own_block on, causal. The steps walk the prefix's ceil(prefix_len / bk) blocks,
-  then the own blocks up to the tile's diagonal."""
-
-  def __init__(self, prefix_block, prefix_len, own_block, t, bk):
-    self.prefix_block, self.prefix_len, self.own_block, self.t, self.bk = (
-        prefix_block, prefix_len, own_block, t, bk)
-    self.prefix_steps = lax.div(prefix_len + (bk - 1), jnp.int32(bk))
-
-  def steps(self, queries_end):
-    return self.prefix_steps + _kv_steps(self.t, queries_end, self.t, self.bk, self.t)
-
-  def block(self, j):
-    own = j - self.prefix_steps
-    return jnp.where(own < 0, self.prefix_block + j, self.own_block + own)
-
-  def limits(self, j, query0):
-    own = j - self.prefix_steps
-    in_prefix = own < 0
-    key0 = jnp.where(in_prefix, j, own) * self.bk
-    key_limit = jnp.where(in_prefix, self.prefix_len, self.t) - key0
-    return key_limit, jnp.where(in_prefix, _NO_DIAGONAL, 1 + query0 - key0)
-
-
-_NO_DIAGONAL = 1 << 30  # a prefix block's diag_limit: every query sees all of it
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefix:
-  """Where `prefixed_causal_forward`'s rows find their keys in the buffer (static ints)."""
-
-  tokens: int  # prefix p's tokens start at p * tokens
-  group: int  # rows z share prefix z // group
-  own_start: int  # row z's own T tokens start at own_start + z * T
-
-  def keys(self, seq, prefix_len, t, bk):
-    return _PrefixedKeys(lax.div(seq, jnp.int32(self.group)) * (self.tokens // bk), prefix_len,
-                         self.own_start // bk + seq * (t // bk), t, bk)
 
 
 class _Tiles:
@@ -491,11 +414,8 @@ def _when(exists, fn):
 
 # Forward.
 
-def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg, prefix=None):
-  """out [Z, Mp, N, H], lse [Z, N, Mp] (natural log) of prepared, padded inputs.
-
-  prefix (`_Prefix`, causal only): k, v [1, L, K, H] are the prefill buffer and length [Z]
-  each row's prefix length (`_PrefixedKeys`); else k, v [Z, S, K, H] and length [Z]."""
+def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg):
+  """out [Z, Mp, N, H], lse [Z, N, Mp] (natural log) of prepared, padded inputs."""
   z, mp, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
@@ -510,11 +430,9 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg, prefix=None):
                           stage, q_barriers, schedule_barrier):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
-    if prefix is None:
-      keys, kv_row = _RowKeys(len_ref[seq], causal_t, bk, s), seq
-    else:
-      keys, kv_row = prefix.keys(seq, len_ref[seq], causal_t, bk), 0
-    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired, keys.steps)
+    kv_len = len_ref[seq]
+    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired,
+                   lambda end: _kv_steps(kv_len, end, causal_t, bk, s))
     rows_of = lambda tile_row: pl.ds(tile_row + wg * bq, bq)
 
     def finish(acc, m_i, l_i, slot, tile_row):
@@ -551,9 +469,8 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg, prefix=None):
 
       s_blk = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
       _arrive(k_consumed)
-      limits = keys.limits(block, tile_row + wg * bq)
       acc, m_i, l_i, p16 = _masked(
-          cfg.mask_all_steps, (bq, bk), 1, limits,
+          cfg.mask_all_steps, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq, causal_t,
           lambda visible: osm.step(s_blk, acc, m_i, l_i, scale_log2=scale_log2, dtype=dtype,
                                    visible=visible))
       _schedule(schedule_barrier)
@@ -567,12 +484,10 @@ def _forward(q, k, v, length, *, scale, causal_t, interpret, cfg, prefix=None):
       # rescales acc and l by 2^(m - m_new) = 0 (both are finite).
       return acc, m_i + jnp.where(switch, -jnp.inf, 0.0), l_i
 
-    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (keys.block(tiles.at(i)[2]), 0),
-                              transforms=_TILED)
+    kv_spec = plgpu.BlockSpec((bk, h), lambda i: (tiles.at(i)[2], 0), transforms=_TILED)
     kv_head = lax.div(head, jnp.int32(g))
     _pipeline(step, context, interpret=interpret, config=cfg, grid=(tiles.steps,),
-              in_specs=[kv_spec, kv_spec])(k_ref.at[kv_row, :, kv_head],
-                                           v_ref.at[kv_row, :, kv_head])
+              in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
   scratch = [
       plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),  # Q, then the output
@@ -629,65 +544,6 @@ def causal_forward(q, k, v, lengths, *, scale: float, interpret: bool = False,
   return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
-def prefixed_reason(prefix_tokens: int, t: int, own_start: int,
-                    config: TrainingKernelConfig | None = None, interpret: bool = False):
-  """Why `prefixed_causal_forward` cannot take this buffer layout (or the config turns it off,
-  `prefixed_forward`), or None: its prefixes and rows start at the forward's kv blocks."""
-  cfg = _config(config, interpret)
-  if not cfg.prefixed_forward:
-    return 'the config turns it off (prefixed_forward=False)'
-  bk = cfg.block_kv
-  for name, x in (('prefix_tokens', prefix_tokens), ('T', t), ('own_start', own_start)):
-    if x % bk:
-      return f'{name} ({x}) is not a multiple of block_kv ({bk})'
-  return None
-
-
-def prefixed_causal_forward(q, k, v, prefix_lengths, *, prefix_tokens: int, group: int,
-                            own_start: int, scale: float, interpret: bool = False,
-                            config: TrainingKernelConfig | None = None):
-  """Z causal rows, each after a shared prefix, keys in one buffer (the prefill's completions):
-  (out [Z, T, N, H] in q.dtype, lse [Z, T, N] float32 natural log).
-
-  q [Z, T, N, H]; k, v [L, K, H]. Row z attends prefix p = z // group, buffer tokens
-  [p * prefix_tokens, + prefix_lengths[p]) (all of them visible; K/V past them may hold
-  anything), then its own T tokens [own_start + z T, + T), causally. What `segments_forward`
-  over the prefixes, `causal_forward` over the rows and an LSE merge give, in one launch with
-  no merge pass. prefix_tokens, T and own_start: multiples of block_kv (`prefixed_reason`).
-  """
-  if q.ndim != 4 or k.ndim != 3 or k.shape != v.shape:
-    raise ValueError(f'expected q [Z, T, N, H] and k, v [L, K, H]; got q {q.shape}, '
-                     f'k {k.shape}, v {v.shape}')
-  _check(jax.ShapeDtypeStruct(q.shape[1:], q.dtype), k, v)  # dtypes, heads, head dim
-  z, t = q.shape[:2]
-  if group < 1 or z % group:
-    raise ValueError(f'group ({group}) must divide the rows Z = {z}')
-  if jnp.shape(prefix_lengths) != (z // group,):
-    raise ValueError(f'prefix_lengths must be [Z / group] = [{z // group}], got shape '
-                     f'{jnp.shape(prefix_lengths)}')
-  reason = prefixed_reason(prefix_tokens, t, own_start, config, interpret)
-  if reason is not None:
-    raise ValueError(reason)
-  if own_start + z * t > k.shape[0] or z // group * prefix_tokens > k.shape[0]:
-    raise ValueError(f'the buffer k, v [L = {k.shape[0]}, ...] must hold the prefixes '
-                     f'({z // group} x {prefix_tokens}) and the rows (from {own_start}, {z} x {t})')
-  cfg = _config(config, interpret)
-  lengths = jnp.clip(jnp.asarray(prefix_lengths, jnp.int32), 0, prefix_tokens)
-  # V past a prefix's length may hold anything: zero it (no 0 * NaN in P @ V; scores there are
-  # masked by a where). A pass over V, in place of `_prepare_kv`'s over both K and V: zeroing
-  # rows in the kernel's steps instead made every step slower (call 2 of
-  # experiments/results/train_prefixed_s37).
-  token = jnp.arange(v.shape[0])
-  prefix = jnp.minimum(token // prefix_tokens, lengths.shape[0] - 1)
-  past = (token < lengths.shape[0] * prefix_tokens) & (token % prefix_tokens >= lengths[prefix])
-  v = jnp.where(past[:, None, None], jnp.zeros((), v.dtype), v)
-  lengths = jnp.repeat(lengths, group)
-  out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k[None], v[None], lengths,
-                      scale=float(scale), causal_t=t, interpret=interpret, cfg=cfg,
-                      prefix=_Prefix(prefix_tokens, group, own_start))
-  return out[:, :t], jnp.swapaxes(lse[:, :, :t], 1, 2)
-
-
 def _reference_inputs(q, k, v, lengths, causal):
   """float32 q [Z, M, K, G, H], k, v [Z, S, K, H] (zeroed where no query looks), and the
   visibility [Z, M, 1, 1, S] of the batched kernels (`causal_forward`'s convention)."""
@@ -704,14 +560,8 @@ def _reference_inputs(q, k, v, lengths, causal):
 
 
 def _forward_reference(q, k, v, lengths, scale, causal):
+  z, m, n, h = q.shape
   qf, kf, vf, visible = _reference_inputs(q, k, v, lengths, causal)
-  return _attend_reference(qf, kf, vf, visible, scale, q.dtype)
-
-
-def _attend_reference(qf, kf, vf, visible, scale, dtype):
-  """(out [Z, M, N, H] in dtype, lse [Z, M, N]) of qf [Z, M, K, G, H], kf, vf [Z, S, K, H]
-  (float32, finite) under visible [Z, M, 1, 1, S]."""
-  z, m, kh, g, h = qf.shape
   sc = jnp.einsum('zmkgh,zskh->zmkgs', qf, kf, precision=lax.Precision.HIGHEST) * scale
   sc = jnp.where(visible, sc, -jnp.inf)
   mx = jnp.max(sc, axis=-1, keepdims=True)
@@ -719,9 +569,9 @@ def _attend_reference(qf, kf, vf, visible, scale, dtype):
   p = jnp.exp(sc - mx)
   l = p.sum(-1)
   o = jnp.einsum('zmkgs,zskh->zmkgh', p, vf, precision=lax.Precision.HIGHEST)
-  out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(z, m, kh * g, h).astype(dtype)
+  out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(z, m, n, h).astype(q.dtype)
   lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return out, lse.reshape(z, m, kh * g)
+  return out, lse.reshape(z, m, n)
 
 
 def segment_forward_reference(q, k, v, kv_length, *, scale: float, interpret: bool = False,
@@ -744,27 +594,6 @@ def causal_forward_reference(q, k, v, lengths, *, scale: float, interpret: bool 
   """`causal_forward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
   return _forward_reference(q, k, v, lengths, scale, True)
-
-
-def prefixed_causal_forward_reference(q, k, v, prefix_lengths, *, prefix_tokens: int,
-                                      group: int, own_start: int, scale: float,
-                                      interpret: bool = False, config=None):
-  """`prefixed_causal_forward` in jnp, float32 math; same arguments and outputs: each row's
-  keys gathered as [its prefix (P tokens) | its own T tokens] and attended with that mask."""
-  del interpret, config
-  z, t = q.shape[:2]
-  first = jnp.arange(z) // group * prefix_tokens
-  tokens = jnp.concatenate([first[:, None] + jnp.arange(prefix_tokens)[None],
-                            own_start + jnp.arange(z * t).reshape(z, t)], axis=1)
-  plen = jnp.repeat(jnp.asarray(prefix_lengths, jnp.int32), group)[:, None, None]
-  keys = jnp.arange(prefix_tokens + t)[None, None, :]
-  query = jnp.arange(t)[None, :, None]
-  visible = jnp.where(keys < prefix_tokens, keys < plen, keys - prefix_tokens <= query)
-  seen = jnp.any(visible, axis=1)[:, :, None, None]
-  kf, vf = (jnp.where(seen, x[tokens].astype(jnp.float32), 0.0) for x in (k, v))
-  n, h = q.shape[2:]
-  qf = q.astype(jnp.float32).reshape(z, t, k.shape[1], n // k.shape[1], h)
-  return _attend_reference(qf, kf, vf, visible[:, :, None, None], scale, q.dtype)
 
 
 # Backward.
@@ -857,8 +686,9 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
                          q_smem3, do_smem3, lse_smem3, delta_smem3, stage, barriers):
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
-    keys = _RowKeys(len_ref[seq], causal_t, bk, s)
-    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired, keys.steps)
+    kv_len = len_ref[seq]
+    tiles = _Tiles(wgs * bq, num_tiles, causal_t, paired,
+                   lambda end: _kv_steps(kv_len, end, causal_t, bk, s))
     rows_of = lambda tile_row: pl.ds(tile_row + wg * bq, bq)
     bar = lambda slot, i: barriers.at[(slot * 4 + i) * wgs + wg]  # i: q, do, lse, delta
 
@@ -898,8 +728,8 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
       delta = plgpu.load(delta_smem3.at[slot, wg], layout=_ROWS)
       s_blk = _matmul(q_smem, k_smem.transpose((1, 0)), (bq, bk))
       p = jnp.exp2(s_blk * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bq, bk), [0]))
-      p = _masked(cfg.mask_all_steps, (bq, bk), 1, keys.limits(block, tile_row + wg * bq),
-                  lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
+      p = _masked(cfg.mask_all_steps, (bq, bk), 1, kv_len, block * bk, tile_row + wg * bq,
+                  causal_t, lambda visible: p if visible is None else jnp.where(visible, p, 0.0))
       dp = _matmul(do_smem, v_smem.transpose((1, 0)), (bq, bk))
       _arrive(v_consumed)
       ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bk), [0]))
@@ -1084,8 +914,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
       lse = plgpu.load(lse_smem, layout=_COLS)
       _arrive(lse_consumed)
       p_t = jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, (bk, bq), [1]))
-      p_t = _masked(cfg.mask_all_steps_dkv, (bk, bq), 0,
-                    _limits(kv_len, first, (q0 + idx[1]) * bq, causal_t),
+      p_t = _masked(cfg.mask_all_steps_dkv, (bk, bq), 0, kv_len, first, (q0 + idx[1]) * bq,
+                    causal_t,
                     lambda visible: p_t if visible is None else jnp.where(visible, p_t, 0.0))
       dv = _mma(dv, p_t.astype(dtype), do_smem, stage_p)
       dp_t = _matmul(v_smem, do_smem.transpose((1, 0)), (bk, bq))
