@@ -154,6 +154,31 @@ def test_causal_kernels_with_large_blocks_lower_for_cuda(knobs):
       q, kv, kv, q, stat, stat, length).lower(lowering_platforms=CUDA)
 
 
+@pytest.mark.parametrize('paired', [True, False], ids=['paired', 'one_tile'])
+def test_float32_dq_and_dq_init_lower_for_cuda(paired):
+  """`prefill_dq_in_place`'s two halves: the causal dQ kernel writing float32 through its
+  Q / dO buffers (a RefUnion), and the fused dK/dV kernel reduce-adding onto a given dQ."""
+  sd = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  cfg = ta.TrainingKernelConfig(pair_causal_tiles=paired)
+  z, t, n, k = 2, 512, 32, 8
+  q, kv, stat = sd((z, t, n, HEAD_DIM)), sd((z, t, k, HEAD_DIM)), sd((z, t, n), jnp.float32)
+  lowered = jax.jit(lambda *a: ta.causal_backward(*a, t, scale=0.1, config=cfg,
+                                                  dq_dtype=jnp.float32)).trace(
+      q, kv, kv, q, stat, stat).lower(lowering_platforms=CUDA)
+  assert _kernels(lowered) == {'training_dq_kernel', 'training_dkv_kernel'}
+  assert jax.eval_shape(lambda *a: ta.causal_backward(*a, t, scale=0.1, config=cfg,
+                                                      dq_dtype=jnp.float32),
+                        q, kv, kv, q, stat, stat)[0].dtype == jnp.float32
+  rows = sd((1, z * t, n, HEAD_DIM))
+  lowered = jax.jit(lambda q, kv, do, lse, delta, dq: ta.segments_backward(
+      q, kv, kv, do, lse, delta, 300, scale=0.1, config=cfg, dq_init=dq)).trace(
+          rows, sd((1, 384, k, HEAD_DIM)), rows, sd((1, z * t, n), jnp.float32),
+          sd((1, z * t, n), jnp.float32), sd(rows.shape, jnp.float32)).lower(
+              lowering_platforms=CUDA)
+  assert _kernels(lowered) == {'training_dkv_kernel'}
+  assert 'cp.reduce.async.bulk.tensor' in lowered.as_text()
+
+
 def test_profiler_switch_and_trace_summary(monkeypatch, tmp_path):
   """The profiler is on only with its variable (its dump is a host callback, so a profiled
   kernel lowers on the GPU only); `summarize` sums each region's time per warpgroup trace."""

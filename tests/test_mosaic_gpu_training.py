@@ -193,6 +193,45 @@ class TestTrainingKernels:
       assert np.abs(np.asarray(e, np.float32)).max() > 0.1, f'{name}: no gradient exercised'
       _close(f'{name} vs oracle grad', a, e)
 
+  @pytest.mark.parametrize('paired', [True, False], ids=['paired', 'one_tile'])
+  def test_dq_in_float32_and_onto_dq_init(self, paired, request):
+    """causal_backward(dq_dtype=float32): the dQ kernel stages float32 in the finished tile's
+    Q and dO buffers (a RefUnion); rounded, it is bitwise the bf16 dQ. segments_backward's
+    dq_init: dQ is it plus the segment's (fused kernel and dQ kernel)."""
+    rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
+    # GQA 4:1, H = 128 (the compiled fused kernel's), 2-3 query tiles a row, a row with 32 keys
+    # before its queries.
+    case = CausalCase((8, 2), 256, 288, (288, 256), h=128)
+    q, k, v, (w_out, _) = _causal_inputs(case, int(rng.integers(1 << 30)))
+    lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
+    out, lse = ta.causal_forward_reference(q, k, v, lengths, scale=scale)
+    delta = jnp.sum(w_out * out.astype(jnp.float32), -1)
+    args = (q, k, v, w_out.astype(BF16), lse, delta, lengths)
+    default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
+    config = dataclasses.replace(default, pair_causal_tiles=paired)
+    kw = dict(scale=scale, interpret=self.interpret, config=config)
+    dq16 = ta.causal_backward(*args, **kw)[0]
+    dq32 = ta.causal_backward(*args, **kw, dq_dtype=jnp.float32)[0]
+    assert dq32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dq32.astype(BF16), np.float32),
+                                  np.asarray(dq16, np.float32))
+    _close('dq float32', dq32, ta.causal_backward_reference(*args, scale=scale,
+                                                           dq_dtype=jnp.float32)[0])
+    # The rows over a shared segment (row 0's first 30 tokens' K/V), onto dq32; lse merged
+    # over both parts (so P <= 1 on the segment).
+    rows = lambda x: x.reshape((1, -1) + x.shape[2:])
+    seg_kv = (k[:1, :128], v[:1, :128])
+    seg_lse = ta.segments_forward_reference(rows(q), *seg_kv, 30, scale=scale)[1]
+    merged = jnp.logaddexp(rows(lse), seg_lse)
+    seg = (rows(q), *seg_kv, rows(w_out.astype(BF16)), merged, rows(delta), 30)
+    expected = ta.segments_backward_reference(*seg, scale=scale, dq_init=rows(dq32),
+                                              dq_dtype=jnp.float32)[0]
+    for fused in (True, False):
+      cfg = dataclasses.replace(config, fused_dq=fused)
+      dq = ta.segments_backward(*seg, scale=scale, interpret=self.interpret, config=cfg,
+                                dq_init=rows(dq32), dq_dtype=jnp.float32)[0]
+      _close(f'dq onto dq_init, fused={fused}', dq, expected)
+
   @pytest.mark.parametrize('parts', [2, 4])
   def test_backward_in_row_parts(self, parts, request):
     """The fused dK/dV kernel split over query rows (`row_parts`): every part's float32 dK / dV
@@ -421,10 +460,14 @@ class TestTrainingKernels:
     for name, a in zip(('dk', 'dv'), actual[1:]):  # unattended tokens: exact zeros
       np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
 
-  def test_prefill_attention_impl(self):
+  @pytest.mark.parametrize('dq_in_place', [False, True], ids=['dq_summed', 'dq_in_place'])
+  def test_prefill_attention_impl(self, dq_in_place):
     """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention;
     on slices of the buffer, `prefill_vjp`) against the XLA path: values of both states and
-    gradients of q_p, q_c, k, v. Two prompts of different lengths, no block multiples."""
+    gradients of q_p, q_c, k, v. Two prompts of different lengths, no block multiples. The
+    completions' dQ summed after, or in place (`prefill_dq_in_place`)."""
+    default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
+    config = dataclasses.replace(default, prefill_dq_in_place=dq_in_place)
     lengths, g, t, p, n, kh, h = (5, 11), 3, 6, 12, 4, 2, 64
     layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
     rng = np.random.default_rng(9)
@@ -438,7 +481,9 @@ class TestTrainingKernels:
     w_lc, w_lp = (jax.random.normal(key, x.shape[:-1]) for key, x in zip(keys[2:], (q_c, q_p)))
 
     def states(impl):
-      return lambda *a: pl.prefill_attention(*a, layout, impl=impl, interpret=self.interpret)
+      kernel = dict(kernel_config=config) if impl == 'mosaic_gpu' else {}
+      return lambda *a: pl.prefill_attention(*a, layout, impl=impl, interpret=self.interpret,
+                                             **kernel)
 
     def loss(impl):
       def f(*a):
@@ -562,11 +607,13 @@ def test_kernel_config_reaches_every_kernel(monkeypatch):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
-def test_kernel_config_reaches_every_prefill_kernel(monkeypatch):
+@pytest.mark.parametrize('dq_in_place', [False, True], ids=['dq_summed', 'dq_in_place'])
+def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, dq_in_place):
   """The prefill on slices (`prefill_vjp`): `kernel_config` reaches the batched segment and
   causal kernels (stood in for by their `*_reference`s), forward and backward, and the states
-  and gradients equal the XLA path's (two prompts of different lengths, float32)."""
-  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
+  and gradients equal the XLA path's (two prompts of different lengths, float32), with the
+  completions' dQ summed after or in place (`prefill_dq_in_place`)."""
+  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1, prefill_dq_in_place=dq_in_place)
   monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
   seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
                                             'segments_backward', 'causal_backward'))

@@ -11,7 +11,9 @@
 The completions' two states are LSE-merged on XLA. The backward runs the same three calls'
 backward kernels from the merged (lse, delta); the prompt's dK/dV sums its causal and its
 segment parts, and the buffer's cotangent is their concatenation (which `write_kv`'s
-transpose slices back).
+transpose slices back). The completions' dQ sums the segment's float32 and the causal one on
+XLA; with `TrainingKernelConfig.prefill_dq_in_place` the causal dQ is written in float32 first
+and the segment kernel reduce-adds onto it.
 
 The general custom VJP (`tree_attention_vjp`) walks any tree: it gathers each part's queries
 and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back. On an H200
@@ -101,11 +103,19 @@ def _bwd(scale, kernels, residuals, cotangents):
   lse_p, lse_c = states[0].lse, states[1].lse
   dq_p, dkp_own, dvp_own = ta.causal_backward(q_prompt, kp, vp, do_p, lse_p, delta_p, p, **kw)
   rows = lambda x: x.reshape((bp, g * t) + x.shape[2:])
-  dq_shared, dkp_shared, dvp_shared = ta.segments_backward(
+  shared = lambda **dq: ta.segments_backward(
       rows(q_completion), kp, vp, rows(do_c), rows(lse_c), rows(delta_c), prompt_lengths,
-      dq_dtype=jnp.float32, **kw)
-  dq_own, dkc, dvc = ta.causal_backward(q_completion, kc, vc, do_c, lse_c, delta_c, t, **kw)
-  dq_c = (dq_shared.reshape(b, t, n, h) + dq_own.astype(jnp.float32)).astype(q_completion.dtype)
+      **dq, **kw)
+  own = lambda **dq: ta.causal_backward(q_completion, kc, vc, do_c, lse_c, delta_c, t, **dq, **kw)
+  if ta.config_or_default(kernels.config, kernels.interpret).prefill_dq_in_place:
+    dq_own, dkc, dvc = own(dq_dtype=jnp.float32)  # then the prompt's dQ adds onto it
+    dq_c, dkp_shared, dvp_shared = shared(dq_init=rows(dq_own), dq_dtype=q_completion.dtype)
+    dq_c = dq_c.reshape(b, t, n, h)
+  else:
+    dq_shared, dkp_shared, dvp_shared = shared(dq_dtype=jnp.float32)
+    dq_own, dkc, dvc = own()
+    dq_c = (dq_shared.reshape(b, t, n, h) + dq_own.astype(jnp.float32)).astype(
+        q_completion.dtype)
 
   def buffer(prompt_parts, completions, like):  # the prompts' two parts summed in float32
     prompts = sum(x.astype(jnp.float32) for x in prompt_parts).astype(like.dtype)

@@ -132,6 +132,11 @@ class TrainingKernelConfig:
   # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
   # Blocks too large for two slots of Q (and dO) in shared memory run one tile a program.
   pair_causal_tiles: bool = True
+  # The prefill's completions (`hydrajax/training/prefill_vjp.py`): their causal dQ kernel
+  # writes float32 first, and the shared prompt's fused dK/dV kernel reduce-adds its dQ onto
+  # it (`segments_backward`'s dq_init), in place of a zeroed float32 buffer, a bf16 causal dQ
+  # and a sum of the two. Not yet timed, so off.
+  prefill_dq_in_place: bool = False
 
   def __post_init__(self):
     for name in ('block_q', 'block_kv', 'block_q_dq', 'block_kv_dq', 'block_q_dkv',
@@ -149,7 +154,8 @@ class TrainingKernelConfig:
 INTERPRET_CONFIG = TrainingKernelConfig(64, 64, 64, 64, 64, 64, 2, 1)
 
 
-def _config(config, interpret):
+def config_or_default(config, interpret):
+  """config, or the default of the mode (`INTERPRET_CONFIG` in interpret mode)."""
   if config is not None:
     return config
   return INTERPRET_CONFIG if interpret else TrainingKernelConfig()
@@ -519,7 +525,7 @@ def segments_forward(q, k, v, kv_lengths, *, scale: float, interpret: bool = Fal
   [Z, S, K, H], kv_lengths [Z] (or a scalar) -> (out [Z, M, N, H], lse [Z, M, N])."""
   _check(q, k, v, batched=True)
   _check_lengths(kv_lengths, q.shape[0])
-  cfg = _config(config, interpret)
+  cfg = config_or_default(config, interpret)
   m = q.shape[1]
   length, k, v = _prepare_kv(k, v, kv_lengths, cfg.block_kv)
   out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k, v, length,
@@ -536,7 +542,7 @@ def causal_forward(q, k, v, lengths, *, scale: float, interpret: bool = False,
   """
   _check(q, k, v, batched=True)
   _check_lengths(lengths, q.shape[0])
-  cfg = _config(config, interpret)
+  cfg = config_or_default(config, interpret)
   t = q.shape[1]
   length, k, v = _prepare_kv(k, v, lengths, cfg.block_kv)
   out, lse = _forward(_pad_to(q, 1, cfg.compute_wgs * cfg.block_q), k, v, length,
@@ -599,10 +605,11 @@ def causal_forward_reference(q, k, v, lengths, *, scale: float, interpret: bool 
 # Backward.
 
 def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, cfg,
-              dq_dtype=None):
+              dq_dtype=None, dq_init=None):
   """(dq [Z, M, N, H] in dq_dtype (default q's), dk, dv [Z, S, K, H]) of q [Z, M, N, H],
   k, v [Z, S, K, H] and merged lse, delta [Z, M, N]; pads and prepares, then runs the dQ and
-  dK/dV kernels."""
+  dK/dV kernels. dq_init [Z, M, N, H] float32: dq is dq_init plus this part's (the fused
+  kernel reduce-adds onto it, in place of a zeroed buffer)."""
   z, m = q.shape[:2]
   s_in = k.shape[1]
   length, k, v = _prepare_kv(
@@ -614,11 +621,15 @@ def _backward(q, k, v, do, lse, delta, lengths, *, scale, causal_t, interpret, c
   delta_t = jnp.swapaxes(_pad_to(delta.astype(jnp.float32), 1, rows), 1, 2)
   args = (qp, k, v, dop, lse2, delta_t, length)
   kw = dict(scale=float(scale), causal_t=causal_t, interpret=interpret, cfg=cfg)
+  if dq_init is not None:
+    dq_init = _pad_to(dq_init.astype(jnp.float32), 1, rows)
   if _fused_dq(cfg, causal_t, k.shape[-1]):
     parts = _row_parts(cfg, z * k.shape[1], k.shape[2], qp.shape[1], interpret)
-    dq, dk, dv = _dkv(*args, **kw, fused=True, parts=parts)  # dq float32
+    dq, dk, dv = _dkv(*args, **kw, fused=True, parts=parts, dq_init=dq_init)  # dq float32
   else:
-    dq = _dq(*args, **kw)
+    f32 = dq_init is not None or jnp.dtype(dq_dtype or q.dtype) == jnp.float32
+    dq = _dq(*args, **kw, out_dtype=jnp.float32 if f32 else None)
+    dq = dq if dq_init is None else dq + dq_init
     dk, dv = _dkv(*args, **kw)
   return dq[:, :m].astype(dq_dtype or q.dtype), dk[:, :s_in], dv[:, :s_in]
 
@@ -644,21 +655,30 @@ def segment_backward(q, k, v, do, lse, delta, kv_length, *, scale: float,
 
 def segments_backward(q, k, v, do, lse, delta, kv_lengths, *, scale: float,
                       interpret: bool = False, config: TrainingKernelConfig | None = None,
-                      dq_dtype=None):
+                      dq_dtype=None, dq_init=None):
   """`segment_backward` of Z segments in one launch (`segments_forward`'s shapes): dq
-  [Z, M, N, H] in dq_dtype (default q.dtype), dk, dv [Z, S, K, H]; lse, delta [Z, M, N]."""
+  [Z, M, N, H] in dq_dtype (default q.dtype), dk, dv [Z, S, K, H]; lse, delta [Z, M, N].
+
+  dq_init [Z, M, N, H] (float32 best): the rows' dQ from their other parts; the returned dq
+  is it plus this segment's, the fused kernel reduce-adding onto it (no zeroed buffer and no
+  separate sum)."""
   _check(q, k, v, do, batched=True)
   _check_lengths(kv_lengths, q.shape[0])
   if lse.shape != q.shape[:3] or delta.shape != q.shape[:3]:
     raise ValueError(f'lse and delta must be [Z, M, N] = {q.shape[:3]}, got {lse.shape}, '
                      f'{delta.shape}')
+  if dq_init is not None and dq_init.shape != q.shape:
+    raise ValueError(f'dq_init must be q\'s shape {q.shape}, got {dq_init.shape}')
   return _backward(q, k, v, do, lse, delta, kv_lengths, scale=scale, causal_t=None,
-                   interpret=interpret, cfg=_config(config, interpret), dq_dtype=dq_dtype)
+                   interpret=interpret, cfg=config_or_default(config, interpret),
+                   dq_dtype=dq_dtype, dq_init=dq_init)
 
 
 def causal_backward(q, k, v, do, lse, delta, lengths, *, scale: float, interpret: bool = False,
-                    config: TrainingKernelConfig | None = None):
-  """(dq [Z, T, N, H] in q.dtype, dk, dv [Z, S, K, H] in k.dtype) of `causal_forward`.
+                    config: TrainingKernelConfig | None = None, dq_dtype=None):
+  """(dq [Z, T, N, H] in dq_dtype (default q.dtype), dk, dv [Z, S, K, H] in k.dtype) of
+  `causal_forward`. dq_dtype=float32: the dQ kernel writes float32 (for a caller that adds
+  more to it, e.g. `segments_backward`'s dq_init).
 
   lse, delta [Z, T, N]: the rows' MERGED statistics (as in `segment_backward`). Each
   row's dK / dV is summed over its queries and the G heads of a kv head in the kernel.
@@ -669,21 +689,31 @@ def causal_backward(q, k, v, do, lse, delta, lengths, *, scale: float, interpret
     raise ValueError(f'lse and delta must be [Z, T, N] = {q.shape[:3]}, got {lse.shape}, '
                      f'{delta.shape}')
   return _backward(q, k, v, do, lse, delta, lengths, scale=scale, causal_t=q.shape[1],
-                   interpret=interpret, cfg=_config(config, interpret))
+                   interpret=interpret, cfg=config_or_default(config, interpret),
+                   dq_dtype=dq_dtype)
 
 
-def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
+def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, out_dtype=None):
+  """dq [Z, Mp, N, H] in out_dtype (default q's). A float32 dQ is staged in the finished tile's
+  Q and dO buffers (a `plgpu.RefUnion`: [bq, H] float32 is their bytes)."""
   z, mp, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
   wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dq, cfg.block_kv_dq
   dtype = q.dtype
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  f32_out = out_dtype == jnp.float32
   paired = _paired_dq(cfg, causal_t, h, dtype)
   slots = 2 if paired else 1
   num_tiles = mp // (wgs * bq)
 
   def training_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref, dq_ref,
-                         q_smem3, do_smem3, lse_smem3, delta_smem3, stage, barriers):
+                         rows_smem, lse_smem3, delta_smem3, stage, barriers):
+    if f32_out:
+      qdo_smem5, dq_smem4 = rows_smem
+    else:
+      qdo_smem5, dq_smem4 = rows_smem, None
+    q_smem3, do_smem3 = qdo_smem5.at[:, :, 0], qdo_smem5.at[:, :, 1]
     head, seq = lax.axis_index('heads'), lax.axis_index('rows')
     wg = _wg(interpret)
     kv_len = len_ref[seq]
@@ -693,10 +723,11 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     bar = lambda slot, i: barriers.at[(slot * 4 + i) * wgs + wg]  # i: q, do, lse, delta
 
     def finish(dq, slot, tile_row):
-      q_smem = q_smem3.at[slot, wg]  # the tile's Q is no longer needed: its buffer stages dQ
-      q_smem[...] = (dq * scale).astype(dtype)
+      # The tile's Q (and dO) are no longer needed: their buffers stage dQ.
+      stage_ = dq_smem4.at[slot, wg] if f32_out else q_smem3.at[slot, wg]
+      stage_[...] = (dq * scale).astype(out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, rows_of(tile_row), head])
+      plgpu.copy_smem_to_gmem(stage_, dq_ref.at[seq, rows_of(tile_row), head])
 
     def context(pipeline):
       for slot, tile_row, exists in tiles.both():
@@ -746,9 +777,14 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
     _pipeline(step, context, interpret=interpret, config=cfg, grid=(tiles.steps,),
               in_specs=[kv_spec, kv_spec])(k_ref.at[seq, :, kv_head], v_ref.at[seq, :, kv_head])
 
+  # Q and dO of a (slot, warpgroup), side by side: [bq, H] float32 takes exactly their bytes,
+  # so a tile's float32 dQ staging overlays only its own, finished, Q and dO.
+  rows_smem = plgpu.SMEM((slots, wgs, 2, bq, h), dtype, transforms=_TILED)
+  if f32_out:
+    rows_smem = plgpu.RefUnion(
+        rows_smem, plgpu.SMEM((slots, wgs, bq, h), jnp.float32, transforms=_TILED_F32))
   scratch = [
-      plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),
-      plgpu.SMEM((slots, wgs, bq, h), dtype, transforms=_TILED),
+      rows_smem,
       plgpu.SMEM((slots, wgs, bq), jnp.float32),
       plgpu.SMEM((slots, wgs, bq), jnp.float32),
       plgpu.SMEM((bq, bk), dtype, transforms=_TILED) if interpret else None,
@@ -757,7 +793,7 @@ def _dq(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg):
   return _launch(training_dq_kernel, interpret=interpret, config=cfg,
                  grid=(n, _Tiles.programs(num_tiles, paired), z),
                  grid_names=('heads', 'q_tiles', 'rows'),
-                 out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+                 out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
                  scratch=scratch)(q, k, v, do, lse2, delta, length)
 
 
@@ -793,8 +829,9 @@ def _fused_dq(cfg, causal_t, h) -> bool:
 
 
 def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, fused=False,
-         parts=1):
-  """dk, dv [Z, S, K, H]; fused (`_fused_dq`): dq [Z, M, N, H] float32, dk, dv.
+         parts=1, dq_init=None):
+  """dk, dv [Z, S, K, H]; fused (`_fused_dq`): dq [Z, M, N, H] float32 (dq_init plus this
+  segment's dQ; dq_init None: zeros), dk, dv.
 
   parts > 1 (fused only): each kv tile's program is `parts` programs, part r streaming query
   blocks [r, r + 1) * (M / bq / parts) and writing its float32 dK/dV, [bk, H] a warpgroup,
@@ -961,12 +998,13 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   args = (q, k, v, do, lse2, delta, length)
   if not fused:
     return launch(*args)
+  init = jnp.zeros((z, mp, n, h), jnp.float32) if dq_init is None else dq_init
   if interpret:
     slabs = jax.new_ref(jnp.zeros((tiles, z, mp, n, h), jnp.float32))
     dk, dv = launch(*args, slabs)
-    dq = slabs[...].sum(0)
+    dq = init + slabs[...].sum(0)
   else:
-    dq = jax.new_ref(jnp.zeros((z, mp, n, h), jnp.float32))
+    dq = jax.new_ref(init)
     dk, dv = launch(*args, dq)
     dq = dq[...]
   if parts > 1:
@@ -974,7 +1012,8 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   return dq, dk, dv
 
 
-def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal, dq_dtype=None):
+def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal, dq_dtype=None,
+                        dq_init=None):
   z, m, n, h = q.shape
   s, kh = k.shape[1:3]
   g = n // kh
@@ -987,9 +1026,10 @@ def _backward_reference(q, k, v, do, lse, delta, lengths, scale, causal, dq_dtyp
   ds = p * (dp - delta.reshape(z, m, kh, g)[..., None])
   dv = jnp.einsum('zmkgs,zmkgh->zskh', p, dof, precision=hi)
   dk = jnp.einsum('zmkgs,zmkgh->zskh', ds, qf, precision=hi) * scale
-  dq = jnp.einsum('zmkgs,zskh->zmkgh', ds, kf, precision=hi) * scale
-  return (dq.reshape(z, m, n, h).astype(dq_dtype or q.dtype), dk.astype(k.dtype),
-          dv.astype(v.dtype))
+  dq = jnp.einsum('zmkgs,zskh->zmkgh', ds, kf, precision=hi).reshape(z, m, n, h) * scale
+  if dq_init is not None:
+    dq = dq + dq_init.astype(jnp.float32)
+  return dq.astype(dq_dtype or q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def segment_backward_reference(q, k, v, do, lse, delta, kv_length, *, scale: float,
@@ -1002,14 +1042,16 @@ def segment_backward_reference(q, k, v, do, lse, delta, kv_length, *, scale: flo
 
 
 def segments_backward_reference(q, k, v, do, lse, delta, kv_lengths, *, scale: float,
-                                interpret: bool = False, config=None, dq_dtype=None):
+                                interpret: bool = False, config=None, dq_dtype=None,
+                                dq_init=None):
   """`segments_backward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
-  return _backward_reference(q, k, v, do, lse, delta, kv_lengths, scale, False, dq_dtype)
+  return _backward_reference(q, k, v, do, lse, delta, kv_lengths, scale, False, dq_dtype,
+                             dq_init)
 
 
 def causal_backward_reference(q, k, v, do, lse, delta, lengths, *, scale: float,
-                              interpret: bool = False, config=None):
+                              interpret: bool = False, config=None, dq_dtype=None):
   """`causal_backward` in jnp, float32 math; same arguments and outputs."""
   del interpret, config
-  return _backward_reference(q, k, v, do, lse, delta, lengths, scale, True)
+  return _backward_reference(q, k, v, do, lse, delta, lengths, scale, True, dq_dtype)
