@@ -555,6 +555,13 @@ def test_arguments_are_checked():
     ta.causal_forward(qb, kb, kb, jnp.array([64, 64, 64]), scale=1.0, interpret=True)
   with pytest.raises(ValueError, match='block_q'):
     ta.TrainingKernelConfig(block_q=32)
+  stats = jnp.zeros((2, 64, 4), jnp.float32)
+  with pytest.raises(ValueError, match='dq_dtype must be None'):
+    ta.causal_backward(qb, kb, kb, qb, stats, stats, 64, scale=1.0, interpret=True,
+                       dq_dtype=jnp.float16)
+  with pytest.raises(ValueError, match='dq_init must be'):
+    ta.segments_backward(qb, kb, kb, qb, stats, stats, jnp.array([64, 64]), scale=1.0,
+                         interpret=True, dq_init=stats)
   plan = hj.plan_tree(hj.PromptNode(3, num_samples=2), private_capacity=2, private_lengths=1)
   qt, kt, vt = random_inputs(0, plan, 1, 4, 2, 64, BF16)
   with pytest.raises(ValueError, match='impl'):

@@ -11,9 +11,9 @@
 The completions' two states are LSE-merged on XLA. The backward runs the same three calls'
 backward kernels from the merged (lse, delta); the prompt's dK/dV sums its causal and its
 segment parts, and the buffer's cotangent is their concatenation (which `write_kv`'s
-transpose slices back). The completions' dQ sums the segment's float32 and the causal one on
-XLA; with `TrainingKernelConfig.prefill_dq_in_place` the causal dQ is written in float32 first
-and the segment kernel reduce-adds onto it.
+transpose slices back). The completions' causal dQ is written in float32 and the
+segment kernel reduce-adds its own onto it (`TrainingKernelConfig.prefill_dq_in_place`; off,
+the two are summed on XLA).
 
 The general custom VJP (`tree_attention_vjp`) walks any tree: it gathers each part's queries
 and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back. On an H200

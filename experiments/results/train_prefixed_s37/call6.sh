@@ -1,6 +1,6 @@
 #!/bin/bash
-# Session 37, call 6: NOT RUN (the session's device time was spent). One nvidia-h200:
-# bash call6_not_run.sh <commit>, with OUT set (about 7 minutes).
+# Session 37, call 6: written in session 37, run in session 38 (as call6_not_run.sh, renamed
+# after, at 21514b8). One nvidia-h200: bash call6.sh <commit>, with OUT set (about 7 minutes).
 # `TrainingKernelConfig.prefill_dq_in_place` (off until timed): the completions' causal dQ
 # kernel writes float32 (staged in the finished tile's Q and dO buffers, a RefUnion), and the
 # shared prompt's fused dK/dV kernel reduce-adds its dQ onto it, in place of a zeroed float32
