@@ -84,12 +84,20 @@ def path_item_index(layout: TreeLayout) -> jax.Array | None:
 
 
 def _along_paths(index, rows: int, *items):
-  """Each of `items` at each row's path columns: [D] of (valid [B], [item[index[:, d]] ...])."""
+  """(valid [D, B], [item[index[b, d]] as [D, B, ...] for each of `items`]): every item at
+  every row's path columns in one gather per item, path column first (a program whose size
+  does not grow with D: fixed-shape layouts make D the group's J, hundreds of slots)."""
   if index.ndim != 2 or index.shape[0] != rows or not jnp.issubdtype(index.dtype, jnp.integer):
     raise ValueError(f'index must be an integer [B={rows}, D] array (path_item_index), got '
                      f'{index.dtype}{list(index.shape)}')
-  safe = jnp.maximum(index, 0)
-  return [(index[:, d] >= 0, [x[safe[:, d]] for x in items]) for d in range(index.shape[1])]
+  columns = index.T  # [D, B]
+  safe = jnp.maximum(columns, 0)
+  return columns >= 0, [x[safe] for x in items]
+
+
+def _expand(valid, like):
+  """valid [D, B] broadcastable against like [D, B, ...]."""
+  return valid.reshape(valid.shape + (1,) * (like.ndim - 2))
 
 
 def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) -> PartialState:
@@ -99,13 +107,11 @@ def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) ->
   if outs.shape[:-1] != lses.shape or outs.shape[1:] != dense.out.shape[1:]:
     raise ValueError(f'outs must be [M, {", ".join(map(str, dense.out.shape[1:]))}] and lses '
                      f'outs.shape[:-1]; got outs {list(outs.shape)}, lses {list(lses.shape)}')
-  rows = dense.out.shape[0]
-  states_out, states_lse = [dense.out.astype(jnp.float32)], [dense.lse.astype(jnp.float32)]
-  for valid, (out, lse) in _along_paths(index, rows, outs, lses):
-    states_out.append(out.astype(jnp.float32))
-    states_lse.append(jnp.where(valid.reshape((-1,) + (1,) * (lse.ndim - 1)),
-                                lse.astype(jnp.float32), -jnp.inf))
-  merged = merge_stacked(jnp.stack(states_out), jnp.stack(states_lse))
+  valid, (out, lse) = _along_paths(index, dense.out.shape[0], outs, lses)
+  lse = jnp.where(_expand(valid, lse), lse.astype(jnp.float32), -jnp.inf)
+  merged = merge_stacked(
+      jnp.concatenate([dense.out.astype(jnp.float32)[None], out.astype(jnp.float32)]),
+      jnp.concatenate([dense.lse.astype(jnp.float32)[None], lse]))
   return PartialState(merged.out.astype(out_dtype or dense.out.dtype), merged.lse)
 
 
@@ -116,11 +122,9 @@ def sum_along_paths(dense, index, items):
   if items.shape[1:] != dense.shape[1:]:
     raise ValueError(f'items must be [M, {", ".join(map(str, dense.shape[1:]))}] like dense\'s '
                      f'rows, got {list(items.shape)}')
-  total = dense.astype(jnp.float32)
-  for valid, (item,) in _along_paths(index, dense.shape[0], items):
-    mask = valid.reshape((-1,) + (1,) * (item.ndim - 1))
-    total = total + jnp.where(mask, item.astype(jnp.float32), 0.0)
-  return total
+  valid, (item,) = _along_paths(index, dense.shape[0], items)
+  item = jnp.where(_expand(valid, item), item.astype(jnp.float32), 0.0)
+  return dense.astype(jnp.float32) + jnp.sum(item, axis=0)
 
 
 def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
