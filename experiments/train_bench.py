@@ -149,21 +149,6 @@ def _time(fn, *args):
   return t.median_s
 
 
-def random_cotangents(fn, args, seed):
-  """Standard-normal cotangents shaped like fn(*args)'s outputs, in their dtypes."""
-  outs = jax.eval_shape(fn, *args)
-  keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(outs))))
-  return jax.tree.map(
-      lambda o: jax.random.normal(next(keys), o.shape, jnp.float32).astype(o.dtype), outs)
-
-
-def _vjp_of(fn):
-  def run(cotangents, *args):
-    _, vjp = jax.vjp(fn, *args)
-    return vjp(cotangents)
-  return run
-
-
 def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
   """Records of every implementation at one point."""
   n, kh = heads
@@ -186,12 +171,6 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
     prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=_KV_BLOCK.value,
                                               impl=impl, kernel_config=config)
     return prompt.out, completion.out
-
-  def fwd_bwd(fn, args):
-    """The jitted VJP of all of fn's outputs into its args, and its args: random cotangents
-    (drawn once, as a loss would hand them over), then args. A `ones_like` made inside the
-    timed function would be a broadcast that XLA writes out once per kernel reading it."""
-    return jax.jit(_vjp_of(fn)), (random_cotangents(fn, args, seed), *args)
 
   cost = dict(shared=costs.training_attention_cost(1, g, p, t, n, kh, head_dim, shared=True,
                                                    dtype_bytes=jnp.dtype(dtype).itemsize),
@@ -217,12 +196,13 @@ def attention_point(g, p, t, heads, head_dim, dtype, ceilings, seed):
       continue
     try:
       if kind == 'shared':
-        fn, args = fwd_bwd(functools.partial(shared, impl=_impl(impl)), shared_args)
+        fn, args = timing.vjp_program(functools.partial(shared, impl=_impl(impl)), shared_args,
+                                       seed)
         prompt_out, completion_out = jax.jit(functools.partial(shared, impl=_impl(impl)))(
             *shared_args)
         out = jnp.concatenate([prompt_out[0], completion_out.reshape(-1, n, head_dim)])
       else:
-        fn, args = fwd_bwd(_per_seq_attention(impl), seq_args)
+        fn, args = timing.vjp_program(_per_seq_attention(impl), seq_args, seed)
         full = jax.jit(_per_seq_attention(impl))(*seq_args)  # [G, P + T, N, H]
         out = jnp.concatenate([full[0, :p], full[:, p:].reshape(-1, n, head_dim)])
       if reference is None:

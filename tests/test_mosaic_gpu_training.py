@@ -504,6 +504,41 @@ class TestTrainingKernels:
     for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual, expected):
       _close(name, a, e)
 
+  def test_tree_prefill_impl(self):
+    """A three-level rollout tree (`tree_prefill`): every level's ancestors (a group of two
+    branch segments among them) and causal self-attention on the kernels, against the XLA
+    path: states at the real queries and the gradients of every level's q and of k, v."""
+    from hydrajax.training import tree_prefill as tp
+
+    plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2, 2], [37, 21, 21, 9, 13, 5, 11])
+    layout = plan.to_device()
+    assert max(g.num_segments for g in layout.layouts[2].groups) == 2, layout.layouts[2].groups
+    n, kh, h = 4, 2, 64
+    keys = iter(jax.random.split(jax.random.key(17), 9))
+    draw = lambda shape: jax.random.normal(next(keys), shape, jnp.float32).astype(BF16)
+    qs = [draw((b, c, n, h)) for b, c in layout.level_shapes]
+    k, v = (tp.write_tree_kv(layout, [draw((b, c, kh, h)) for b, c in layout.level_shapes])
+            for _ in range(2))
+    real = [np.arange(c)[None, :] < np.asarray(m)[:, None]
+            for m, c in zip(layout.lengths, layout.capacities)]
+    states = lambda impl: jax.jit(lambda *a: tp.tree_prefill_attention(
+        *a, layout, impl=impl, interpret=self.interpret if impl == 'mosaic_gpu' else False))
+
+    def loss(impl):
+      def f(qs, k, v):
+        return sum(jnp.sum(jnp.where(r[..., None, None], s.out.astype(jnp.float32) * q, 0.0))
+                   for s, q, r in zip(states(impl)(qs, k, v), qs, real))
+      return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    for d, (a, e, r) in enumerate(zip(states('mosaic_gpu')(qs, k, v), states('xla')(qs, k, v),
+                                      real)):
+      _close(f'out, level {d}', a.out[r], e.out[r])
+      _close(f'lse, level {d}', a.lse[r], e.lse[r], **LSE_TOL)
+    actual, expected = loss('mosaic_gpu')(qs, k, v), loss('xla')(qs, k, v)
+    for d, (a, e) in enumerate(zip(actual[0], expected[0])):
+      _close(f'dq, level {d}', a, e)
+    for name, a, e in zip(('dk', 'dv'), actual[1:], expected[1:]):
+      _close(name, a, e)
+
   def test_grpo_step_impl(self):
     """A GRPO loss and gradient (bf16 Llama, head dim 64) with impl='mosaic_gpu' equal to XLA's."""
     config = get_config('tiny_gqa', head_dim=64, num_layers=1)
@@ -576,13 +611,13 @@ def test_arguments_are_checked():
 
 def _reference_stand_ins(monkeypatch, names):
   """Stands each kernel in `names` in for by its `*_reference` (same signature); returns the
-  dict in which each records the `config` it was called with."""
+  dict in which each records the `config` of every call (one entry a launch)."""
   seen = {}
   for name in names:
     reference = getattr(ta, f'{name}_reference')
 
     def stand_in(*args, name=name, reference=reference, **kwargs):
-      seen[name] = kwargs['config']
+      seen.setdefault(name, []).append(kwargs['config'])
       return reference(*args, **kwargs)
     monkeypatch.setattr(ta, name, stand_in)
   return seen
@@ -590,25 +625,31 @@ def _reference_stand_ins(monkeypatch, names):
 
 def test_kernel_config_reaches_every_kernel(monkeypatch):
   """`kernel_config` is what the four kernels get (each stood in for by its `*_reference`,
-  same signature), in the forward and the backward; the result is still exact."""
+  same signature), in the forward and the backward, and each segment group is one launch of
+  each pass, whatever its segment count; the result is still exact."""
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
   # The stand-ins run anywhere and in float32: the resolver may pick the kernels.
   monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
-  seen = _reference_stand_ins(monkeypatch, ('segment_forward', 'causal_forward',
-                                            'segment_backward', 'causal_backward'))
+  seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
+                                            'segments_backward', 'causal_backward'))
   rng = np.random.default_rng(zlib.crc32(b'kernel_config'))
   t = 3
-  plan = hj.plan_tree(random_tree(rng, 2, 4, max_len=40), private_capacity=t + 2,
-                      private_lengths=[t, t + 1, t + 2, t])
+  # A root over three children of two rows and one length each: one group of 3 segments.
+  root, child = (int(x) for x in rng.integers(10, 40, size=2))
+  tree = hj.PromptNode(root, children=tuple(hj.PromptNode(child, num_samples=2) for _ in range(3)))
+  plan = hj.plan_tree(tree, private_capacity=t + 2, private_lengths=[t, t + 1, t + 2, t, t, t])
   q, k, v = random_inputs(int(rng.integers(1 << 30)), plan, t, 4, 2, 64, jnp.float32)
   layout = plan.to_device()
   assert layout.groups and layout.private_pages.size, 'the case needs both kinds of parts'
+  assert max(group.kv_start.shape[0] for group in layout.groups) > 1, 'a group of segments'
 
   def loss(**kw):
     return lambda q, k, v: jnp.sum(
         tree_attention_differentiable(q, k, v, layout, **kw).out * jnp.cos(q))
   actual = jax.grad(loss(impl='mosaic_gpu', kernel_config=cfg), argnums=(0, 1, 2))(q, k, v)
-  assert seen == dict.fromkeys(seen, cfg) and len(seen) == 4, seen
+  assert len(seen) == 4 and {c for calls in seen.values() for c in calls} == {cfg}, seen
+  for name in ('segments_forward', 'segments_backward'):
+    assert len(seen[name]) == len(layout.groups), (name, len(seen[name]))
   expected = jax.grad(loss(), argnums=(0, 1, 2))(q, k, v)
   for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
@@ -641,7 +682,7 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, dq_in_place):
 
   actual = jax.value_and_grad(loss(impl='mosaic_gpu', kernel_config=cfg), argnums=(0, 1, 2, 3))(
       *args)
-  assert seen == dict.fromkeys(seen, cfg) and len(seen) == 4, seen
+  assert len(seen) == 4 and {c for calls in seen.values() for c in calls} == {cfg}, seen
   expected = jax.value_and_grad(loss(), argnums=(0, 1, 2, 3))(*args)
   np.testing.assert_allclose(actual[0], expected[0], rtol=2e-5)
   for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual[1], expected[1]):

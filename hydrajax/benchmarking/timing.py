@@ -218,3 +218,22 @@ def kernel_times(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[list]]:
     entry[2] += 1
   return result, sorted(([n, round(us, 1), c] for n, us, c in by_name.values()),
                         key=lambda e: -e[1])
+
+
+def vjp_program(fn: Callable[..., Any], args: tuple, seed: int) -> tuple[Callable[..., Any], tuple]:
+  """The jitted forward + backward of `fn` at `args`, and its arguments to time it with.
+
+  The program is the VJP of all of fn's outputs into all of `args`; its first argument is
+  standard-normal cotangents shaped like fn's outputs (drawn once from `seed`, as a loss would
+  hand them over), then `args`. A `ones_like` made inside the timed function would be a
+  broadcast that XLA writes out once per kernel reading it.
+  """
+  outs = jax.eval_shape(fn, *args)
+  keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(outs))))
+  cotangents = jax.tree.map(
+      lambda o: jax.random.normal(next(keys), o.shape, jnp.float32).astype(o.dtype), outs)
+
+  def run(cotangents, *args):
+    _, vjp = jax.vjp(fn, *args)
+    return vjp(cotangents)
+  return jax.jit(run), (cotangents, *args)

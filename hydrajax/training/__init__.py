@@ -1,5 +1,6 @@
 """Training-side hydrajax: differentiable tree attention (prepared once per batch layout, or in
-one call) and the causal prefill layout."""
+one call), the causal prefill layout (prompts and completions) and its any-depth form, the
+causal prefill of a token tree (rollout trees)."""
 
 from hydrajax.training.prefill_layout import (
     PrefillAttentionPlan,
@@ -20,4 +21,15 @@ from hydrajax.training.training_plan import (
     training_unsupported_reason,
     tree_attention_differentiable,
 )
-from hydrajax.training.costs import training_attention_cost
+from hydrajax.training.tree_prefill import (
+    TreePrefillAttentionPlan,
+    TreePrefillLayout,
+    TreePrefillPlan,
+    attend_tree_prefill,
+    path_sequences,
+    plan_tree_prefill,
+    prepare_tree_prefill,
+    tree_prefill_attention,
+    write_tree_kv,
+)
+from hydrajax.training.costs import training_attention_cost, tree_prefill_cost

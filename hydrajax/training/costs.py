@@ -42,6 +42,30 @@ def training_attention_cost(num_prompts: int, group_size: int, prompt: int, comp
   else:
     pairs = samples * _causal_pairs(prompt + completion, 0)
     q_tokens = samples * (prompt + completion)
+  return _cost(pairs, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype_bytes)
+
+
+def tree_prefill_cost(plan, num_q_heads: int, num_kv_heads: int, head_dim: int, *, shared: bool,
+                      dtype_bytes: int = 2) -> Cost:
+  """Minimum bytes and FLOPs of a token tree's attention forward + backward (`tree_prefill`).
+
+  shared: each node's real tokens are queries once, over its ancestors' real tokens and
+  causally over themselves. Per-sequence: every root-to-leaf path as its own causal sequence
+  (the ancestors recomputed per leaf, as an unshared model does). plan: a `TreePrefillPlan`.
+  """
+  if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    raise ValueError(f'num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads '
+                     f'({num_kv_heads})')
+  if shared:
+    runs = [(n, before) for n, before in zip(plan.lengths, plan.offsets)]
+  else:
+    runs = [(plan.offsets[x] + plan.lengths[x], 0) for x in plan.leaves]
+  pairs = sum(_causal_pairs(n, before) for n, before in runs)
+  q_tokens = sum(n for n, _ in runs)
+  return _cost(pairs, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype_bytes)
+
+
+def _cost(pairs, q_tokens, num_q_heads, num_kv_heads, head_dim, dtype_bytes) -> Cost:
   kv_tokens = q_tokens  # every token has its own key and value in both forms
   q_bytes = q_tokens * num_q_heads * head_dim * dtype_bytes
   kv_bytes = kv_tokens * 2 * num_kv_heads * head_dim * dtype_bytes

@@ -26,9 +26,9 @@ VJP takes them from its plan.
 
 `impl=MOSAIC_GPU` computes the shared segments' partial states (forward) and
 their dQ, dK, dV (backward) with the Hopper kernels of
-`pallas_kernels.mosaic_gpu.training_attention`, one call per segment, and the
-private part (each row causal over its own pages) with their batched causal mode,
-one call for all rows; the merge stays on XLA: each row gathers the states (and, backward,
+`pallas_kernels.mosaic_gpu.training_attention`, one launch per segment group (its segments a
+grid axis), and the private part (each row causal over its own pages) with their batched
+causal mode, one call for all rows; the merge stays on XLA: each row gathers the states (and, backward,
 the dQ) of the segments on its path and merges them with its own in one pass
 (`hydrajax.tree_attention.path_item_index`). The private K/V are gathered into
 [B, pages * page_size] first (`k_cache[part.tokens]`, one copy of the private K/V),
@@ -169,26 +169,22 @@ def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
   return out, lse
 
 
-def _segment_args(x, j, kh):
-  """x [Z, M, K, G, ...] (`_fold`) -> segment j's [M, N, ...], N = K * G (kv-head major)."""
-  return x[j].reshape(x.shape[1:2] + (kh * x.shape[3],) + x.shape[4:])
+def _segments_args(x, kh):
+  """x [Z, M, K, G, ...] (`_fold`) -> the segments' [Z, M, N, ...], N = K * G (kv-head major)."""
+  return x.reshape(x.shape[:2] + (kh * x.shape[3],) + x.shape[4:])
 
 
 def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
-  """`_part_forward` of a segment group with the Mosaic GPU kernel, one call per segment."""
-  from pallas_kernels.mosaic_gpu.training_attention import segment_forward  # imports hydrajax
+  """`_part_forward` of a segment group with the Mosaic GPU kernel, all its segments in one
+  launch (`segments_forward`: the segments are a grid axis)."""
+  from pallas_kernels.mosaic_gpu.training_attention import segments_forward  # imports hydrajax
 
   kh = k_cache.shape[1]
   qz = _fold(q_pad, part.rows, kh)  # [Z, M, K, G, H]
-  outs, lses = [], []
-  for j in range(part.rows.shape[0]):  # segments of one group: few
-    tok = part.tokens[j]
-    out, lse = segment_forward(_segment_args(qz, j, kh), k_cache[tok], v_cache[tok],
-                               part.limit[j, 0], scale=scale, interpret=kernels.interpret,
-                               config=kernels.config)
-    outs.append(out.reshape(qz.shape[1:]))  # merged in float32 (`merge_along_paths`)
-    lses.append(lse.reshape(qz.shape[1:-1]))
-  return jnp.stack(outs), jnp.stack(lses)
+  out, lse = segments_forward(_segments_args(qz, kh), k_cache[part.tokens], v_cache[part.tokens],
+                              part.limit[:, 0], scale=scale, interpret=kernels.interpret,
+                              config=kernels.config)
+  return out.reshape(qz.shape), lse.reshape(qz.shape[:-1])  # merged in float32
 
 
 def _private_args(q_pad, part: _Part):
@@ -309,29 +305,21 @@ def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, p
 
 def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
                               scale, dk, dv, kernels: _Kernels):
-  """`_part_backward` of a segment group with the Mosaic GPU kernels, one call per segment.
-
-  Each call reduces dK, dV over the segment's rows and GQA heads in the kernel.
-  """
-  from pallas_kernels.mosaic_gpu.training_attention import segment_backward
+  """`_part_backward` of a segment group with the Mosaic GPU kernels, all its segments in one
+  launch each (`segments_backward`), which reduce dK, dV over each segment's rows and GQA
+  heads in the kernel."""
+  from pallas_kernels.mosaic_gpu.training_attention import segments_backward
 
   kh = k_cache.shape[1]
-  qz, doz = _fold(q_pad, part.rows, kh), _fold(do_pad, part.rows, kh)  # [Z, M, K, G, H]
-  lsez, deltaz = _fold(lse_pad, part.rows, kh), _fold(delta_pad, part.rows, kh)  # [Z, M, K, G]
-  args = lambda j: [_segment_args(x, j, kh) for x in (qz, doz, lsez, deltaz)]
-  dqs = []
-  for j in range(part.rows.shape[0]):
-    q_j, do_j, lse_j, delta_j = args(j)
-    tok = part.tokens[j]
-    dq, dk_j, dv_j = segment_backward(q_j, k_cache[tok], v_cache[tok], do_j, lse_j, delta_j,
-                                      part.limit[j, 0], scale=scale,
-                                      interpret=kernels.interpret, config=kernels.config,
-                                      dq_dtype=jnp.float32)
-    dqs.append(dq.reshape(qz.shape[1:]))
-    # Positions past the segment's length get exact zeros (their tokens belong to others).
-    dk = dk.at[tok].add(dk_j.astype(jnp.float32))
-    dv = dv.at[tok].add(dv_j.astype(jnp.float32))
-  return jnp.stack(dqs), dk, dv
+  folded = [_fold(x, part.rows, kh) for x in (q_pad, do_pad, lse_pad, delta_pad)]  # [Z, M, K, G..]
+  q, do, lse, delta = [_segments_args(x, kh) for x in folded]
+  dq, dk_z, dv_z = segments_backward(q, k_cache[part.tokens], v_cache[part.tokens], do, lse, delta,
+                                     part.limit[:, 0], scale=scale, interpret=kernels.interpret,
+                                     config=kernels.config, dq_dtype=jnp.float32)
+  # Positions past a segment's length get exact zeros (their tokens belong to others).
+  dk = dk.at[part.tokens].add(dk_z.astype(jnp.float32))
+  dv = dv.at[part.tokens].add(dv_z.astype(jnp.float32))
+  return dq.reshape(folded[0].shape), dk, dv
 
 
 def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,

@@ -1,0 +1,327 @@
+"""The causal prefill of a token tree: rollout trees for training, any depth.
+
+RL rollouts that branch (a prompt, several partial continuations, each continued several
+ways: AReaL-DTA's rollout trees) form a forest of token runs, the nodes. In training every
+node's tokens are queries: each attends every ancestor's tokens and its own, causally. The
+prefill layout (`prefill_layout`) is the two-level case (prompts, completions); this is any
+depth, every ancestor attended once by all the queries below it.
+
+A `TreePrefillPlan` lays the nodes out level by level (depth d: its B_d nodes, each right-padded
+to the level's capacity C_d) in one flat buffer [L, K, H]:
+
+    [level 0 | pad to a page of C_1 | level 1 | pad to a page of C_2 | level 2 | ...]
+
+and one `TreeLayout` a level indexes it: the level's nodes are its rows, with T = C_d queries
+each, causal over the node's own page (private KV, padding after the real tokens, so a real
+query never reaches it), and every ancestor a shared segment (its real tokens only) of the rows
+below it. A level's rows are in their parents' order, so the nodes below any ancestor are
+contiguous rows at every level: each ancestor is one segment.
+
+Node x's token j sits at sequence position `offset(x) + j` (RoPE), offset(x) the real lengths
+of its ancestors. A model attends every level every layer: `prepare_tree_prefill` once (one
+`TrainingAttentionPlan` a level), then `attend_tree_prefill` per layer. Each level's call
+returns the dK / dV of the whole buffer, so an ancestor's gradient sums over every level below
+it (and inside one level's call over all its rows, in one matmul per kv block).
+"""
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hydrajax.attention_plan import AttentionShapes
+from hydrajax.dispatch import AttentionImpl
+from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
+from hydrajax.partial_state import PartialState
+from hydrajax.training.training_plan import (
+    TrainingAttentionPlan, attend_differentiable, prepare_training_attention,
+)
+
+# Capacities rounded by quarters (at most 25% padding), segments never split: a training
+# prompt is attended whole by each of its rows' queries (a split would add partial states).
+DEFAULT_POLICY = LayoutPolicy(kv_piece=None, rounding='quarter')
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreePrefillLayout:
+  """Device form of a tree prefill plan (a jit pytree); see the module docstring."""
+
+  layouts: tuple[TreeLayout, ...]  # one a level
+  positions: tuple[jax.Array, ...]  # [B_d, C_d] int32 a level: sequence positions (RoPE)
+  lengths: tuple[jax.Array, ...]  # [B_d] int32 a level: each node's real tokens
+  path_tokens: jax.Array  # [paths, sum C_d] int32: each root-to-leaf path's buffer indices
+  path_lengths: jax.Array  # [paths] int32: its real tokens (the indices past them are 0)
+  starts: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # a level's slot 0
+  capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # C_d
+  kv_tokens: int = dataclasses.field(metadata=dict(static=True))  # L
+
+  @property
+  def level_shapes(self) -> tuple[tuple[int, int], ...]:
+    """(B_d, C_d) of every level: the [B_d, C_d, ...] shape of its queries and K/V."""
+    return tuple((layout.num_rows, c) for layout, c in zip(self.layouts, self.capacities))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePrefillPlan:
+  """Host side: the nodes' levels and rows, the buffer, and one sharing plan a level."""
+
+  parents: tuple[int, ...]  # per node (the caller's numbering), -1 at a root
+  lengths: tuple[int, ...]  # per node: its real tokens
+  levels: tuple[tuple[int, ...], ...]  # the node of each row of each level
+  capacities: tuple[int, ...]  # C_d
+  starts: tuple[int, ...]  # buffer index of each level's first slot
+  offsets: tuple[int, ...]  # per node: sequence position of its first token
+  leaves: tuple[int, ...]  # nodes without children, level by level and row by row
+  kv_tokens: int  # L
+  plans: tuple[SharingPlan, ...]  # one a level
+
+  def slot(self, node: int) -> int:
+    """Buffer index of `node`'s first token."""
+    d = self.depth(node)
+    return self.starts[d] + self.levels[d].index(node) * self.capacities[d]
+
+  def depth(self, node: int) -> int:
+    d = 0
+    while self.parents[node] >= 0:
+      node, d = self.parents[node], d + 1
+    return d
+
+  def path(self, node: int) -> tuple[int, ...]:
+    """The nodes from `node`'s root down to it."""
+    path = [node]
+    while self.parents[path[-1]] >= 0:
+      path.append(self.parents[path[-1]])
+    return tuple(reversed(path))
+
+  def to_device(self, policy: LayoutPolicy = DEFAULT_POLICY) -> TreePrefillLayout:
+    """The device layout; `policy` rounds each level's segment groups (`LayoutPolicy`)."""
+    positions, lengths = [], []
+    for level, c in zip(self.levels, self.capacities):
+      first = np.asarray([self.offsets[x] for x in level], np.int32)
+      positions.append(jnp.asarray(first[:, None] + np.arange(c, dtype=np.int32)[None, :]))
+      lengths.append(jnp.asarray(np.asarray([self.lengths[x] for x in level], np.int32)))
+    path_tokens = np.zeros((len(self.leaves), sum(self.capacities)), np.int32)
+    path_lengths = np.zeros(len(self.leaves), np.int32)
+    for i, leaf in enumerate(self.leaves):
+      tokens = [self.slot(x) + np.arange(self.lengths[x]) for x in self.path(leaf)]
+      tokens = np.concatenate(tokens)
+      path_tokens[i, :tokens.size] = tokens
+      path_lengths[i] = tokens.size
+    return TreePrefillLayout(
+        layouts=tuple(p.to_device(policy=policy) for p in self.plans),
+        positions=tuple(positions), lengths=tuple(lengths),
+        path_tokens=jnp.asarray(path_tokens), path_lengths=jnp.asarray(path_lengths),
+        starts=self.starts, capacities=self.capacities, kv_tokens=self.kv_tokens)
+
+
+def _levels(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+  """Each depth's nodes, in their parents' order (then the caller's)."""
+  children = [[] for _ in parents]
+  level = []
+  for x, p in enumerate(parents):
+    (children[p] if p >= 0 else level).append(x)
+  levels = []
+  while level:
+    levels.append(tuple(level))
+    level = [c for x in level for c in children[x]]
+  return tuple(levels)
+
+
+def plan_tree_prefill(
+    parents: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    capacities: Sequence[int] | None = None,
+) -> TreePrefillPlan:
+  """Plans the causal prefill of a forest of token runs (the nodes).
+
+  Args:
+    parents: each node's parent, an earlier node (parents[x] < x), or -1 at a root.
+    lengths: each node's real tokens (>= 1).
+    capacities: C_d, the padded width of each depth's nodes (default: the depth's longest).
+
+  Example, a prompt of 100 tokens, two branches of 30, each continued twice (20 tokens):
+  `plan_tree_prefill([-1, 0, 0, 1, 1, 2, 2], [100, 30, 30, 20, 20, 20, 20])`.
+  """
+  parents = tuple(as_int(p, f'parents[{x}]') for x, p in enumerate(parents))
+  lengths = tuple(as_int(n, f'lengths[{x}]') for x, n in enumerate(lengths))
+  if not parents or len(parents) != len(lengths):
+    raise ValueError(f'parents and lengths need one entry per node (>= 1 node), got '
+                     f'{len(parents)} and {len(lengths)}')
+  for x, (p, n) in enumerate(zip(parents, lengths)):
+    if not -1 <= p < x:
+      raise ValueError(f'parents[{x}] must be -1 or an earlier node (0..{x - 1}), got {p}')
+    if n < 1:
+      raise ValueError(f'lengths[{x}] must be >= 1, got {n}')
+  levels = _levels(parents)
+  longest = tuple(max(lengths[x] for x in level) for level in levels)
+  if capacities is None:
+    capacities = longest
+  capacities = tuple(as_int(c, f'capacities[{d}]') for d, c in enumerate(capacities))
+  if len(capacities) != len(levels) or any(c < n for c, n in zip(capacities, longest)):
+    raise ValueError(f'capacities must be one per depth ({len(levels)}), each at least the '
+                     f'depth\'s longest node {longest}, got {capacities}')
+  starts, end = [], 0
+  for level, c in zip(levels, capacities):
+    starts.append(-(-end // c) * c)  # a level starts at a page of its capacity
+    end = starts[-1] + len(level) * c
+  offsets = [0] * len(parents)
+  for x, p in enumerate(parents):  # parents come first
+    offsets[x] = offsets[p] + lengths[p] if p >= 0 else 0
+  row = {x: r for level in levels for r, x in enumerate(level)}
+  depth = {x: d for d, level in enumerate(levels) for x in level}
+  slot = lambda x: starts[depth[x]] + row[x] * capacities[depth[x]]
+  has_children = {p for p in parents if p >= 0}
+  leaves = tuple(x for level in levels for x in level if x not in has_children)
+
+  def level_plan(d: int) -> SharingPlan:
+    level, c = levels[d], capacities[d]
+    below = {}  # ancestor -> [first row, last row] of its level-d descendants
+    for r, x in enumerate(level):
+      a = parents[x]
+      while a >= 0:
+        first, _ = below.get(a, (r, r))
+        below[a] = (first, r)
+        a = parents[a]
+    segments, index = [], {}
+    for a in sorted(below, key=lambda a: (depth[a], row[a])):  # parents before children
+      first, last = below[a]
+      index[a] = len(segments)
+      segments.append(Segment(
+          kv_start=slot(a), kv_length=lengths[a], row_begin=first, row_end=last + 1,
+          parent=index[parents[a]] if parents[a] >= 0 else -1, position=offsets[a],
+          label=f'node{a}'))
+    return SharingPlan(
+        num_rows=len(level), segments=tuple(segments), page_size=c,
+        private_pages=tuple((starts[d] // c + r,) for r in range(len(level))),
+        private_lengths=(c,) * len(level), kv_tokens=end)
+
+  return TreePrefillPlan(parents, lengths, levels, capacities, tuple(starts), tuple(offsets),
+                         leaves, end, tuple(level_plan(d) for d in range(len(levels))))
+
+
+def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> jax.Array:
+  """Each level's [B_d, C_d, ...] (e.g. its K or V [B_d, C_d, K, H]) -> the buffer [L, ...].
+
+  The buffer's order is the levels' (`plan_tree_prefill`), so this is a concatenation and its
+  transpose slices every token's dK / dV back (no scatter, no gather). Works for any per-token
+  array in the buffer's order (queries too, e.g. for `path_sequences`).
+  """
+  shapes = layout.level_shapes
+  if len(level_kv) != len(shapes):
+    raise ValueError(f'level_kv must hold one array a level ({len(shapes)}), got '
+                     f'{len(level_kv)}')
+  rest = level_kv[0].shape[2:]
+  pieces, end = [], 0
+  for d, (x, shape, start) in enumerate(zip(level_kv, shapes, layout.starts)):
+    if x.shape != shape + rest:
+      raise ValueError(f'level_kv[{d}] must be [{shape[0]}, {shape[1]}, ...] (trailing dims '
+                       f'as level_kv[0]\'s {rest}), got {x.shape}')
+    if start > end:
+      pieces.append(jnp.zeros((start - end,) + rest, level_kv[0].dtype))
+    pieces.append(x.reshape((-1,) + rest).astype(level_kv[0].dtype))
+    end = start + shape[0] * shape[1]
+  return jnp.concatenate(pieces)
+
+
+def path_sequences(layout: TreePrefillLayout, buffer: jax.Array) -> jax.Array:
+  """Each root-to-leaf path's own sequence [paths, sum C_d, ...]: its real tokens, then 0s.
+
+  buffer [L, ...] in the buffer's order (`write_tree_kv`). What a model without sharing sees:
+  every leaf's whole sequence, its ancestors copied into each.
+  """
+  if buffer.shape[0] != layout.kv_tokens:
+    raise ValueError(f'buffer must be [L = {layout.kv_tokens}, ...], got {buffer.shape}')
+  seq = buffer[layout.path_tokens]
+  real = jnp.arange(seq.shape[1])[None, :] < layout.path_lengths[:, None]
+  return jnp.where(real.reshape(real.shape + (1,) * (buffer.ndim - 1)), seq, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreePrefillAttentionPlan:
+  """One prepared `TrainingAttentionPlan` a level (a jit pytree)."""
+
+  levels: tuple[TrainingAttentionPlan, ...]
+
+
+def prepare_tree_prefill(
+    layout: TreePrefillLayout,
+    level_q: Sequence,  # [B_d, C_d, N, H] a level: arrays or jax.ShapeDtypeStructs
+    k_buffer,  # [L, K, H]: an array or a jax.ShapeDtypeStruct
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    kv_block: int = 1024,
+    interpret=False,
+    kernel_config=None,
+) -> TreePrefillAttentionPlan:
+  """Every level's plan, once per batch layout (every layer reuses them).
+
+  impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
+  every level's ancestors, one launch per segment group, and its nodes' causal self-attention,
+  one launch, forward and backward, on the Hopper kernels).
+  """
+  if not isinstance(layout, TreePrefillLayout):
+    raise ValueError('layout must be a TreePrefillLayout (plan_tree_prefill(...).to_device()), '
+                     f'got {type(layout).__name__}')
+  _check_levels('level_q', level_q, layout)
+  return TreePrefillAttentionPlan(tuple(
+      prepare_training_attention(tree, AttentionShapes.of(q, k_buffer), impl=impl,
+                                 kv_block=kv_block, kernel_config=kernel_config,
+                                 interpret=interpret)
+      for q, tree in zip(level_q, layout.layouts)))
+
+
+def _check_levels(name, level_x, layout: TreePrefillLayout) -> None:
+  shapes = layout.level_shapes
+  if len(level_x) != len(shapes):
+    raise ValueError(f'{name} must hold one array a level ({len(shapes)}), got {len(level_x)}')
+  for d, (x, shape) in enumerate(zip(level_x, shapes)):
+    if len(x.shape) != 4 or tuple(x.shape[:2]) != shape:
+      raise ValueError(f'{name}[{d}] must be [{shape[0]}, {shape[1]}, N, H], got '
+                       f'{tuple(x.shape)}')
+
+
+def attend_tree_prefill(
+    level_q: Sequence[jax.Array],  # [B_d, C_d, N, H] a level
+    k_buffer: jax.Array,  # [L, K, H] from `write_tree_kv`
+    v_buffer: jax.Array,  # [L, K, H]
+    plan: TreePrefillAttentionPlan,
+    *,
+    scale: float | None = None,
+) -> tuple[PartialState, ...]:
+  """Every level's causal tree attention: (out [B_d, C_d, N, H], lse [B_d, C_d, N]) a level.
+
+  Differentiable in every array. A padding query (past its node's real tokens) sees its node's
+  padding; mask its outputs out of the loss.
+  """
+  if not isinstance(plan, TreePrefillAttentionPlan):
+    raise ValueError('plan must be a TreePrefillAttentionPlan (prepare_tree_prefill), got '
+                     f'{type(plan).__name__}')
+  if len(level_q) != len(plan.levels):
+    raise ValueError(f'level_q must hold one array a level ({len(plan.levels)}), got '
+                     f'{len(level_q)}')
+  return tuple(attend_differentiable(q, k_buffer, v_buffer, level, scale=scale)
+               for q, level in zip(level_q, plan.levels))
+
+
+def tree_prefill_attention(
+    level_q: Sequence[jax.Array],
+    k_buffer: jax.Array,
+    v_buffer: jax.Array,
+    layout: TreePrefillLayout,
+    *,
+    scale: float | None = None,
+    kv_block: int = 1024,
+    impl: AttentionImpl | str = AttentionImpl.XLA,
+    interpret=False,
+    kernel_config=None,
+) -> tuple[PartialState, ...]:
+  """`attend_tree_prefill` with its plan prepared in the call: the one-call form (impl XLA by
+  default; a model calling it every layer prepares once instead)."""
+  plan = prepare_tree_prefill(layout, level_q, k_buffer, impl=impl, kv_block=kv_block,
+                              interpret=interpret, kernel_config=kernel_config)
+  return attend_tree_prefill(level_q, k_buffer, v_buffer, plan, scale=scale)
