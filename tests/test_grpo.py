@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from hydrajax.training import costs, plan_prefill
+from hydrajax.training import tree_prefill as tp
 from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw
@@ -114,6 +115,53 @@ def test_per_sequence_forward_matches_unshared():
                                    layout.prompt_lengths, g, attention)
   expected = fw.unshared_forward(model, batch.prompts, batch.completions, layout.prompt_lengths, g)
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def _path_logprobs(model, plan, layout, level_tokens):
+  """Ground truth of `tree_forward`: each root-to-leaf path's own sequence through the model
+  (`causal_logits`), every non-root node's real tokens scored on its first path."""
+  tokens = tp.path_sequences(layout, tp.write_tree_kv(layout, level_tokens))  # [paths, S]
+  logp = jax.nn.log_softmax(fw.causal_logits(model, tokens), axis=-1)
+  out = [jnp.zeros(x.shape) for x in level_tokens[1:]]
+  for i, leaf in enumerate(plan.leaves):
+    for x in plan.path(leaf)[1:]:
+      d, first, n = plan.depth(x), plan.offsets[x], plan.lengths[x]
+      scored = logp[i, first - 1:first + n - 1]  # token j from the position before it
+      picked = jnp.take_along_axis(scored, tokens[i, first:first + n, None], axis=-1)[:, 0]
+      out[d - 1] = out[d - 1].at[plan.levels[d].index(x), :n].set(picked)
+  return out
+
+
+def test_tree_forward_matches_each_path_unshared():
+  """A three-level rollout tree: every non-root node's log-probs, and the gradient of a loss
+  over them, equal each root-to-leaf path run as its own sequence (GQA, 2 layers)."""
+  config = get_config('tiny_gqa')
+  model = Llama(config, rngs=nnx.Rngs(6))
+  plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2, -1, 6], [5, 3, 4, 2, 4, 3, 4, 2])
+  layout = plan.to_device()
+  rng = np.random.default_rng(7)
+  level_tokens = [jnp.asarray(rng.integers(1, config.vocab_size, shape), jnp.int32)
+                  for shape in layout.level_shapes]
+  real = [jnp.arange(c)[None, :] < n[:, None]
+          for n, c in zip(layout.lengths[1:], layout.capacities[1:])]
+  weights = [jnp.asarray(rng.standard_normal(r.shape), jnp.float32) * r for r in real]
+  graphdef, params = nnx.split(model)
+
+  def loss(params, forward):
+    logps = forward(nnx.merge(graphdef, params))
+    return sum(jnp.sum(jnp.where(r, lp, 0.0) * w) for lp, r, w in zip(logps, real, weights))
+  tree = lambda m: fw.tree_forward(m, level_tokens, layout, kv_block=4)
+  paths = lambda m: _path_logprobs(m, plan, layout, level_tokens)
+  for d, (a, e, r) in enumerate(zip(jax.jit(tree)(model), paths(model), real)):
+    np.testing.assert_allclose(np.asarray(a)[r], np.asarray(e)[r], rtol=1e-5, atol=1e-5,
+                               err_msg=f'level {d + 1}')
+  grads_t = jax.jit(jax.grad(lambda p: loss(p, tree)))(params)
+  grads_p = jax.grad(lambda p: loss(p, paths))(params)
+  for (path, a), e in zip(jax.tree.leaves_with_path(grads_t), jax.tree.leaves(grads_p)):
+    scale = float(np.abs(e).max())
+    assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))
 
 
 def test_arithmetic_rewards_and_mask_by_hand():

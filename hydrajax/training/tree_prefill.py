@@ -54,6 +54,7 @@ class TreePrefillLayout:
   lengths: tuple[jax.Array, ...]  # [B_d] int32 a level: each node's real tokens
   path_tokens: jax.Array  # [paths, sum C_d] int32: each root-to-leaf path's buffer indices
   path_lengths: jax.Array  # [paths] int32: its real tokens (the indices past them are 0)
+  parent_rows: tuple[jax.Array, ...]  # [B_d] int32 a level from 1: the parent's row above
   starts: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # a level's slot 0
   capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # C_d
   kv_tokens: int = dataclasses.field(metadata=dict(static=True))  # L
@@ -99,6 +100,9 @@ class TreePrefillPlan:
   def to_device(self, policy: LayoutPolicy = DEFAULT_POLICY) -> TreePrefillLayout:
     """The device layout; `policy` rounds each level's segment groups (`LayoutPolicy`)."""
     positions, lengths = [], []
+    parent_rows = tuple(jnp.asarray(np.asarray([above.index(self.parents[x]) for x in level],
+                                                np.int32))
+                        for above, level in zip(self.levels, self.levels[1:]))
     for level, c in zip(self.levels, self.capacities):
       first = np.asarray([self.offsets[x] for x in level], np.int32)
       positions.append(jnp.asarray(first[:, None] + np.arange(c, dtype=np.int32)[None, :]))
@@ -114,6 +118,7 @@ class TreePrefillPlan:
         layouts=tuple(p.to_device(policy=policy) for p in self.plans),
         positions=tuple(positions), lengths=tuple(lengths),
         path_tokens=jnp.asarray(path_tokens), path_lengths=jnp.asarray(path_lengths),
+        parent_rows=parent_rows,
         starts=self.starts, capacities=self.capacities, kv_tokens=self.kv_tokens)
 
 

@@ -13,6 +13,10 @@ per-layer helpers (`_qkv`, `_mlp`, `rms_norm`):
 Both return the log-probabilities [Bp * G, T] float32 of the completion tokens:
 token j is scored from the hidden state of the token before it (the last
 prompt token for j = 0).
+
+* `tree_forward`: any depth, a rollout tree (`hydrajax.training.tree_prefill`): every node
+  through the layers once, attending its ancestors; the log-probabilities of every non-root
+  node's tokens, scored the same way (from its parent's last token for j = 0).
 """
 
 import jax
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import prefill_layout as pl
+from hydrajax.training import tree_prefill as tp
 from models.kv_cache import DenseKVCache
 from models.llama import Llama, _mlp, _qkv, rms_norm
 
@@ -147,3 +152,57 @@ def causal_logits(model: Llama, tokens):
     x = x + jnp.einsum('btnh,nhd->btd', attn, p['wo'])
     x = _mlp(p, x, c.norm_eps)
   return model.logits(rms_norm(x, model.final_norm.get_value(), c.norm_eps))
+
+
+def tree_hidden(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
+                kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                interpret: bool = False):
+  """Final-norm hidden states [B_d, C_d, D] of every level of a token tree, each node once.
+
+  level_tokens: [B_d, C_d] int32 a level (`plan_tree_prefill`'s rows, right-padded). Each
+  node's queries attend its ancestors through `tree_prefill` (prepared once, at the first
+  layer); impl, interpret: its kernels, as in `prepare_tree_prefill`.
+  """
+  c = model.config
+  shapes = layout.level_shapes
+  if len(level_tokens) != len(shapes) or any(
+      tuple(x.shape) != shape for x, shape in zip(level_tokens, shapes)):
+    raise ValueError(f'level_tokens must be one [B_d, C_d] array a level, {shapes}, got '
+                     f'{[tuple(x.shape) for x in level_tokens]}')
+  inv_freq = model.inv_freq()
+  xs = [model.embed.get_value()[tokens] for tokens in level_tokens]
+  plan = None
+  for layer in model.layers:
+    w = layer.arrays()
+    qkv = [_qkv(w, x, pos, inv_freq, c.norm_eps) for x, pos in zip(xs, layout.positions)]
+    k_buf = tp.write_tree_kv(layout, [k for _, k, _ in qkv])
+    v_buf = tp.write_tree_kv(layout, [v for _, _, v in qkv])
+    qs = [q for q, _, _ in qkv]
+    if plan is None:
+      plan = tp.prepare_tree_prefill(layout, qs, k_buf, impl=impl, kv_block=kv_block,
+                                     interpret=interpret)
+    states = tp.attend_tree_prefill(qs, k_buf, v_buf, plan)
+    xs = [_mlp(w, x + jnp.einsum('btnh,nhd->btd', a.out.astype(x.dtype), w['wo']), c.norm_eps)
+          for x, a in zip(xs, states)]
+  norm = model.final_norm.get_value()
+  return [rms_norm(x, norm, c.norm_eps) for x in xs]
+
+
+def tree_forward(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
+                 kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                 interpret: bool = False) -> list[jax.Array]:
+  """log p of every non-root node's tokens, [B_d, C_d] float32 for each level d >= 1.
+
+  Token j of a node is scored from the hidden state of the token before it: the node's own
+  token j - 1, or for j = 0 its parent's last real token. Padding tokens get values too; mask
+  them (`layout.lengths`). Arguments as in `tree_hidden`.
+  """
+  hs = tree_hidden(model, level_tokens, layout, kv_block=kv_block, impl=impl,
+                   interpret=interpret)
+  logps = []
+  for d in range(1, len(hs)):
+    above, rows = hs[d - 1], layout.parent_rows[d - 1]
+    last = above[rows, layout.lengths[d - 1][rows] - 1]  # [B_d, D]
+    h_prev = jnp.concatenate([last[:, None], hs[d][:, :-1]], axis=1)
+    logps.append(_token_logprobs(model, h_prev, level_tokens[d]))
+  return logps
