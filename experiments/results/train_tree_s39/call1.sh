@@ -3,7 +3,8 @@
 # 1. The compiled tree-prefill and tree-VJP tests (three levels, a group of two segments).
 # 2. The rollout-tree benchmark at its four H200 points: tree prefill on the kernels against
 #    one-level sharing (prefill, the prompt copied per branch) and per-sequence cuDNN.
-# 3. loop_probe.py: the tree VJP's segment groups one launch each against one per segment.
+# 3. loop_probe.py: the tree VJP's segment groups one launch each against one per segment
+#    (its 100 s limit cut it after the batched run: call2.sh runs it again).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 R=$OUT/call1; mkdir -p $R; LOG=$R/log.txt
