@@ -2,7 +2,7 @@
 one rollout-tree point with the optimized HLO dumped, and prints every fusion whose name holds
 `needle` with the computation it calls (and the operands' producers).
 
-  XLA_FLAGS=--xla_dump_to=/tmp/dump PYTHONPATH=. python fusion_dump.py /tmp/dump P:B:L:G:T needle
+  XLA_FLAGS=--xla_dump_to=/tmp/dump PYTHONPATH=. python fusion_dump.py /tmp/dump P:B:L:G:T needle [variant]
 """
 
 import glob
@@ -21,7 +21,8 @@ from hydrajax.benchmarking import timing
 def main():
   flags.FLAGS(sys.argv[:1])
   dump, point, needle = sys.argv[1], tuple(int(x) for x in sys.argv[2].split(':')), sys.argv[3]
-  fn, args, _ = bench._variant('tree_mosaic_gpu', point, (32, 8), 128, jnp.bfloat16, 0)
+  variant = sys.argv[4] if len(sys.argv) > 4 else 'tree_mosaic_gpu'
+  fn, args, _ = bench._variant(variant, point, (32, 8), 128, jnp.bfloat16, 0)
   program, program_args = timing.vjp_program(fn, args, 0)
   jax.block_until_ready(program(*program_args))
   files = [f for f in glob.glob(os.path.join(dump, '*after_optimizations.txt'))
