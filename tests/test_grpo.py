@@ -191,3 +191,79 @@ def test_training_attention_cost_by_hand():
   assert (shared.bytes, unshared.bytes) == (7 * 12.0, 10 * 12.0)
   with pytest.raises(ValueError, match='num_q_heads'):
     costs.training_attention_cost(1, 2, 3, 2, 3, 2, 1, shared=True)
+
+
+def test_tree_grpo_loss_is_the_loss_of_every_path():
+  """`tree_grpo_loss` (each shared token once, weighted by its leaves) equals `grpo_loss` over
+  every leaf's path as its own sample: loss, metrics and the gradient in every level's logp,
+  with masked tokens, both advantage signs and ratios past the clip."""
+  plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 1, 2, 2], [4, 3, 5, 2, 4, 3, 5, 1])
+  layout = plan.to_device()
+  rng = np.random.default_rng(13)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  shapes = layout.level_shapes[1:]
+  draw = lambda: [f32(-2 + 0.4 * rng.standard_normal(s)) for s in shapes]
+  real = [np.arange(c)[None, :] < np.asarray(n)[:, None]
+          for n, c in zip(layout.lengths[1:], layout.capacities[1:])]
+  mask = [f32(r & (rng.random(r.shape) < 0.8)) for r in real]
+  batch = grpo.TreeGrpoBatch(
+      level_tokens=[jnp.zeros(s, jnp.int32) for s in layout.level_shapes], mask=mask,
+      advantages=f32(rng.standard_normal(len(plan.leaves))), old_logp=draw(), ref_logp=draw())
+  assert (batch.advantages > 0).any() and (batch.advantages < 0).any()
+  cfg = grpo.GrpoConfig()
+
+  def per_path(level_logp):
+    seq = lambda levels: tp.path_sequences(layout, tp.write_tree_kv(
+        layout, [jnp.zeros(layout.level_shapes[0])] + list(levels)))  # [paths, S]
+    paths = grpo.GrpoBatch(prompts=None, completions=None, mask=seq(batch.mask),
+                           advantages=batch.advantages, old_logp=seq(batch.old_logp),
+                           ref_logp=seq(batch.ref_logp))
+    return grpo.grpo_loss(seq(level_logp), paths, cfg)
+
+  logp = draw()
+  (loss_t, m_t), grads_t = jax.value_and_grad(
+      lambda lp: grpo.tree_grpo_loss(lp, batch, layout, cfg), has_aux=True)(logp)
+  (loss_p, m_p), grads_p = jax.value_and_grad(per_path, has_aux=True)(logp)
+  assert 0 < float(m_p['clip_fraction']) < 1
+  np.testing.assert_allclose(loss_t, loss_p, rtol=1e-5, atol=1e-6)
+  for name in ('kl', 'clip_fraction'):
+    np.testing.assert_allclose(m_t[name], m_p[name], rtol=1e-5, atol=1e-6, err_msg=name)
+  for d, (a, e) in enumerate(zip(grads_t, grads_p)):
+    assert np.abs(np.asarray(e)).max() > 0, f'level {d + 1}: no gradient'
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7, err_msg=f'level {d + 1}')
+
+
+def test_tree_loss_and_grads_match_every_path_through_the_model():
+  """`tree_loss_and_grads` (tree_forward + tree_grpo_loss) against the same loss of log-probs
+  from every path run as its own sequence through the model (`grpo_loss`'s equal, above): the
+  loss and every parameter's gradient."""
+  config = get_config('tiny_mha')
+  plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2], [4, 3, 2, 3, 2, 4])
+  layout = plan.to_device()
+  rng = np.random.default_rng(17)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  tokens = [jnp.asarray(rng.integers(1, config.vocab_size, s), jnp.int32)
+            for s in layout.level_shapes]
+  base = -float(np.log(config.vocab_size))
+  draw = lambda: [f32(base + 0.3 * rng.standard_normal(s)) for s in layout.level_shapes[1:]]
+  mask = [f32(np.arange(c)[None, :] < np.asarray(n)[:, None])
+          for n, c in zip(layout.lengths[1:], layout.capacities[1:])]
+  batch = grpo.TreeGrpoBatch(level_tokens=tokens, mask=mask,
+                             advantages=f32(rng.standard_normal(len(plan.leaves))),
+                             old_logp=draw(), ref_logp=draw())
+  cfg = grpo.GrpoConfig()
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(8)))
+  (loss_t, _), grads_t = jax.jit(
+      lambda p: grpo.tree_loss_and_grads(graphdef, p, batch, layout, cfg, kv_block=4))(params)
+
+  def per_path(params):
+    model = nnx.merge(graphdef, params)
+    logp = _path_logprobs(model, plan, layout, tokens)
+    return grpo.tree_grpo_loss(logp, batch, layout, cfg)[0]
+  loss_p, grads_p = jax.jit(jax.value_and_grad(per_path))(params)
+  np.testing.assert_allclose(loss_t, loss_p, rtol=1e-5, atol=1e-6)
+  for (path, a), e in zip(jax.tree.leaves_with_path(grads_t), jax.tree.leaves(grads_p)):
+    scale = float(np.abs(e).max())
+    assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))

@@ -29,6 +29,7 @@ from hydrajax.training.tree_prefill import (
     path_sequences,
     plan_tree_prefill,
     prepare_tree_prefill,
+    tree_levels,
     tree_prefill_attention,
     write_tree_kv,
 )

@@ -232,6 +232,14 @@ def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> j
   return jnp.concatenate(pieces)
 
 
+def tree_levels(layout: TreePrefillLayout, buffer: jax.Array) -> list[jax.Array]:
+  """`write_tree_kv`'s inverse: the buffer [L, ...] -> each level's [B_d, C_d, ...] (slices)."""
+  if buffer.shape[0] != layout.kv_tokens:
+    raise ValueError(f'buffer must be [L = {layout.kv_tokens}, ...], got {buffer.shape}')
+  return [buffer[s:s + b * c].reshape((b, c) + buffer.shape[1:])
+          for (b, c), s in zip(layout.level_shapes, layout.starts)]
+
+
 def path_sequences(layout: TreePrefillLayout, buffer: jax.Array) -> jax.Array:
   """Each root-to-leaf path's own sequence [paths, sum C_d, ...]: its real tokens, then 0s.
 

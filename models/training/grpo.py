@@ -12,6 +12,10 @@ completion is its reward standardised within its group. The loss per token is
 `old_logp` and `ref_logp` come from the rollout (constants here). The forward
 is either `shared_forward` (each prompt once; hydrajax tree attention) or
 `unshared_forward` (the per-sample ground truth): same loss, same gradients.
+
+Over a rollout tree (`tree_grpo_loss`, with `models.training.forward.tree_forward`) every
+leaf is a sample whose completion is its path below the root; each shared token is computed
+once and weighted by the leaves below it.
 """
 
 import dataclasses
@@ -25,7 +29,8 @@ from flax import nnx
 
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import PrefillLayout
-from models.training.forward import shared_forward, unshared_forward
+from hydrajax.training import tree_prefill as tp
+from models.training.forward import shared_forward, tree_forward, unshared_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,67 @@ def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, di
   return loss, metrics
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeGrpoBatch:
+  """One step's data over a rollout tree (`hydrajax.training.tree_prefill`).
+
+  Each leaf is a sample: its completion is every scored token on its root-to-leaf path below
+  the root (levels d >= 1; the root is the prompt). Lists hold one [B_d, C_d] array a level
+  from level 1 on, the plan's rows.
+  """
+
+  level_tokens: list[jax.Array]  # [B_d, C_d] int32 for every level, the root's included
+  mask: list[jax.Array]  # [B_d, C_d] float32 a level >= 1: 1 on the tokens that count
+  advantages: jax.Array  # [paths] float32, one a leaf in `TreePrefillLayout` path order
+  old_logp: list[jax.Array]  # [B_d, C_d] float32 a level >= 1
+  ref_logp: list[jax.Array]  # [B_d, C_d] float32 a level >= 1
+
+
+def _leaf_weights(layout, batch: TreeGrpoBatch):
+  """Per token (levels >= 1), the sums over the leaves below it of A / n, split by A's sign,
+  and of 1 / n (n: the leaf's counted tokens), each over the number of leaves: a token shared
+  by several samples counts once with their summed weights."""
+  root = jnp.zeros(layout.level_shapes[0], jnp.float32)  # the prompt: never counted
+  counted = tp.write_tree_kv(layout, [root] + list(batch.mask))  # [L] in the buffer's order
+  valid = jnp.arange(layout.path_tokens.shape[1])[None, :] < layout.path_lengths[:, None]
+  mask = jnp.where(valid, counted[layout.path_tokens], 0.0)  # [paths, S]
+  tokens = jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+  paths = batch.advantages.shape[0]
+  per_leaf = lambda w: tp.tree_levels(layout, jnp.zeros(layout.kv_tokens).at[
+      layout.path_tokens].add(jnp.where(valid, (w / tokens / paths)[:, None], 0.0)))[1:]
+  adv = batch.advantages
+  return (per_leaf(jnp.where(adv >= 0, adv, 0.0)), per_leaf(jnp.where(adv < 0, adv, 0.0)),
+          per_leaf(jnp.ones_like(adv)))
+
+
+def tree_grpo_loss(level_logp, batch: TreeGrpoBatch, layout,
+                   config: GrpoConfig) -> tuple[jax.Array, dict[str, Any]]:
+  """`grpo_loss` over a rollout tree, each shared token computed once.
+
+  level_logp: [B_d, C_d] a level >= 1 (`tree_forward`). The same loss as `grpo_loss` over every
+  leaf's path as its own sample: per token, min(r A, clip(r) A) summed over the leaves below it
+  is W+ min(r, clip(r)) + W- max(r, clip(r)), W+ and W- its leaves' positive and negative
+  A / n summed, so the sum needs no per-leaf copy of the token.
+  """
+  if batch.advantages.shape != layout.path_lengths.shape:
+    raise ValueError(f'advantages must be [paths] = {layout.path_lengths.shape}, got '
+                     f'{batch.advantages.shape}')
+  w_pos, w_neg, w_kl = _leaf_weights(layout, batch)
+  loss = kl_total = clipped_total = 0.0
+  for logp, old, ref, mask, pos, neg, kl_w in zip(level_logp, batch.old_logp, batch.ref_logp,
+                                                   batch.mask, w_pos, w_neg, w_kl):
+    ratio = jnp.exp(logp - old)
+    clipped = jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps)
+    pg = -(pos * jnp.minimum(ratio, clipped) + neg * jnp.maximum(ratio, clipped))
+    log_ref_ratio = ref - logp
+    kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1
+    loss += jnp.sum(mask * (pg + config.kl_coef * kl_w * kl))
+    kl_total += jnp.sum(mask * kl_w * kl)
+    clipped_total += jnp.sum(mask * kl_w * (jnp.abs(ratio - 1) > config.clip_eps))
+  return loss, dict(loss=loss, kl=kl_total, clip_fraction=clipped_total)
+
+
 def policy_logprobs(model, batch: GrpoBatch, layout: PrefillLayout, *, shared: bool = True,
                     kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
                     interpret: bool = False) -> jax.Array:
@@ -107,6 +173,23 @@ def loss_and_grads(graphdef, params, batch: GrpoBatch, layout: PrefillLayout,
     logp = policy_logprobs(model, batch, layout, shared=shared, kv_block=kv_block, impl=impl,
                            interpret=interpret)
     return grpo_loss(logp, batch, config)
+
+  return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def tree_loss_and_grads(graphdef, params, batch: TreeGrpoBatch, layout, config: GrpoConfig, *,
+                        kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                        interpret: bool = False):
+  """((loss, metrics), grads) of `tree_grpo_loss` over `tree_forward`, each node computed once.
+
+  layout: `plan_tree_prefill(...).to_device()`; impl, interpret: the attention's kernels
+  (`prepare_tree_prefill`).
+  """
+
+  def loss(params):
+    logp = tree_forward(nnx.merge(graphdef, params), batch.level_tokens, layout,
+                        kv_block=kv_block, impl=impl, interpret=interpret)
+    return tree_grpo_loss(logp, batch, layout, config)
 
   return jax.value_and_grad(loss, has_aux=True)(params)
 
