@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax.attention_plan import AttentionShapes
-from hydrajax.benchmarking import report, roofline, timing
+from hydrajax.benchmarking import report, roofline, sweep, timing
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import costs, training_unsupported_reason
 from hydrajax.training import prefill_layout as pl
@@ -167,10 +167,12 @@ def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
         rec['rel_err'] = float(diff / max(np.abs(reference).max(), 1e-30))
       del leaves
       program, program_args = timing.vjp_program(fn, args, seed)
-      rec['time_s'] = timing.device_time(program, *program_args, repeats=_REPEATS.value,
-                                         target_s=_TARGET_MS.value / 1e3, min_iters=1).median_s
-      rec['time_over_floor'] = rec['time_s'] / rec['floor_s']
-      rec['status'] = 'ok'
+      time_s = timing.device_time(program, *program_args, repeats=_REPEATS.value,
+                                  target_s=_TARGET_MS.value / 1e3, min_iters=1).median_s
+      if time_s <= 0:  # below the timer's noise (a loaded or tiny machine): no time
+        rec.update(status='untimeable', reason=sweep.UNTIMEABLE)
+      else:
+        rec.update(status='ok', time_s=time_s, time_over_floor=time_s / rec['floor_s'])
     except Exception as e:  # one failing variant must not end the sweep
       logging.error('%s at %s: %s', name, point, traceback.format_exc(limit=3))
       rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')

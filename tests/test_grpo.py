@@ -128,7 +128,7 @@ def _path_logprobs(model, plan, layout, level_tokens):
       d, first, n = plan.depth(x), plan.offsets[x], plan.lengths[x]
       scored = logp[i, first - 1:first + n - 1]  # token j from the position before it
       picked = jnp.take_along_axis(scored, tokens[i, first:first + n, None], axis=-1)[:, 0]
-      out[d - 1] = out[d - 1].at[plan.levels[d].index(x), :n].set(picked)
+      out[d - 1] = out[d - 1].at[plan.rows[x], :n].set(picked)
   return out
 
 

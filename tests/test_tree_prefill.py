@@ -164,7 +164,7 @@ def test_path_sequences_are_what_an_unshared_model_attends():
   pos = seq(tp.write_tree_kv(layout, [p[..., None] for p in layout.positions]))[..., 0]
   for i, leaf in enumerate(plan.leaves):
     d = plan.depth(leaf)
-    r, n = plan.levels[d].index(leaf), plan.lengths[leaf]
+    r, n = plan.rows[leaf], plan.lengths[leaf]
     first = int(layout.path_lengths[i]) - n
     np.testing.assert_allclose(states[d].out[r, :n], full[i, first:first + n], rtol=1e-5,
                                atol=1e-5, err_msg=f'leaf {leaf}')
@@ -195,7 +195,8 @@ def test_arguments_are_checked():
 
 def test_train_tree_bench_smoke(tmp_path):
   """The rollout-tree benchmark's CPU smoke: every variant runs, agrees with the per-sequence
-  baseline at the leaves, and the tree's speedups, table, plot and README are written."""
+  baseline at the leaves, and the tree's speedups (where both were timed), table, plot and
+  README are written."""
   import json
   import subprocess
   import sys
@@ -206,9 +207,12 @@ def test_train_tree_bench_smoke(tmp_path):
   records = [json.loads(line) for line in (tmp_path / 'results.jsonl').read_text().splitlines()]
   points = {r['impl']: r for r in records if r['kind'] == 'attention'}
   assert set(points) == {'per_seq_xla', 'prefill_xla', 'tree_xla'}
-  assert all(r['status'] == 'ok' and r['time_s'] > 0 for r in points.values()), points
+  # A time at or below the timer's noise (a loaded machine) is recorded as untimeable.
+  assert all(r['status'] in ('ok', 'untimeable') for r in points.values()), points
   assert points['tree_xla']['rel_err'] < 1e-5 and points['prefill_xla']['rel_err'] < 1e-5
-  assert {'speedup_vs_per_seq_xla', 'speedup_vs_prefill_xla'} <= set(points['tree_xla'])
+  for name in ('per_seq_xla', 'prefill_xla'):
+    timed = all(points[i]['status'] == 'ok' for i in (name, 'tree_xla'))
+    assert (f'speedup_vs_{name}' in points['tree_xla']) == timed, points['tree_xla']
   assert points['tree_xla']['flops'] < points['prefill_xla']['flops'] < points['per_seq_xla'][
       'flops']
   for name in ('table.md', 'time.png', 'README.md'):

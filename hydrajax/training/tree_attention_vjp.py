@@ -26,10 +26,10 @@ VJP takes them from its plan.
 
 `impl=MOSAIC_GPU` computes the shared segments' partial states (forward) and
 their dQ, dK, dV (backward) with the Hopper kernels of
-`pallas_kernels.mosaic_gpu.training_attention`, one launch per segment group (its segments a
+`pallas_kernels.mosaic_gpu.training_attention`, one call per segment group (its segments a
 grid axis), and the private part (each row causal over its own pages) with their batched
-causal mode, one call for all rows; the merge stays on XLA: each row gathers the states (and, backward,
-the dQ) of the segments on its path and merges them with its own in one pass
+causal mode, one call for all rows; the merge stays on XLA: each row gathers the states (and,
+backward, the dQ) of the segments on its path and merges them with its own in one pass
 (`hydrajax.tree_attention.path_item_index`). The private K/V are gathered into
 [B, pages * page_size] first (`k_cache[part.tokens]`, one copy of the private K/V),
 so any page layout works, contiguous or not, and T or page sizes that are no
@@ -306,8 +306,8 @@ def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, p
 def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
                               scale, dk, dv, kernels: _Kernels):
   """`_part_backward` of a segment group with the Mosaic GPU kernels, all its segments in one
-  launch each (`segments_backward`), which reduce dK, dV over each segment's rows and GQA
-  heads in the kernel."""
+  call (`segments_backward`: the segments a grid axis), which reduces dK, dV over each
+  segment's rows and GQA heads in the kernel."""
   from pallas_kernels.mosaic_gpu.training_attention import segments_backward
 
   kh = k_cache.shape[1]

@@ -78,17 +78,16 @@ class TreePrefillPlan:
   leaves: tuple[int, ...]  # nodes without children, level by level and row by row
   kv_tokens: int  # L
   plans: tuple[SharingPlan, ...]  # one a level
+  depths: tuple[int, ...]  # per node: its level
+  rows: tuple[int, ...]  # per node: its row in its level
 
   def slot(self, node: int) -> int:
     """Buffer index of `node`'s first token."""
-    d = self.depth(node)
-    return self.starts[d] + self.levels[d].index(node) * self.capacities[d]
+    d = self.depths[node]
+    return self.starts[d] + self.rows[node] * self.capacities[d]
 
   def depth(self, node: int) -> int:
-    d = 0
-    while self.parents[node] >= 0:
-      node, d = self.parents[node], d + 1
-    return d
+    return self.depths[node]
 
   def path(self, node: int) -> tuple[int, ...]:
     """The nodes from `node`'s root down to it."""
@@ -100,9 +99,9 @@ class TreePrefillPlan:
   def to_device(self, policy: LayoutPolicy = DEFAULT_POLICY) -> TreePrefillLayout:
     """The device layout; `policy` rounds each level's segment groups (`LayoutPolicy`)."""
     positions, lengths = [], []
-    parent_rows = tuple(jnp.asarray(np.asarray([above.index(self.parents[x]) for x in level],
+    parent_rows = tuple(jnp.asarray(np.asarray([self.rows[self.parents[x]] for x in level],
                                                 np.int32))
-                        for above, level in zip(self.levels, self.levels[1:]))
+                        for level in self.levels[1:])
     for level, c in zip(self.levels, self.capacities):
       first = np.asarray([self.offsets[x] for x in level], np.int32)
       positions.append(jnp.asarray(first[:, None] + np.arange(c, dtype=np.int32)[None, :]))
@@ -176,8 +175,10 @@ def plan_tree_prefill(
   offsets = [0] * len(parents)
   for x, p in enumerate(parents):  # parents come first
     offsets[x] = offsets[p] + lengths[p] if p >= 0 else 0
-  row = {x: r for level in levels for r, x in enumerate(level)}
-  depth = {x: d for d, level in enumerate(levels) for x in level}
+  row, depth = [0] * len(parents), [0] * len(parents)
+  for d, level in enumerate(levels):
+    for r, x in enumerate(level):
+      row[x], depth[x] = r, d
   slot = lambda x: starts[depth[x]] + row[x] * capacities[depth[x]]
   has_children = {p for p in parents if p >= 0}
   leaves = tuple(x for level in levels for x in level if x not in has_children)
@@ -205,7 +206,8 @@ def plan_tree_prefill(
         private_lengths=(c,) * len(level), kv_tokens=end)
 
   return TreePrefillPlan(parents, lengths, levels, capacities, tuple(starts), tuple(offsets),
-                         leaves, end, tuple(level_plan(d) for d in range(len(levels))))
+                         leaves, end, tuple(level_plan(d) for d in range(len(levels))),
+                         tuple(depth), tuple(row))
 
 
 def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> jax.Array:

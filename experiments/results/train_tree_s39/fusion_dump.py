@@ -1,8 +1,9 @@
 """Which XLA fusion is the slow gather-reduce of the tree VJP: compiles forward + backward of
-one rollout-tree point with the optimized HLO dumped, and prints every fusion whose name holds
-`needle` with the computation it calls (and the operands' producers).
+one rollout-tree point with the optimized HLO dumped, and prints every instruction whose name
+starts with `needle` (a regular expression) with the computation it calls.
 
-  XLA_FLAGS=--xla_dump_to=/tmp/dump PYTHONPATH=. python fusion_dump.py /tmp/dump P:B:L:G:T needle [variant]
+  XLA_FLAGS=--xla_dump_to=/tmp/dump PYTHONPATH=. python fusion_dump.py /tmp/dump \
+      P:B:L:G:T needle [variant]
 """
 
 import glob
