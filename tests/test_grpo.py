@@ -236,7 +236,7 @@ def test_tree_grpo_loss_is_the_loss_of_every_path():
 def test_tree_loss_and_grads_match_every_path_through_the_model():
   """`tree_loss_and_grads` (tree_forward + tree_grpo_loss) against the same loss of log-probs
   from every path run as its own sequence through the model (`grpo_loss`'s equal, above): the
-  loss and every parameter's gradient."""
+  loss and every parameter's gradient, and one step of `make_tree_train_step`."""
   config = get_config('tiny_mha')
   plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2], [4, 3, 2, 3, 2, 4])
   layout = plan.to_device()
@@ -267,3 +267,15 @@ def test_tree_loss_and_grads_match_every_path_through_the_model():
     assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * scale,
                                err_msg=jax.tree_util.keystr(path))
+
+  # One step of `make_tree_train_step` lands where the per-path gradients take it (SGD: Adam's
+  # first step divides each gradient by its own size, amplifying rounding where it is ~0).
+  optimizer = optax.sgd(0.1)
+  step = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4)
+  stepped, _, metrics = step(jax.tree.map(jnp.copy, params), optimizer.init(params), batch,
+                             layout)
+  np.testing.assert_allclose(metrics['loss'], loss_p, rtol=1e-5, atol=1e-6)
+  updates, _ = optimizer.update(grads_p, optimizer.init(params), params)
+  expected = optax.apply_updates(params, updates)
+  for a, e in zip(jax.tree.leaves(stepped), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)

@@ -211,3 +211,21 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     return optax.apply_updates(params, updates), opt_state, metrics
 
   return step
+
+
+def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig,
+                         *, kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                         interpret: bool = False):
+  """`make_train_step` over a rollout tree: a jitted step (params, opt_state, batch:
+  TreeGrpoBatch, layout: TreePrefillLayout) -> (params, opt_state, metrics), its gradients from
+  `tree_loss_and_grads` (each node computed once)."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch: TreeGrpoBatch, layout):
+    (_, metrics), grads = tree_loss_and_grads(graphdef, params, batch, layout, config,
+                                              kv_block=kv_block, impl=impl, interpret=interpret)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics['grad_norm'] = optax.tree.norm(grads)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  return step
