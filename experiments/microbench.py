@@ -72,11 +72,7 @@ def main(argv):
   builders = {i: baselines.IMPLEMENTATIONS[i] for i in _IMPLS.value}
   timing = dict(repeats=chosen['repeats'], target_s=chosen['target_ms'] * 1e-3)
   options = baselines.Options(_MAX_COPY_GB.value * 1e9, _PAGE_SIZE.value, timing)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  if os.path.exists(path):
-    os.remove(path)
-  writer = report.JsonlWriter(path)
+  writer = report.fresh_jsonl(os.path.join(_WORKDIR.value, 'results.jsonl'))
 
   ceilings = roofline.measure_ceilings(int(chosen['copy_gb'] * 1e9), chosen['matmul_size'],
                                        **timing)
@@ -85,8 +81,7 @@ def main(argv):
     if torch_bw is not None:
       ceilings.details['torch_copy_bandwidth'] = torch_bw
       ceilings = ceilings.with_copy_bandwidth(torch_bw, 'torch device-to-device copy')
-  writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
-                     matmul_rate=ceilings.matmul_rate, details=ceilings.details))
+  writer.append(ceilings.record())
   logging.info('ceilings: copy %.3g TB/s, matmul %.3g TFLOP/s (%s)', ceilings.copy_bandwidth / 1e12,
                ceilings.matmul_rate / 1e12, ceilings.details)
 

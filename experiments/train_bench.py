@@ -306,18 +306,10 @@ def main(argv):
     _kernel_config()
   except ValueError as e:
     raise app.UsageError(f'--training_kernel_knobs: {e}') from None
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  if os.path.exists(path):
-    os.remove(path)
-  writer = report.JsonlWriter(path)
+  writer = report.fresh_jsonl(os.path.join(_WORKDIR.value, 'results.jsonl'))
   start = time.perf_counter()
-  if jax.default_backend() == 'cpu':
-    ceilings = roofline.measure_ceilings(copy_bytes=2**24, matmul_size=512, repeats=1)
-  else:
-    ceilings = roofline.measure_ceilings()
-  writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
-                     matmul_rate=ceilings.matmul_rate, details=ceilings.details))
+  ceilings = roofline.measure_backend_ceilings()
+  writer.append(ceilings.record())
   records = []
 
   def add(point):  # a point's records, written as soon as it is done (a cut run keeps them)

@@ -69,9 +69,7 @@ def main(argv):
   path = os.path.join(_WORKDIR.value, 'metrics.jsonl')
   records = []
   start = time.perf_counter()
-  if os.path.exists(path):
-    os.remove(path)
-  writer = report.JsonlWriter(path, meta={})  # the run metadata once, not on every step
+  writer = report.fresh_jsonl(path, meta={})  # the run metadata once, not on every step
   writer.append(dict(kind='meta', **report.run_metadata()))
   for step in range(_STEPS.value):
     prompts, ops = task.prompts(rng, _PROMPTS.value)

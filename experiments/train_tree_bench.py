@@ -6,7 +6,9 @@ same attention (checked against the first to run, at every leaf token):
 
 * `tree_mosaic_gpu` / `tree_xla`: `hydrajax.training.tree_prefill_attention`, the prompt and
   each branch attended once by every query below them (`impl` MOSAIC_GPU: the Hopper kernels,
-  one launch a segment group and level; XLA: the XLA path);
+  on slices of the buffer, since these trees are uniform; XLA: the XLA path);
+* `tree_walked_mosaic_gpu`: the same on the kernels through each level's walked tree
+  (`tree_attention_vjp`), the path a tree that is not uniform takes;
 * `prefill_mosaic_gpu` / `prefill_xla`: the two-level prefill layout (`prefill_attention`), what
   sharing one level gives: each branch with its own copy of the prompt as a prompt of P + L
   tokens, its G / B leaves as completions;
@@ -29,21 +31,18 @@ Writes, into --workdir: results.jsonl (one record per variant and point, plus th
 table.md, time.png and README.md.
 """
 
+import dataclasses
 import functools
-import gc
-import os
-import time
-import traceback
 
-from absl import app, flags, logging
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import rollout_report
 from hydrajax.attention_plan import AttentionShapes
-from hydrajax.benchmarking import report, roofline, sweep, timing
-from hydrajax.dispatch import AttentionImpl
-from hydrajax.training import costs, training_unsupported_reason
+from hydrajax.benchmarking import timing
+from hydrajax.training import costs
 from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_prefill as tp
 
@@ -63,39 +62,18 @@ SMOKE = dict(points=['24:2:8:4:8', '40:2:12:6:16'], heads='4:2', head_dim=16,
 H200 = dict(points=['1024:4:256:16:256', '4096:4:1024:16:1024', '4096:8:1024:64:512',
                     '8192:8:1024:64:1024'],
             heads='32:8', head_dim=128,
-            impls=['per_seq_cudnn', 'prefill_mosaic_gpu', 'tree_mosaic_gpu'],
+            impls=['per_seq_cudnn', 'prefill_mosaic_gpu', 'tree_mosaic_gpu', 'tree_walked_mosaic_gpu'],
             dtype=jnp.bfloat16)
-TREES = ('tree_mosaic_gpu', 'tree_xla')
+TREES = ('tree_mosaic_gpu', 'tree_xla', 'tree_walked_mosaic_gpu')
 
 
 def _settings():
   base = SMOKE if _SMOKE.value else H200
   pick = lambda flag, key: base[key] if flag.value is None else flag.value
-  points = [tuple(int(x) for x in p.split(':')) for p in pick(_POINTS, 'points')]
-  for p in points:
-    if len(p) != 5 or min(p) < 1 or p[3] % p[1]:
-      raise app.UsageError(f'--points: P:B:L:G:T with G a multiple of B, got {p}')
+  points = rollout_report.parse_points(pick(_POINTS, 'points'))
   n, k = (int(x) for x in pick(_HEADS, 'heads').split(':'))
   return dict(points=points, heads=(n, k), head_dim=pick(_HEAD_DIM, 'head_dim'),
               impls=pick(_IMPLS, 'impls'), dtype=base['dtype'])
-
-
-def rollout_tree(p, b, l, g, t) -> tp.TreePrefillPlan:
-  """Node 0 the prompt, nodes 1..B the branches, then the G leaves (G / B a branch)."""
-  parents = [-1] + [0] * b + [1 + i // (g // b) for i in range(g)]
-  return tp.plan_tree_prefill(parents, [p] + [l] * b + [t] * g)
-
-
-def _impl(name):
-  return AttentionImpl.MOSAIC_GPU if name.endswith('mosaic_gpu') else AttentionImpl.XLA
-
-
-def _unsupported(name, shapes: AttentionShapes):
-  if name == 'per_seq_cudnn' and jax.default_backend() != 'gpu':
-    return 'cuDNN needs a GPU'
-  if name.endswith('mosaic_gpu'):
-    return training_unsupported_reason(AttentionImpl.MOSAIC_GPU, shapes)
-  return None
 
 
 def _variant(name, point, heads, head_dim, dtype, seed):
@@ -103,7 +81,7 @@ def _variant(name, point, heads, head_dim, dtype, seed):
   [G, T, N, H] from its outputs."""
   p, b, l, g, t = point
   n, kh = heads
-  plan = rollout_tree(*point)
+  plan = tp.plan_rollout_tree(*point)
   layout = plan.to_device()
   keys = iter(jax.random.split(jax.random.key(seed), 9))
   draw = lambda heads: [jax.random.normal(next(keys), (rows, c, heads, head_dim),
@@ -113,7 +91,10 @@ def _variant(name, point, heads, head_dim, dtype, seed):
   if name in TREES:
     def fn(q, k, v):
       kb, vb = tp.write_tree_kv(layout, k), tp.write_tree_kv(layout, v)
-      return tuple(s.out for s in tp.tree_prefill_attention(q, kb, vb, layout, impl=_impl(name)))
+      plan = tp.prepare_tree_prefill(layout, q, kb, impl=rollout_report.impl_of(name))
+      if name == 'tree_walked_mosaic_gpu':
+        plan = dataclasses.replace(plan, on_slices=False)
+      return tuple(s.out for s in tp.attend_tree_prefill(q, kb, vb, plan))
     return fn, (q, k, v), lambda outs: outs[-1]
   if name.startswith('prefill'):
     prefill = pl.plan_prefill([p + l] * b, g // b, t).to_device()
@@ -121,7 +102,7 @@ def _variant(name, point, heads, head_dim, dtype, seed):
 
     def fn(q_p, q_c, k_p, k_c, v_p, v_c):
       kb, vb = pl.write_kv(prefill, k_p, k_c), pl.write_kv(prefill, v_p, v_c)
-      prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, prefill, impl=_impl(name))
+      prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, prefill, impl=rollout_report.impl_of(name))
       return prompt.out, completion.out
     args = tuple(x for a in (q, k, v) for x in (prompts(a), a[2]))
     return fn, args, lambda outs: outs[1]
@@ -139,7 +120,7 @@ def _cost(name, point, heads, head_dim, dtype):
   if name.startswith('prefill'):
     return costs.training_attention_cost(b, g // b, p + l, t, n, kh, head_dim, shared=True,
                                          dtype_bytes=size)
-  return costs.tree_prefill_cost(rollout_tree(*point), n, kh, head_dim,
+  return costs.tree_prefill_cost(tp.plan_rollout_tree(*point), n, kh, head_dim,
                                  shared=name in TREES, dtype_bytes=size)
 
 
@@ -148,16 +129,17 @@ def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
   p, b, l, g, t = point
   n, kh = heads
   records, reference = [], None
-  leaf_shapes = AttentionShapes(g, t, n, kh, head_dim, rollout_tree(*point).kv_tokens, dtype)
+  kv_tokens = tp.plan_rollout_tree(*point).kv_tokens
+  leaf_shapes = AttentionShapes(g, t, n, kh, head_dim, kv_tokens, dtype)
   for name in impls:
     cost = _cost(name, point, heads, head_dim, dtype)
     rec = dict(kind='attention', impl=name, P=p, B=b, L=l, G=g, T=t, N=n, K=kh, H=head_dim,
                dtype=jnp.dtype(dtype).name, floor_s=cost.floor_s(ceilings), flops=cost.flops)
-    reason = _unsupported(name, leaf_shapes)
+    reason = rollout_report.unsupported(name, leaf_shapes)
     if reason:
       records.append(dict(rec, status='unsupported', reason=reason))
       continue
-    try:
+    with rollout_report.variant(rec, records):
       fn, args, leaves_of = _variant(name, point, heads, head_dim, dtype, seed)
       leaves = np.asarray(leaves_of(jax.jit(fn)(*args)), np.float32)
       if reference is None:
@@ -167,72 +149,23 @@ def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
         rec['rel_err'] = float(diff / max(np.abs(reference).max(), 1e-30))
       del leaves
       program, program_args = timing.vjp_program(fn, args, seed)
-      time_s = timing.device_time(program, *program_args, repeats=_REPEATS.value,
-                                  target_s=_TARGET_MS.value / 1e3, min_iters=1).median_s
-      if time_s <= 0:  # below the timer's noise (a loaded or tiny machine): no time
-        rec.update(status='untimeable', reason=sweep.UNTIMEABLE)
-      else:
-        rec.update(status='ok', time_s=time_s, time_over_floor=time_s / rec['floor_s'])
-    except Exception as e:  # one failing variant must not end the sweep
-      logging.error('%s at %s: %s', name, point, traceback.format_exc(limit=3))
-      rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
-    records.append(rec)
-    gc.collect()
-  tree = next((r for r in records if r['impl'] in TREES and r.get('time_s')), None)
-  for r in records:
-    if tree and r is not tree and r.get('time_s'):
-      tree[f"speedup_vs_{r['impl']}"] = r['time_s'] / tree['time_s']
+      rollout_report.record_time(rec, program, program_args, repeats=_REPEATS.value,
+                                 target_s=_TARGET_MS.value / 1e3)
+  rollout_report.add_speedups(records, lambda impl: impl in TREES)
   return records
 
 
 def main(argv):
   del argv
   s = _settings()
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  if os.path.exists(path):
-    os.remove(path)
-  writer = report.JsonlWriter(path)
-  start = time.perf_counter()
-  if jax.default_backend() == 'cpu':
-    ceilings = roofline.measure_ceilings(copy_bytes=2**24, matmul_size=512, repeats=1)
-  else:
-    ceilings = roofline.measure_ceilings()
-  writer.append(dict(kind='ceilings', copy_bandwidth=ceilings.copy_bandwidth,
-                     matmul_rate=ceilings.matmul_rate, details=ceilings.details))
-  records = []
-  for point in report.progress(s['points'], desc='train_tree_bench points'):
-    logging.info('point P:B:L:G:T=%s (%.0f s)', point, time.perf_counter() - start)
-    for r in run_point(point, s['impls'], s['heads'], s['head_dim'], s['dtype'], ceilings,
-                       _SEED.value):
-      writer.append(r)
-      records.append(r)
-  baselines = [i for i in s['impls'] if i not in TREES]
-  table = report.markdown_table(records, [
-      ('impl', 'impl'), ('P', 'P'), ('B', 'B'), ('L', 'L'), ('G', 'G'), ('T', 'T'),
-      ('time ms', lambda r: r.get('time_s') and 1e3 * r['time_s']),
-      ('floor ms', lambda r: 1e3 * r['floor_s']),
-      ('time / floor', 'time_over_floor'),
-      *[(f'tree x vs {i}', f'speedup_vs_{i}') for i in baselines],
-      ('rel err', 'rel_err'),
-      ('status', lambda r: r['status'] if r['status'] == 'ok'
-       else f"{r['status']}: {r.get('reason', '')}"),
-  ])
-  text = (f'Backend {jax.default_backend()}, ceilings: copy {ceilings.copy_bandwidth / 1e9:.0f} '
-          f'GB/s, matmul {ceilings.matmul_rate / 1e12:.1f} TFLOP/s. P:B:L:G:T = a P-token '
-          'prompt, B branches of L tokens, G leaves of T tokens.\n\n' + table)
-  with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
-    f.write(text)
-  labels = [':'.join(str(x) for x in point) for point in s['points']]
-  values = {i: [next((r.get('time_s') for r in records if r['impl'] == i
-                      and (r['P'], r['B'], r['L'], r['G'], r['T']) == point), None)
-                for point in s['points']] for i in s['impls']}
-  report.plot_bars(labels, values, path=os.path.join(_WORKDIR.value, 'time.png'),
-                   ylabel='forward + backward, s', title='rollout-tree training attention')
-  report.write_workdir_readme(_WORKDIR.value, 'Rollout-tree training attention', text,
-                              writer.meta)
-  print(table)
-  logging.info('done in %.0f s', time.perf_counter() - start)
+  tree = next((i for i in s['impls'] if i in TREES), None)
+  rollout_report.run(
+      _WORKDIR.value, s['points'], s['impls'],
+      lambda point, ceilings: run_point(point, s['impls'], s['heads'], s['head_dim'],
+                                        s['dtype'], ceilings, _SEED.value),
+      tree=tree, columns=[('rel err', 'rel_err')],
+      header='P:B:L:G:T = a P-token prompt, B branches of L tokens, G leaves of T tokens.',
+      title='Rollout-tree training attention', ylabel='forward + backward, s')
 
 
 if __name__ == '__main__':

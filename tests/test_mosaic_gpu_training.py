@@ -504,15 +504,25 @@ class TestTrainingKernels:
     for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual, expected):
       _close(name, a, e)
 
-  def test_tree_prefill_impl(self):
-    """A three-level rollout tree (`tree_prefill`): every level's ancestors (a group of two
-    branch segments among them) and causal self-attention on the kernels, against the XLA
-    path: states at the real queries and the gradients of every level's q and of k, v."""
+  @pytest.mark.parametrize('uniform', [True, False], ids=['on_slices', 'walked'])
+  def test_tree_prefill_impl(self, uniform):
+    """A three-level rollout tree (`tree_prefill`): every level's ancestors and causal
+    self-attention on the kernels, against the XLA path: states at the real queries and the
+    gradients of every level's q and of k, v. A uniform tree runs on slices of the buffer
+    (`prefill_vjp`); one whose root has a childless third branch walks each level's tree (a
+    group of two branch segments among them)."""
     from hydrajax.training import tree_prefill as tp
 
-    plan = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2, 2], [37, 21, 21, 9, 13, 5, 11])
+    parents = [-1, 0, 0, 1, 1, 2, 2] + ([] if uniform else [0])
+    plan = tp.plan_tree_prefill(parents, [37, 21, 21, 9, 13, 5, 11, 17][:len(parents)])
     layout = plan.to_device()
-    assert max(g.num_segments for g in layout.layouts[2].groups) == 2, layout.layouts[2].groups
+    prepared = tp.prepare_tree_prefill(
+        layout, [jax.ShapeDtypeStruct((b, c, 4, 64), BF16) for b, c in layout.level_shapes],
+        jax.ShapeDtypeStruct((layout.kv_tokens, 2, 64), BF16), impl='mosaic_gpu',
+        interpret=self.interpret)
+    assert prepared.on_slices == uniform
+    if not uniform:
+      assert max(g.num_segments for g in layout.layouts[2].groups) == 2, layout.layouts[2].groups
     n, kh, h = 4, 2, 64
     keys = iter(jax.random.split(jax.random.key(17), 9))
     draw = lambda shape: jax.random.normal(next(keys), shape, jnp.float32).astype(BF16)
@@ -686,6 +696,54 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, dq_in_place):
   expected = jax.value_and_grad(loss(), argnums=(0, 1, 2, 3))(*args)
   np.testing.assert_allclose(actual[0], expected[0], rtol=2e-5)
   for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual[1], expected[1]):
+    np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize('dq_in_place', [False, True], ids=['dq_summed', 'dq_in_place'])
+def test_uniform_tree_prefill_on_slices(monkeypatch, dq_in_place):
+  """A uniform forest on slices of the buffer (`prefill_vjp`, all levels one custom VJP): two
+  roots, two branches each, two leaves a branch, every length its own and no block multiple.
+  One causal launch a level and one segment launch a level and ancestor level, forward and
+  backward (the kernels stood in for by their `*_reference`s, float32), with `kernel_config`;
+  states and the gradients of every level's q and of k, v equal the walked XLA path's."""
+  from hydrajax.training import tree_prefill as tp
+
+  cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1, prefill_dq_in_place=dq_in_place)
+  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
+                                            'segments_backward', 'causal_backward'))
+  rng = np.random.default_rng(zlib.crc32(b'uniform tree on slices'))
+  parents = [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+  plan = tp.plan_tree_prefill(parents, [int(n) for n in rng.integers(1, 30, len(parents))],
+                              capacities=(31, 33, 30))
+  assert plan.uniform
+  layout = plan.to_device()
+  n, kh, h = 4, 2, 16
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  qs = [draw(b, c, n, h) for b, c in layout.level_shapes]
+  k, v = (tp.write_tree_kv(layout, [draw(b, c, kh, h) for b, c in layout.level_shapes])
+          for _ in range(2))
+  weights = [(draw(*q.shape), draw(*q.shape[:3])) for q in qs]
+
+  def loss(**kw):
+    def f(qs, k, v):
+      states = tp.tree_prefill_attention(qs, k, v, layout, **kw)
+      return sum(jnp.sum(s.out * w) + jnp.sum(s.lse * w_lse)
+                 for s, (w, w_lse) in zip(states, weights))
+    return f
+
+  kernels = dict(impl='mosaic_gpu', kernel_config=cfg)
+  assert tp.prepare_tree_prefill(layout, qs, k, **kernels).on_slices
+  actual = jax.value_and_grad(loss(**kernels), argnums=(0, 1, 2))(qs, k, v)
+  # Three levels: three causal launches and 0 + 1 + 2 segment launches, each pass.
+  assert {name: len(calls) for name, calls in seen.items()} == dict(
+      causal_forward=3, segments_forward=3, causal_backward=3, segments_backward=3), seen
+  assert {c for calls in seen.values() for c in calls} == {cfg}, seen
+  expected = jax.value_and_grad(loss(), argnums=(0, 1, 2))(qs, k, v)
+  np.testing.assert_allclose(actual[0], expected[0], rtol=2e-5)
+  for d, (a, e) in enumerate(zip(actual[1][0], expected[1][0])):
+    np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=f'dq, level {d}')
+  for name, a, e in zip(('dk', 'dv'), actual[1][1:], expected[1][1:]):
     np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-5, err_msg=name)
 
 

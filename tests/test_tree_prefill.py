@@ -171,6 +171,17 @@ def test_path_sequences_are_what_an_unshared_model_attends():
     np.testing.assert_array_equal(pos[i, :first + n], np.arange(first + n))
 
 
+def test_uniform_trees_are_recognized():
+  """`uniform` (then the kernels run on slices of the buffer): every node of a level has the
+  same number of children."""
+  plan = lambda parents: tp.plan_tree_prefill(parents, [3] * len(parents))
+  assert all(plan(p).uniform for p in ([-1], [-1, -1, 0, 1], [-1, 0, 0, 1, 1, 2, 2]))
+  assert not plan([-1, 0, 0, 1]).uniform  # a leaf above the last level
+  assert not plan([-1, 0, 0, 1, 1, 1, 2]).uniform  # three children and one
+  assert plan([-1, 0, 0, 1, 1, 2, 2]).to_device().uniform
+  assert not plan([-1, 0, 0, 1]).to_device().uniform
+
+
 def test_arguments_are_checked():
   with pytest.raises(ValueError, match=r'parents\[2\] must be -1 or an earlier node'):
     tp.plan_tree_prefill([-1, 0, 2], [3, 4, 5])
@@ -215,5 +226,32 @@ def test_train_tree_bench_smoke(tmp_path):
     assert (f'speedup_vs_{name}' in points['tree_xla']) == timed, points['tree_xla']
   assert points['tree_xla']['flops'] < points['prefill_xla']['flops'] < points['per_seq_xla'][
       'flops']
+  for name in ('table.md', 'time.png', 'README.md'):
+    assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_train_tree_step_smoke(tmp_path):
+  """The rollout-tree GRPO step benchmark's CPU smoke: the tree, one-level sharing and the
+  per-sequence model give the same loss; the tree's speedups (where both were timed), table,
+  plot and README are written."""
+  import json
+  import subprocess
+  import sys
+
+  cmd = [sys.executable, '-m', 'experiments.train_tree_step', '--points=24:2:8:4:8',
+         '--layers=1', '--repeats=1', '--target_ms=1', f'--workdir={tmp_path}']
+  subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+  records = [json.loads(line) for line in (tmp_path / 'results.jsonl').read_text().splitlines()]
+  steps = {r['impl']: r for r in records if r['kind'] == 'step'}
+  assert set(steps) == {'per_seq_xla', 'prompt_shared_xla', 'tree_xla'}
+  assert all(r['status'] in ('ok', 'untimeable') for r in steps.values()), steps
+  assert np.isfinite(steps['per_seq_xla']['loss']) and steps['per_seq_xla']['loss'] != 0
+  for name in ('prompt_shared_xla', 'tree_xla'):
+    assert steps[name]['loss_rel_err'] < 1e-4, steps[name]
+  for name in ('per_seq_xla', 'prompt_shared_xla'):
+    timed = all(steps[i]['status'] == 'ok' for i in (name, 'tree_xla'))
+    assert (f'speedup_vs_{name}' in steps['tree_xla']) == timed, steps['tree_xla']
+  assert steps['tree_xla']['flops'] < steps['prompt_shared_xla']['flops'] < steps[
+      'per_seq_xla']['flops']
   for name in ('table.md', 'time.png', 'README.md'):
     assert (tmp_path / name).stat().st_size > 0, name

@@ -80,6 +80,13 @@ class JsonlWriter:
     return full
 
 
+def fresh_jsonl(path: str, meta: dict[str, Any] | None = None) -> JsonlWriter:
+  """A `JsonlWriter` on an empty `path` (an earlier run's file there is removed)."""
+  if os.path.exists(path):
+    os.remove(path)
+  return JsonlWriter(path, meta)
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]

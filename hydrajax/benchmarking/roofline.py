@@ -48,6 +48,11 @@ class Ceilings:
     details = dict(self.details, copy_bandwidth_source=source)
     return Ceilings(bandwidth, self.matmul_rate, details)
 
+  def record(self) -> dict[str, Any]:
+    """The JSONL record of a run's ceilings (kind 'ceilings')."""
+    return dict(kind='ceilings', copy_bandwidth=self.copy_bandwidth,
+                matmul_rate=self.matmul_rate, details=self.details)
+
 
 def floor(bytes_: float, flops: float, bandwidth: float, rate: float) -> float:
   """Roofline floor in seconds: max(bytes / bandwidth, flops / rate)."""
@@ -158,6 +163,13 @@ def measure_matmul_rate(
       return 2 * size**3 / t.median_s
     size *= 2
   raise RuntimeError(f'matmul of size up to {size // 2} too fast to time; use a larger size')
+
+
+def measure_backend_ceilings() -> Ceilings:
+  """`measure_ceilings` at full size on an accelerator, at a CPU smoke's sizes on the CPU."""
+  if jax.default_backend() == 'cpu':
+    return measure_ceilings(copy_bytes=2**24, matmul_size=512, repeats=1)
+  return measure_ceilings()
 
 
 def measure_ceilings(copy_bytes: int = 2**31, matmul_size: int = 8192, **timing_kw) -> Ceilings:

@@ -27,6 +27,7 @@ from hydrajax.training.tree_prefill import (
     TreePrefillPlan,
     attend_tree_prefill,
     path_sequences,
+    plan_rollout_tree,
     plan_tree_prefill,
     prepare_tree_prefill,
     tree_levels,

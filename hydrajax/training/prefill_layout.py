@@ -35,7 +35,7 @@ from hydrajax.attention_plan import AttentionShapes, check_scale
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.training.prefill_vjp import join_buffer, prefill_attention_kernels
+from hydrajax.training.prefill_vjp import join_levels, levels_attention_kernels
 from hydrajax.training.training_plan import (
     TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
 )
@@ -152,7 +152,7 @@ def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Arr
     if kv.ndim != 4 or kv.shape[:2] != slots.shape or kv.shape[2:] != prompt_kv.shape[2:]:
       raise ValueError(f'{name} must be [{", ".join(map(str, slots.shape))}, K, H] (K, H as '
                        f'prompt_kv\'s), got {kv.shape}')
-  return join_buffer(prompt_kv, completion_kv, layout.kv_tokens)
+  return join_levels((prompt_kv, completion_kv))
 
 
 @jax.tree_util.register_dataclass
@@ -226,8 +226,8 @@ def attend_prefill(
       check_call(q, k_buffer, v_buffer, tree_plan)
     scale = check_scale(scale)
     scale = q_prompt.shape[-1]**-0.5 if scale is None else scale
-    return prefill_attention_kernels(q_prompt, q_completion, k_buffer, v_buffer,
-                                     plan.prompt_lengths, scale, plan.completion.kernels)
+    return levels_attention_kernels((q_prompt, q_completion), k_buffer, v_buffer,
+                                    (plan.prompt_lengths,), scale, plan.completion.kernels)
   prompt = attend_differentiable(q_prompt, k_buffer, v_buffer, plan.prompt, scale=scale)
   completion = attend_differentiable(q_completion, k_buffer, v_buffer, plan.completion,
                                      scale=scale)

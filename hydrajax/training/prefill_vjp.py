@@ -1,28 +1,38 @@
-"""The prefill layout's attention on the Mosaic GPU kernels, on slices of the buffer.
+"""The causal prefill of a uniform token tree on the Mosaic GPU kernels, on slices of the buffer.
 
-`plan_prefill` puts every token in order, [prompts | pad to a page of T | completions]
-(`write_kv`), so each part of the attention is a static slice or a reshape of its inputs:
+D levels of nodes, level d holding B_d nodes right-padded to a capacity C_d, lie in one buffer
+in order (`join_levels`):
 
-* the prompts' own causal attention: one batched causal call, q [Bp, P] against K/V [Bp, P];
-* the completions over their shared prompt: one batched segment call, prompt i's K/V against
-  the queries of its G completions, [G * T] rows (a reshape of q [Bp * G, T]);
-* each completion's causal attention over itself: one batched causal call over [Bp * G, T].
+    [level 0 | pad to a page of C_1 | level 1 | pad to a page of C_2 | level 2 | ...]
 
-The completions' two states are LSE-merged on XLA. The backward runs the same three calls'
-backward kernels from the merged (lse, delta); the prompt's dK/dV sums its causal and its
-segment parts, and the buffer's cotangent is their concatenation (which `write_kv`'s
-transpose slices back). The completions' causal dQ is written in float32 and the
-segment kernel reduce-adds its own onto it (`TrainingKernelConfig.prefill_dq_in_place`; off,
-the two are summed on XLA).
+Each node attends its ancestors' real tokens and itself, causally. The tree is uniform when
+every node of a level has the same number of children (no leaf above the last level): then
+the level-d nodes below a level-a node are B_d / B_a consecutive rows, and each part of the
+attention is a static slice or a reshape of its inputs, with no gather:
+
+* each level's own causal attention: one batched causal call, q [B_d, C_d] against its slice
+  [B_d, C_d] of the buffer;
+* level d over its ancestors at level a < d: one batched segment call, level-a node i against
+  the queries of its descendants at level d, [B_d / B_a * C_d] rows (a reshape of q).
+
+The prefill layout (`prefill_layout`: prompts, G completions each) is the two-level case; a
+rollout tree (`tree_prefill`) any depth. Each level's states are LSE-merged on XLA. The
+backward runs the same calls' backward kernels from the merged (lse, delta). A level's dK/dV
+sums its own causal part and its segment parts below it, in float32, into one buffer (the
+concatenation, which `join_levels`'s transpose slices back). With
+`TrainingKernelConfig.prefill_dq_in_place`, a level's causal dQ is written in float32 and each
+ancestor's segment kernel reduce-adds its own onto it; off, the parts are summed on XLA.
 
 The general custom VJP (`tree_attention_vjp`) walks any tree: it gathers each part's queries
-and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back. On an H200
-(`experiments/results/train_causal_pairs_s36/`) the time outside the kernels fell from 1.85
-to 1.05 ms of a 9 ms forward + backward (G=16, 1K prompt, T=2K), and from 3.75 to 1.14 ms of
-65 ms (G=64, 8K prompt, T=1K). Tested against the XLA path (`tests/test_mosaic_gpu_training.py`).
+and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back, one VJP (one
+float32 dK/dV buffer) a level. On an H200 (`experiments/results/train_causal_pairs_s36/`) the
+time outside the kernels of a two-level prefill fell from 1.85 to 1.05 ms of a 9 ms forward +
+backward (G=16, 1K prompt, T=2K), and from 3.75 to 1.14 ms of 65 ms (G=64, 8K prompt, T=1K).
+Tested against the XLA path (`tests/test_mosaic_gpu_training.py`).
 """
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,58 +41,81 @@ import numpy as np
 from hydrajax.partial_state import PartialState, merge_many
 
 
-def join_buffer(prompts, completions, kv_tokens):
-  """prompts [Bp, P, ...] and completions [B, T, ...] -> the buffer [L = kv_tokens, ...] in its
-  order: prompts, zeros to a page of T, completions (`PrefillPlan.to_device`'s slots)."""
-  rest = prompts.shape[2:]
-  prompts, completions = prompts.reshape((-1,) + rest), completions.reshape((-1,) + rest)
-  pad = jnp.zeros((kv_tokens - prompts.shape[0] - completions.shape[0],) + rest, prompts.dtype)
-  return jnp.concatenate([prompts, pad, completions.astype(prompts.dtype)])
+def level_starts(level_shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
+  """(buffer index of each level's first slot, the buffer's length L) for levels of (B_d,
+  C_d): a level starts at the first page of its capacity after the one above."""
+  starts, end = [], 0
+  for b, c in level_shapes:
+    starts.append(-(-end // c) * c)
+    end = starts[-1] + b * c
+  return tuple(starts), end
 
 
-def _split(buffer, bp, p, b, t):
-  """`join_buffer`'s inverse: buffer [L, K, H] -> (prompts [Bp, P, K, H], completions
-  [B, T, K, H]), static slices."""
-  first = -(-bp * p // t) * t  # the completions start at a page of T
-  rest = buffer.shape[1:]
-  return (buffer[:bp * p].reshape((bp, p) + rest),
-          buffer[first:first + b * t].reshape((b, t) + rest))
+def join_levels(levels: Sequence[jax.Array]) -> jax.Array:
+  """Each level's [B_d, C_d, ...] -> the buffer [L, ...] in the levels' order (zeros between
+  levels), in levels[0]'s dtype."""
+  rest = levels[0].shape[2:]
+  starts, _ = level_starts([x.shape[:2] for x in levels])
+  pieces, end = [], 0
+  for x, start in zip(levels, starts):
+    if start > end:
+      pieces.append(jnp.zeros((start - end,) + rest, levels[0].dtype))
+    pieces.append(x.reshape((-1,) + rest).astype(levels[0].dtype))
+    end = start + x.shape[0] * x.shape[1]
+  return jnp.concatenate(pieces)
 
 
-def _dims(q_prompt, q_completion):
-  bp, p = q_prompt.shape[:2]
-  b, t, n, h = q_completion.shape
-  return bp, p, b, t, n, h, b // bp
+def split_levels(buffer: jax.Array, level_shapes: Sequence[tuple[int, int]]) -> list[jax.Array]:
+  """`join_levels`'s inverse: buffer [L, ...] -> each level's [B_d, C_d, ...] (static slices)."""
+  starts, _ = level_starts(level_shapes)
+  return [buffer[s:s + b * c].reshape((b, c) + buffer.shape[1:])
+          for (b, c), s in zip(level_shapes, starts)]
 
 
-def _forward(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale, kernels):
+def _under(x, nodes):
+  """A level's [B_d, C_d, ...] -> [nodes, B_d / nodes * C_d, ...]: the rows below each of an
+  upper level's `nodes` nodes (a uniform tree keeps them consecutive)."""
+  return x.reshape((nodes, -1) + x.shape[2:])
+
+
+def _shapes(level_q):
+  return [tuple(q.shape[:2]) for q in level_q]
+
+
+def _forward(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels):
   from pallas_kernels.mosaic_gpu import training_attention as ta  # kernels import hydrajax
 
   kw = dict(scale=scale, interpret=kernels.interpret, config=kernels.config)
-  bp, p, b, t, n, h, g = _dims(q_prompt, q_completion)
-  (kp, kc), (vp, vc) = (_split(x, bp, p, b, t) for x in (k_buffer, v_buffer))
-  prompt = PartialState(*ta.causal_forward(q_prompt, kp, vp, p, **kw))
-  shared_out, shared_lse = ta.segments_forward(q_completion.reshape(bp, g * t, n, h), kp, vp,
-                                               prompt_lengths, **kw)
-  own = PartialState(*ta.causal_forward(q_completion, kc, vc, t, **kw))
-  shared = PartialState(shared_out.reshape(b, t, n, h), shared_lse.reshape(b, t, n))
-  return prompt, merge_many([shared, own], out_dtype=q_completion.dtype)
+  shapes = _shapes(level_q)
+  ks, vs = split_levels(k_buffer, shapes), split_levels(v_buffer, shapes)
+  states = []
+  for d, q in enumerate(level_q):
+    ancestors = []
+    for a in range(d):  # every level above: each of its nodes one segment of its rows below
+      out, lse = ta.segments_forward(_under(q, shapes[a][0]), ks[a], vs[a], segment_lengths[a],
+                                     **kw)
+      ancestors.append(PartialState(out.reshape(q.shape), lse.reshape(q.shape[:3])))
+    own = PartialState(*ta.causal_forward(q, ks[d], vs[d], shapes[d][1], **kw))
+    states.append(merge_many(ancestors + [own], out_dtype=q.dtype) if ancestors else own)
+  return tuple(states)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def prefill_attention_kernels(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale,
-                              kernels):
-  """(prompt state [Bp, P, N, H], completion state [Bp * G, T, N, H]) of `attend_prefill`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def levels_attention_kernels(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels):
+  """Every level's state (out [B_d, C_d, N, H], lse [B_d, C_d, N]) of a uniform tree.
 
-  k_buffer, v_buffer: `write_kv`'s [L, K, H]; prompt_lengths [Bp] int32; kernels: the
-  resolved `tree_attention_vjp._Kernels` (their interpret mode and config).
+  level_q: a tuple of each level's queries [B_d, C_d, N, H]; k_buffer, v_buffer [L, K, H] in
+  the levels' order (`join_levels`); segment_lengths: a tuple of [B_a] int32, the real tokens
+  of every level's nodes but the last (what the levels below attend); kernels: the resolved
+  `tree_attention_vjp._Kernels` (their interpret mode and config). A padding query (past its
+  node's real tokens) sees its node's padding.
   """
-  return _forward(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale, kernels)
+  return _forward(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels)
 
 
-def _fwd(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale, kernels):
-  states = _forward(q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, scale, kernels)
-  return states, (q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, states)
+def _fwd(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels):
+  states = _forward(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels)
+  return states, (level_q, k_buffer, v_buffer, segment_lengths, states)
 
 
 def _delta(state, cotangent):
@@ -92,38 +125,50 @@ def _delta(state, cotangent):
   return delta - d_lse.astype(jnp.float32), d_out.astype(state.out.dtype)
 
 
+def _sum_parts(parts, dtype):
+  """One level's dK (or dV) parts summed in float32 (a single part as it is)."""
+  if len(parts) == 1:
+    return parts[0].astype(dtype)
+  return sum(x.astype(jnp.float32) for x in parts).astype(dtype)
+
+
 def _bwd(scale, kernels, residuals, cotangents):
   from pallas_kernels.mosaic_gpu import training_attention as ta
 
   kw = dict(scale=scale, interpret=kernels.interpret, config=kernels.config)
-  q_prompt, q_completion, k_buffer, v_buffer, prompt_lengths, states = residuals
-  bp, p, b, t, n, h, g = _dims(q_prompt, q_completion)
-  (kp, kc), (vp, vc) = (_split(x, bp, p, b, t) for x in (k_buffer, v_buffer))
-  (delta_p, do_p), (delta_c, do_c) = (_delta(s, c) for s, c in zip(states, cotangents))
-  lse_p, lse_c = states[0].lse, states[1].lse
-  dq_p, dkp_own, dvp_own = ta.causal_backward(q_prompt, kp, vp, do_p, lse_p, delta_p, p, **kw)
-  rows = lambda x: x.reshape((bp, g * t) + x.shape[2:])
-  shared = lambda **dq: ta.segments_backward(
-      rows(q_completion), kp, vp, rows(do_c), rows(lse_c), rows(delta_c), prompt_lengths,
-      **dq, **kw)
-  own = lambda **dq: ta.causal_backward(q_completion, kc, vc, do_c, lse_c, delta_c, t, **dq, **kw)
-  if ta.config_or_default(kernels.config, kernels.interpret).prefill_dq_in_place:
-    dq_own, dkc, dvc = own(dq_dtype=jnp.float32)  # then the prompt's dQ adds onto it
-    dq_c, dkp_shared, dvp_shared = shared(dq_init=rows(dq_own), dq_dtype=q_completion.dtype)
-    dq_c = dq_c.reshape(b, t, n, h)
-  else:
-    dq_shared, dkp_shared, dvp_shared = shared(dq_dtype=jnp.float32)
-    dq_own, dkc, dvc = own()
-    dq_c = (dq_shared.reshape(b, t, n, h) + dq_own.astype(jnp.float32)).astype(
-        q_completion.dtype)
+  in_place = ta.config_or_default(kernels.config, kernels.interpret).prefill_dq_in_place
+  level_q, k_buffer, v_buffer, segment_lengths, states = residuals
+  shapes = _shapes(level_q)
+  ks, vs = split_levels(k_buffer, shapes), split_levels(v_buffer, shapes)
+  dk_parts, dv_parts = [[] for _ in shapes], [[] for _ in shapes]
+  dqs = []
+  for d, (q, state, cotangent) in enumerate(zip(level_q, states, cotangents)):
+    delta, do = _delta(state, cotangent)
+    lse = state.lse
+    # The own causal part first: its dQ in float32 when segment kernels add onto it.
+    dq, dk, dv = ta.causal_backward(q, ks[d], vs[d], do, lse, delta, shapes[d][1],
+                                    dq_dtype=jnp.float32 if d and in_place else None, **kw)
+    dk_parts[d].append(dk)
+    dv_parts[d].append(dv)
+    summed = [] if in_place else [dq.astype(jnp.float32)]
+    for a in range(d):
+      rows = lambda x: _under(x, shapes[a][0])
+      last = a == d - 1
+      dq_a, dk, dv = ta.segments_backward(
+          rows(q), ks[a], vs[a], rows(do), rows(lse), rows(delta), segment_lengths[a], **kw,
+          **(dict(dq_init=rows(dq), dq_dtype=q.dtype if last else jnp.float32) if in_place
+             else dict(dq_dtype=jnp.float32)))
+      if in_place:
+        dq = dq_a.reshape(q.shape)
+      else:
+        summed.append(dq_a.reshape(q.shape))
+      dk_parts[a].append(dk)
+      dv_parts[a].append(dv)
+    dqs.append(dq if in_place or not d else sum(summed).astype(q.dtype))
+  dk = join_levels([_sum_parts(p, k_buffer.dtype) for p in dk_parts])
+  dv = join_levels([_sum_parts(p, v_buffer.dtype) for p in dv_parts])
+  no_grad = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in segment_lengths)
+  return tuple(dqs), dk, dv, no_grad
 
-  def buffer(prompt_parts, completions, like):  # the prompts' two parts summed in float32
-    prompts = sum(x.astype(jnp.float32) for x in prompt_parts).astype(like.dtype)
-    return join_buffer(prompts, completions, like.shape[0])
 
-  dk = buffer((dkp_own, dkp_shared), dkc, k_buffer)
-  dv = buffer((dvp_own, dvp_shared), dvc, v_buffer)
-  return dq_p, dq_c, dk, dv, np.zeros(prompt_lengths.shape, jax.dtypes.float0)
-
-
-prefill_attention_kernels.defvjp(_fwd, _bwd)
+levels_attention_kernels.defvjp(_fwd, _bwd)

@@ -19,9 +19,14 @@ contiguous rows at every level: each ancestor is one segment.
 
 Node x's token j sits at sequence position `offset(x) + j` (RoPE), offset(x) the real lengths
 of its ancestors. A model attends every level every layer: `prepare_tree_prefill` once (one
-`TrainingAttentionPlan` a level), then `attend_tree_prefill` per layer. Each level's call
-returns the dK / dV of the whole buffer, so an ancestor's gradient sums over every level below
-it (and inside one level's call over all its rows, in one matmul per kv block).
+`TrainingAttentionPlan` a level), then `attend_tree_prefill` per layer. An ancestor's dK / dV
+sums over every level below it, inside a level over all its rows in one matmul per kv block.
+
+On the Mosaic GPU kernels a uniform tree (every node of a level with the same number of
+children, as a sampler that branches a fixed number of ways makes) runs on slices of the
+buffer, all levels in one custom VJP with one dK / dV buffer (`prefill_vjp`). Any other tree
+walks each level's `TreeLayout` (`tree_attention_vjp`: gathers, scatter-adds, and a dK / dV
+of the whole buffer a level, which JAX sums).
 """
 
 import dataclasses
@@ -31,12 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes
+from hydrajax.attention_plan import AttentionShapes, check_scale
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
 from hydrajax.partial_state import PartialState
+from hydrajax.training.prefill_vjp import (
+    join_levels, level_starts, levels_attention_kernels, split_levels,
+)
 from hydrajax.training.training_plan import (
-    TrainingAttentionPlan, attend_differentiable, prepare_training_attention,
+    TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
 )
 
 # Capacities rounded by quarters (at most 25% padding), segments never split: a training
@@ -58,6 +66,8 @@ class TreePrefillLayout:
   starts: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # a level's slot 0
   capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # C_d
   kv_tokens: int = dataclasses.field(metadata=dict(static=True))  # L
+  # Every node of a level has the same number of children (`TreePrefillPlan.uniform`).
+  uniform: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def level_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -89,6 +99,17 @@ class TreePrefillPlan:
   def depth(self, node: int) -> int:
     return self.depths[node]
 
+  @property
+  def uniform(self) -> bool:
+    """Whether every node of a level has the same number of children (no leaf above the last
+    level): then the nodes below any node are equally many consecutive rows of every level
+    below, and the kernels run on slices of the buffer (`prefill_vjp`)."""
+    children = [0] * len(self.parents)
+    for p in self.parents:
+      if p >= 0:
+        children[p] += 1
+    return all(len({children[x] for x in level}) == 1 for level in self.levels[:-1])
+
   def path(self, node: int) -> tuple[int, ...]:
     """The nodes from `node`'s root down to it."""
     path = [node]
@@ -118,7 +139,8 @@ class TreePrefillPlan:
         positions=tuple(positions), lengths=tuple(lengths),
         path_tokens=jnp.asarray(path_tokens), path_lengths=jnp.asarray(path_lengths),
         parent_rows=parent_rows,
-        starts=self.starts, capacities=self.capacities, kv_tokens=self.kv_tokens)
+        starts=self.starts, capacities=self.capacities, kv_tokens=self.kv_tokens,
+        uniform=self.uniform)
 
 
 def _levels(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -168,10 +190,7 @@ def plan_tree_prefill(
   if len(capacities) != len(levels) or any(c < n for c, n in zip(capacities, longest)):
     raise ValueError(f'capacities must be one per depth ({len(levels)}), each at least the '
                      f'depth\'s longest node {longest}, got {capacities}')
-  starts, end = [], 0
-  for level, c in zip(levels, capacities):
-    starts.append(-(-end // c) * c)  # a level starts at a page of its capacity
-    end = starts[-1] + len(level) * c
+  starts, end = level_starts([(len(level), c) for level, c in zip(levels, capacities)])
   offsets = [0] * len(parents)
   for x, p in enumerate(parents):  # parents come first
     offsets[x] = offsets[p] + lengths[p] if p >= 0 else 0
@@ -205,9 +224,20 @@ def plan_tree_prefill(
         private_pages=tuple((starts[d] // c + r,) for r in range(len(level))),
         private_lengths=(c,) * len(level), kv_tokens=end)
 
-  return TreePrefillPlan(parents, lengths, levels, capacities, tuple(starts), tuple(offsets),
+  return TreePrefillPlan(parents, lengths, levels, capacities, starts, tuple(offsets),
                          leaves, end, tuple(level_plan(d) for d in range(len(levels))),
                          tuple(depth), tuple(row))
+
+
+def plan_rollout_tree(prompt: int, branches: int, branch_length: int, leaves: int,
+                      leaf_length: int) -> TreePrefillPlan:
+  """A sampler's two-stage rollout tree: one prompt of `prompt` tokens, `branches` branches of
+  `branch_length` tokens under it, and `leaves` leaves of `leaf_length` tokens, `leaves /
+  branches` under each branch (node 0 the prompt, then the branches, then the leaves)."""
+  if leaves % branches:
+    raise ValueError(f'leaves must be a multiple of branches ({branches}), got {leaves}')
+  parents = [-1] + [0] * branches + [1 + i // (leaves // branches) for i in range(leaves)]
+  return plan_tree_prefill(parents, [prompt] + [branch_length] * branches + [leaf_length] * leaves)
 
 
 def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> jax.Array:
@@ -222,24 +252,18 @@ def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> j
     raise ValueError(f'level_kv must hold one array a level ({len(shapes)}), got '
                      f'{len(level_kv)}')
   rest = level_kv[0].shape[2:]
-  pieces, end = [], 0
-  for d, (x, shape, start) in enumerate(zip(level_kv, shapes, layout.starts)):
+  for d, (x, shape) in enumerate(zip(level_kv, shapes)):
     if x.shape != shape + rest:
       raise ValueError(f'level_kv[{d}] must be [{shape[0]}, {shape[1]}, ...] (trailing dims '
                        f'as level_kv[0]\'s {rest}), got {x.shape}')
-    if start > end:
-      pieces.append(jnp.zeros((start - end,) + rest, level_kv[0].dtype))
-    pieces.append(x.reshape((-1,) + rest).astype(level_kv[0].dtype))
-    end = start + shape[0] * shape[1]
-  return jnp.concatenate(pieces)
+  return join_levels(level_kv)
 
 
 def tree_levels(layout: TreePrefillLayout, buffer: jax.Array) -> list[jax.Array]:
   """`write_tree_kv`'s inverse: the buffer [L, ...] -> each level's [B_d, C_d, ...] (slices)."""
   if buffer.shape[0] != layout.kv_tokens:
     raise ValueError(f'buffer must be [L = {layout.kv_tokens}, ...], got {buffer.shape}')
-  return [buffer[s:s + b * c].reshape((b, c) + buffer.shape[1:])
-          for (b, c), s in zip(layout.level_shapes, layout.starts)]
+  return split_levels(buffer, layout.level_shapes)
 
 
 def path_sequences(layout: TreePrefillLayout, buffer: jax.Array) -> jax.Array:
@@ -258,9 +282,16 @@ def path_sequences(layout: TreePrefillLayout, buffer: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreePrefillAttentionPlan:
-  """One prepared `TrainingAttentionPlan` a level (a jit pytree)."""
+  """One prepared `TrainingAttentionPlan` a level (a jit pytree).
+
+  `on_slices` (static): the tree is uniform and every part runs on the Mosaic GPU kernels, so
+  `attend_tree_prefill` calls them on slices of the buffer, all levels in one custom VJP
+  (`prefill_vjp`), instead of walking each level's tree.
+  """
 
   levels: tuple[TrainingAttentionPlan, ...]
+  segment_lengths: tuple[jax.Array, ...]  # [B_d] int32 of every level but the last
+  on_slices: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def prepare_tree_prefill(
@@ -276,18 +307,23 @@ def prepare_tree_prefill(
   """Every level's plan, once per batch layout (every layer reuses them).
 
   impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
-  every level's ancestors, one launch per segment group, and its nodes' causal self-attention,
-  one launch, forward and backward, on the Hopper kernels).
+  every level's ancestors and its nodes' causal self-attention on the Hopper kernels, forward
+  and backward; a uniform tree's on slices of the buffer, one launch a level and ancestor
+  level, `prefill_vjp`; any other's one launch per segment group and one for the level's
+  causal parts).
   """
   if not isinstance(layout, TreePrefillLayout):
     raise ValueError('layout must be a TreePrefillLayout (plan_tree_prefill(...).to_device()), '
                      f'got {type(layout).__name__}')
   _check_levels('level_q', level_q, layout)
-  return TreePrefillAttentionPlan(tuple(
+  levels = tuple(
       prepare_training_attention(tree, AttentionShapes.of(q, k_buffer), impl=impl,
                                  kv_block=kv_block, kernel_config=kernel_config,
                                  interpret=interpret)
-      for q, tree in zip(level_q, layout.layouts)))
+      for q, tree in zip(level_q, layout.layouts))
+  kernels = {k for level in levels for k in (level.impl, level.shared_backward)}
+  on_slices = layout.uniform and kernels == {AttentionImpl.MOSAIC_GPU}
+  return TreePrefillAttentionPlan(levels, layout.lengths[:-1], on_slices=on_slices)
 
 
 def _check_levels(name, level_x, layout: TreePrefillLayout) -> None:
@@ -319,6 +355,13 @@ def attend_tree_prefill(
   if len(level_q) != len(plan.levels):
     raise ValueError(f'level_q must hold one array a level ({len(plan.levels)}), got '
                      f'{len(level_q)}')
+  if plan.on_slices:
+    for q, level in zip(level_q, plan.levels):
+      check_call(q, k_buffer, v_buffer, level)
+    scale = check_scale(scale)
+    scale = level_q[0].shape[-1]**-0.5 if scale is None else scale
+    return levels_attention_kernels(tuple(level_q), k_buffer, v_buffer, plan.segment_lengths,
+                                    scale, plan.levels[-1].kernels)
   return tuple(attend_differentiable(q, k_buffer, v_buffer, level, scale=scale)
                for q, level in zip(level_q, plan.levels))
 
