@@ -52,6 +52,8 @@ def variant(rec: dict, records: list[dict]):
     logging.error('%s at %s: %s', rec['impl'], ':'.join(str(rec[f]) for f in POINT_FIELDS),
                   traceback.format_exc(limit=3))
     rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
+  logging.info('%s at %s: %s, %s s', rec['impl'], ':'.join(str(rec[f]) for f in POINT_FIELDS),
+               rec.get('status'), rec.get('time_s'))
   records.append(rec)
   gc.collect()
 
