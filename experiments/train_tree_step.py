@@ -25,6 +25,9 @@ The H200 command (llama3_8b's shapes at 2 layers, a 32K vocabulary, bf16):
   PYTHONPATH=. python -m experiments.train_tree_step --nosmoke \
       --workdir=experiments/results/train_tree_step
 
+(Its first H200 run, session 40, finished no variant within 330 s at this point: see
+experiments/results/train_tree_s40/README.md. Each variant is logged as it ends.)
+
 Writes, into --workdir: results.jsonl (one record per variant and point, plus the ceilings),
 table.md, time.png and README.md.
 """
