@@ -108,7 +108,7 @@ def main(argv):
   print(table)
   report.write_workdir_readme(_WORKDIR.value, 'Shared-prefix attention microbenchmark', table,
                               writer.meta)
-  logging.info('wrote %s and %s', path, ', '.join(paths.values()))
+  logging.info('wrote %s and %s', writer.path, ', '.join(paths.values()))
 
 
 if __name__ == '__main__':
