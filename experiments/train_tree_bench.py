@@ -62,7 +62,8 @@ SMOKE = dict(points=['24:2:8:4:8', '40:2:12:6:16'], heads='4:2', head_dim=16,
 H200 = dict(points=['1024:4:256:16:256', '4096:4:1024:16:1024', '4096:8:1024:64:512',
                     '8192:8:1024:64:1024'],
             heads='32:8', head_dim=128,
-            impls=['per_seq_cudnn', 'prefill_mosaic_gpu', 'tree_mosaic_gpu', 'tree_walked_mosaic_gpu'],
+            impls=['per_seq_cudnn', 'prefill_mosaic_gpu', 'tree_mosaic_gpu',
+                   'tree_walked_mosaic_gpu'],
             dtype=jnp.bfloat16)
 TREES = ('tree_mosaic_gpu', 'tree_xla', 'tree_walked_mosaic_gpu')
 
@@ -102,7 +103,8 @@ def _variant(name, point, heads, head_dim, dtype, seed):
 
     def fn(q_p, q_c, k_p, k_c, v_p, v_c):
       kb, vb = pl.write_kv(prefill, k_p, k_c), pl.write_kv(prefill, v_p, v_c)
-      prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, prefill, impl=rollout_report.impl_of(name))
+      prompt, completion = pl.prefill_attention(q_p, q_c, kb, vb, prefill,
+                                                impl=rollout_report.impl_of(name))
       return prompt.out, completion.out
     args = tuple(x for a in (q, k, v) for x in (prompts(a), a[2]))
     return fn, args, lambda outs: outs[1]

@@ -182,6 +182,17 @@ def test_uniform_trees_are_recognized():
   assert not plan([-1, 0, 0, 1]).to_device().uniform
 
 
+def test_plan_rollout_tree():
+  """A prompt, B branches under it, G / B leaves under each: uniform; bad sizes named."""
+  plan = tp.plan_rollout_tree(10, 2, 4, 6, 3)
+  assert plan.parents == (-1, 0, 0, 1, 1, 1, 2, 2, 2) and plan.uniform
+  assert plan.lengths == (10, 4, 4, 3, 3, 3, 3, 3, 3)
+  with pytest.raises(ValueError, match='branches must be >= 1'):
+    tp.plan_rollout_tree(10, 0, 4, 6, 3)
+  with pytest.raises(ValueError, match='leaves must be a multiple of branches'):
+    tp.plan_rollout_tree(10, 4, 4, 6, 3)
+
+
 def test_arguments_are_checked():
   with pytest.raises(ValueError, match=r'parents\[2\] must be -1 or an earlier node'):
     tp.plan_tree_prefill([-1, 0, 2], [3, 4, 5])

@@ -234,10 +234,16 @@ def plan_rollout_tree(prompt: int, branches: int, branch_length: int, leaves: in
   """A sampler's two-stage rollout tree: one prompt of `prompt` tokens, `branches` branches of
   `branch_length` tokens under it, and `leaves` leaves of `leaf_length` tokens, `leaves /
   branches` under each branch (node 0 the prompt, then the branches, then the leaves)."""
+  sizes = dict(prompt=prompt, branches=branches, branch_length=branch_length, leaves=leaves,
+               leaf_length=leaf_length)
+  for name, x in sizes.items():
+    if as_int(x, name) < 1:
+      raise ValueError(f'{name} must be >= 1, got {x}')
   if leaves % branches:
     raise ValueError(f'leaves must be a multiple of branches ({branches}), got {leaves}')
   parents = [-1] + [0] * branches + [1 + i // (leaves // branches) for i in range(leaves)]
-  return plan_tree_prefill(parents, [prompt] + [branch_length] * branches + [leaf_length] * leaves)
+  lengths = [prompt] + [branch_length] * branches + [leaf_length] * leaves
+  return plan_tree_prefill(parents, lengths)
 
 
 def write_tree_kv(layout: TreePrefillLayout, level_kv: Sequence[jax.Array]) -> jax.Array:
