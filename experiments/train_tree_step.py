@@ -33,11 +33,12 @@ table.md, time.png and README.md.
 """
 
 import os
+import time
 
 # The per-sequence baseline needs most of the H200's memory (JAX takes 75% by default).
 os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.92')
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -168,8 +169,11 @@ def run_point(point, settings, ceilings, seed):
       continue
     args = (params, tree, layout) if name.startswith('tree_') else (params, paths, prefill)
     with rollout_report.variant(rec, records):
+      start = time.perf_counter()
       fn = jax.jit(jax.value_and_grad(_loss(name, graphdef, grpo.GrpoConfig(), g)))
       rec['loss'] = float(fn(*args)[0])
+      rec['first_call_s'] = time.perf_counter() - start  # compile and one run
+      logging.info('%s: first call (compile, run) %.0f s', name, rec['first_call_s'])
       if reference is None:
         reference = rec['loss']
       else:
