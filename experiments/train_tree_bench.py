@@ -31,7 +31,6 @@ Writes, into --workdir: results.jsonl (one record per variant and point, plus th
 table.md, time.png and README.md.
 """
 
-import dataclasses
 import functools
 
 from absl import app, flags
@@ -92,9 +91,8 @@ def _variant(name, point, heads, head_dim, dtype, seed):
   if name in TREES:
     def fn(q, k, v):
       kb, vb = tp.write_tree_kv(layout, k), tp.write_tree_kv(layout, v)
-      plan = tp.prepare_tree_prefill(layout, q, kb, impl=rollout_report.impl_of(name))
-      if name == 'tree_walked_mosaic_gpu':
-        plan = dataclasses.replace(plan, on_slices=False)
+      plan = tp.prepare_tree_prefill(layout, q, kb, impl=rollout_report.impl_of(name),
+                                     slices=name != 'tree_walked_mosaic_gpu')
       return tuple(s.out for s in tp.attend_tree_prefill(q, kb, vb, plan))
     return fn, (q, k, v), lambda outs: outs[-1]
   if name.startswith('prefill'):

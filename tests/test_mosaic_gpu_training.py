@@ -733,7 +733,13 @@ def test_uniform_tree_prefill_on_slices(monkeypatch, dq_in_place):
     return f
 
   kernels = dict(impl='mosaic_gpu', kernel_config=cfg)
-  assert tp.prepare_tree_prefill(layout, qs, k, **kernels).on_slices
+  prepared = tp.prepare_tree_prefill(layout, qs, k, **kernels)
+  # On slices the plan holds no walked plans and no index arrays: its leaves are the segment
+  # lengths of every level but the last.
+  assert prepared.on_slices and prepared.levels == () and prepared.num_levels == 3
+  assert len(jax.tree.leaves(prepared)) == 2, jax.tree.leaves(prepared)
+  walked = tp.prepare_tree_prefill(layout, qs, k, **kernels, slices=False)
+  assert not walked.on_slices and len(walked.levels) == 3
   actual = jax.value_and_grad(loss(**kernels), argnums=(0, 1, 2))(qs, k, v)
   # Three levels: three causal launches and 0 + 1 + 2 segment launches, each pass.
   assert {name: len(calls) for name, calls in seen.items()} == dict(

@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes, check_scale
+from hydrajax.attention_plan import AttentionShapes
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.training.prefill_vjp import join_levels, levels_attention_kernels
-from hydrajax.training.training_plan import (
-    TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
+from hydrajax.training.prefill_vjp import (
+    LevelsPlan, attend_levels, join_levels, prepare_levels,
 )
+from hydrajax.training.training_plan import TrainingAttentionPlan, attend_differentiable
 from hydrajax.validation import check_tree_attention_inputs
 
 
@@ -158,16 +158,17 @@ def write_kv(layout: PrefillLayout, prompt_kv: jax.Array, completion_kv: jax.Arr
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillAttentionPlan:
-  """The prompts' and the completions' prepared plans (a jit pytree).
+  """The prefill's prepared attention (a jit pytree): on the Mosaic GPU kernels, `sliced`,
+  both levels on slices of the buffer (`prefill_vjp`); else the prompts' and the completions'
+  walked plans (`prompt`, `completion`)."""
 
-  `on_slices` (static): every part runs on the Mosaic GPU kernels, so `attend_prefill` calls
-  them on slices of the buffer (`prefill_vjp`) instead of walking the two trees.
-  """
+  prompt: TrainingAttentionPlan | None
+  completion: TrainingAttentionPlan | None
+  sliced: LevelsPlan | None
 
-  prompt: TrainingAttentionPlan
-  completion: TrainingAttentionPlan
-  prompt_lengths: jax.Array  # [Bp] int32
-  on_slices: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  @property
+  def on_slices(self) -> bool:
+    return self.sliced is not None
 
 
 def prepare_prefill_attention(
@@ -181,7 +182,7 @@ def prepare_prefill_attention(
     interpret: bool = False,
     kernel_config=None,
 ) -> PrefillAttentionPlan:
-  """Both plans of `attend_prefill`, once per batch layout (every layer reuses them).
+  """The plan of `attend_prefill`, once per batch layout (every layer reuses it).
 
   impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
   all of it on the Hopper kernels: the completions' shared prompts, each completion's causal
@@ -193,15 +194,14 @@ def prepare_prefill_attention(
         f'layout must be a PrefillLayout (plan_prefill(...).to_device()), got '
         f'{type(layout).__name__}'
     )
-  plans = []
-  for q, tree in ((q_prompt, layout.prompt_layout), (q_completion, layout.completion_layout)):
+  trees = (layout.prompt_layout, layout.completion_layout)
+  for q, tree in zip((q_prompt, q_completion), trees):
     check_tree_attention_inputs(q, k_buffer, k_buffer, tree)
-    plans.append(prepare_training_attention(
-        tree, AttentionShapes.of(q, k_buffer), impl=impl, kv_block=kv_block,
-        kernel_config=kernel_config, interpret=interpret))
-  kernels = [k for plan in plans for k in (plan.impl, plan.shared_backward)]
-  on_slices = all(k is AttentionImpl.MOSAIC_GPU for k in kernels)
-  return PrefillAttentionPlan(*plans, prompt_lengths=layout.prompt_lengths, on_slices=on_slices)
+  sliced, walked = prepare_levels(
+      trees, [AttentionShapes.of(q, k_buffer) for q in (q_prompt, q_completion)],
+      (layout.prompt_lengths,), on_slices=True, impl=impl, kv_block=kv_block,
+      kernel_config=kernel_config, interpret=interpret)
+  return PrefillAttentionPlan(*(walked or (None, None)), sliced=sliced)
 
 
 def attend_prefill(
@@ -222,12 +222,7 @@ def attend_prefill(
     raise ValueError('plan must be a PrefillAttentionPlan (prepare_prefill_attention), got '
                      f'{type(plan).__name__}')
   if plan.on_slices:
-    for q, tree_plan in ((q_prompt, plan.prompt), (q_completion, plan.completion)):
-      check_call(q, k_buffer, v_buffer, tree_plan)
-    scale = check_scale(scale)
-    scale = q_prompt.shape[-1]**-0.5 if scale is None else scale
-    return levels_attention_kernels((q_prompt, q_completion), k_buffer, v_buffer,
-                                    (plan.prompt_lengths,), scale, plan.completion.kernels)
+    return attend_levels((q_prompt, q_completion), k_buffer, v_buffer, plan.sliced, scale)
   prompt = attend_differentiable(q_prompt, k_buffer, v_buffer, plan.prompt, scale=scale)
   completion = attend_differentiable(q_completion, k_buffer, v_buffer, plan.completion,
                                      scale=scale)

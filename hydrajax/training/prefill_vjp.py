@@ -31,6 +31,7 @@ backward (G=16, 1K prompt, T=2K), and from 3.75 to 1.14 ms of 65 ms (G=64, 8K pr
 Tested against the XLA path (`tests/test_mosaic_gpu_training.py`).
 """
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -38,7 +39,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax.attention_plan import AttentionShapes, check_scale
+from hydrajax.dispatch import AttentionImpl
+from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState, merge_many
+from hydrajax.training.training_plan import (
+    TrainingAttentionPlan, check_planned_shapes, checked_kv_block, prepare_training_attention,
+    resolve_training_kernels,
+)
+from hydrajax.training.tree_attention_vjp import _Kernels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LevelsPlan:
+  """A uniform tree whose every part resolved to the Mosaic GPU kernels (a jit pytree): what
+  `attend_levels` needs. No index arrays: every part is a slice of the buffer."""
+
+  segment_lengths: tuple[jax.Array, ...]  # [B_a] int32 real tokens, every level but the last
+  shapes: tuple[AttentionShapes, ...] = dataclasses.field(metadata=dict(static=True))
+  kernels: _Kernels = dataclasses.field(metadata=dict(static=True))
+
+
+def prepare_levels(
+    layouts: Sequence[TreeLayout],
+    shapes: Sequence[AttentionShapes],
+    segment_lengths: Sequence[jax.Array],
+    *,
+    on_slices: bool,
+    impl: AttentionImpl | str,
+    kv_block: int,
+    kernel_config,
+    interpret,
+) -> tuple[LevelsPlan | None, tuple[TrainingAttentionPlan, ...]]:
+  """Resolves each level's kernels once (`resolve_training_kernels`; level d: `layouts[d]`,
+  `shapes[d]`). (LevelsPlan, ()) when `on_slices` (the caller's tree is uniform) and every part
+  resolved to MOSAIC_GPU; else (None, each level's `TrainingAttentionPlan`), to walk."""
+  kv_block = checked_kv_block(kv_block)
+  kernels = [resolve_training_kernels(layout, s, impl=impl, kernel_config=kernel_config,
+                                      interpret=interpret) for layout, s in zip(layouts, shapes)]
+  if on_slices and all(k.impl is k.shared_backward is AttentionImpl.MOSAIC_GPU for k in kernels):
+    return LevelsPlan(tuple(segment_lengths), tuple(shapes), kernels[-1]), ()
+  # The kernels as resolved, explicit: an AUTO fallback warns once, not again here.
+  return None, tuple(
+      prepare_training_attention(layout, s, impl=k.impl, shared_backward=k.shared_backward,
+                                 kv_block=kv_block, kernel_config=k.config,
+                                 interpret=k.interpret)
+      for layout, s, k in zip(layouts, shapes, kernels))
+
+
+def attend_levels(level_q: Sequence[jax.Array], k_buffer: jax.Array, v_buffer: jax.Array,
+                  plan: LevelsPlan, scale: float | None) -> tuple[PartialState, ...]:
+  """`levels_attention_kernels` over `plan`, the call's shapes checked against it first."""
+  for q, s in zip(level_q, plan.shapes):
+    check_planned_shapes(q, k_buffer, v_buffer, s)
+  scale = check_scale(scale)
+  scale = level_q[0].shape[-1]**-0.5 if scale is None else scale
+  return levels_attention_kernels(tuple(level_q), k_buffer, v_buffer, plan.segment_lengths,
+                                  scale, plan.kernels)
 
 
 def level_starts(level_shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], int]:

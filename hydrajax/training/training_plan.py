@@ -169,13 +169,37 @@ def prepare_training_attention(
     interpret: run the kernels in interpret mode (any machine, e.g. CPU tests): True, or for
       Mosaic TPU e.g. `pltpu.InterpretParams()`.
   """
+  kv_block = checked_kv_block(kv_block)
+  kernels = resolve_training_kernels(layout, shapes, impl=impl, shared_backward=shared_backward,
+                                     kernel_config=kernel_config, interpret=interpret)
+  return TrainingAttentionPlan(layout, _parts(layout, shapes, kv_block), path_item_index(layout),
+                               kernels.impl, kernels.shared_backward, shapes, kv_block,
+                               kernels.config, kernels.interpret)
+
+
+def checked_kv_block(kv_block) -> int:
+  """kv_block as an int, or ValueError unless it is an integer >= 1."""
+  if isinstance(kv_block, bool) or not isinstance(kv_block, (int, np.integer)) or kv_block < 1:
+    raise ValueError(f'kv_block must be an integer >= 1, got {kv_block!r}')
+  return int(kv_block)
+
+
+def resolve_training_kernels(
+    layout: TreeLayout,
+    shapes: AttentionShapes,
+    *,
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
+    shared_backward: AttentionImpl | str | None = None,
+    kernel_config=None,
+    interpret=False,
+) -> _Kernels:
+  """`prepare_training_attention`'s checks and choice of kernels (arguments as there), without
+  deriving the layout's index arrays: for callers that run the kernels on slices of the buffer
+  (`prefill_vjp.prepare_levels`)."""
   if not isinstance(shapes, AttentionShapes):
     raise ValueError(f'shapes must be an AttentionShapes, got {type(shapes).__name__}')
   kv = shapes.kv_struct()
   check_tree_attention_inputs(shapes.query_struct(), kv, kv, layout)
-  if isinstance(kv_block, bool) or not isinstance(kv_block, (int, np.integer)) or kv_block < 1:
-    raise ValueError(f'kv_block must be an integer >= 1, got {kv_block!r}')
-  kv_block = int(kv_block)
   _check_kernel_config(kernel_config)
   forward, backward = resolve_training(impl, shared_backward, shapes, interpret=interpret)
   if kernel_config is not None and AttentionImpl.MOSAIC_GPU not in (forward, backward):
@@ -185,8 +209,7 @@ def prepare_training_attention(
     kernel_config = None  # AUTO chose XLA: the config of the kernels it did not choose
   if forward is AttentionImpl.XLA and backward is AttentionImpl.XLA:
     interpret = False  # one static form for all-XLA plans
-  return TrainingAttentionPlan(layout, _parts(layout, shapes, kv_block), path_item_index(layout),
-                               forward, backward, shapes, kv_block, kernel_config, interpret)
+  return _Kernels(forward, backward, interpret, kernel_config)
 
 
 def check_call(q, k_cache, v_cache, plan: TrainingAttentionPlan) -> None:
@@ -194,7 +217,11 @@ def check_call(q, k_cache, v_cache, plan: TrainingAttentionPlan) -> None:
   if not isinstance(plan, TrainingAttentionPlan):
     raise ValueError('plan must be a TrainingAttentionPlan (prepare_training_attention), got '
                      f'{type(plan).__name__}')
-  s = plan.shapes
+  check_planned_shapes(q, k_cache, v_cache, plan.shapes)
+
+
+def check_planned_shapes(q, k_cache, v_cache, s: AttentionShapes) -> None:
+  """ValueError naming the argument unless q, k_cache, v_cache have the shapes `s`."""
   expected_q = (s.num_rows, s.query_tokens, s.num_heads, s.head_dim)
   if tuple(q.shape) != expected_q:
     raise ValueError(f'q must be [B, T, N, H] = {expected_q} as planned, got {tuple(q.shape)}')

@@ -36,16 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes, check_scale
+from hydrajax.attention_plan import AttentionShapes
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
 from hydrajax.partial_state import PartialState
 from hydrajax.training.prefill_vjp import (
-    join_levels, level_starts, levels_attention_kernels, split_levels,
+    LevelsPlan, attend_levels, join_levels, level_starts, prepare_levels, split_levels,
 )
-from hydrajax.training.training_plan import (
-    TrainingAttentionPlan, attend_differentiable, check_call, prepare_training_attention,
-)
+from hydrajax.training.training_plan import TrainingAttentionPlan, attend_differentiable
 
 # Capacities rounded by quarters (at most 25% padding), segments never split: a training
 # prompt is attended whole by each of its rows' queries (a split would add partial states).
@@ -288,16 +286,20 @@ def path_sequences(layout: TreePrefillLayout, buffer: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreePrefillAttentionPlan:
-  """One prepared `TrainingAttentionPlan` a level (a jit pytree).
+  """A tree prefill's prepared attention (a jit pytree): a uniform tree on the Mosaic GPU
+  kernels, `sliced`, all levels on slices of the buffer in one custom VJP (`prefill_vjp`);
+  any other tree one walked `TrainingAttentionPlan` a level (`levels`)."""
 
-  `on_slices` (static): the tree is uniform and every part runs on the Mosaic GPU kernels, so
-  `attend_tree_prefill` calls them on slices of the buffer, all levels in one custom VJP
-  (`prefill_vjp`), instead of walking each level's tree.
-  """
+  levels: tuple[TrainingAttentionPlan, ...]  # () when sliced
+  sliced: LevelsPlan | None
 
-  levels: tuple[TrainingAttentionPlan, ...]
-  segment_lengths: tuple[jax.Array, ...]  # [B_d] int32 of every level but the last
-  on_slices: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  @property
+  def on_slices(self) -> bool:
+    return self.sliced is not None
+
+  @property
+  def num_levels(self) -> int:
+    return len(self.sliced.shapes) if self.on_slices else len(self.levels)
 
 
 def prepare_tree_prefill(
@@ -309,27 +311,25 @@ def prepare_tree_prefill(
     kv_block: int = 1024,
     interpret=False,
     kernel_config=None,
+    slices: bool = True,
 ) -> TreePrefillAttentionPlan:
-  """Every level's plan, once per batch layout (every layer reuses them).
+  """The tree's attention plan, once per batch layout (every layer reuses it).
 
   impl, kv_block, interpret, kernel_config: as in `prepare_training_attention` (MOSAIC_GPU:
   every level's ancestors and its nodes' causal self-attention on the Hopper kernels, forward
   and backward; a uniform tree's on slices of the buffer, one launch a level and ancestor
   level, `prefill_vjp`; any other's one launch per segment group and one for the level's
-  causal parts).
+  causal parts). slices=False walks a uniform tree's levels too (to compare the two).
   """
   if not isinstance(layout, TreePrefillLayout):
     raise ValueError('layout must be a TreePrefillLayout (plan_tree_prefill(...).to_device()), '
                      f'got {type(layout).__name__}')
   _check_levels('level_q', level_q, layout)
-  levels = tuple(
-      prepare_training_attention(tree, AttentionShapes.of(q, k_buffer), impl=impl,
-                                 kv_block=kv_block, kernel_config=kernel_config,
-                                 interpret=interpret)
-      for q, tree in zip(level_q, layout.layouts))
-  kernels = {k for level in levels for k in (level.impl, level.shared_backward)}
-  on_slices = layout.uniform and kernels == {AttentionImpl.MOSAIC_GPU}
-  return TreePrefillAttentionPlan(levels, layout.lengths[:-1], on_slices=on_slices)
+  sliced, walked = prepare_levels(
+      layout.layouts, [AttentionShapes.of(q, k_buffer) for q in level_q], layout.lengths[:-1],
+      on_slices=slices and layout.uniform, impl=impl, kv_block=kv_block,
+      kernel_config=kernel_config, interpret=interpret)
+  return TreePrefillAttentionPlan(walked, sliced)
 
 
 def _check_levels(name, level_x, layout: TreePrefillLayout) -> None:
@@ -358,16 +358,11 @@ def attend_tree_prefill(
   if not isinstance(plan, TreePrefillAttentionPlan):
     raise ValueError('plan must be a TreePrefillAttentionPlan (prepare_tree_prefill), got '
                      f'{type(plan).__name__}')
-  if len(level_q) != len(plan.levels):
-    raise ValueError(f'level_q must hold one array a level ({len(plan.levels)}), got '
+  if len(level_q) != plan.num_levels:
+    raise ValueError(f'level_q must hold one array a level ({plan.num_levels}), got '
                      f'{len(level_q)}')
   if plan.on_slices:
-    for q, level in zip(level_q, plan.levels):
-      check_call(q, k_buffer, v_buffer, level)
-    scale = check_scale(scale)
-    scale = level_q[0].shape[-1]**-0.5 if scale is None else scale
-    return levels_attention_kernels(tuple(level_q), k_buffer, v_buffer, plan.segment_lengths,
-                                    scale, plan.levels[-1].kernels)
+    return attend_levels(level_q, k_buffer, v_buffer, plan.sliced, scale)
   return tuple(attend_differentiable(q, k_buffer, v_buffer, level, scale=scale)
                for q, level in zip(level_q, plan.levels))
 
