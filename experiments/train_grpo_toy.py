@@ -8,11 +8,19 @@ policy) whose forward runs every prompt once for its G completions
 (`models.training.forward.shared_forward`, hydrajax tree attention with a
 custom VJP).
 
+With --branches=B the rollouts are trees: each prompt samples B branches of --branch_length
+tokens, each branch G / B continuations of the rest, and the step is a GRPO update over the
+tree (`models.training.grpo.make_tree_train_step`: the prompt and every branch through the
+layers once, each branch token weighted by the samples below it).
+
   PYTHONPATH=. python -m experiments.train_grpo_toy --workdir=experiments/results/train_grpo_toy
+  PYTHONPATH=. python -m experiments.train_grpo_toy --branches=2 \
+      --workdir=experiments/results/train_grpo_toy_tree
 
 Writes, into --workdir: metrics.jsonl (one record per step), reward.png, README.md.
 """
 
+import dataclasses
 import os
 import time
 
@@ -24,11 +32,11 @@ import optax
 from flax import nnx
 
 from hydrajax.benchmarking import report
-from hydrajax.training import plan_prefill
+from hydrajax.training import plan_prefill, plan_tree_prefill
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo, rollout
-from models.training.forward import shared_forward
+from models.training.forward import shared_forward, tree_forward
 
 _STEPS = flags.DEFINE_integer('steps', 800, 'GRPO steps')
 _PROMPTS = flags.DEFINE_integer('prompts', 16, 'prompts per step (Bp)')
@@ -38,6 +46,9 @@ _LR = flags.DEFINE_float('learning_rate', 1e-3, 'Adam learning rate')
 _KL = flags.DEFINE_float('kl_coef', 0.01, 'KL coefficient beta')
 _CLIP = flags.DEFINE_float('clip_eps', 0.2, 'ratio clip range')
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (vocab replaced by the task\'s)')
+_BRANCHES = flags.DEFINE_integer(
+    'branches', 0, 'tree rollouts: branches a prompt (0: G independent completions)')
+_BRANCH_LENGTH = flags.DEFINE_integer('branch_length', 1, 'tokens a branch (with --branches)')
 _SEED = flags.DEFINE_integer('seed', 0, 'seed of the model, prompts and sampling')
 _WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_grpo_toy', 'output folder')
 
@@ -52,17 +63,13 @@ def main(argv):
   optimizer = optax.adam(_LR.value)
   opt_state = optimizer.init(params)
   cfg = grpo.GrpoConfig(clip_eps=_CLIP.value, kl_coef=_KL.value)
-  g, t = _GROUP.value, task.completion_length
-  layout = plan_prefill([5] * _PROMPTS.value, g, t).to_device()  # one layout: a fixed shape
-  step_fn = grpo.make_train_step(graphdef, optimizer, cfg)
-
-  @jax.jit
-  def rollout_fn(params, ref_params, prompts, key):
-    model = nnx.merge(graphdef, params)
-    completions = rollout.sample_completions(model, prompts, layout.prompt_lengths, g, t, key)
-    old = shared_forward(model, prompts, completions, layout)
-    ref = shared_forward(nnx.merge(graphdef, ref_params), prompts, completions, layout)
-    return completions, old, ref
+  if _BRANCHES.value:
+    rollout_fn, step_fn, make_batch = tree_rollouts(
+        task, graphdef, optimizer, cfg, _PROMPTS.value, _GROUP.value, _BRANCHES.value,
+        _BRANCH_LENGTH.value)
+  else:
+    rollout_fn, step_fn, make_batch = group_rollouts(task, graphdef, optimizer, cfg,
+                                                     _PROMPTS.value, _GROUP.value)
 
   rng = np.random.default_rng(_SEED.value)
   key = jax.random.key(_SEED.value)
@@ -73,14 +80,12 @@ def main(argv):
   writer.append(dict(kind='meta', **report.run_metadata()))
   for step in range(_STEPS.value):
     prompts, ops = task.prompts(rng, _PROMPTS.value)
-    completions, old, ref = rollout_fn(params, ref_params, jnp.asarray(prompts),
-                                       jax.random.fold_in(key, step))
-    completions = np.asarray(completions)
-    rewards = task.rewards(completions, ops, g)
-    batch = grpo.GrpoBatch(
-        prompts=jnp.asarray(prompts), completions=jnp.asarray(completions),
-        mask=jnp.asarray(rollout.completion_mask(completions)),
-        advantages=grpo.group_advantages(jnp.asarray(rewards), cfg), old_logp=old, ref_logp=ref)
+    rollouts = rollout_fn(params, ref_params, jnp.asarray(prompts),
+                          jax.random.fold_in(key, step))
+    batch, completions, layout = make_batch(prompts, rollouts)
+    rewards = task.rewards(completions, ops, _GROUP.value)
+    batch = dataclasses.replace(batch,
+                                advantages=grpo.group_advantages(jnp.asarray(rewards), cfg))
     params, opt_state, metrics = step_fn(params, opt_state, batch, layout)
     record = dict(step=step, reward=float(rewards.mean()), exact=float((rewards >= 2).mean()),
                   elapsed_s=time.perf_counter() - start,
@@ -92,6 +97,79 @@ def main(argv):
                    record['exact'], record['kl'], record['elapsed_s'])
   _plot(records, os.path.join(_WORKDIR.value, 'reward.png'))
   _readme(records, os.path.join(_WORKDIR.value, 'README.md'))
+
+
+def group_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int):
+  """G independent completions of each of bp prompts a step: (rollout_fn, step_fn,
+  make_batch). rollout_fn(params, ref_params, prompts, key) samples and scores;
+  make_batch(prompts, rollouts) -> (batch without advantages, each sample's completion
+  [bp * G, T], layout); step_fn(params, opt_state, batch, layout) updates."""
+  t = task.completion_length
+  layout = plan_prefill([5] * bp, g, t).to_device()  # one layout: a fixed shape
+
+  @jax.jit
+  def rollout_fn(params, ref_params, prompts, key):
+    model = nnx.merge(graphdef, params)
+    completions = rollout.sample_completions(model, prompts, layout.prompt_lengths, g, t, key)
+    old = shared_forward(model, prompts, completions, layout)
+    ref = shared_forward(nnx.merge(graphdef, ref_params), prompts, completions, layout)
+    return completions, old, ref
+
+  def make_batch(prompts, rollouts):
+    """(GrpoBatch without advantages, every sample's completion [Bp * G, T], layout)."""
+    completions, old, ref = rollouts
+    completions = np.asarray(completions)
+    batch = grpo.GrpoBatch(
+        prompts=jnp.asarray(prompts), completions=jnp.asarray(completions),
+        mask=jnp.asarray(rollout.completion_mask(completions)), advantages=None,
+        old_logp=old, ref_logp=ref)
+    return batch, completions, layout
+
+  return rollout_fn, grpo.make_train_step(graphdef, optimizer, cfg), make_batch
+
+
+def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: int):
+  """Rollout trees, each of bp prompts with b branches of l tokens and g / b continuations
+  of each: (rollout_fn, step_fn, make_batch) as `group_rollouts`'."""
+  t = task.completion_length
+  if g % b:
+    raise app.UsageError(f'--group_size ({g}) must be a multiple of --branches ({b})')
+  if not 1 <= l < t:
+    raise app.UsageError(f'--branch_length must be in [1, {t - 1}], got {l}')
+  # Nodes: the Bp prompts, then their branches, then each branch's G / B leaves, in row order
+  # (so leaf r is prompt r // G's sample r % G, as the rewards and advantages are laid out).
+  parents = ([-1] * bp + [i // b for i in range(bp * b)]
+             + [bp + j // (g // b) for j in range(bp * g)])
+  lengths = [5] * bp + [l] * (bp * b) + [t - l] * (bp * g)
+  layout = plan_tree_prefill(parents, lengths).to_device()
+  prompt_lengths = jnp.full((bp,), 5, jnp.int32)
+
+  @jax.jit
+  def rollout_fn(params, ref_params, prompts, key):
+    model = nnx.merge(graphdef, params)
+    branch_key, leaf_key = jax.random.split(key)
+    branches = rollout.sample_completions(model, prompts, prompt_lengths, b, l, branch_key)
+    stems = jnp.concatenate([jnp.repeat(prompts, b, axis=0), branches], axis=1)
+    leaves = rollout.sample_completions(model, stems, jnp.full((bp * b,), 5 + l, jnp.int32),
+                                        g // b, t - l, leaf_key)
+    levels = [prompts, branches, leaves]
+    old = tree_forward(model, levels, layout)
+    ref = tree_forward(nnx.merge(graphdef, ref_params), levels, layout)
+    return levels, old, ref
+
+  def make_batch(prompts, rollouts):
+    """(TreeGrpoBatch without advantages, every sample's completion [Bp * G, T], layout)."""
+    levels, old, ref = rollouts
+    branches, leaves = np.asarray(levels[1]), np.asarray(levels[2])
+    completions = np.concatenate([np.repeat(branches, g // b, axis=0), leaves], axis=1)
+    mask = rollout.completion_mask(completions)  # a branch's tokens: the same in its leaves
+    batch = grpo.TreeGrpoBatch(
+        level_tokens=[jnp.asarray(x) for x in (prompts, branches, leaves)],
+        mask=[jnp.asarray(mask[::g // b, :l]), jnp.asarray(mask[:, l:])], advantages=None,
+        old_logp=old, ref_logp=ref)
+    return batch, completions, layout
+
+  return rollout_fn, grpo.make_tree_train_step(graphdef, optimizer, cfg), make_batch
 
 
 def _smooth(x, window=10):
@@ -122,8 +200,11 @@ def _readme(records, path):
   first, last = records[:10], records[-10:]
   mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
   flags_used = ' '.join(f'--{f.name}={f.value}' for f in (
-      _STEPS, _PROMPTS, _GROUP, _MAX_OPERAND, _LR, _KL, _CLIP, _PRESET, _SEED))
-  text = f"""# Toy GRPO run (shared-prompt training attention)
+      _STEPS, _PROMPTS, _GROUP, _BRANCHES, _BRANCH_LENGTH, _MAX_OPERAND, _LR, _KL, _CLIP,
+      _PRESET, _SEED))
+  kind = (f'rollout trees, {_BRANCHES.value} branches a prompt' if _BRANCHES.value
+          else 'shared-prompt training attention')
+  text = f"""# Toy GRPO run ({kind})
 
 `PYTHONPATH=. python -m experiments.train_grpo_toy {flags_used}`
 

@@ -1,5 +1,7 @@
 """GRPO over the shared prefill layout: same log-probs, loss, gradients and step as unshared."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +281,44 @@ def test_tree_loss_and_grads_match_every_path_through_the_model():
   expected = optax.apply_updates(params, updates)
   for a, e in zip(jax.tree.leaves(stepped), jax.tree.leaves(expected)):
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
+  """`train_grpo_toy --branches`: rollout trees sampled and assembled into a `TreeGrpoBatch`
+  score every sample (its branch, then its own tokens) as the one-level batch of the same
+  completions does: the sampling log-probs, and the GRPO loss and gradients."""
+  from experiments import train_grpo_toy as toy
+
+  task = rollout.ArithmeticTask(completion_length=4)
+  config = get_config('tiny_gqa', vocab_size=rollout.VOCAB_SIZE)
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(5)))
+  cfg = grpo.GrpoConfig()
+  bp, g, b, l, t = 3, 6, 2, 2, task.completion_length
+  rollout_fn, _, make_batch = toy.tree_rollouts(task, graphdef, optax.sgd(0.1), cfg, bp, g, b, l)
+  prompts, ops = task.prompts(np.random.default_rng(23), bp)
+  tree, completions, layout = make_batch(
+      prompts, rollout_fn(params, params, jnp.asarray(prompts), jax.random.key(4)))
+  assert completions.shape == (bp * g, t)
+  advantages = grpo.group_advantages(jnp.asarray(task.rewards(completions, ops, g)), cfg)
+  tree = dataclasses.replace(tree, advantages=advantages)
+
+  prefill = plan_prefill([5] * bp, g, t).to_device()
+  model = nnx.merge(graphdef, params)
+  logp = fw.shared_forward(model, jnp.asarray(prompts), jnp.asarray(completions), prefill)
+  per = g // b  # leaves a branch: leaf r continues branch r // per
+  np.testing.assert_allclose(tree.old_logp[0], logp[::per, :l], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(tree.old_logp[1], logp[:, l:], rtol=1e-5, atol=1e-5)
+  mask = rollout.completion_mask(completions)
+  np.testing.assert_array_equal(np.repeat(np.asarray(tree.mask[0]), per, axis=0), mask[:, :l])
+  old = jnp.concatenate([jnp.repeat(tree.old_logp[0], per, axis=0), tree.old_logp[1]], axis=1)
+  ref = old + 0.1  # some ratio to the reference
+  tree = dataclasses.replace(tree, ref_logp=[x + 0.1 for x in tree.old_logp])
+  flat = grpo.GrpoBatch(prompts=jnp.asarray(prompts), completions=jnp.asarray(completions),
+                        mask=jnp.asarray(mask), advantages=advantages, old_logp=old, ref_logp=ref)
+  (loss_t, _), grads_t = grpo.tree_loss_and_grads(graphdef, params, tree, layout, cfg)
+  (loss_f, _), grads_f = grpo.loss_and_grads(graphdef, params, flat, prefill, cfg)
+  assert float(loss_f) != 0
+  np.testing.assert_allclose(loss_t, loss_f, rtol=1e-5, atol=1e-6)
+  for (path, a), e in zip(jax.tree.leaves_with_path(grads_t), jax.tree.leaves(grads_f)):
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * float(np.abs(e).max()),
+                               err_msg=jax.tree_util.keystr(path))
