@@ -38,7 +38,7 @@ from hydrajax.partial_state import PartialState
 from hydrajax.training.prefill_vjp import (
     LevelsPlan, attend_levels, join_levels, prepare_levels,
 )
-from hydrajax.training.training_plan import TrainingAttentionPlan, attend_differentiable
+from hydrajax.training.training_plan import TrainingAttentionPlan, attend_levels_differentiable
 from hydrajax.validation import check_tree_attention_inputs
 
 
@@ -223,10 +223,8 @@ def attend_prefill(
                      f'{type(plan).__name__}')
   if plan.on_slices:
     return attend_levels((q_prompt, q_completion), k_buffer, v_buffer, plan.sliced, scale)
-  prompt = attend_differentiable(q_prompt, k_buffer, v_buffer, plan.prompt, scale=scale)
-  completion = attend_differentiable(q_completion, k_buffer, v_buffer, plan.completion,
-                                     scale=scale)
-  return prompt, completion
+  return attend_levels_differentiable((q_prompt, q_completion), k_buffer, v_buffer,
+                                      (plan.prompt, plan.completion), scale=scale)
 
 
 def prefill_attention(

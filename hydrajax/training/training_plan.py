@@ -17,7 +17,7 @@ Unlike `hydrajax.attend` there is no `kv_offset`: the training path attends one 
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -27,7 +27,9 @@ from hydrajax.attention_plan import AttentionShapes, check_scale
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.training.tree_attention_vjp import _attention, _Kernels, _Part, _parts
+from hydrajax.training.tree_attention_vjp import (
+    _attention, _Kernels, _levels_attention, _Part, _parts,
+)
 from hydrajax.tree_attention import path_item_index
 from hydrajax.validation import check_tree_attention_inputs
 
@@ -257,6 +259,26 @@ def attend_differentiable(
   scale = check_scale(scale)
   scale = plan.shapes.head_dim**-0.5 if scale is None else scale
   return _attention(q, k_cache, v_cache, plan.parts, plan.index, scale, plan.kernels)
+
+
+def attend_levels_differentiable(
+    level_q: Sequence[jax.Array],  # one [B_d, T_d, N, H] a plan
+    k_cache: jax.Array,  # [L, K, H]: one layer's buffer, shared by every plan
+    v_cache: jax.Array,
+    plans: Sequence[TrainingAttentionPlan],
+    *,
+    scale: float | None = None,
+) -> tuple[PartialState, ...]:
+  """`attend_differentiable` of several plans over one buffer (a prefill's levels), in one
+  custom VJP: the backward adds every plan's dK, dV into one float32 buffer, not one a plan."""
+  if len(level_q) != len(plans):
+    raise ValueError(f'level_q must hold one array a plan ({len(plans)}), got {len(level_q)}')
+  for q, plan in zip(level_q, plans):
+    check_call(q, k_cache, v_cache, plan)
+  scale = check_scale(scale)
+  scale = plans[0].shapes.head_dim**-0.5 if scale is None else scale
+  return _levels_attention(tuple(level_q), k_cache, v_cache, tuple(p.parts for p in plans),
+                           tuple(p.index for p in plans), scale, tuple(p.kernels for p in plans))
 
 
 def tree_attention_differentiable(

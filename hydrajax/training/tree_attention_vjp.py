@@ -344,7 +344,8 @@ def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_c
 
 
 def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
-              kernels: _Kernels):
+              kernels: _Kernels, dk, dv):
+  """(dQ in q's dtype, dk, dv): this plan's dK, dV added into dk, dv [L, K, H] float32."""
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
   # The forward wrote `out`: read it. Without the barrier XLA fused the forward's merge into
@@ -358,8 +359,6 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   lse_pad, delta_pad = pad(lse, jnp.inf), pad(delta, 0)
   dq = None  # [B, T, N, H] float32: the private part's, then each group's added at its rows
   dq_items = []  # with paths: the groups' dq, gathered by each row after the loop
-  dk = jnp.zeros(k_cache.shape, jnp.float32)
-  dv = jnp.zeros(v_cache.shape, jnp.float32)
   for part in parts:
     if part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_TPU:
       dq_z, dk, dv = _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
@@ -388,7 +387,7 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
     dq = sum_along_paths(dense, index, jnp.concatenate(dq_items))
   if dq is None:  # no keys at all
     dq = jnp.zeros((b, t, n, h), jnp.float32)
-  return dq.astype(q.dtype), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype)
+  return dq.astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -410,8 +409,44 @@ def _attention_bwd(scale, kernels, residuals, cotangent):
   q, k_cache, v_cache, parts, index, out, lse = residuals
   d_out, d_lse = cotangent
   dq, dk, dv = _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
-                         kernels)
-  return dq, dk, dv, jax.tree.map(_zero_cotangent, parts), jax.tree.map(_zero_cotangent, index)
+                         kernels, *_zero_dkv(k_cache, v_cache))
+  return (dq, dk.astype(k_cache.dtype), dv.astype(v_cache.dtype),
+          jax.tree.map(_zero_cotangent, parts), jax.tree.map(_zero_cotangent, index))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _zero_dkv(k_cache, v_cache):
+  return jnp.zeros(k_cache.shape, jnp.float32), jnp.zeros(v_cache.shape, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _levels_attention(level_q, k_cache, v_cache, level_parts, level_index, scale, level_kernels):
+  """Several plans over one K/V buffer (the levels of a tree prefill) in one custom VJP: each
+  level's state; the backward adds every level's dK, dV into one float32 buffer."""
+  return tuple(_forward(q, k_cache, v_cache, parts, index, scale, kernels) for q, parts, index,
+               kernels in zip(level_q, level_parts, level_index, level_kernels))
+
+
+def _levels_attention_fwd(level_q, k_cache, v_cache, level_parts, level_index, scale,
+                          level_kernels):
+  states = _levels_attention(level_q, k_cache, v_cache, level_parts, level_index, scale,
+                             level_kernels)
+  return states, (level_q, k_cache, v_cache, level_parts, level_index, states)
+
+
+def _levels_attention_bwd(scale, level_kernels, residuals, cotangents):
+  level_q, k_cache, v_cache, level_parts, level_index, states = residuals
+  dk, dv = _zero_dkv(k_cache, v_cache)
+  dqs = []
+  for q, parts, index, state, (d_out, d_lse), kernels in zip(
+      level_q, level_parts, level_index, states, cotangents, level_kernels):
+    dq, dk, dv = _backward(q, k_cache, v_cache, parts, index, state.out, state.lse, d_out,
+                           d_lse, scale, kernels, dk, dv)
+    dqs.append(dq)
+  return (tuple(dqs), dk.astype(k_cache.dtype), dv.astype(v_cache.dtype),
+          jax.tree.map(_zero_cotangent, level_parts), jax.tree.map(_zero_cotangent, level_index))
+
+
+_levels_attention.defvjp(_levels_attention_fwd, _levels_attention_bwd)

@@ -24,9 +24,9 @@ sums over every level below it, inside a level over all its rows in one matmul p
 
 On the Mosaic GPU kernels a uniform tree (every node of a level with the same number of
 children, as a sampler that branches a fixed number of ways makes) runs on slices of the
-buffer, all levels in one custom VJP with one dK / dV buffer (`prefill_vjp`). Any other tree
-walks each level's `TreeLayout` (`tree_attention_vjp`: gathers, scatter-adds, and a dK / dV
-of the whole buffer a level, which JAX sums).
+buffer, all levels in one custom VJP with one dK / dV buffer (`prefill_vjp`). Any other tree,
+and any tree on XLA, walks each level's `TreeLayout` (`tree_attention_vjp`: gathers and
+scatter-adds), all levels in one custom VJP too, with one float32 dK / dV of the buffer.
 """
 
 import dataclasses
@@ -43,7 +43,7 @@ from hydrajax.partial_state import PartialState
 from hydrajax.training.prefill_vjp import (
     LevelsPlan, attend_levels, join_levels, level_starts, prepare_levels, split_levels,
 )
-from hydrajax.training.training_plan import TrainingAttentionPlan, attend_differentiable
+from hydrajax.training.training_plan import TrainingAttentionPlan, attend_levels_differentiable
 
 # Capacities rounded by quarters (at most 25% padding), segments never split: a training
 # prompt is attended whole by each of its rows' queries (a split would add partial states).
@@ -363,8 +363,7 @@ def attend_tree_prefill(
                      f'{len(level_q)}')
   if plan.on_slices:
     return attend_levels(level_q, k_buffer, v_buffer, plan.sliced, scale)
-  return tuple(attend_differentiable(q, k_buffer, v_buffer, level, scale=scale)
-               for q, level in zip(level_q, plan.levels))
+  return attend_levels_differentiable(level_q, k_buffer, v_buffer, plan.levels, scale=scale)
 
 
 def tree_prefill_attention(
