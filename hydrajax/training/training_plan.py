@@ -28,7 +28,7 @@ from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.training.tree_attention_vjp import (
-    _attention, _Kernels, _levels_attention, _Part, _parts,
+    _Kernels, _levels_attention, _Part, _parts,
 )
 from hydrajax.tree_attention import path_item_index
 from hydrajax.validation import check_tree_attention_inputs
@@ -258,7 +258,8 @@ def attend_differentiable(
   check_call(q, k_cache, v_cache, plan)
   scale = check_scale(scale)
   scale = plan.shapes.head_dim**-0.5 if scale is None else scale
-  return _attention(q, k_cache, v_cache, plan.parts, plan.index, scale, plan.kernels)
+  return _levels_attention((q,), k_cache, v_cache, (plan.parts,), (plan.index,), scale,
+                           (plan.kernels,))[0]
 
 
 def attend_levels_differentiable(

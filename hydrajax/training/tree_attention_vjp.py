@@ -22,7 +22,8 @@ one block of scores.
 The index arrays both passes walk (`_parts`: each part's rows, kv tokens and causal limits;
 `path_item_index`) are derived from the layout once, by `prepare_training_attention`
 (`hydrajax.training.training_plan`), which also resolves the kernels (`_Kernels`); the custom
-VJP takes them from its plan.
+VJP (`_levels_attention`) takes them from its plans: one, or several over one K/V buffer (a tree
+prefill's levels), whose dK / dV it sums in one float32 buffer.
 
 `impl=MOSAIC_GPU` computes the shared segments' partial states (forward) and
 their dQ, dK, dV (backward) with the Hopper kernels of
@@ -390,55 +391,35 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   return dq.astype(q.dtype), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k_cache, v_cache, parts, index, scale, kernels):
-  """The custom VJP over a plan's parts and path index [B, D] (or None); see the module doc."""
-  return _forward(q, k_cache, v_cache, parts, index, scale, kernels)
-
-
-def _attention_fwd(q, k_cache, v_cache, parts, index, scale, kernels):
-  state = _forward(q, k_cache, v_cache, parts, index, scale, kernels)
-  return state, (q, k_cache, v_cache, parts, index, state.out, state.lse)
-
-
 def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attention_bwd(scale, kernels, residuals, cotangent):
-  q, k_cache, v_cache, parts, index, out, lse = residuals
-  d_out, d_lse = cotangent
-  dq, dk, dv = _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
-                         kernels, *_zero_dkv(k_cache, v_cache))
-  return (dq, dk.astype(k_cache.dtype), dv.astype(v_cache.dtype),
-          jax.tree.map(_zero_cotangent, parts), jax.tree.map(_zero_cotangent, index))
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def _zero_dkv(k_cache, v_cache):
-  return jnp.zeros(k_cache.shape, jnp.float32), jnp.zeros(v_cache.shape, jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _levels_attention(level_q, k_cache, v_cache, level_parts, level_index, scale, level_kernels):
-  """Several plans over one K/V buffer (the levels of a tree prefill) in one custom VJP: each
-  level's state; the backward adds every level's dK, dV into one float32 buffer."""
+def _levels_forward(level_q, k_cache, v_cache, level_parts, level_index, scale, level_kernels):
   return tuple(_forward(q, k_cache, v_cache, parts, index, scale, kernels) for q, parts, index,
                kernels in zip(level_q, level_parts, level_index, level_kernels))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _levels_attention(level_q, k_cache, v_cache, level_parts, level_index, scale, level_kernels):
+  """The custom VJP over one or more plans (parts, path index [B, D] or None, kernels) on one
+  K/V buffer, e.g. the levels of a tree prefill: each plan's state (see the module doc); the
+  backward adds every plan's dK, dV into one float32 buffer."""
+  return _levels_forward(level_q, k_cache, v_cache, level_parts, level_index, scale,
+                         level_kernels)
+
+
 def _levels_attention_fwd(level_q, k_cache, v_cache, level_parts, level_index, scale,
                           level_kernels):
-  states = _levels_attention(level_q, k_cache, v_cache, level_parts, level_index, scale,
-                             level_kernels)
+  states = _levels_forward(level_q, k_cache, v_cache, level_parts, level_index, scale,
+                           level_kernels)
   return states, (level_q, k_cache, v_cache, level_parts, level_index, states)
 
 
 def _levels_attention_bwd(scale, level_kernels, residuals, cotangents):
   level_q, k_cache, v_cache, level_parts, level_index, states = residuals
-  dk, dv = _zero_dkv(k_cache, v_cache)
+  dk = jnp.zeros(k_cache.shape, jnp.float32)
+  dv = jnp.zeros(v_cache.shape, jnp.float32)
   dqs = []
   for q, parts, index, state, (d_out, d_lse), kernels in zip(
       level_q, level_parts, level_index, states, cotangents, level_kernels):
