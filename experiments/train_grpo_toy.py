@@ -63,6 +63,9 @@ def main(argv):
   optimizer = optax.adam(_LR.value)
   opt_state = optimizer.init(params)
   cfg = grpo.GrpoConfig(clip_eps=_CLIP.value, kl_coef=_KL.value)
+  if _BRANCHES.value < 0:
+    raise app.UsageError(f'--branches must be >= 0 (0: independent samples), got '
+                         f'{_BRANCHES.value}')
   if _BRANCHES.value:
     rollout_fn, step_fn, make_batch = tree_rollouts(
         task, graphdef, optimizer, cfg, _PROMPTS.value, _GROUP.value, _BRANCHES.value,
@@ -132,8 +135,8 @@ def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: in
   """Rollout trees, each of bp prompts with b branches of l tokens and g / b continuations
   of each: (rollout_fn, step_fn, make_batch) as `group_rollouts`'."""
   t = task.completion_length
-  if g % b:
-    raise app.UsageError(f'--group_size ({g}) must be a multiple of --branches ({b})')
+  if b < 1 or g % b:
+    raise app.UsageError(f'--branches must be >= 1 and divide --group_size ({g}), got {b}')
   if not 1 <= l < t:
     raise app.UsageError(f'--branch_length must be in [1, {t - 1}], got {l}')
   # Nodes: the Bp prompts, then their branches, then each branch's G / B leaves, in row order

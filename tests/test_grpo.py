@@ -287,6 +287,8 @@ def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
   """`train_grpo_toy --branches`: rollout trees sampled and assembled into a `TreeGrpoBatch`
   score every sample (its branch, then its own tokens) as the one-level batch of the same
   completions does: the sampling log-probs, and the GRPO loss and gradients."""
+  from absl import app as absl_app
+
   from experiments import train_grpo_toy as toy
 
   task = rollout.ArithmeticTask(completion_length=4)
@@ -295,6 +297,10 @@ def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
   cfg = grpo.GrpoConfig()
   bp, g, b, l, t = 3, 6, 2, 2, task.completion_length
   rollout_fn, _, make_batch = toy.tree_rollouts(task, graphdef, optax.sgd(0.1), cfg, bp, g, b, l)
+  for bad in (dict(b=4), dict(b=0), dict(l=0), dict(l=t)):  # sizes named in a usage error
+    sizes = dict(dict(b=b, l=l), **bad)
+    with pytest.raises(absl_app.UsageError, match='--branch'):
+      toy.tree_rollouts(task, graphdef, optax.sgd(0.1), cfg, bp, g, sizes['b'], sizes['l'])
   prompts, ops = task.prompts(np.random.default_rng(23), bp)
   tree, completions, layout = make_batch(
       prompts, rollout_fn(params, params, jnp.asarray(prompts), jax.random.key(4)))
