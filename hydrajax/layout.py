@@ -38,10 +38,18 @@ class Segment:
   parent: int = -1  # index of the parent segment in the plan, -1 at a root
   position: int = 0  # sequence position of the segment's first token (for RoPE)
   label: str = ''
+  # The slot the tokens sit in (0: kv_length). A layout sizes the segment's group by it, so a
+  # slot of fixed width (a training batch's padded prompt) keeps the layout's static shapes
+  # whatever its real length: one compile for every batch of one shape.
+  kv_capacity: int = 0
 
   def __post_init__(self):
-    for name in ('kv_start', 'kv_length', 'row_begin', 'row_end', 'parent', 'position'):
+    for name in ('kv_start', 'kv_length', 'row_begin', 'row_end', 'parent', 'position',
+                 'kv_capacity'):
       object.__setattr__(self, name, as_int(getattr(self, name), f'Segment.{name}'))
+    if self.kv_capacity and self.kv_capacity < self.kv_length:
+      raise ValueError(f'Segment.kv_capacity ({self.kv_capacity}) must be 0 or at least its '
+                       f'kv_length ({self.kv_length})')
 
   @property
   def num_rows(self) -> int:
@@ -372,12 +380,20 @@ def next_power_of_two(n: int) -> int:
 
 def segment_pieces(plan: SharingPlan, kv_piece: int | None) -> list[tuple[int, int, int, int]]:
   """(kv_start, kv_length, row_begin, num_rows) of every non-empty piece of every segment."""
+  return [piece for piece, _ in _pieces(plan, kv_piece)]
+
+
+def _pieces(plan: SharingPlan, kv_piece: int | None):
+  """`segment_pieces`, each with the tokens its group is sized by: its length, or its share
+  of the segment's `kv_capacity` (the whole slot when the segment is not split)."""
   pieces = []
   for s in plan.segments:
-    step = kv_piece or max(1, s.kv_length)
+    slot = max(s.kv_length, s.kv_capacity)
+    step = kv_piece or max(1, slot)
     for offset in range(0, s.kv_length, step):
       length = min(step, s.kv_length - offset)
-      pieces.append((s.kv_start + offset, length, s.row_begin, s.num_rows))
+      sized_by = length if offset + step < s.kv_length else min(step, slot - offset)
+      pieces.append(((s.kv_start + offset, length, s.row_begin, s.num_rows), sized_by))
   return pieces
 
 
@@ -388,12 +404,13 @@ def group_arrays(plan: SharingPlan, policy: LayoutPolicy):
   row_pieces [B, D] int32: each row's pieces, root first, as indices into the
   concatenation of the groups, -1 padded).
   """
-  pieces = segment_pieces(plan, policy.kv_piece)
+  sized = _pieces(plan, policy.kv_piece)
+  pieces = [piece for piece, _ in sized]
   by_capacity: dict[tuple[int, int], list[int]] = {}
   if policy.fixed_shapes:  # the one group exists even when empty: one shape per (B, J)
     by_capacity[(plan.num_rows, policy.kv_piece)] = []
-  for i, (_, length, _, rows) in enumerate(pieces):
-    by_capacity.setdefault(policy.capacity(length, rows, plan.num_rows), []).append(i)
+  for i, ((_, _, _, rows), tokens) in enumerate(sized):
+    by_capacity.setdefault(policy.capacity(tokens, rows, plan.num_rows), []).append(i)
   groups, global_id, offset = [], np.zeros(len(pieces), np.int64), 0
   for (rows, tokens), members in sorted(by_capacity.items()):
     size = policy.num_slots(len(members))

@@ -300,6 +300,33 @@ def test_padded_layouts_match_unpadded():
   assert_states_close(expected, naive_tree_attention(q, k_cache, v_cache, plan))
 
 
+def test_segment_kv_capacity_sizes_its_group_not_its_attention():
+  """A segment in a slot of `kv_capacity` tokens (a training batch's padded prompt) gets a group
+  of that capacity whatever its real length, so layouts of one slot shape share their static
+  shapes; attention still sees only the real tokens. Split pieces size the last by the slot."""
+  def plan(lengths, capacity=8, kv_piece=None):
+    segments = tuple(hj.Segment(i * capacity, n, 2 * i, 2 * i + 2, kv_capacity=capacity)
+                     for i, n in enumerate(lengths))
+    rows = 2 * len(lengths)
+    return hj.SharingPlan(rows, segments, 4, tuple((2 * len(lengths) + r,) for r in range(rows)),
+                          (3,) * rows, (2 * len(lengths) + rows) * 4)
+
+  layouts = [plan(lengths).to_device(bucket=False) for lengths in ((8, 3), (1, 5))]
+  assert jax.tree.structure(layouts[0]) == jax.tree.structure(layouts[1])
+  assert [(g.row_capacity, g.kv_capacity) for g in layouts[0].groups] == [(2, 8)]
+  for lengths, layout in zip(((8, 3), (1, 5)), layouts):
+    p = plan(lengths)
+    q, k_cache, v_cache = random_inputs(60 + lengths[1], p, 3, 4, 2, 8, jnp.float32)
+    assert_states_close(hj.tree_attention_xla(q, k_cache, v_cache, layout),
+                        naive_tree_attention(q, k_cache, v_cache, p))
+  policy = hj.LayoutPolicy(kv_piece=4, rounding='exact')
+  split = plan((7, 3)).to_device(policy=policy)  # pieces 4 + 3 (slot 4 + 4) and 3 (slot 4)
+  assert [(g.kv_capacity, list(np.asarray(g.kv_length))) for g in split.groups] == [
+      (4, [4, 3, 3])]
+  with pytest.raises(ValueError, match='kv_capacity'):
+    hj.Segment(0, 5, 0, 1, kv_capacity=4)
+
+
 def test_same_bucket_signature_does_not_retrace():
   traces = []
 

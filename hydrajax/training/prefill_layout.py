@@ -33,7 +33,8 @@ import numpy as np
 
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.dispatch import AttentionImpl
-from hydrajax.layout import Segment, SharingPlan, TreeLayout
+from hydrajax.layout import Segment, SharingPlan, TreeLayout, as_int
+from hydrajax.parallel import ShardedLayout, stack_shards
 from hydrajax.partial_state import PartialState
 from hydrajax.training.prefill_vjp import (
     LevelsPlan, attend_levels, join_levels, prepare_levels,
@@ -75,6 +76,23 @@ class PrefillPlan:
   @property
   def kv_tokens(self) -> int:
     return self.completion_plan.kv_tokens
+
+  def shards(self, num_shards: int) -> tuple['PrefillPlan', ...]:
+    """The plans of `num_shards` data-parallel shards: shard d holds prompts [d Bp / dp,
+    (d + 1) Bp / dp) and their completions, with this plan's P, G and T (one static shape)."""
+    bp = len(self.prompt_lengths)
+    if as_int(num_shards, 'num_shards') < 1 or bp % num_shards:
+      raise ValueError(f'num_shards (dp) must be >= 1 and divide the {bp} prompts, got '
+                       f'{num_shards}')
+    per = bp // num_shards
+    return tuple(plan_prefill(self.prompt_lengths[d * per:(d + 1) * per], self.group_size,
+                              self.completion_length, prompt_capacity=self.prompt_capacity)
+                 for d in range(num_shards))
+
+  def to_device_sharded(self, num_shards: int, sharding=None) -> ShardedLayout:
+    """The shards' layouts (`shards`) stacked, every leaf [dp, ...] (`stack_shards`;
+    `sharding`, e.g. `NamedSharding(mesh, P('dp'))`, places them in one upload)."""
+    return stack_shards([plan.to_device() for plan in self.shards(num_shards)], sharding)
 
   def to_device(self) -> PrefillLayout:
     bp, p = len(self.prompt_lengths), self.prompt_capacity
@@ -130,7 +148,7 @@ def plan_prefill(
   )
   segments = tuple(
       Segment(kv_start=i * p, kv_length=n, row_begin=i * g, row_end=(i + 1) * g,
-              label=f'prompt{i}')
+              label=f'prompt{i}', kv_capacity=p)
       for i, n in enumerate(lengths)
   )
   completion_plan = SharingPlan(

@@ -216,7 +216,7 @@ def plan_tree_prefill(
       segments.append(Segment(
           kv_start=slot(a), kv_length=lengths[a], row_begin=first, row_end=last + 1,
           parent=index[parents[a]] if parents[a] >= 0 else -1, position=offsets[a],
-          label=f'node{a}'))
+          label=f'node{a}', kv_capacity=capacities[depth[a]]))
     return SharingPlan(
         num_rows=len(level), segments=tuple(segments), page_size=c,
         private_pages=tuple((starts[d] // c + r,) for r in range(len(level))),

@@ -26,10 +26,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 from hydrajax.dispatch import AttentionImpl
+from hydrajax.parallel import DP, TP, ShardedLayout
 from hydrajax.training import PrefillLayout
 from hydrajax.training import tree_prefill as tp
+from models.sharding_rules import auto_mesh
 from models.training.forward import shared_forward, tree_forward, unshared_forward
 
 
@@ -196,21 +199,61 @@ def tree_loss_and_grads(graphdef, params, batch: TreeGrpoBatch, layout, config: 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig, *,
                     shared: bool = True, kv_block: int = 1024,
-                    impl: AttentionImpl | str = AttentionImpl.XLA, interpret: bool = False):
+                    impl: AttentionImpl | str = AttentionImpl.XLA, interpret: bool = False,
+                    mesh: Mesh | None = None):
   """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics).
 
   impl, interpret: the shared forward's attention kernels (`prepare_prefill_attention`).
+  mesh: data parallel over its `dp` axis (`data_parallel`): layout is then
+  `plan.to_device_sharded(dp)`, and each shard trains on its block of the batch's prompts.
   """
+  grads = lambda params, batch, layout: loss_and_grads(
+      graphdef, params, batch, layout, config, shared=shared, kv_block=kv_block, impl=impl,
+      interpret=interpret)
+  if mesh is not None:
+    grads = data_parallel(grads, mesh)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch: GrpoBatch, layout: PrefillLayout):
-    (_, metrics), grads = loss_and_grads(graphdef, params, batch, layout, config, shared=shared,
-                                         kv_block=kv_block, impl=impl, interpret=interpret)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    metrics['grad_norm'] = optax.tree.norm(grads)
+  def step(params, opt_state, batch: GrpoBatch, layout):
+    (_, metrics), g = grads(params, batch, layout)
+    updates, opt_state = optimizer.update(g, opt_state, params)
+    metrics['grad_norm'] = optax.tree.norm(g)
     return optax.apply_updates(params, updates), opt_state, metrics
 
   return step
+
+
+def data_parallel(loss_and_grads_fn, mesh: Mesh):
+  """`loss_and_grads_fn(params, batch, layout) -> ((loss, metrics), grads)` over the mesh's `dp`
+  shards: shard d takes block d of every batch array's first axis (prompts [Bp / dp, P] and
+  their completions [B / dp, T]: a group never crosses shards, so attention needs no
+  communication) and its own layout (`PrefillPlan.to_device_sharded`); the loss, metrics and
+  gradients are averaged over the shards (one all-reduce), which is the whole batch's: every
+  shard holds as many samples. Parameters are replicated. Tensor parallelism is not supported
+  here yet: the mesh's `tp` must be 1."""
+  mesh = auto_mesh(mesh)
+  dp, tp = mesh.shape.get(DP, 1), mesh.shape.get(TP, 1)
+  if tp != 1:
+    raise ValueError(f'mesh: GRPO training is data parallel only; tp must be 1, got tp={tp}')
+
+  def local(params, batch, layouts):
+    layout = jax.tree.map(lambda x: x[0], layouts.layouts)
+    return jax.lax.pmean(loss_and_grads_fn(params, batch, layout), DP)
+
+  def run(params, batch, layout):
+    if not isinstance(layout, ShardedLayout) or layout.num_shards != dp:
+      raise ValueError(f'layout must be the batch plan\'s {dp} dp shards '
+                       f'(plan.to_device_sharded({dp})), got {type(layout).__name__}')
+    for path, x in jax.tree.leaves_with_path(batch):
+      if x.shape[0] % dp:
+        raise ValueError(f'batch{jax.tree_util.keystr(path)}: its first axis ({x.shape[0]}) '
+                         f'must split into dp={dp} equal blocks')
+    # check_vma=False: the attention's scans start from constant carries that the shard's
+    # varying queries then vary; the outputs are replicated by the pmean.
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DP), P(DP)), out_specs=P(),
+                         check_vma=False)(params, batch, layout)
+
+  return run
 
 
 def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig,
