@@ -174,6 +174,61 @@ def test_data_parallel_train_step_is_the_one_device_step():
     grpo.make_train_step(graphdef, optimizer, cfg, mesh=tp_mesh)
 
 
+def _forest(trees, rng):
+  """parents and lengths of `trees` copies of one shape (root, 2 branches, 1 + 3 leaves) with
+  random lengths, numbered root by root (the plan orders each level by its parents)."""
+  parents, lengths = [], []
+  for _ in range(trees):
+    base = len(parents)
+    parents += [-1, base, base, base + 1, base + 2, base + 2, base + 2]
+    lengths += [int(rng.integers(1, 7)), *rng.integers(1, 4, 2).tolist(),
+                *rng.integers(1, 3, 4).tolist()]
+  return parents, lengths
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py sets '
+                    'XLA_FLAGS before jax)')
+def test_data_parallel_tree_train_step_is_the_one_device_step():
+  """`make_tree_train_step(mesh=)`: a forest of four trees (not uniform), each shard its block
+  of roots: the one-device step's metrics and parameters at dp = 2 and 4; forests that do not
+  split are refused."""
+  config = get_config('tiny_mha')
+  rng = np.random.default_rng(21)
+  plan = tp.plan_tree_prefill(*_forest(4, rng), capacities=[6, 3, 2])
+  layout = plan.to_device()
+  shapes = layout.level_shapes
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  base = -float(np.log(config.vocab_size))
+  draw = lambda: [f32(base + 0.3 * rng.standard_normal(s)) for s in shapes[1:]]
+  batch = grpo.TreeGrpoBatch(
+      level_tokens=[jnp.asarray(rng.integers(1, config.vocab_size, s), jnp.int32)
+                    for s in shapes],
+      mask=[f32(np.arange(c)[None, :] < np.asarray(n)[:, None])
+            for n, c in zip(layout.lengths[1:], layout.capacities[1:])],
+      advantages=f32(rng.standard_normal(len(plan.leaves))), old_logp=draw(), ref_logp=draw())
+  optimizer, cfg = optax.sgd(0.1), grpo.GrpoConfig()
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(2)))
+  run = lambda step, layout: step(jax.tree.map(jnp.copy, params), optimizer.init(params), batch,
+                                  layout)
+  p_one, _, m_one = run(grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4), layout)
+  for dp in (2, 4):
+    mesh = jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
+    step = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4, mesh=mesh)
+    p_dp, _, m_dp = run(step, plan.to_device_sharded(dp))
+    for name in ('loss', 'kl', 'clip_fraction', 'grad_norm'):
+      np.testing.assert_allclose(m_dp[name], m_one[name], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{name}, dp={dp}')
+    for a, e in zip(jax.tree.leaves(p_dp), jax.tree.leaves(p_one)):
+      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+  with pytest.raises(ValueError, match=r'divide the 4 roots'):
+    plan.shards(3)
+  with pytest.raises(ValueError, match='every leaf at the last level'):
+    tp.plan_tree_prefill([-1, 0, 0, 1, -1, 4, 4, 5], [3, 2, 2, 1, 3, 2, 2, 1]).shards(2)
+  with pytest.raises(ValueError, match='equal level sizes'):
+    tp.plan_tree_prefill([-1, 0, 0, -1, 3], [3, 2, 2, 3, 2]).shards(2)
+
+
 def test_per_sequence_forward_matches_unshared():
   """The benchmark's per-sequence model (jax.nn attention) is the ground truth's numbers."""
   config = get_config('tiny_mha')

@@ -39,6 +39,7 @@ import numpy as np
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
+from hydrajax.parallel import ShardedLayout, stack_shards
 from hydrajax.partial_state import PartialState
 from hydrajax.training.prefill_vjp import (
     LevelsPlan, attend_levels, join_levels, level_starts, prepare_levels, split_levels,
@@ -114,6 +115,42 @@ class TreePrefillPlan:
     while self.parents[path[-1]] >= 0:
       path.append(self.parents[path[-1]])
     return tuple(reversed(path))
+
+  def shards(self, num_shards: int) -> tuple['TreePrefillPlan', ...]:
+    """The plans of `num_shards` data-parallel shards: shard d holds roots [d R / dp,
+    (d + 1) R / dp) and their trees, with this plan's capacities. Every shard's level d is
+    then block d of this plan's level d, and (every leaf at the last level) its leaves block d
+    of the leaves, so a batch's arrays split along their first axis."""
+    roots = self.levels[0]
+    if as_int(num_shards, 'num_shards') < 1 or len(roots) % num_shards:
+      raise ValueError(f'num_shards (dp) must be >= 1 and divide the {len(roots)} roots, got '
+                       f'{num_shards}')
+    deepest = len(self.levels) - 1
+    if any(self.depths[x] != deepest for x in self.leaves):
+      raise ValueError('a tree plan splits into dp shards only with every leaf at the last '
+                       'level (the batch\'s leaves are then each shard\'s, in order)')
+    root_of = list(range(len(self.parents)))
+    for x, p in enumerate(self.parents):  # parents come first
+      if p >= 0:
+        root_of[x] = root_of[p]
+    per = len(roots) // num_shards
+    plans = []
+    for d in range(num_shards):
+      mine = set(roots[d * per:(d + 1) * per])
+      nodes = [x for x in range(len(self.parents)) if root_of[x] in mine]
+      index = {x: i for i, x in enumerate(nodes)}
+      plans.append(plan_tree_prefill(
+          [index[self.parents[x]] if self.parents[x] >= 0 else -1 for x in nodes],
+          [self.lengths[x] for x in nodes], capacities=self.capacities))
+    if len({tuple(len(level) for level in p.levels) for p in plans}) != 1:
+      raise ValueError('the dp shards\' trees must have equal level sizes, got '
+                       f'{[tuple(len(level) for level in p.levels) for p in plans]}')
+    return tuple(plans)
+
+  def to_device_sharded(self, num_shards: int, sharding=None,
+                        policy: LayoutPolicy = DEFAULT_POLICY) -> ShardedLayout:
+    """The shards' layouts (`shards`) stacked, every leaf [dp, ...] (`stack_shards`)."""
+    return stack_shards([plan.to_device(policy) for plan in self.shards(num_shards)], sharding)
 
   def to_device(self, policy: LayoutPolicy = DEFAULT_POLICY) -> TreePrefillLayout:
     """The device layout; `policy` rounds each level's segment groups (`LayoutPolicy`)."""

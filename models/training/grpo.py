@@ -207,14 +207,30 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
   mesh: data parallel over its `dp` axis (`data_parallel`): layout is then
   `plan.to_device_sharded(dp)`, and each shard trains on its block of the batch's prompts.
   """
-  grads = lambda params, batch, layout: loss_and_grads(
+  return _optimizer_step(lambda params, batch, layout: loss_and_grads(
       graphdef, params, batch, layout, config, shared=shared, kv_block=kv_block, impl=impl,
-      interpret=interpret)
+      interpret=interpret), optimizer, mesh)
+
+
+def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig,
+                         *, kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
+                         interpret: bool = False, mesh: Mesh | None = None):
+  """`make_train_step` over a rollout tree: a jitted step (params, opt_state, batch:
+  TreeGrpoBatch, layout: TreePrefillLayout) -> (params, opt_state, metrics), its gradients from
+  `tree_loss_and_grads` (each node computed once). mesh: data parallel over `dp`, layout
+  `plan.to_device_sharded(dp)` (shard d: block d of the roots and of every level's rows)."""
+  return _optimizer_step(lambda params, batch, layout: tree_loss_and_grads(
+      graphdef, params, batch, layout, config, kv_block=kv_block, impl=impl,
+      interpret=interpret), optimizer, mesh)
+
+
+def _optimizer_step(grads, optimizer: optax.GradientTransformation, mesh: Mesh | None):
+  """The jitted step of `grads(params, batch, layout) -> ((loss, metrics), grads)`."""
   if mesh is not None:
     grads = data_parallel(grads, mesh)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch: GrpoBatch, layout):
+  def step(params, opt_state, batch, layout):
     (_, metrics), g = grads(params, batch, layout)
     updates, opt_state = optimizer.update(g, opt_state, params)
     metrics['grad_norm'] = optax.tree.norm(g)
@@ -225,9 +241,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
 
 def data_parallel(loss_and_grads_fn, mesh: Mesh):
   """`loss_and_grads_fn(params, batch, layout) -> ((loss, metrics), grads)` over the mesh's `dp`
-  shards: shard d takes block d of every batch array's first axis (prompts [Bp / dp, P] and
-  their completions [B / dp, T]: a group never crosses shards, so attention needs no
-  communication) and its own layout (`PrefillPlan.to_device_sharded`); the loss, metrics and
+  shards: shard d takes block d of every batch array's first axis and its own layout
+  (`PrefillPlan.to_device_sharded`: prompts [Bp / dp, P] and their completions [B / dp, T];
+  `TreePrefillPlan.to_device_sharded`: its roots' trees, every level's rows [B_d / dp, C_d]).
+  A group never crosses shards, so attention needs no communication. The loss, metrics and
   gradients are averaged over the shards (one all-reduce), which is the whole batch's: every
   shard holds as many samples. Parameters are replicated. Tensor parallelism is not supported
   here yet: the mesh's `tp` must be 1."""
@@ -254,21 +271,3 @@ def data_parallel(loss_and_grads_fn, mesh: Mesh):
                          check_vma=False)(params, batch, layout)
 
   return run
-
-
-def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig,
-                         *, kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
-                         interpret: bool = False):
-  """`make_train_step` over a rollout tree: a jitted step (params, opt_state, batch:
-  TreeGrpoBatch, layout: TreePrefillLayout) -> (params, opt_state, metrics), its gradients from
-  `tree_loss_and_grads` (each node computed once)."""
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch: TreeGrpoBatch, layout):
-    (_, metrics), grads = tree_loss_and_grads(graphdef, params, batch, layout, config,
-                                              kv_block=kv_block, impl=impl, interpret=interpret)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    metrics['grad_norm'] = optax.tree.norm(grads)
-    return optax.apply_updates(params, updates), opt_state, metrics
-
-  return step
