@@ -136,6 +136,16 @@ def test_train_steps_compile_once_for_batches_of_one_shape():
   assert tree_step._cache_size() == 1
 
 
+def _assert_same_step(got, expected, label):
+  """A step's (params, opt_state, metrics) against (params, metrics) of another."""
+  (p_got, _, m_got), (p_expected, m_expected) = got, expected
+  for name in ('loss', 'kl', 'clip_fraction', 'grad_norm'):
+    np.testing.assert_allclose(m_got[name], m_expected[name], rtol=1e-5, atol=1e-6,
+                               err_msg=f'{name}, {label}')
+  for a, e in zip(jax.tree.leaves(p_got), jax.tree.leaves(p_expected)):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=label)
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py sets '
                     'XLA_FLAGS before jax)')
 def test_data_parallel_train_step_is_the_one_device_step():
@@ -156,12 +166,8 @@ def test_data_parallel_train_step_is_the_one_device_step():
     for dp in (2, 4):
       mesh = jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
       step = grpo.make_train_step(graphdef, optimizer, cfg, shared=shared, kv_block=4, mesh=mesh)
-      p_dp, _, m_dp = run(step, plan.to_device_sharded(dp))
-      for name in ('loss', 'kl', 'clip_fraction', 'grad_norm'):
-        np.testing.assert_allclose(m_dp[name], m_one[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=f'{name}, dp={dp}, shared={shared}')
-      for a, e in zip(jax.tree.leaves(p_dp), jax.tree.leaves(p_one)):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+      _assert_same_step(run(step, plan.to_device_sharded(dp)), (p_one, m_one),
+                        f'dp={dp}, shared={shared}')
 
   mesh = jax.make_mesh((2,), ('dp',), devices=jax.devices()[:2])
   step = grpo.make_train_step(graphdef, optimizer, cfg, kv_block=4, mesh=mesh)
@@ -214,12 +220,7 @@ def test_data_parallel_tree_train_step_is_the_one_device_step():
   for dp in (2, 4):
     mesh = jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
     step = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4, mesh=mesh)
-    p_dp, _, m_dp = run(step, plan.to_device_sharded(dp))
-    for name in ('loss', 'kl', 'clip_fraction', 'grad_norm'):
-      np.testing.assert_allclose(m_dp[name], m_one[name], rtol=1e-5, atol=1e-6,
-                                 err_msg=f'{name}, dp={dp}')
-    for a, e in zip(jax.tree.leaves(p_dp), jax.tree.leaves(p_one)):
-      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+    _assert_same_step(run(step, plan.to_device_sharded(dp)), (p_one, m_one), f'dp={dp}')
 
   with pytest.raises(ValueError, match=r'divide the 4 roots'):
     plan.shards(3)
