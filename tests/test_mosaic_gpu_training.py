@@ -570,13 +570,33 @@ class TestTrainingKernels:
                                            interpret=self.interpret)
     (loss_k, _), grads_k = run('mosaic_gpu')
     (loss_x, _), grads_x = run('xla')
-    np.testing.assert_allclose(float(loss_k), float(loss_x), rtol=1e-2, atol=1e-3)
-    for (path, a), e in zip(jax.tree.leaves_with_path(grads_k), jax.tree.leaves(grads_x)):
-      a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-      scale = float(np.abs(e).max())
-      assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
-      np.testing.assert_allclose(a, e, rtol=0, atol=3e-2 * scale,
-                                 err_msg=jax.tree_util.keystr(path))
+    _close_grads((loss_k, grads_k), (loss_x, grads_x))
+
+    # Data parallel (`grpo.data_parallel`), each device its prompt and its own plan: the kernels
+    # run inside the shard_map, and the averaged loss and gradients are the one device's.
+    # Interpret mode keeps one simulated shared memory a process: two CPU devices running
+    # kernels at once trip its barrier bookkeeping, so there the mesh is one device.
+    dp = 1 if self.interpret else min(2, len(jax.devices()))
+    mesh = jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
+    sharded = grpo.data_parallel(
+        lambda params, batch, layout: grpo.loss_and_grads(
+            graphdef, params, batch, layout, cfg, impl='mosaic_gpu', interpret=self.interpret),
+        mesh)
+    (loss_dp, _), grads_dp = jax.jit(sharded)(params, batch,
+                                             pl.plan_prefill(lengths, g, t).to_device_sharded(dp))
+    _close_grads((loss_dp, grads_dp), (loss_k, grads_k))
+
+
+def _close_grads(actual, expected):
+  """(loss, grads) of bf16 runs: the loss to 1e-2, every gradient to 3e-2 of its largest."""
+  (loss_a, grads_a), (loss_e, grads_e) = actual, expected
+  np.testing.assert_allclose(float(loss_a), float(loss_e), rtol=1e-2, atol=1e-3)
+  for (path, a), e in zip(jax.tree.leaves_with_path(grads_a), jax.tree.leaves(grads_e)):
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    scale = float(np.abs(e).max())
+    assert scale > 0, f'{jax.tree_util.keystr(path)}: no gradient'
+    np.testing.assert_allclose(a, e, rtol=0, atol=3e-2 * scale,
+                               err_msg=jax.tree_util.keystr(path))
 
 
 class TestTrainingKernelsInterpret(TestTrainingKernels):
