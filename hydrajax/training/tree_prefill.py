@@ -62,7 +62,6 @@ class TreePrefillLayout:
   path_tokens: jax.Array  # [paths, sum C_d] int32: each root-to-leaf path's buffer indices
   path_lengths: jax.Array  # [paths] int32: its real tokens (the indices past them are 0)
   parent_rows: tuple[jax.Array, ...]  # [B_d] int32 a level from 1: the parent's row above
-  starts: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # a level's slot 0
   capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # C_d
   kv_tokens: int = dataclasses.field(metadata=dict(static=True))  # L
   # Every node of a level has the same number of children (`TreePrefillPlan.uniform`).
@@ -72,6 +71,11 @@ class TreePrefillLayout:
   def level_shapes(self) -> tuple[tuple[int, int], ...]:
     """(B_d, C_d) of every level: the [B_d, C_d, ...] shape of its queries and K/V."""
     return tuple((layout.num_rows, c) for layout, c in zip(self.layouts, self.capacities))
+
+  @property
+  def starts(self) -> tuple[int, ...]:
+    """Each level's first slot in the buffer (`level_starts`, as the plan laid them out)."""
+    return level_starts(self.level_shapes)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +178,7 @@ class TreePrefillPlan:
         positions=tuple(positions), lengths=tuple(lengths),
         path_tokens=jnp.asarray(path_tokens), path_lengths=jnp.asarray(path_lengths),
         parent_rows=parent_rows,
-        starts=self.starts, capacities=self.capacities, kv_tokens=self.kv_tokens,
+        capacities=self.capacities, kv_tokens=self.kv_tokens,
         uniform=self.uniform)
 
 
