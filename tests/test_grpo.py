@@ -105,6 +105,20 @@ def test_train_step_matches_unshared():
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
 
 
+def _tree_batch(config, layout, leaves, rng):
+  """A TreeGrpoBatch of random tokens and advantages, every token counted, log-probs near
+  the policy's (about -log V), the reference's apart from the sampler's."""
+  shapes = layout.level_shapes
+  base = -float(np.log(config.vocab_size))
+  return grpo.TreeGrpoBatch(
+      level_tokens=[jnp.asarray(rng.integers(1, config.vocab_size, s), jnp.int32)
+                    for s in shapes],
+      mask=[jnp.ones(s) for s in shapes[1:]],
+      advantages=jnp.asarray(rng.standard_normal(leaves), jnp.float32),
+      old_logp=[jnp.full(s, base) for s in shapes[1:]],
+      ref_logp=[jnp.full(s, base - 0.5) for s in shapes[1:]])
+
+
 def test_train_steps_compile_once_for_batches_of_one_shape():
   """The prompts' real lengths are data: a training loop over batches of one shape (Bp, P, G,
   T; a tree's level sizes and capacities) compiles its step once, one-level and tree alike."""
@@ -124,14 +138,7 @@ def test_train_steps_compile_once_for_batches_of_one_shape():
   for prompt, branches in ((7, (3, 2)), (2, (1, 3)), (5, (3, 3))):
     layout = tp.plan_tree_prefill([-1, 0, 0, 1, 1, 2, 2], [prompt, *branches, 2, 1, 2, 2],
                                   capacities=[7, 3, 2]).to_device()
-    shapes = layout.level_shapes
-    batch = grpo.TreeGrpoBatch(
-        level_tokens=[jnp.asarray(rng.integers(1, config.vocab_size, s), jnp.int32)
-                      for s in shapes],
-        mask=[jnp.ones(s) for s in shapes[1:]], advantages=jnp.asarray(rng.standard_normal(4)),
-        old_logp=[jnp.full(s, -3.0) for s in shapes[1:]],
-        ref_logp=[jnp.full(s, -3.0) for s in shapes[1:]])
-    *state, metrics = tree_step(*state, batch, layout)
+    *state, metrics = tree_step(*state, _tree_batch(config, layout, 4, rng), layout)
     assert np.isfinite(float(metrics['loss']))
   assert tree_step._cache_size() == 1
 
@@ -228,6 +235,51 @@ def test_data_parallel_tree_train_step_is_the_one_device_step():
     tp.plan_tree_prefill([-1, 0, 0, 1, -1, 4, 4, 5], [3, 2, 2, 1, 3, 2, 2, 1]).shards(2)
   with pytest.raises(ValueError, match='equal level sizes'):
     tp.plan_tree_prefill([-1, 0, 0, -1, 3], [3, 2, 2, 3, 2]).shards(2)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 devices (tests/conftest.py sets '
+                    'XLA_FLAGS before jax)')
+def test_tensor_parallel_train_steps_are_the_one_device_steps():
+  """A model on a tp mesh (`Llama(..., mesh=)`, parameters split by the rules table) trains with
+  each device's heads in one shard_map a layer: the one-device steps' metrics and parameters,
+  one-level and tree; a mesh training does not take is refused by name."""
+  from models import sharding_rules as sr
+
+  config = get_config('tiny_mha')
+  mesh = jax.make_mesh((2,), ('tp',), devices=jax.devices()[:2])
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(6)))
+  graphdef_tp, _ = nnx.split(Llama(config, rngs=nnx.Rngs(6), mesh=mesh))
+  params_tp = jax.device_put(params, sr.param_shardings(params, sr.auto_mesh(mesh)))
+  assert any('tp' in leaf.sharding.spec for leaf in jax.tree.leaves(params_tp))
+  optimizer, cfg = optax.sgd(0.1), grpo.GrpoConfig()
+  init = lambda p: (jax.tree.map(jnp.copy, p), optimizer.init(p))
+
+  lengths, g, t = (3, 6), 2, 3
+  batch, layout = _batch(config, lengths, g, t, seed=4), plan_prefill(lengths, g, t).to_device()
+  expected = grpo.make_train_step(graphdef, optimizer, cfg, kv_block=4)(*init(params), batch,
+                                                                       layout)
+  got = grpo.make_train_step(graphdef_tp, optimizer, cfg, kv_block=4)(*init(params_tp), batch,
+                                                                      layout)
+  _assert_same_step(got, expected[::2], 'tp=2')
+  jaxpr = str(jax.make_jaxpr(lambda p: grpo.loss_and_grads(graphdef_tp, p, batch, layout, cfg,
+                                                           kv_block=4))(params_tp))
+  assert jaxpr.count('shard_map[') == 2 * config.num_layers  # each layer's, forward + backward
+
+  rng = np.random.default_rng(8)
+  plan = tp.plan_tree_prefill(*_forest(1, rng), capacities=[6, 3, 2])
+  layout = plan.to_device()
+  tree = _tree_batch(config, layout, len(plan.leaves), rng)
+  expected = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4)(*init(params),
+                                                                            tree, layout)
+  got = grpo.make_tree_train_step(graphdef_tp, optimizer, cfg, kv_block=4)(*init(params_tp),
+                                                                           tree, layout)
+  _assert_same_step(got, expected[::2], 'tree, tp=2')
+
+  dp_tp = jax.make_mesh((2, 2), ('dp', 'tp'), devices=jax.devices()[:4])
+  model = Llama(config, rngs=nnx.Rngs(6), mesh=dp_tp)
+  with pytest.raises(ValueError, match='dp=2: training splits its batch over dp'):
+    fw.shared_forward(model, batch.prompts, batch.completions,
+                      plan_prefill(lengths, g, t).to_device())
 
 
 def test_per_sequence_forward_matches_unshared():
@@ -455,8 +507,8 @@ def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_train_dp_step_smoke(tmp_path):
-  """The data-parallel step benchmark's CPU smoke on two fake devices: the mesh's step gives the
+def test_train_parallel_step_smoke(tmp_path):
+  """The parallel step benchmark's CPU smoke on two fake devices: the dp and tp steps give the
   one-device loss on the same batch; every variant runs; table, plot and README are written."""
   import json
   import os
@@ -464,15 +516,14 @@ def test_train_dp_step_smoke(tmp_path):
   import sys
 
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
-  cmd = [sys.executable, '-m', 'experiments.train_dp_step', '--steps=1', '--repeats=1',
+  cmd = [sys.executable, '-m', 'experiments.train_parallel_step', '--steps=1', '--repeats=1',
          '--layers=1', f'--workdir={tmp_path}']
   subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
   records = [json.loads(line) for line in (tmp_path / 'results.jsonl').read_text().splitlines()]
-  variants = {r['variant']: r for r in records if 'variant' in r}
-  assert set(variants) == {'dp1_x1', 'dp1_x2', 'dp2_x2'}
+  variants = {r['variant']: r for r in records}
+  assert set(variants) == {'one_device', 'dp2', 'tp2'}
   assert all(r['status'] == 'ok' and r['time_s'] > 0 for r in variants.values()), variants
-  summary = next(r for r in records if r.get('kind') == 'summary')
-  assert summary['loss_rel_diff'] < 1e-5 and summary['scaling_efficiency'] > 0, summary
-  assert variants['dp1_x2']['loss'] != variants['dp1_x1']['loss']  # another batch
+  for name in ('dp2', 'tp2'):
+    assert variants[name]['loss_rel_diff'] < 1e-5 and variants[name]['speedup'] > 0
   for name in ('table.md', 'samples.png', 'README.md'):
     assert (tmp_path / name).stat().st_size > 0, name

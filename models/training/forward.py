@@ -21,10 +21,13 @@ prompt token for j = 0).
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from hydrajax.dispatch import AttentionImpl
+from hydrajax.partial_state import PartialState
 from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_prefill as tp
+from models import sharding_rules as sr
 from models.kv_cache import DenseKVCache
 from models.llama import Llama, _mlp, _qkv, rms_norm
 
@@ -35,6 +38,42 @@ def _check(prompts, completions, layout: pl.PrefillLayout):
   if completions.shape != layout.completion_slots.shape:
     raise ValueError(f'completions must be [Bp * G, T] = {layout.completion_slots.shape}, '
                      f'got {completions.shape}')
+
+
+def _tensor_parallel(model: Llama) -> int:
+  """tp of the model's mesh (1 without one); ValueError for a mesh training does not take."""
+  c, mesh = model.config, model.mesh
+  tp, dp = sr.axis_size(mesh, sr.TP), sr.axis_size(mesh, sr.DP)
+  if dp > 1:
+    raise ValueError(f'the model\'s mesh has dp={dp}: training splits its batch over dp '
+                     'through make_train_step(mesh=), with a model on one device')
+  if c.num_kv_heads % tp:
+    raise ValueError(f'tensor parallel training needs tp={tp} to divide the kv heads '
+                     f'K={c.num_kv_heads}')
+  return tp
+
+
+def _local(x, shards: int, axis: int = 2) -> jax.ShapeDtypeStruct:
+  """One device's shape of x, its head axis split into `shards` (what a plan is prepared for)."""
+  shape = list(x.shape)
+  shape[axis] //= shards
+  return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+
+def _on_heads(model: Llama, attend, num_q: int):
+  """attend(*qs, k_buffer, v_buffer, plan) -> states, each device on its heads under the
+  model's tp (one `jax.shard_map`: q heads and kv heads split together, the plan replicated,
+  no communication); attend itself without tp. GSPMD shards the projections around it
+  (`models.sharding_rules`)."""
+  if _tensor_parallel(model) == 1:
+    return attend
+  q_spec, kv_spec = P(None, None, sr.TP, None), P(None, sr.TP, None)
+  state = PartialState(q_spec, P(None, None, sr.TP))
+  # check_vma=False: the attention's scans start from constant carries that the device's
+  # heads then vary.
+  return jax.shard_map(attend, mesh=model.mesh,
+                       in_specs=(q_spec,) * num_q + (kv_spec, kv_spec, P()),
+                       out_specs=(state,) * num_q, check_vma=False)
 
 
 def _token_logprobs(model: Llama, h_prev, completions):
@@ -51,10 +90,13 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
 
   impl, interpret: the attention's kernels, as in `prepare_prefill_attention`. The attention
   is prepared once, at the first layer (every layer's q and K/V have its shapes and dtypes),
-  and every layer attends with that plan.
+  and every layer attends with that plan. A model with a `tp` mesh (`Llama(..., mesh=)`) runs
+  each device's heads (`_on_heads`; the plan prepared for one device's shapes).
   """
   c = model.config
   _check(prompts, completions, layout)
+  shards = _tensor_parallel(model)
+  attend = _on_heads(model, pl.attend_prefill, 2)
   bp, p = prompts.shape
   inv_freq = model.inv_freq()
   embed = model.embed.get_value()
@@ -68,9 +110,10 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
     q_c, k_c, v_c = _qkv(w, x_c, pos_c, inv_freq, c.norm_eps)
     k_buf, v_buf = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
     if plan is None:
-      plan = pl.prepare_prefill_attention(layout, q_p, q_c, k_buf, impl=impl, kv_block=kv_block,
-                                          interpret=interpret)
-    a_p, a_c = pl.attend_prefill(q_p, q_c, k_buf, v_buf, plan)
+      plan = pl.prepare_prefill_attention(
+          layout, _local(q_p, shards), _local(q_c, shards), _local(k_buf, shards, 1), impl=impl,
+          kv_block=kv_block, interpret=interpret)
+    a_p, a_c = attend(q_p, q_c, k_buf, v_buf, plan)
     x_p = _mlp(w, x_p + jnp.einsum('btnh,nhd->btd', a_p.out.astype(x_p.dtype), w['wo']),
                c.norm_eps)
     x_c = _mlp(w, x_c + jnp.einsum('btnh,nhd->btd', a_c.out.astype(x_c.dtype), w['wo']),
@@ -161,7 +204,8 @@ def tree_hidden(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
 
   level_tokens: [B_d, C_d] int32 a level (`plan_tree_prefill`'s rows, right-padded). Each
   node's queries attend its ancestors through `tree_prefill` (prepared once, at the first
-  layer); impl, interpret: its kernels, as in `prepare_tree_prefill`.
+  layer); impl, interpret: its kernels, as in `prepare_tree_prefill`. A model with a `tp` mesh
+  runs each device's heads, as `shared_hidden` does.
   """
   c = model.config
   shapes = layout.level_shapes
@@ -169,6 +213,9 @@ def tree_hidden(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
       tuple(x.shape) != shape for x, shape in zip(level_tokens, shapes)):
     raise ValueError(f'level_tokens must be one [B_d, C_d] array a level, {shapes}, got '
                      f'{[tuple(x.shape) for x in level_tokens]}')
+  shards = _tensor_parallel(model)
+  attend = _on_heads(model, lambda *a: tuple(tp.attend_tree_prefill(list(a[:-3]), *a[-3:])),
+                     len(shapes))
   inv_freq = model.inv_freq()
   xs = [model.embed.get_value()[tokens] for tokens in level_tokens]
   plan = None
@@ -179,9 +226,10 @@ def tree_hidden(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
     v_buf = tp.write_tree_kv(layout, [v for _, _, v in qkv])
     qs = [q for q, _, _ in qkv]
     if plan is None:
-      plan = tp.prepare_tree_prefill(layout, qs, k_buf, impl=impl, kv_block=kv_block,
+      plan = tp.prepare_tree_prefill(layout, [_local(q, shards) for q in qs],
+                                     _local(k_buf, shards, 1), impl=impl, kv_block=kv_block,
                                      interpret=interpret)
-    states = tp.attend_tree_prefill(qs, k_buf, v_buf, plan)
+    states = attend(*qs, k_buf, v_buf, plan)
     xs = [_mlp(w, x + jnp.einsum('btnh,nhd->btd', a.out.astype(x.dtype), w['wo']), c.norm_eps)
           for x, a in zip(xs, states)]
   norm = model.final_norm.get_value()

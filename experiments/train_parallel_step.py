@@ -1,28 +1,30 @@
-r"""Data-parallel GRPO training step: one device against a `dp` mesh.
+r"""Parallel GRPO training step: one device against a `dp` mesh and a `tp` mesh.
 
 Per point G:P:T (each prompt P tokens with G completions of T tokens), one Adam step of
 `models.training.grpo.make_train_step` (the shared forward: each prompt once; its attention on
---impl), timed as a training loop sees it (wall clock of consecutive steps, state threaded
-through). Variants:
+--impl) over one batch of n * k prompts (n = --devices, k = --prompts_per_device), timed as a
+training loop sees it (wall clock of consecutive steps, the state threaded through). Variants:
 
-* `dp1_x<k>`: one device, k prompts a step (k = --prompts_per_device): the one-device loop;
-* `dp1_x<k * dp>`: one device, the dp mesh's batch (the same samples as the mesh's step);
-* `dp<dp>_x<k * dp>`: the mesh's `dp` devices, k prompts each (`data_parallel`: each shard its
-  block of prompts, gradients averaged by one all-reduce).
+* `one_device`: the whole batch on one device;
+* `dp<n>`: `make_train_step(mesh=)` over n devices, each its k prompts (`grpo.data_parallel`:
+  its own layout, gradients averaged by one all-reduce, parameters replicated);
+* `tp<n>`: the model on a tp mesh (`Llama(..., mesh=)`, parameters split by the rules table),
+  each device its heads of every attention call (one shard_map a layer) and GSPMD's share of
+  the projections.
 
-Reported: ms a step, samples a second, and for the mesh its scaling efficiency, samples a
-second over dp times the one-device loop's; its loss against one device's on the same batch.
+Reported: ms a step, samples a second, the speedup over one device and the loss against one
+device's (the same batch and parameters).
 
-CPU smoke (the default; dp:2 needs two devices, e.g. XLA's fake CPU devices):
+CPU smoke (the default; the meshes need two devices, e.g. XLA's fake CPU devices):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
-      python -m experiments.train_dp_step --workdir=/tmp/train_dp_step
+      python -m experiments.train_parallel_step --workdir=/tmp/train_parallel_step
 
 The H200 command (two H200s of one host; llama3_8b's shapes at 2 layers, a 32K vocabulary, bf16,
 the Mosaic GPU kernels; issue 15's step point, G = 32 samples of an 8K prompt, 1K tokens each):
 
-  PYTHONPATH=. python -m experiments.train_dp_step --nosmoke \
-      --workdir=experiments/results/train_dp_step
+  PYTHONPATH=. python -m experiments.train_parallel_step --nosmoke \
+      --workdir=experiments/results/train_parallel_step
 
 Writes, into --workdir: results.jsonl (one record per variant and point), table.md,
 samples.png and README.md.
@@ -42,14 +44,17 @@ import optax
 from hydrajax.benchmarking import report
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import plan_prefill
+from models import sharding_rules as sr
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 point')
 _POINTS = flags.DEFINE_list('points', None, 'points G:P:T (default by --smoke)')
-_DP = flags.DEFINE_integer('dp', 2, 'devices of the data-parallel mesh (>= 2)')
-_PROMPTS = flags.DEFINE_integer('prompts_per_device', 1, 'prompts a device trains on a step')
+_DEVICES = flags.DEFINE_integer('devices', 2, 'devices of the dp and tp meshes (>= 2)')
+_PROMPTS = flags.DEFINE_integer('prompts_per_device', 1, 'prompts a device trains on (dp)')
+_VARIANTS = flags.DEFINE_list('variants', ['one_device', 'dp', 'tp'],
+                              'one_device first, then any of dp, tp')
 _PRESET = flags.DEFINE_string('preset', None, 'model (default llama3_8b; smoke tiny_gqa)')
 _LAYERS = flags.DEFINE_integer('layers', 2, 'layers of the model (reduced to fit)')
 _VOCAB = flags.DEFINE_integer('vocab', None, 'vocabulary (default 32000; smoke the preset\'s)')
@@ -58,7 +63,8 @@ _IMPL = flags.DEFINE_enum('impl', None, ['xla', 'mosaic_gpu'],
 _STEPS = flags.DEFINE_integer('steps', 5, 'steps a timed loop')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed loops (median reported)')
 _SEED = flags.DEFINE_integer('seed', 0, 'input and parameter seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_dp_step', 'output folder')
+_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_parallel_step',
+                               'output folder')
 
 SMOKE = dict(points=['4:32:16'], preset='tiny_gqa', vocab=None, impl='xla', dtype=jnp.float32)
 H200 = dict(points=['32:8192:1024'], preset='llama3_8b', vocab=32_000, impl='mosaic_gpu',
@@ -74,9 +80,12 @@ def _settings():
     if len(point) != 3 or min(point) < 1:
       raise app.UsageError(f'--points: G:P:T, three ints >= 1, got {text!r}')
     points.append(point)
-  for flag, low in ((_DP, 2), (_PROMPTS, 1), (_STEPS, 1), (_REPEATS, 1)):
+  for flag, low in ((_DEVICES, 2), (_PROMPTS, 1), (_STEPS, 1), (_REPEATS, 1)):
     if flag.value < low:
       raise app.UsageError(f'--{flag.name} must be >= {low}, got {flag.value}')
+  variants = _VARIANTS.value
+  if not variants or variants[0] != 'one_device' or not set(variants[1:]) <= {'dp', 'tp'}:
+    raise app.UsageError(f'--variants: one_device, then any of dp, tp; got {variants}')
   return dict(points=points, preset=pick(_PRESET, 'preset'), vocab=pick(_VOCAB, 'vocab'),
               impl=AttentionImpl(pick(_IMPL, 'impl')), dtype=base['dtype'])
 
@@ -105,11 +114,10 @@ def _timed_loop(step, state, batch, layout, steps):
   return state, (time.perf_counter() - start) / steps
 
 
-def run_variant(rec, graphdef, params, batch, layout, mesh, settings):
-  """Fills rec: the first step's time (compile included) and loss, then the loop's median."""
+def run_variant(rec, graphdef, params, batch, layout, mesh, impl):
+  """Fills rec: the first step's time (compile included) and loss, then the loops' median."""
   optimizer = optax.adam(1e-6)
-  step = grpo.make_train_step(graphdef, optimizer, grpo.GrpoConfig(), impl=settings['impl'],
-                              mesh=mesh)
+  step = grpo.make_train_step(graphdef, optimizer, grpo.GrpoConfig(), impl=impl, mesh=mesh)
   state = [jax.tree.map(jnp.copy, params), optimizer.init(params)]
   start = time.perf_counter()
   *state, metrics = step(*state, batch, layout)
@@ -124,42 +132,47 @@ def run_variant(rec, graphdef, params, batch, layout, mesh, settings):
              samples_per_s=rec['samples'] / statistics.median(samples))
 
 
+def _variant_args(name, n, graphdef, params, config, settings, plan):
+  """(graphdef, params, layout, mesh) of a variant (see the module docstring)."""
+  if name == 'one_device':
+    return graphdef, params, plan.to_device(), None
+  mesh = jax.make_mesh((n,), (name,), devices=jax.devices()[:n])
+  if name == 'dp':
+    return graphdef, params, plan.to_device_sharded(n), mesh
+  graphdef_tp, _ = nnx.split(nnx.eval_shape(lambda: Llama(
+      config, rngs=nnx.Rngs(0), dtype=settings['dtype'], mesh=mesh)))
+  placed = jax.device_put(params, sr.param_shardings(params, sr.auto_mesh(mesh)))
+  return graphdef_tp, placed, plan.to_device(), None
+
+
 def run_point(point, settings, writer):
   g, p, t = point
-  dp, k = _DP.value, _PROMPTS.value
+  n, k = _DEVICES.value, _PROMPTS.value
   config = get_config(settings['preset'], num_layers=_LAYERS.value,
                       **({'vocab_size': settings['vocab']} if settings['vocab'] else {}))
   graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(_SEED.value), dtype=settings['dtype']))
+  batch, plan = grpo_batch(n * k, g, p, t, config.vocab_size, _SEED.value)
   records = []
-  mesh = (jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
-          if jax.device_count() >= dp else None)
-  for devices, prompts in ((1, k), (1, k * dp), (dp, k * dp)):
-    rec = dict(variant=f'dp{devices}_x{prompts}', devices=devices, prompts=prompts, G=g, P=p,
-               T=t, samples=prompts * g, preset=settings['preset'], layers=_LAYERS.value,
-               vocab=config.vocab_size, impl=settings['impl'].value)
-    batch, plan = grpo_batch(prompts, g, p, t, config.vocab_size, _SEED.value)
+  for name in _VARIANTS.value:
+    rec = dict(variant=name if name == 'one_device' else f'{name}{n}', devices=1 if name ==
+               'one_device' else n, prompts=n * k, G=g, P=p, T=t, samples=n * k * g,
+               preset=settings['preset'], layers=_LAYERS.value, vocab=config.vocab_size,
+               impl=settings['impl'].value)
     try:
-      if devices == 1:
-        run_variant(rec, graphdef, params, batch, plan.to_device(), None, settings)
-      elif mesh is None:
-        rec.update(status='unsupported', reason=f'needs {dp} devices, {jax.device_count()} here')
+      if rec['devices'] > jax.device_count():
+        rec.update(status='unsupported', reason=f'needs {n} devices, {jax.device_count()} here')
       else:
-        run_variant(rec, graphdef, params, batch, plan.to_device_sharded(dp), mesh, settings)
+        args = _variant_args(name, n, graphdef, params, config, settings, plan)
+        run_variant(rec, *args[:2], batch, *args[2:], settings['impl'])
     except Exception as e:  # one failing variant must not end the run
       logging.exception('%s', rec['variant'])
       rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
+    one = records[0] if records else rec
+    if rec is not one and rec.get('time_s') and one.get('time_s'):
+      rec['speedup'] = one['time_s'] / rec['time_s']
+      rec['loss_rel_diff'] = abs(rec['loss'] - one['loss']) / max(abs(one['loss']), 1e-30)
     writer.append(rec)
     records.append(rec)
-  one, same, mesh_rec = records
-  if mesh_rec.get('time_s') and one.get('time_s'):
-    mesh_rec['scaling_efficiency'] = mesh_rec['samples_per_s'] / (dp * one['samples_per_s'])
-  if mesh_rec.get('loss') is not None and same.get('loss') is not None:
-    mesh_rec['loss_rel_diff'] = abs(mesh_rec['loss'] - same['loss']) / max(abs(same['loss']),
-                                                                          1e-30)
-  if mesh_rec.get('scaling_efficiency') or mesh_rec.get('loss_rel_diff') is not None:
-    writer.append(dict(kind='summary', G=g, P=p, T=t, dp=dp,
-                       **{key: mesh_rec[key] for key in ('scaling_efficiency', 'loss_rel_diff')
-                          if key in mesh_rec}))
   return records
 
 
@@ -170,29 +183,29 @@ def main(argv):
   writer = report.fresh_jsonl(os.path.join(_WORKDIR.value, 'results.jsonl'))
   start = time.perf_counter()
   records = []
-  for point in report.progress(settings['points'], desc='train_dp_step points'):
+  for point in report.progress(settings['points'], desc='train_parallel_step points'):
     logging.info('point G:P:T=%s (%.0f s)', point, time.perf_counter() - start)
     records += run_point(point, settings, writer)
   table = report.markdown_table(records, [
-      ('variant', 'variant'), ('G', 'G'), ('P', 'P'), ('T', 'T'),
+      ('variant', 'variant'), ('G', 'G'), ('P', 'P'), ('T', 'T'), ('prompts', 'prompts'),
       ('ms a step', lambda r: r.get('time_s') and 1e3 * r['time_s']),
-      ('samples / s', 'samples_per_s'), ('scaling efficiency', 'scaling_efficiency'),
+      ('samples / s', 'samples_per_s'), ('x one device', 'speedup'),
       ('loss', 'loss'), ('loss rel diff', 'loss_rel_diff'), ('first step s', 'first_call_s'),
       ('status', lambda r: r['status'] if r['status'] == 'ok'
        else f"{r['status']}: {r.get('reason', '')}"),
   ])
   text = (f'Backend {jax.default_backend()}, {jax.device_count()} devices, attention '
           f'{settings["impl"].value}, {settings["preset"]} at {_LAYERS.value} layers. One Adam '
-          f'step of the GRPO loss, wall clock over {_STEPS.value} steps, median of '
-          f'{_REPEATS.value}.\n\n' + table)
+          f'step of the GRPO loss over one batch, wall clock over {_STEPS.value} steps, median '
+          f'of {_REPEATS.value}.\n\n' + table)
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
     f.write(text)
   labels = [':'.join(map(str, point)) for point in settings['points']]
   variants = list(dict.fromkeys(r['variant'] for r in records))
   values = {v: [r.get('samples_per_s') for r in records if r['variant'] == v] for v in variants}
   report.plot_bars(labels, values, path=os.path.join(_WORKDIR.value, 'samples.png'),
-                   ylabel='samples / s', title='GRPO step, one device and data parallel')
-  report.write_workdir_readme(_WORKDIR.value, 'Data-parallel GRPO step', text, writer.meta)
+                   ylabel='samples / s', title='GRPO step: one device, dp and tp')
+  report.write_workdir_readme(_WORKDIR.value, 'Parallel GRPO step', text, writer.meta)
   print(table)
   logging.info('done in %.0f s', time.perf_counter() - start)
 
