@@ -183,8 +183,9 @@ def test_data_parallel_train_step_is_the_one_device_step():
   with pytest.raises(ValueError, match=r'num_shards \(dp\) must be >= 1 and divide the 4'):
     plan.to_device_sharded(3)
   tp_mesh = jax.make_mesh((2, 2), ('dp', 'tp'), devices=jax.devices()[:4])
-  with pytest.raises(ValueError, match='tp must be 1'):
-    grpo.make_train_step(graphdef, optimizer, cfg, mesh=tp_mesh)
+  step = grpo.make_train_step(graphdef, optimizer, cfg, kv_block=4, mesh=tp_mesh)
+  with pytest.raises(ValueError, match="mesh has tp=2 and the model's tp=1"):
+    run(step, plan.to_device_sharded(2))
 
 
 def _forest(trees, rng):
@@ -237,12 +238,12 @@ def test_data_parallel_tree_train_step_is_the_one_device_step():
     tp.plan_tree_prefill([-1, 0, 0, -1, 3], [3, 2, 2, 3, 2]).shards(2)
 
 
-@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 devices (tests/conftest.py sets '
+@pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py sets '
                     'XLA_FLAGS before jax)')
 def test_tensor_parallel_train_steps_are_the_one_device_steps():
   """A model on a tp mesh (`Llama(..., mesh=)`, parameters split by the rules table) trains with
   each device's heads in one shard_map a layer: the one-device steps' metrics and parameters,
-  one-level and tree; a mesh training does not take is refused by name."""
+  one-level and tree, and with dp too (a 2 x 2 mesh); kv heads tp does not divide are refused."""
   from models import sharding_rules as sr
 
   config = get_config('tiny_mha')
@@ -266,7 +267,7 @@ def test_tensor_parallel_train_steps_are_the_one_device_steps():
   assert jaxpr.count('shard_map[') == 2 * config.num_layers  # each layer's, forward + backward
 
   rng = np.random.default_rng(8)
-  plan = tp.plan_tree_prefill(*_forest(1, rng), capacities=[6, 3, 2])
+  plan = tp.plan_tree_prefill(*_forest(2, rng), capacities=[6, 3, 2])
   layout = plan.to_device()
   tree = _tree_batch(config, layout, len(plan.leaves), rng)
   expected = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4)(*init(params),
@@ -275,11 +276,17 @@ def test_tensor_parallel_train_steps_are_the_one_device_steps():
                                                                            tree, layout)
   _assert_same_step(got, expected[::2], 'tree, tp=2')
 
-  dp_tp = jax.make_mesh((2, 2), ('dp', 'tp'), devices=jax.devices()[:4])
-  model = Llama(config, rngs=nnx.Rngs(6), mesh=dp_tp)
-  with pytest.raises(ValueError, match='dp=2: training splits its batch over dp'):
-    fw.shared_forward(model, batch.prompts, batch.completions,
-                      plan_prefill(lengths, g, t).to_device())
+  # dp and tp together: make_train_step's dp shard_map (dp manual) around the model's tp one.
+  both = jax.make_mesh((2, 2), ('dp', 'tp'), devices=jax.devices()[:4])
+  graphdef_both, _ = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
+                                                              mesh=both)))
+  params_both = jax.device_put(params, sr.param_shardings(params, sr.auto_mesh(both)))
+  got = grpo.make_tree_train_step(graphdef_both, optimizer, cfg, kv_block=4, mesh=both)(
+      *init(params_both), tree, plan.to_device_sharded(2))
+  _assert_same_step(got, expected[::2], 'tree, dp=2, tp=2')
+  with pytest.raises(ValueError, match='tp=2 to divide the kv heads K=1'):
+    fw.shared_forward(Llama(get_config('tiny_llama3'), rngs=nnx.Rngs(0), mesh=mesh),
+                      batch.prompts, batch.completions, plan_prefill(lengths, g, t).to_device())
 
 
 def test_per_sequence_forward_matches_unshared():

@@ -43,10 +43,11 @@ def _check(prompts, completions, layout: pl.PrefillLayout):
 def _tensor_parallel(model: Llama) -> int:
   """tp of the model's mesh (1 without one); ValueError for a mesh training does not take."""
   c, mesh = model.config, model.mesh
-  tp, dp = sr.axis_size(mesh, sr.TP), sr.axis_size(mesh, sr.DP)
-  if dp > 1:
-    raise ValueError(f'the model\'s mesh has dp={dp}: training splits its batch over dp '
-                     'through make_train_step(mesh=), with a model on one device')
+  tp = sr.axis_size(mesh, sr.TP)
+  context = jax.sharding.get_abstract_mesh()  # data_parallel's, inside its shard_map
+  if not context.empty and context.shape.get(sr.TP, 1) != tp:
+    raise ValueError(f'the step\'s mesh has tp={context.shape.get(sr.TP, 1)} and the model\'s '
+                     f'tp={tp}: make the model on that mesh, Llama(..., mesh=mesh)')
   if c.num_kv_heads % tp:
     raise ValueError(f'tensor parallel training needs tp={tp} to divide the kv heads '
                      f'K={c.num_kv_heads}')
@@ -71,7 +72,8 @@ def _on_heads(model: Llama, attend, num_q: int):
   state = PartialState(q_spec, P(None, None, sr.TP))
   # check_vma=False: the attention's scans start from constant carries that the device's
   # heads then vary.
-  return jax.shard_map(attend, mesh=model.mesh,
+  context = jax.sharding.get_abstract_mesh()  # inside data_parallel's shard_map: dp is manual
+  return jax.shard_map(attend, mesh=model.mesh if context.empty else context,
                        in_specs=(q_spec,) * num_q + (kv_spec, kv_spec, P()),
                        out_specs=(state,) * num_q, check_vma=False)
 

@@ -246,12 +246,11 @@ def data_parallel(loss_and_grads_fn, mesh: Mesh):
   `TreePrefillPlan.to_device_sharded`: its roots' trees, every level's rows [B_d / dp, C_d]).
   A group never crosses shards, so attention needs no communication. The loss, metrics and
   gradients are averaged over the shards (one all-reduce), which is the whole batch's: every
-  shard holds as many samples. Parameters are replicated. Tensor parallelism is not supported
-  here yet: the mesh's `tp` must be 1."""
+  shard holds as many samples. Parameters are replicated over dp. A mesh with `tp` too is
+  manual over dp only: the model, made on the same mesh (`Llama(..., mesh=)`), splits its
+  heads over tp inside (`models.training.forward`)."""
   mesh = auto_mesh(mesh)
-  dp, tp = mesh.shape.get(DP, 1), mesh.shape.get(TP, 1)
-  if tp != 1:
-    raise ValueError(f'mesh: GRPO training is data parallel only; tp must be 1, got tp={tp}')
+  dp = mesh.shape.get(DP, 1)
 
   def local(params, batch, layouts):
     layout = jax.tree.map(lambda x: x[0], layouts.layouts)
@@ -268,6 +267,6 @@ def data_parallel(loss_and_grads_fn, mesh: Mesh):
     # check_vma=False: the attention's scans start from constant carries that the shard's
     # varying queries then vary; the outputs are replicated by the pmean.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DP), P(DP)), out_specs=P(),
-                         check_vma=False)(params, batch, layout)
+                         axis_names={DP}, check_vma=False)(params, batch, layout)
 
   return run
