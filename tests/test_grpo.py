@@ -15,6 +15,7 @@ from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw
 from models.training import grpo, rollout
+from models.training.parallel import shard_over_dp
 
 
 def _batch(config, lengths, g, t, seed, capacity=None):
@@ -178,6 +179,20 @@ def test_data_parallel_train_step_is_the_one_device_step():
 
   mesh = jax.make_mesh((2,), ('dp',), devices=jax.devices()[:2])
   step = grpo.make_train_step(graphdef, optimizer, cfg, kv_block=4, mesh=mesh)
+  # Parameters and optimizer state in dp slices (`shard_over_dp`): gathered for the step, each
+  # slice updated where it lives, the same step; the state stays in slices.
+  adam = optax.adam(1e-2)
+  one = grpo.make_train_step(graphdef, adam, cfg, kv_block=4)
+  expected = one(jax.tree.map(jnp.copy, params), adam.init(params), batch, plan.to_device())
+  sliced = shard_over_dp(params, mesh)
+  got = grpo.make_train_step(graphdef, adam, cfg, kv_block=4, mesh=mesh)(
+      sliced, shard_over_dp(adam.init(params), mesh), batch, plan.to_device_sharded(2))
+  np.testing.assert_allclose(got[2]['loss'], expected[2]['loss'], rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(expected[0])):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-3)  # Adam's first step: +-lr a weight
+  for state in got[:2]:
+    leaves = jax.tree.leaves(state)
+    assert sum('dp' in x.sharding.spec for x in leaves) >= len(leaves) // 2
   with pytest.raises(ValueError, match='layout must be .* 2 dp shards'):
     run(step, plan.to_device())
   with pytest.raises(ValueError, match=r'num_shards \(dp\) must be >= 1 and divide the 4'):
@@ -280,7 +295,9 @@ def test_tensor_parallel_train_steps_are_the_one_device_steps():
   both = jax.make_mesh((2, 2), ('dp', 'tp'), devices=jax.devices()[:4])
   graphdef_both, _ = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0),
                                                               mesh=both)))
-  params_both = jax.device_put(params, sr.param_shardings(params, sr.auto_mesh(both)))
+  params_both = shard_over_dp(
+      jax.device_put(params, sr.param_shardings(params, sr.auto_mesh(both))), both)
+  assert any({'dp', 'tp'} <= set(x.sharding.spec) for x in jax.tree.leaves(params_both))
   got = grpo.make_tree_train_step(graphdef_both, optimizer, cfg, kv_block=4, mesh=both)(
       *init(params_both), tree, plan.to_device_sharded(2))
   _assert_same_step(got, expected[::2], 'tree, dp=2, tp=2')

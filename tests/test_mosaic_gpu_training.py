@@ -26,6 +26,7 @@ from hydrajax.training import training_plan, tree_attention_differentiable
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
+from models.training.parallel import data_parallel
 from pallas_kernels.mosaic_gpu import training_attention as ta
 from pallas_kernels.mosaic_gpu.schedule import row_parts
 from tests.conftest import assert_states_close, random_inputs, random_tree
@@ -572,13 +573,13 @@ class TestTrainingKernels:
     (loss_x, _), grads_x = run('xla')
     _close_grads((loss_k, grads_k), (loss_x, grads_x))
 
-    # Data parallel (`grpo.data_parallel`), each device its prompt and its own plan: the kernels
-    # run inside the shard_map, and the averaged loss and gradients are the one device's.
+    # Data parallel (`data_parallel`), each device its prompt and its own plan: the kernels run
+    # inside the shard_map, and the averaged loss and gradients are the one device's.
     # Interpret mode keeps one simulated shared memory a process: two CPU devices running
     # kernels at once trip its barrier bookkeeping, so there the mesh is one device.
     dp = 1 if self.interpret else min(2, len(jax.devices()))
     mesh = jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp])
-    sharded = grpo.data_parallel(
+    sharded = data_parallel(
         lambda params, batch, layout: grpo.loss_and_grads(
             graphdef, params, batch, layout, cfg, impl='mosaic_gpu', interpret=self.interpret),
         mesh)

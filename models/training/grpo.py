@@ -26,14 +26,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from hydrajax.dispatch import AttentionImpl
-from hydrajax.parallel import DP, TP, ShardedLayout
 from hydrajax.training import PrefillLayout
 from hydrajax.training import tree_prefill as tp
-from models.sharding_rules import auto_mesh
 from models.training.forward import shared_forward, tree_forward, unshared_forward
+from models.training.parallel import data_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,36 +236,3 @@ def _optimizer_step(grads, optimizer: optax.GradientTransformation, mesh: Mesh |
     return optax.apply_updates(params, updates), opt_state, metrics
 
   return step
-
-
-def data_parallel(loss_and_grads_fn, mesh: Mesh):
-  """`loss_and_grads_fn(params, batch, layout) -> ((loss, metrics), grads)` over the mesh's `dp`
-  shards: shard d takes block d of every batch array's first axis and its own layout
-  (`PrefillPlan.to_device_sharded`: prompts [Bp / dp, P] and their completions [B / dp, T];
-  `TreePrefillPlan.to_device_sharded`: its roots' trees, every level's rows [B_d / dp, C_d]).
-  A group never crosses shards, so attention needs no communication. The loss, metrics and
-  gradients are averaged over the shards (one all-reduce), which is the whole batch's: every
-  shard holds as many samples. Parameters are replicated over dp. A mesh with `tp` too is
-  manual over dp only: the model, made on the same mesh (`Llama(..., mesh=)`), splits its
-  heads over tp inside (`models.training.forward`)."""
-  mesh = auto_mesh(mesh)
-  dp = mesh.shape.get(DP, 1)
-
-  def local(params, batch, layouts):
-    layout = jax.tree.map(lambda x: x[0], layouts.layouts)
-    return jax.lax.pmean(loss_and_grads_fn(params, batch, layout), DP)
-
-  def run(params, batch, layout):
-    if not isinstance(layout, ShardedLayout) or layout.num_shards != dp:
-      raise ValueError(f'layout must be the batch plan\'s {dp} dp shards '
-                       f'(plan.to_device_sharded({dp})), got {type(layout).__name__}')
-    for path, x in jax.tree.leaves_with_path(batch):
-      if x.shape[0] % dp:
-        raise ValueError(f'batch{jax.tree_util.keystr(path)}: its first axis ({x.shape[0]}) '
-                         f'must split into dp={dp} equal blocks')
-    # check_vma=False: the attention's scans start from constant carries that the shard's
-    # varying queries then vary; the outputs are replicated by the pmean.
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DP), P(DP)), out_specs=P(),
-                         axis_names={DP}, check_vma=False)(params, batch, layout)
-
-  return run
