@@ -17,6 +17,10 @@ prompt token for j = 0).
 * `tree_forward`: any depth, a rollout tree (`hydrajax.training.tree_prefill`): every node
   through the layers once, attending its ancestors; the log-probabilities of every non-root
   node's tokens, scored the same way (from its parent's last token for j = 0).
+
+A `Llama(..., mesh=)` with a `tp` axis trains tensor parallel: each layer's attention is one
+`jax.shard_map` over the heads (`_on_heads`), GSPMD shards the rest by the rules table; inside
+`models.training.parallel.data_parallel` the step's mesh adds `dp`.
 """
 
 import jax
@@ -61,12 +65,12 @@ def _local(x, shards: int, axis: int = 2) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
-def _on_heads(model: Llama, attend, num_q: int):
+def _on_heads(model: Llama, shards: int, attend, num_q: int):
   """attend(*qs, k_buffer, v_buffer, plan) -> states, each device on its heads under the
-  model's tp (one `jax.shard_map`: q heads and kv heads split together, the plan replicated,
-  no communication); attend itself without tp. GSPMD shards the projections around it
-  (`models.sharding_rules`)."""
-  if _tensor_parallel(model) == 1:
+  model's tp (`shards`, from `_tensor_parallel`; one `jax.shard_map`: q heads and kv heads
+  split together, the plan replicated, no communication); attend itself without tp. GSPMD
+  shards the projections around it (`models.sharding_rules`)."""
+  if shards == 1:
     return attend
   q_spec, kv_spec = P(None, None, sr.TP, None), P(None, sr.TP, None)
   state = PartialState(q_spec, P(None, None, sr.TP))
@@ -98,7 +102,7 @@ def shared_hidden(model: Llama, prompts, completions, layout: pl.PrefillLayout, 
   c = model.config
   _check(prompts, completions, layout)
   shards = _tensor_parallel(model)
-  attend = _on_heads(model, pl.attend_prefill, 2)
+  attend = _on_heads(model, shards, pl.attend_prefill, 2)
   bp, p = prompts.shape
   inv_freq = model.inv_freq()
   embed = model.embed.get_value()
@@ -216,8 +220,8 @@ def tree_hidden(model: Llama, level_tokens, layout: tp.TreePrefillLayout, *,
     raise ValueError(f'level_tokens must be one [B_d, C_d] array a level, {shapes}, got '
                      f'{[tuple(x.shape) for x in level_tokens]}')
   shards = _tensor_parallel(model)
-  attend = _on_heads(model, lambda *a: tuple(tp.attend_tree_prefill(list(a[:-3]), *a[-3:])),
-                     len(shapes))
+  attend = _on_heads(model, shards,
+                     lambda *a: tuple(tp.attend_tree_prefill(list(a[:-3]), *a[-3:])), len(shapes))
   inv_freq = model.inv_freq()
   xs = [model.embed.get_value()[tokens] for tokens in level_tokens]
   plan = None
