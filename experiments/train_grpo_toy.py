@@ -17,6 +17,12 @@ layers once, each branch token weighted by the samples below it).
   PYTHONPATH=. python -m experiments.train_grpo_toy --branches=2 \
       --workdir=experiments/results/train_grpo_toy_tree
 
+--dp=N trains data parallel over N devices (`make_train_step(mesh=)`: each its block of the
+prompts; the rollouts stay on one device), e.g. on XLA's fake CPU devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
+      python -m experiments.train_grpo_toy --dp=2 --workdir=/tmp/train_grpo_toy_dp
+
 Writes, into --workdir: metrics.jsonl (one record per step), reward.png, README.md.
 """
 
@@ -49,6 +55,7 @@ _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (vocab replaced
 _BRANCHES = flags.DEFINE_integer(
     'branches', 0, 'tree rollouts: branches a prompt (0: G independent completions)')
 _BRANCH_LENGTH = flags.DEFINE_integer('branch_length', 1, 'tokens a branch (with --branches)')
+_DP = flags.DEFINE_integer('dp', 1, 'devices the step is data parallel over (divides --prompts)')
 _SEED = flags.DEFINE_integer('seed', 0, 'seed of the model, prompts and sampling')
 _WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_grpo_toy', 'output folder')
 
@@ -66,13 +73,14 @@ def main(argv):
   if _BRANCHES.value < 0:
     raise app.UsageError(f'--branches must be >= 0 (0: independent samples), got '
                          f'{_BRANCHES.value}')
+  mesh = _dp_mesh(_DP.value, _PROMPTS.value)
   if _BRANCHES.value:
     rollout_fn, step_fn, make_batch = tree_rollouts(
         task, graphdef, optimizer, cfg, _PROMPTS.value, _GROUP.value, _BRANCHES.value,
-        _BRANCH_LENGTH.value)
+        _BRANCH_LENGTH.value, mesh=mesh)
   else:
     rollout_fn, step_fn, make_batch = group_rollouts(task, graphdef, optimizer, cfg,
-                                                     _PROMPTS.value, _GROUP.value)
+                                                     _PROMPTS.value, _GROUP.value, mesh=mesh)
 
   rng = np.random.default_rng(_SEED.value)
   key = jax.random.key(_SEED.value)
@@ -102,13 +110,29 @@ def main(argv):
   _readme(records, os.path.join(_WORKDIR.value, 'README.md'))
 
 
-def group_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int):
+def _dp_mesh(dp: int, prompts: int):
+  """The step's dp mesh (None for one device); a usage error naming --dp if it cannot be."""
+  if dp < 1 or prompts % dp or dp > jax.device_count():
+    raise app.UsageError(f'--dp must be >= 1, divide --prompts ({prompts}) and be at most the '
+                         f'{jax.device_count()} devices here, got {dp}')
+  return jax.make_mesh((dp,), ('dp',), devices=jax.devices()[:dp]) if dp > 1 else None
+
+
+def _step_layout(plan, mesh):
+  """The step's layout: the plan's, or its dp shards' (`to_device_sharded`) with a mesh."""
+  return plan.to_device() if mesh is None else plan.to_device_sharded(mesh.shape['dp'])
+
+
+def group_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, mesh=None):
   """G independent completions of each of bp prompts a step: (rollout_fn, step_fn,
   make_batch). rollout_fn(params, ref_params, prompts, key) samples and scores;
   make_batch(prompts, rollouts) -> (batch without advantages, each sample's completion
-  [bp * G, T], layout); step_fn(params, opt_state, batch, layout) updates."""
+  [bp * G, T], the step's layout); step_fn(params, opt_state, batch, layout) updates, data
+  parallel over `mesh`'s dp if given."""
   t = task.completion_length
-  layout = plan_prefill([5] * bp, g, t).to_device()  # one layout: a fixed shape
+  plan = plan_prefill([5] * bp, g, t)
+  layout = plan.to_device()  # one layout: a fixed shape
+  step_layout = _step_layout(plan, mesh)
 
   @jax.jit
   def rollout_fn(params, ref_params, prompts, key):
@@ -126,12 +150,12 @@ def group_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int):
         prompts=jnp.asarray(prompts), completions=jnp.asarray(completions),
         mask=jnp.asarray(rollout.completion_mask(completions)), advantages=None,
         old_logp=old, ref_logp=ref)
-    return batch, completions, layout
+    return batch, completions, step_layout
 
-  return rollout_fn, grpo.make_train_step(graphdef, optimizer, cfg), make_batch
+  return rollout_fn, grpo.make_train_step(graphdef, optimizer, cfg, mesh=mesh), make_batch
 
 
-def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: int):
+def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: int, mesh=None):
   """Rollout trees, each of bp prompts with b branches of l tokens and g / b continuations
   of each: (rollout_fn, step_fn, make_batch) as `group_rollouts`'."""
   t = task.completion_length
@@ -144,7 +168,8 @@ def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: in
   parents = ([-1] * bp + [i // b for i in range(bp * b)]
              + [bp + j // (g // b) for j in range(bp * g)])
   lengths = [5] * bp + [l] * (bp * b) + [t - l] * (bp * g)
-  layout = plan_tree_prefill(parents, lengths).to_device()
+  plan = plan_tree_prefill(parents, lengths)
+  layout, step_layout = plan.to_device(), _step_layout(plan, mesh)
   prompt_lengths = jnp.full((bp,), 5, jnp.int32)
 
   @jax.jit
@@ -170,9 +195,9 @@ def tree_rollouts(task, graphdef, optimizer, cfg, bp: int, g: int, b: int, l: in
         level_tokens=[jnp.asarray(x) for x in (prompts, branches, leaves)],
         mask=[jnp.asarray(mask[::g // b, :l]), jnp.asarray(mask[:, l:])], advantages=None,
         old_logp=old, ref_logp=ref)
-    return batch, completions, layout
+    return batch, completions, step_layout
 
-  return rollout_fn, grpo.make_tree_train_step(graphdef, optimizer, cfg), make_batch
+  return rollout_fn, grpo.make_tree_train_step(graphdef, optimizer, cfg, mesh=mesh), make_batch
 
 
 def _smooth(x, window=10):
@@ -204,7 +229,7 @@ def _readme(records, path):
   mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
   flags_used = ' '.join(f'--{f.name}={f.value}' for f in (
       _STEPS, _PROMPTS, _GROUP, _BRANCHES, _BRANCH_LENGTH, _MAX_OPERAND, _LR, _KL, _CLIP,
-      _PRESET, _SEED))
+      _PRESET, _DP, _SEED))
   kind = (f'rollout trees, {_BRANCHES.value} branches a prompt' if _BRANCHES.value
           else 'shared-prompt training attention')
   text = f"""# Toy GRPO run ({kind})

@@ -1,6 +1,7 @@
 """GRPO over the shared prefill layout: same log-probs, loss, gradients and step as unshared."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -529,6 +530,37 @@ def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
   for (path, a), e in zip(jax.tree.leaves_with_path(grads_t), jax.tree.leaves(grads_f)):
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * float(np.abs(e).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 devices (tests/conftest.py sets '
+                    'XLA_FLAGS before jax)')
+@pytest.mark.parametrize('branches', [0, 2])
+def test_toy_trains_data_parallel_as_on_one_device(branches):
+  """`train_grpo_toy --dp=2`: the toy's step over a dp mesh (its batch's sharded layout) takes
+  the one-device step's parameters, one-level and over rollout trees; a bad --dp is named."""
+  from absl import app as absl_app
+
+  from experiments import train_grpo_toy as toy
+
+  task = rollout.ArithmeticTask(completion_length=4)
+  config = get_config('tiny_gqa', vocab_size=rollout.VOCAB_SIZE)
+  graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(5)))
+  optimizer, cfg, bp, g = optax.sgd(0.1), grpo.GrpoConfig(), 4, 4
+  prompts, ops = task.prompts(np.random.default_rng(3), bp)
+  results = []
+  for mesh in (None, toy._dp_mesh(2, bp)):
+    make = (functools.partial(toy.tree_rollouts, b=branches, l=1) if branches else
+            toy.group_rollouts)
+    rollout_fn, step_fn, make_batch = make(task, graphdef, optimizer, cfg, bp, g, mesh=mesh)
+    batch, completions, layout = make_batch(
+        prompts, rollout_fn(params, params, jnp.asarray(prompts), jax.random.key(2)))
+    advantages = grpo.group_advantages(jnp.asarray(task.rewards(completions, ops, g)), cfg)
+    results.append(step_fn(jax.tree.map(jnp.copy, params), optimizer.init(params),
+                           dataclasses.replace(batch, advantages=advantages), layout))
+  _assert_same_step(results[1], results[0][::2], f'toy, branches={branches}')
+  for dp in (0, 3, 64):
+    with pytest.raises(absl_app.UsageError, match='--dp'):
+      toy._dp_mesh(dp, bp)
 
 
 def test_train_parallel_step_smoke(tmp_path):
