@@ -146,6 +146,7 @@ def _variant_args(name, n, graphdef, params, config, settings, plan):
 
 
 def run_point(point, settings, writer):
+  """Every variant's record at one point, each written as it ends."""
   g, p, t = point
   n, k = _DEVICES.value, _PROMPTS.value
   config = get_config(settings['preset'], num_layers=_LAYERS.value,
@@ -154,16 +155,17 @@ def run_point(point, settings, writer):
   batch, plan = grpo_batch(n * k, g, p, t, config.vocab_size, _SEED.value)
   records = []
   for name in _VARIANTS.value:
-    rec = dict(variant=name if name == 'one_device' else f'{name}{n}', devices=1 if name ==
-               'one_device' else n, prompts=n * k, G=g, P=p, T=t, samples=n * k * g,
-               preset=settings['preset'], layers=_LAYERS.value, vocab=config.vocab_size,
-               impl=settings['impl'].value)
+    devices = 1 if name == 'one_device' else n
+    rec = dict(variant=name if devices == 1 else f'{name}{n}', devices=devices, prompts=n * k,
+               G=g, P=p, T=t, samples=n * k * g, preset=settings['preset'],
+               layers=_LAYERS.value, vocab=config.vocab_size, impl=settings['impl'].value)
     try:
       if rec['devices'] > jax.device_count():
         rec.update(status='unsupported', reason=f'needs {n} devices, {jax.device_count()} here')
       else:
-        args = _variant_args(name, n, graphdef, params, config, settings, plan)
-        run_variant(rec, *args[:2], batch, *args[2:], settings['impl'])
+        graphdef_v, params_v, layout, mesh = _variant_args(name, n, graphdef, params, config,
+                                                           settings, plan)
+        run_variant(rec, graphdef_v, params_v, batch, layout, mesh, settings['impl'])
     except Exception as e:  # one failing variant must not end the run
       logging.exception('%s', rec['variant'])
       rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')

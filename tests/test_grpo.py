@@ -133,7 +133,7 @@ def test_train_steps_compile_once_for_batches_of_one_shape():
     layout = plan_prefill(lengths, 2, 3, prompt_capacity=6).to_device()
     *state, metrics = step(*state, _batch(config, lengths, 2, 3, seed, capacity=6), layout)
     assert np.isfinite(float(metrics['loss']))
-  assert step._cache_size() == 1
+  assert step.jitted._cache_size() == 1
 
   tree_step = grpo.make_tree_train_step(graphdef, optimizer, cfg, kv_block=4)
   rng = np.random.default_rng(5)
@@ -142,7 +142,7 @@ def test_train_steps_compile_once_for_batches_of_one_shape():
                                   capacities=[7, 3, 2]).to_device()
     *state, metrics = tree_step(*state, _tree_batch(config, layout, 4, rng), layout)
     assert np.isfinite(float(metrics['loss']))
-  assert tree_step._cache_size() == 1
+  assert tree_step.jitted._cache_size() == 1
 
 
 def _assert_same_step(got, expected, label):
@@ -194,6 +194,14 @@ def test_data_parallel_train_step_is_the_one_device_step():
   for state in got[:2]:
     leaves = jax.tree.leaves(state)
     assert sum('dp' in x.sharding.spec for x in leaves) >= len(leaves) // 2
+  # The state as the step leaves it is the state it was compiled for: one compile, step after
+  # step (a state on one device, or in dp slices; `on_one_mesh`).
+  for placed in (lambda x: x, lambda x: shard_over_dp(x, mesh)):
+    step = grpo.make_train_step(graphdef, adam, cfg, kv_block=4, mesh=mesh)
+    state = (placed(jax.tree.map(jnp.copy, params)), placed(adam.init(params)))
+    for _ in range(3):
+      *state, _ = step(*state, batch, plan.to_device_sharded(2))
+    assert step.jitted._cache_size() == 1
   with pytest.raises(ValueError, match='layout must be .* 2 dp shards'):
     run(step, plan.to_device())
   with pytest.raises(ValueError, match=r'num_shards \(dp\) must be >= 1 and divide the 4'):
@@ -278,6 +286,11 @@ def test_tensor_parallel_train_steps_are_the_one_device_steps():
   got = grpo.make_train_step(graphdef_tp, optimizer, cfg, kv_block=4)(*init(params_tp), batch,
                                                                       layout)
   _assert_same_step(got, expected[::2], 'tp=2')
+  step = grpo.make_train_step(graphdef_tp, optimizer, cfg, kv_block=4)
+  state = init(params_tp)
+  for _ in range(3):  # the outputs' shardings are the inputs' (`on_one_mesh`): one compile
+    *state, _ = step(*state, batch, layout)
+  assert step.jitted._cache_size() == 1
   jaxpr = str(jax.make_jaxpr(lambda p: grpo.loss_and_grads(graphdef_tp, p, batch, layout, cfg,
                                                            kv_block=4))(params_tp))
   assert jaxpr.count('shard_map[') == 2 * config.num_layers  # each layer's, forward + backward

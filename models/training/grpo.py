@@ -32,7 +32,7 @@ from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import PrefillLayout
 from hydrajax.training import tree_prefill as tp
 from models.training.forward import shared_forward, tree_forward, unshared_forward
-from models.training.parallel import data_parallel
+from models.training.parallel import data_parallel, on_one_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +229,14 @@ def _optimizer_step(grads, optimizer: optax.GradientTransformation, mesh: Mesh |
     grads = data_parallel(grads, mesh)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch, layout):
+  def jitted(params, opt_state, batch, layout):
     (_, metrics), g = grads(params, batch, layout)
     updates, opt_state = optimizer.update(g, opt_state, params)
     metrics['grad_norm'] = optax.tree.norm(g)
     return optax.apply_updates(params, updates), opt_state, metrics
 
+  def step(params, opt_state, batch, layout):
+    return jitted(*on_one_mesh((params, opt_state), mesh), batch, layout)
+
+  step.jitted = jitted  # e.g. step.jitted._cache_size(): the programs compiled so far
   return step

@@ -6,7 +6,8 @@ layout) in one `jax.shard_map`, averaged by one all-reduce; `make_train_step(mes
 parameters replicated: placed with `shard_over_dp`, their dp slices are gathered as it starts,
 and the optimizer updates each slice where it lives, so the optimizer state (and the parameters
 between steps) take 1/dp of the memory a replica would (ZeRO-3 at step granularity: the whole
-model is gathered for the step).
+model is gathered for the step). `on_one_mesh` puts a step's state where the step's outputs
+will be, so a training loop compiles its step once.
 """
 
 import jax
@@ -66,3 +67,37 @@ def shard_over_dp(tree, mesh: Mesh):
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
   return jax.tree.map(place, tree)
+
+
+def on_one_mesh(state, mesh: Mesh | None):
+  """The training state (parameters, optimizer state) as a step's outputs will be: every array
+  on one mesh, `mesh` (the step's) or else the one some array is on (a model's tp mesh), an
+  array elsewhere (a fresh optimizer's step count, parameters not yet placed) placed there
+  replicated, and every spec without trailing Nones (the form jit gives its outputs:
+  P('tp', None) and P('tp') are one sharding but two compiles). So the state keeps one
+  sharding from step to step and the step compiles once, not again at its second call."""
+  leaves = jax.tree.leaves(state)
+  on_mesh = lambda x: isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+  if mesh is None:
+    mesh = next((x.sharding.mesh for x in leaves if on_mesh(x)), None)
+    if mesh is None:
+      return state
+  mesh = auto_mesh(mesh)
+
+  def spec(x):
+    if not (on_mesh(x) and x.sharding.mesh == mesh):
+      return P()
+    axes = list(x.sharding.spec)
+    while axes and axes[-1] is None:
+      axes.pop()
+    return P(*axes)
+
+  def place(x):
+    want = spec(x)
+    if on_mesh(x) and x.sharding.mesh == mesh and x.sharding.spec == want:
+      return x
+    return jax.device_put(x, NamedSharding(mesh, want))
+
+  if all(on_mesh(x) and x.sharding.mesh == mesh and x.sharding.spec == spec(x) for x in leaves):
+    return state
+  return jax.tree.map(place, state)
