@@ -200,11 +200,15 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
                     shared: bool = True, kv_block: int = 1024,
                     impl: AttentionImpl | str = AttentionImpl.XLA, interpret: bool = False,
                     mesh: Mesh | None = None):
-  """A jitted step (params, opt_state, batch, layout) -> (params, opt_state, metrics).
+  """A step (params, opt_state, batch, layout) -> (params, opt_state, metrics): one jitted
+  program (`step.jitted`) that takes the state donated, after `on_one_mesh` puts the state
+  where its outputs will be (so a loop compiles it once).
 
   impl, interpret: the shared forward's attention kernels (`prepare_prefill_attention`).
   mesh: data parallel over its `dp` axis (`data_parallel`): layout is then
-  `plan.to_device_sharded(dp)`, and each shard trains on its block of the batch's prompts.
+  `plan.to_device_sharded(dp)`, and each shard trains on its block of the batch's prompts. A
+  model made on a mesh with `tp` trains tensor parallel (`models.training.forward`); with
+  both, pass that mesh here too.
   """
   return _optimizer_step(lambda params, batch, layout: loss_and_grads(
       graphdef, params, batch, layout, config, shared=shared, kv_block=kv_block, impl=impl,
@@ -214,7 +218,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
 def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, config: GrpoConfig,
                          *, kv_block: int = 1024, impl: AttentionImpl | str = AttentionImpl.XLA,
                          interpret: bool = False, mesh: Mesh | None = None):
-  """`make_train_step` over a rollout tree: a jitted step (params, opt_state, batch:
+  """`make_train_step` over a rollout tree: a step (params, opt_state, batch:
   TreeGrpoBatch, layout: TreePrefillLayout) -> (params, opt_state, metrics), its gradients from
   `tree_loss_and_grads` (each node computed once). mesh: data parallel over `dp`, layout
   `plan.to_device_sharded(dp)` (shard d: block d of the roots and of every level's rows)."""
@@ -224,7 +228,8 @@ def make_tree_train_step(graphdef, optimizer: optax.GradientTransformation, conf
 
 
 def _optimizer_step(grads, optimizer: optax.GradientTransformation, mesh: Mesh | None):
-  """The jitted step of `grads(params, batch, layout) -> ((loss, metrics), grads)`."""
+  """The step of `grads(params, batch, layout) -> ((loss, metrics), grads)` (see
+  `make_train_step`)."""
   if mesh is not None:
     grads = data_parallel(grads, mesh)
 
