@@ -1,5 +1,6 @@
 """The run and the report shared by the rollout-tree benchmarks (`train_tree_bench`,
-`train_tree_step`): points P:B:L:G:T, one record per variant and point, the tree's speedups."""
+`train_tree_step`): points P:B:L:G:T, one record per variant and point (written when the variant
+ends), and a point's `speedups` record (the tree's, written when the point ends)."""
 
 import contextlib
 import gc
@@ -43,9 +44,9 @@ def parse_points(points: Sequence[str]) -> list[tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def variant(rec: dict, records: list[dict]):
+def variant(rec: dict, emit: Callable[[dict], None]):
   """Runs one variant's measurement: an exception in it is logged and recorded as rec's
-  status 'error' (one failing variant must not end the sweep); rec joins `records` either way."""
+  status 'error' (one failing variant must not end the sweep); rec is emitted either way."""
   try:
     yield
   except Exception as e:
@@ -54,7 +55,7 @@ def variant(rec: dict, records: list[dict]):
     rec.update(status='error', reason=f'{type(e).__name__}: {str(e)[:300]}')
   logging.info('%s at %s: %s, %s s', rec['impl'], ':'.join(str(rec[f]) for f in POINT_FIELDS),
                rec.get('status'), rec.get('time_s'))
-  records.append(rec)
+  emit(rec)
   gc.collect()
 
 
@@ -69,20 +70,27 @@ def record_time(rec: dict, fn, args, *, repeats: int, target_s: float) -> None:
     rec.update(status='ok', time_s=time_s, time_over_floor=time_s / rec['floor_s'])
 
 
-def add_speedups(records: list[dict], is_tree: Callable[[str], bool]) -> None:
-  """speedup_vs_<impl> on the first timed tree variant: each other timed variant's time over
-  its own."""
+def add_speedups(records: list[dict], is_tree: Callable[[str], bool]) -> dict | None:
+  """speedup_vs_<impl> on the first timed tree variant of one point's records: each other timed
+  variant's time over its own. Returns them as a `speedups` record (None without a timed tree)."""
   tree = next((r for r in records if is_tree(r['impl']) and r.get('time_s')), None)
+  if tree is None:
+    return None
   for r in records:
-    if tree and r is not tree and r.get('time_s'):
+    if r is not tree and r.get('time_s'):
       tree[f"speedup_vs_{r['impl']}"] = r['time_s'] / tree['time_s']
+  return {'kind': 'speedups', 'impl': tree['impl'], **{f: tree[f] for f in POINT_FIELDS},
+          **{k: v for k, v in tree.items() if k.startswith('speedup_vs_')}}
 
 
-def run(workdir: str, points, impls: Sequence[str], run_point, *, tree: str,
-        columns: Sequence[tuple], header: str, title: str, ylabel: str) -> list[dict]:
-  """Measures the ceilings, runs `run_point(point, ceilings)` at every point (its records written
-  as they come), then writes table.md (`header`, then the table: the point, time, floor, the
-  tree variant's speedups, `columns`, status), time.png and README.md into `workdir`."""
+def run(workdir: str, points, impls: Sequence[str], run_point, *,
+        is_tree: Callable[[str], bool], columns: Sequence[tuple], header: str, title: str,
+        ylabel: str) -> list[dict]:
+  """Measures the ceilings, runs `run_point(point, ceilings, emit)` at every point (each record
+  it emits is written at once, so a lost machine keeps every variant that ended), then the
+  point's speedups (`add_speedups`), then writes table.md (`header`, then the table: the point,
+  time, floor, the tree variant's speedups, `columns`, status), time.png and README.md into
+  `workdir`."""
   writer = report.fresh_jsonl(os.path.join(workdir, 'results.jsonl'))
   start = time.perf_counter()
   ceilings = roofline.measure_backend_ceilings()
@@ -90,9 +98,13 @@ def run(workdir: str, points, impls: Sequence[str], run_point, *, tree: str,
   records = []
   for point in report.progress(points, desc=title):
     logging.info('point P:B:L:G:T=%s (%.0f s)', point, time.perf_counter() - start)
-    for r in run_point(point, ceilings):
-      writer.append(r)
-      records.append(r)
+    mine = []
+    run_point(point, ceilings, lambda r: (writer.append(r), mine.append(r)))
+    speedups = add_speedups(mine, is_tree)
+    if speedups:
+      writer.append(speedups)
+    records += mine
+  tree = next((i for i in impls if is_tree(i)), None)
   table = report.markdown_table(records, [
       ('impl', 'impl'), *[(f, f) for f in POINT_FIELDS],
       ('time ms', lambda r: r.get('time_s') and 1e3 * r['time_s']),

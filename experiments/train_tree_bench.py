@@ -16,7 +16,8 @@ same attention (checked against the first to run, at every leaf token):
   (`jax.nn.dot_product_attention`), the prompt and branch recomputed per leaf.
 
 floor_s: the roofline of each variant's own computation (`hydrajax.training.costs`, measured
-ceilings); `speedup_vs_*`: the baseline's time over the tree's.
+ceilings); `speedup_vs_*` (in the point's `speedups` record, and the table): the baseline's time
+over the tree's.
 
 CPU smoke (the default, a minute):
 
@@ -27,8 +28,8 @@ The H200 command (32/8 heads, d=128, bf16):
   PYTHONPATH=. python -m experiments.train_tree_bench --nosmoke \
       --workdir=experiments/results/train_tree_bench
 
-Writes, into --workdir: results.jsonl (one record per variant and point, plus the ceilings),
-table.md, time.png and README.md.
+Writes, into --workdir: results.jsonl (the ceilings, then each variant's record as it ends and
+each point's `speedups`), table.md, time.png and README.md.
 """
 
 import functools
@@ -124,11 +125,12 @@ def _cost(name, point, heads, head_dim, dtype):
                                  shared=name in TREES, dtype_bytes=size)
 
 
-def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
-  """Records of every variant at one point (checked against the first variant that ran)."""
+def run_point(point, impls, heads, head_dim, dtype, ceilings, seed, emit):
+  """Emits every variant's record at one point as it ends (checked against the first variant
+  that ran)."""
   p, b, l, g, t = point
   n, kh = heads
-  records, reference = [], None
+  reference = None
   kv_tokens = tp.plan_rollout_tree(*point).kv_tokens
   leaf_shapes = AttentionShapes(g, t, n, kh, head_dim, kv_tokens, dtype)
   for name in impls:
@@ -137,9 +139,9 @@ def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
                dtype=jnp.dtype(dtype).name, floor_s=cost.floor_s(ceilings), flops=cost.flops)
     reason = rollout_report.unsupported(name, leaf_shapes)
     if reason:
-      records.append(dict(rec, status='unsupported', reason=reason))
+      emit(dict(rec, status='unsupported', reason=reason))
       continue
-    with rollout_report.variant(rec, records):
+    with rollout_report.variant(rec, emit):
       fn, args, leaves_of = _variant(name, point, heads, head_dim, dtype, seed)
       leaves = np.asarray(leaves_of(jax.jit(fn)(*args)), np.float32)
       if reference is None:
@@ -151,19 +153,16 @@ def run_point(point, impls, heads, head_dim, dtype, ceilings, seed):
       program, program_args = timing.vjp_program(fn, args, seed)
       rollout_report.record_time(rec, program, program_args, repeats=_REPEATS.value,
                                  target_s=_TARGET_MS.value / 1e3)
-  rollout_report.add_speedups(records, lambda impl: impl in TREES)
-  return records
 
 
 def main(argv):
   del argv
   s = _settings()
-  tree = next((i for i in s['impls'] if i in TREES), None)
   rollout_report.run(
       _WORKDIR.value, s['points'], s['impls'],
-      lambda point, ceilings: run_point(point, s['impls'], s['heads'], s['head_dim'],
-                                        s['dtype'], ceilings, _SEED.value),
-      tree=tree, columns=[('rel err', 'rel_err')],
+      lambda point, ceilings, emit: run_point(point, s['impls'], s['heads'], s['head_dim'],
+                                              s['dtype'], ceilings, _SEED.value, emit),
+      is_tree=lambda impl: impl in TREES, columns=[('rel err', 'rel_err')],
       header='P:B:L:G:T = a P-token prompt, B branches of L tokens, G leaves of T tokens.',
       title='Rollout-tree training attention', ylabel='forward + backward, s')
 

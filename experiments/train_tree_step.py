@@ -31,8 +31,8 @@ timing compiles the step again inside its loop): about 6 minutes for this point.
 is logged as it ends. Results: experiments/results/train_tree_s41/ (at 8192:4:512:32:512 the tree
 step is 1.63x one-level sharing and 7.71x per-sequence cuDNN).
 
-Writes, into --workdir: results.jsonl (one record per variant and point, plus the ceilings),
-table.md, time.png and README.md.
+Writes, into --workdir: results.jsonl (the ceilings, then each variant's record as it ends and
+each point's `speedups`), table.md, time.png and README.md.
 """
 
 import os
@@ -149,8 +149,9 @@ def _flops(name, point, model_config, layers):
   return 6 * tokens * per_layer + 6 * scored * c.dim * c.vocab_size + layers * attention.flops
 
 
-def run_point(point, settings, ceilings, seed):
-  """Records of every variant at one point (losses checked against the first that ran)."""
+def run_point(point, settings, ceilings, seed, emit):
+  """Emits every variant's record at one point as it ends (losses checked against the first
+  that ran)."""
   p, b, l, g, t = point
   layers = _LAYERS.value
   overrides = dict(vocab_size=settings['vocab']) if settings['vocab'] else {}
@@ -159,7 +160,7 @@ def run_point(point, settings, ceilings, seed):
   tree, paths, layout, prefill = batches(point, model_config.vocab_size, seed)
   shapes = AttentionShapes(g, t, model_config.num_heads, model_config.num_kv_heads,
                            model_config.head_dim, layout.kv_tokens, settings['dtype'])
-  records, reference = [], None
+  reference = None
   for name in settings['impls']:
     flops = _flops(name, point, model_config, layers)
     rec = dict(kind='step', impl=name, P=p, B=b, L=l, G=g, T=t, preset=settings['preset'],
@@ -168,10 +169,10 @@ def run_point(point, settings, ceilings, seed):
                floor_s=flops / ceilings.matmul_rate)
     reason = rollout_report.unsupported(name, shapes)
     if reason:
-      records.append(dict(rec, status='unsupported', reason=reason))
+      emit(dict(rec, status='unsupported', reason=reason))
       continue
     args = (params, tree, layout) if name.startswith('tree_') else (params, paths, prefill)
-    with rollout_report.variant(rec, records):
+    with rollout_report.variant(rec, emit):
       start = time.perf_counter()
       fn = jax.jit(jax.value_and_grad(_loss(name, graphdef, grpo.GrpoConfig(), g)))
       rec['loss'] = float(fn(*args)[0])
@@ -183,8 +184,6 @@ def run_point(point, settings, ceilings, seed):
         rec['loss_rel_err'] = abs(rec['loss'] - reference) / max(abs(reference), 1e-30)
       rollout_report.record_time(rec, fn, args, repeats=_REPEATS.value,
                                  target_s=_TARGET_MS.value / 1e3)
-  rollout_report.add_speedups(records, lambda impl: impl.startswith('tree_'))
-  return records
 
 
 def main(argv):
@@ -192,8 +191,8 @@ def main(argv):
   s = _settings()
   rollout_report.run(
       _WORKDIR.value, s['points'], s['impls'],
-      lambda point, ceilings: run_point(point, s, ceilings, _SEED.value),
-      tree=next((i for i in s['impls'] if i.startswith('tree_')), None),
+      lambda point, ceilings, emit: run_point(point, s, ceilings, _SEED.value, emit),
+      is_tree=lambda impl: impl.startswith('tree_'),
       columns=[('loss', 'loss'), ('loss rel err', 'loss_rel_err')],
       header=(f'Model {s["preset"]} at {_LAYERS.value} layers. P:B:L:G:T = a P-token prompt, '
               'B branches of L tokens, G leaves of T tokens; value and gradient of the GRPO '

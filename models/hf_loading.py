@@ -400,8 +400,7 @@ def _split_kv(layer: dict) -> dict:
   sharding = getattr(wkv, 'sharding', None)
   if sharding is not None:  # the same spec without the pair axis
     spec = tuple(sharding.spec) + (None,) * (len(wkv.shape) - len(sharding.spec))
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        spec[0], *spec[2:]))
+    sharding = sr.named_sharding(sharding.mesh, (spec[0], *spec[2:]))
   one = jax.ShapeDtypeStruct(shape, wkv.dtype, sharding=sharding)
   layer['wk'], layer['wv'] = one, one
   return layer

@@ -279,7 +279,7 @@ class Llama(nnx.Module):
       raise ValueError(f'fuse_qkv needs the kv heads K={c.num_kv_heads} split over '
                        f'tp={sr.axis_size(mesh, sr.TP)} (tp must divide K)')
     shape = (c.dim, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim)
-    sharding = None if mesh is None else jax.sharding.NamedSharding(
+    sharding = None if mesh is None else sr.named_sharding(
         mesh, sr.partition_spec(QKV_AXES, mesh=mesh, shape=shape))
     fuse = jax.jit(fused_qkv, out_shardings=sharding)
     for layer in self.layers:

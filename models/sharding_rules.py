@@ -101,9 +101,22 @@ def partition_spec(
   return PartitionSpec(*out)
 
 
+def named_sharding(mesh: Mesh, spec: Sequence[str | None]) -> NamedSharding:
+  """`NamedSharding(mesh, spec)` in the one form jit gives its outputs: no trailing Nones.
+
+  P('tp', None) and P('tp') place an array alike but are unequal shardings, so an array placed
+  with the first and handed back by a jitted step with the second would compile the step again.
+  Every placement here goes through this.
+  """
+  axes = list(spec)
+  while axes and axes[-1] is None:
+    axes.pop()
+  return NamedSharding(mesh, PartitionSpec(*axes))
+
+
 def sharding(names, mesh: Mesh, shape=None, rules=RULES) -> NamedSharding:
   """The NamedSharding of an array with these logical axes on `mesh`."""
-  return NamedSharding(mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
+  return named_sharding(mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
 
 
 def _names_of(v: nnx.Variable):
@@ -129,7 +142,7 @@ def param_partition_specs(state: nnx.State, rules=RULES, *, mesh: Mesh | None = 
 def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES):
   """A tree like `state` holding each parameter's NamedSharding on `mesh`."""
   specs = param_partition_specs(state, rules, mesh=mesh)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+  return jax.tree.map(lambda s: named_sharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
@@ -231,7 +244,7 @@ def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, r
   make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **llama_kwargs)
   if mesh is None:
     return make()
-  placement = lambda names, shape: NamedSharding(
+  placement = lambda names, shape: named_sharding(
       mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
   token = PARAM_PLACEMENT.set(placement)
   try:

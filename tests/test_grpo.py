@@ -260,6 +260,9 @@ def test_data_parallel_tree_train_step_is_the_one_device_step():
     tp.plan_tree_prefill([-1, 0, 0, 1, -1, 4, 4, 5], [3, 2, 2, 1, 3, 2, 2, 1]).shards(2)
   with pytest.raises(ValueError, match='equal level sizes'):
     tp.plan_tree_prefill([-1, 0, 0, -1, 3], [3, 2, 2, 3, 2]).shards(2)
+  with pytest.raises(ValueError, match="dp shard 1's trees share their tokens differently"):
+    tp.plan_tree_prefill([-1, 0, 0, 1, 1, 1, 2, -1, 7, 7, 8, 8, 9, 9],  # 3 + 1 leaves, 2 + 2
+                         [3, 2, 2, 1, 1, 1, 1, 3, 2, 2, 1, 1, 1, 1]).to_device_sharded(2)
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py sets '

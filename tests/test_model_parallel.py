@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import hydrajax as hj
 from hydrajax import parallel
@@ -244,6 +245,23 @@ def test_engine_greedy_outputs_equal_one_device():
       assert engine.kv.k.sharding.is_equivalent_to(want, 4)
   assert outs[0] == outs[1]
 
+
+@pytest.mark.parametrize('mesh_name', ['tp2', 'dp2_tp2'])
+def test_placed_parameters_are_in_the_form_a_jitted_step_returns(mesh_name):
+  # A spec with trailing Nones places alike but is another sharding: a step fed parameters so
+  # placed would compile again at its second call, fed its own outputs.
+  model = sr.init_model(CONFIGS['gqa'], mesh=_mesh(mesh_name), seed=1)
+  state = nnx.state(model, nnx.Param)
+  placed = sr.place_state(jax.tree.map(np.asarray, state), model.mesh)
+  assert sr.sharding(('embed', 'heads', 'head_dim'), model.mesh).spec == P(None, 'tp')
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s))
+  for params in (state, placed):
+    leaves = jax.tree.leaves(params)
+    assert any(len(x.sharding.spec) for x in leaves)  # some split, none ending in None
+    assert all(not x.sharding.spec or x.sharding.spec[-1] is not None for x in leaves)
+    again = step(step(params))
+    assert [x.sharding for x in jax.tree.leaves(again)] == [x.sharding for x in leaves]
+    assert step._cache_size() == 1
 
 def test_check_mesh_errors_before_any_work():
   with pytest.raises(ValueError, match='query heads N=6 do not divide over tp=4'):

@@ -156,6 +156,9 @@ def test_auto_on_a_tpu_keeps_xla(on):
     plan = tp.prepare_training_attention(layout, hj.AttentionShapes.of(q, k))
   assert (plan.impl, plan.shared_backward) == (XLA, XLA)
   plan = tp.prepare_training_attention(layout, hj.AttentionShapes.of(q, k), impl=MOSAIC_TPU)
+  assert (plan.impl, plan.shared_backward) == (MOSAIC_TPU, MOSAIC_TPU)
+  plan = tp.prepare_training_attention(layout, hj.AttentionShapes.of(q, k), impl=XLA,
+                                       shared_backward=MOSAIC_TPU)
   assert (plan.impl, plan.shared_backward) == (XLA, MOSAIC_TPU)
 
 

@@ -136,8 +136,14 @@ def _prefill_oracle(q_p, q_c, k_p, k_c, v_p, v_c, lengths, group_size):
   return prompt, completion
 
 
+@pytest.mark.parametrize('impl', ('xla', 'mosaic_tpu'))
 @pytest.mark.parametrize('dtype', (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
-def test_prefill_attention_matches_causal_oracle(dtype):
+def test_prefill_attention_matches_causal_oracle(dtype, impl):
+  """impl 'mosaic_tpu': the prompts attended by their completions on the TPU kernels (interpret
+  mode), the causal parts on XLA."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  interpret = pltpu.InterpretParams() if impl == 'mosaic_tpu' else False
   lengths, g, t, p, n, k, h = (5, 11), 3, 6, 12, 4, 2, 8
   plan = pl.plan_prefill(lengths, g, t, prompt_capacity=p)
   layout = plan.to_device()
@@ -151,7 +157,8 @@ def test_prefill_attention_matches_causal_oracle(dtype):
 
   def ours(q_p, q_c, k_p, k_c, v_p, v_c):
     kb, vb = pl.write_kv(layout, k_p, k_c), pl.write_kv(layout, v_p, v_c)
-    return pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=8)
+    return pl.prefill_attention(q_p, q_c, kb, vb, layout, kv_block=8, impl=impl,
+                                interpret=interpret)
 
   oracle = lambda *a: _prefill_oracle(*a, layout.prompt_lengths, g)
 
@@ -228,20 +235,63 @@ def test_shared_segment_bwd_kernel_matches_oracle_grad():
     np.testing.assert_allclose(r, e, rtol=1e-5, atol=1e-5, err_msg=f'{name} reference')
 
 
-def test_grad_with_mosaic_tpu_shared_backward_matches_oracle():
-  """The custom VJP with the shared segments' backward in the TPU kernels (interpret mode)."""
+@pytest.mark.parametrize('impl, case', [
+    ('xla', dataclasses.replace(CASES[1], kv_block=1024)),  # the shared backward alone
+    ('mosaic_tpu', dataclasses.replace(CASES[1], kv_block=1024)),  # forward and backward
+    ('mosaic_tpu', CASES[2]),  # MQA, bf16
+    ('mosaic_tpu', CASES[3]),  # an empty root, rows without any key
+], ids=lambda x: x if isinstance(x, str) else x.id)
+def test_grad_with_mosaic_tpu_shared_segments_matches_oracle(impl, case):
+  """The custom VJP with the shared segments' backward (and with impl=MOSAIC_TPU their forward)
+  in the TPU kernels (interpret mode)."""
   from jax.experimental.pallas import tpu as pltpu
 
-  case = dataclasses.replace(CASES[1], kv_block=1024)
   plan, (q, k, v) = _case_inputs(case)
   layout = plan.to_device()
   assert layout.groups, 'the case needs shared segments'
   weights = _weights(q)
   ours = lambda q, k, v: tree_attention_differentiable(
-      q, k, v, layout, shared_backward='mosaic_tpu', interpret=pltpu.InterpretParams())
+      q, k, v, layout, impl=impl, shared_backward='mosaic_tpu',
+      interpret=pltpu.InterpretParams())
   oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
+  assert_states_close(ours(q, k, v), oracle(q, k, v))
   actual = jax.grad(_loss(ours, weights), argnums=(0, 1, 2))(q, k, v)
   expected = jax.grad(_loss(oracle, weights), argnums=(0, 1, 2))(q, k, v)
   _assert_grads_close(actual, expected, case.dtype)
   with pytest.raises(ValueError, match='shared_backward'):
     tree_attention_differentiable(q, k, v, layout, shared_backward='cuda')
+
+
+# The Mosaic TPU forward kernel of a group of shared segments (TPU interpret mode on CPU).
+
+@pytest.mark.parametrize('dtype', (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_shared_segments_fwd_kernel_matches_oracle(dtype):
+  """Three segments in one launch: a full one, an empty one and one whose tail (past its length,
+  not a block multiple) holds NaN; GQA rows folded as the training forward folds them."""
+  from jax.experimental.pallas import tpu as pltpu
+  from pallas_kernels.tpu import shared_segment_fwd as kernel
+
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f'seed {seed}')  # shown with a failure
+  rng = np.random.default_rng(seed)
+  b, t, n, kh, h, s = 3, 2, 4, 2, 8, 45
+  g, lengths = n // kh, [45, 0, int(rng.integers(1, 44))]
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+  q, k, v = draw(3, b, t, n, h), draw(3, s, kh, h), draw(3, s, kh, h)
+  k, v = (x.at[2, lengths[2]:].set(jnp.nan) for x in (k, v))
+  fold = lambda x: jnp.moveaxis(x.reshape(3, b, t, kh, g, h), 3, 4).reshape(3, b * t * g, kh, h)
+  args = (fold(q), k, v, jnp.asarray(lengths, jnp.int32))
+  out, lse = kernel.shared_segments_fwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
+                                        interpret=pltpu.InterpretParams())
+  ref_out, ref_lse = kernel.shared_segments_fwd_reference(*args, scale=h**-0.5)
+  unfold = lambda x: jnp.moveaxis(x.reshape((b, t, g, kh) + x.shape[2:]), 2, 3).reshape(
+      (b, t, n) + x.shape[2:])
+  for z, length in enumerate(lengths):
+    rows = lambda x: jnp.broadcast_to(x[z, :length], (b, length) + x.shape[2:])
+    oracle = hj.naive_attention(q[z], rows(k), rows(v), jnp.full((b,), length + t, jnp.int32))
+    for state in ((out, lse), (ref_out, ref_lse)):  # the kernel, then its reference
+      assert_states_close(hj.PartialState(unfold(state[0][z]).astype(dtype),
+                                          unfold(state[1][z])), oracle)
+  assert np.isneginf(np.asarray(lse[1])).all() and not np.asarray(out[1]).any()
+  with pytest.raises(ValueError, match=r'kv_lengths must be \[Z\] = \(3,\)'):
+    kernel.shared_segments_fwd(*args[:3], jnp.zeros(2, jnp.int32), scale=1.0)

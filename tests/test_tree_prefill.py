@@ -217,6 +217,26 @@ def test_arguments_are_checked():
     tp.path_sequences(layout, k[:-1])
 
 
+def _check_speedups(records, variants, kind, baselines):
+  """Each variant's record is written as it ends, then the point's `speedups` record: the tree's
+  speedup over each baseline timed beside it (none without a timed tree)."""
+  kinds = [r['kind'] for r in records]
+  speedups = [r for r in records if r['kind'] == 'speedups']
+  timed_tree = variants['tree_xla']['status'] == 'ok'
+  assert len(speedups) == int(timed_tree), kinds
+  if not timed_tree:
+    return
+  assert kinds.index('speedups') > max(i for i, k in enumerate(kinds) if k == kind), kinds
+  (speedups,) = speedups
+  assert speedups['impl'] == 'tree_xla' and speedups['P'] == 24, speedups
+  for name in baselines:
+    timed = variants[name]['status'] == 'ok'
+    assert (f'speedup_vs_{name}' in speedups) == timed, speedups
+    if timed:
+      want = variants[name]['time_s'] / variants['tree_xla']['time_s']
+      assert speedups[f'speedup_vs_{name}'] == pytest.approx(want), speedups
+
+
 def test_train_tree_bench_smoke(tmp_path):
   """The rollout-tree benchmark's CPU smoke: every variant runs, agrees with the per-sequence
   baseline at the leaves, and the tree's speedups (where both were timed), table, plot and
@@ -234,9 +254,7 @@ def test_train_tree_bench_smoke(tmp_path):
   # A time at or below the timer's noise (a loaded machine) is recorded as untimeable.
   assert all(r['status'] in ('ok', 'untimeable') for r in points.values()), points
   assert points['tree_xla']['rel_err'] < 1e-5 and points['prefill_xla']['rel_err'] < 1e-5
-  for name in ('per_seq_xla', 'prefill_xla'):
-    timed = all(points[i]['status'] == 'ok' for i in (name, 'tree_xla'))
-    assert (f'speedup_vs_{name}' in points['tree_xla']) == timed, points['tree_xla']
+  _check_speedups(records, points, 'attention', ('per_seq_xla', 'prefill_xla'))
   assert points['tree_xla']['flops'] < points['prefill_xla']['flops'] < points['per_seq_xla'][
       'flops']
   for name in ('table.md', 'time.png', 'README.md'):
@@ -261,9 +279,7 @@ def test_train_tree_step_smoke(tmp_path):
   assert np.isfinite(steps['per_seq_xla']['loss']) and steps['per_seq_xla']['loss'] != 0
   for name in ('prompt_shared_xla', 'tree_xla'):
     assert steps[name]['loss_rel_err'] < 1e-4, steps[name]
-  for name in ('per_seq_xla', 'prompt_shared_xla'):
-    timed = all(steps[i]['status'] == 'ok' for i in (name, 'tree_xla'))
-    assert (f'speedup_vs_{name}' in steps['tree_xla']) == timed, steps['tree_xla']
+  _check_speedups(records, steps, 'step', ('per_seq_xla', 'prompt_shared_xla'))
   assert steps['tree_xla']['flops'] < steps['prompt_shared_xla']['flops'] < steps[
       'per_seq_xla']['flops']
   for name in ('table.md', 'time.png', 'README.md'):

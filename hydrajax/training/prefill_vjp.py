@@ -45,7 +45,7 @@ from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState, merge_many
 from hydrajax.training.training_plan import (
-    TrainingAttentionPlan, check_planned_shapes, checked_kv_block, prepare_training_attention,
+    TrainingAttentionPlan, check_planned_shapes, checked_kv_block, plan_resolved,
     resolve_training_kernels,
 )
 from hydrajax.training.tree_attention_vjp import _Kernels
@@ -81,12 +81,8 @@ def prepare_levels(
                                       interpret=interpret) for layout, s in zip(layouts, shapes)]
   if on_slices and all(k.impl is k.shared_backward is AttentionImpl.MOSAIC_GPU for k in kernels):
     return LevelsPlan(tuple(segment_lengths), tuple(shapes), kernels[-1]), ()
-  # The kernels as resolved, explicit: an AUTO fallback warns once, not again here.
-  return None, tuple(
-      prepare_training_attention(layout, s, impl=k.impl, shared_backward=k.shared_backward,
-                                 kv_block=kv_block, kernel_config=k.config,
-                                 interpret=k.interpret)
-      for layout, s, k in zip(layouts, shapes, kernels))
+  return None, tuple(plan_resolved(layout, s, k, kv_block)
+                     for layout, s, k in zip(layouts, shapes, kernels))
 
 
 def attend_levels(level_q: Sequence[jax.Array], k_buffer: jax.Array, v_buffer: jax.Array,

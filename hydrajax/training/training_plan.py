@@ -106,10 +106,11 @@ def resolve_training(
 ) -> tuple[AttentionImpl, AttentionImpl]:
   """(forward, shared backward) that will run: see `prepare_training_attention`."""
   requested = _as_impl('impl', impl, _IMPLS)
-  # MOSAIC_TPU's kernels run the shared backward only. AUTO tries this machine's kernel on a
-  # Hopper GPU only: the Mosaic TPU training kernels are tested in interpret mode only.
+  # MOSAIC_TPU's kernels run the shared segments (forward and backward). AUTO tries this
+  # machine's kernel on a Hopper GPU only: the Mosaic TPU training kernels are tested in
+  # interpret mode only.
   forward = AttentionImpl.XLA
-  if requested is AttentionImpl.MOSAIC_GPU:
+  if requested in (AttentionImpl.MOSAIC_GPU, AttentionImpl.MOSAIC_TPU):
     forward = requested
   elif requested is AttentionImpl.AUTO and dispatch.default_kernel() is AttentionImpl.MOSAIC_GPU:
     reason = training_unsupported_reason(AttentionImpl.MOSAIC_GPU, shapes, interpret=interpret)
@@ -119,7 +120,7 @@ def resolve_training(
       dispatch.fallback(AttentionImpl.MOSAIC_GPU, reason, source='training attention')
   explicit = [] if requested is AttentionImpl.AUTO else [('impl', requested)]
   if shared_backward is None:
-    backward = requested if requested is AttentionImpl.MOSAIC_TPU else forward
+    backward = forward
   else:
     backward = _as_impl('shared_backward', shared_backward, _SHARED_BACKWARDS)
     explicit.append(('shared_backward', backward))
@@ -160,8 +161,9 @@ def prepare_training_attention(
       kernels are tested in interpret mode only). XLA: all of it on XLA. MOSAIC_GPU: every
       part's forward and backward on the Hopper kernels of
       `pallas_kernels.mosaic_gpu.training_attention` (bf16 / f16 q and K/V, head dim a multiple
-      of 64); only the merge of the parts stays on XLA. MOSAIC_TPU: XLA, but the shared
-      segments' backward on the Mosaic TPU kernels (`pallas_kernels.tpu.shared_segment_bwd`).
+      of 64); only the merge of the parts stays on XLA. MOSAIC_TPU: the shared segments'
+      forward and backward on the Mosaic TPU kernels (`pallas_kernels.tpu.shared_segment_fwd`,
+      `shared_segment_bwd`), the private (causal) part and the merge on XLA.
       An explicit kernel that cannot run raises ValueError with the reason.
     shared_backward: the shared segments' dQ, dK, dV only: XLA, MOSAIC_GPU or MOSAIC_TPU
       (None: as `impl`).
@@ -174,6 +176,14 @@ def prepare_training_attention(
   kv_block = checked_kv_block(kv_block)
   kernels = resolve_training_kernels(layout, shapes, impl=impl, shared_backward=shared_backward,
                                      kernel_config=kernel_config, interpret=interpret)
+  return plan_resolved(layout, shapes, kernels, kv_block)
+
+
+def plan_resolved(layout: TreeLayout, shapes: AttentionShapes, kernels: _Kernels,
+                  kv_block: int) -> TrainingAttentionPlan:
+  """The plan of kernels `resolve_training_kernels` chose for this layout and shapes (it
+  checked them), with a checked kv_block: the part index arrays derived, nothing resolved or
+  checked again."""
   return TrainingAttentionPlan(layout, _parts(layout, shapes, kv_block), path_item_index(layout),
                                kernels.impl, kernels.shared_backward, shapes, kv_block,
                                kernels.config, kernels.interpret)

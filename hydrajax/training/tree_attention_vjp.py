@@ -35,6 +35,10 @@ backward, the dQ) of the segments on its path and merges them with its own in on
 [B, pages * page_size] first (`k_cache[part.tokens]`, one copy of the private K/V),
 so any page layout works, contiguous or not, and T or page sizes that are no
 block multiple are padded and masked in the kernels' wrappers.
+
+`impl=MOSAIC_TPU` computes the shared segments' partial states with the Mosaic TPU kernel of
+`pallas_kernels.tpu.shared_segment_fwd` (one call per segment group) and their dQ, dK, dV with
+`pallas_kernels.tpu.shared_segment_bwd` (one call per segment); the private part stays on XLA.
 """
 
 import dataclasses
@@ -55,7 +59,8 @@ from hydrajax.tree_attention import merge_along_paths, merge_into_rows, sum_alon
 class _Kernels:
   """Which kernels run (static; resolved by `prepare_training_attention`)."""
 
-  # Every part's forward and the private (causal, per-row) parts' backward: XLA or MOSAIC_GPU.
+  # The parts' forward and the private (causal, per-row) parts' backward: XLA, MOSAIC_GPU, or
+  # MOSAIC_TPU (the shared segments' forward on its kernel, the private part on XLA).
   impl: AttentionImpl
   # The shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU.
   shared_backward: AttentionImpl
@@ -188,6 +193,21 @@ def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernel
   return out.reshape(qz.shape), lse.reshape(qz.shape[:-1])  # merged in float32
 
 
+def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
+  """`_part_forward` of a segment group with the Mosaic TPU kernel, all its segments in one
+  launch (`shared_segments_fwd`: the segments a grid axis)."""
+  from pallas_kernels.tpu.shared_segment_fwd import shared_segments_fwd  # imports hydrajax
+
+  kh = k_cache.shape[1]
+  qz = _fold(q_pad, part.rows, kh)  # [Z, M, K, G, H]
+  z, m, _, g, h = qz.shape
+  rows_first = jnp.swapaxes(qz, 2, 3).reshape(z, m * g, kh, h)  # [Z, M * G, K, H]
+  out, lse = shared_segments_fwd(rows_first, k_cache[part.tokens], v_cache[part.tokens],
+                                 part.limit[:, 0], scale=scale, interpret=kernels.interpret)
+  back = lambda x: jnp.swapaxes(x.reshape((z, m, g, kh) + x.shape[3:]), 2, 3)
+  return back(out), back(lse)
+
+
 def _private_args(q_pad, part: _Part):
   """Queries [B, T, N, H] of a private part (one row per item) and each row's length [B].
 
@@ -212,6 +232,7 @@ def _forward(q, k_cache, v_cache, parts, index, scale, kernels: _Kernels):
   b, t, n, h = q.shape
   q_pad = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])
   gpu = kernels.impl is AttentionImpl.MOSAIC_GPU
+  tpu = kernels.impl is AttentionImpl.MOSAIC_TPU
   if not parts:  # no keys at all
     return PartialState(jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], -jnp.inf))
   # The private state is each row's own; the groups' states are gathered along each row's
@@ -223,6 +244,8 @@ def _forward(q, k_cache, v_cache, parts, index, scale, kernels: _Kernels):
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
     elif gpu:
       out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
+    elif tpu and part.shared:
+      out, lse = _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part, scale, kernels)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
     if not part.shared:  # row z's own: merged elementwise, not scattered

@@ -154,7 +154,15 @@ class TreePrefillPlan:
   def to_device_sharded(self, num_shards: int, sharding=None,
                         policy: LayoutPolicy = DEFAULT_POLICY) -> ShardedLayout:
     """The shards' layouts (`shards`) stacked, every leaf [dp, ...] (`stack_shards`)."""
-    return stack_shards([plan.to_device(policy) for plan in self.shards(num_shards)], sharding)
+    layouts = [plan.to_device(policy) for plan in self.shards(num_shards)]
+    shape = lambda lay: (jax.tree.structure(lay), [np.shape(x) for x in jax.tree.leaves(lay)])
+    for d, lay in enumerate(layouts[1:], 1):
+      if shape(lay) != shape(layouts[0]):
+        raise ValueError(
+            f'dp shard {d}\'s trees share their tokens differently from shard 0\'s (other '
+            'segment groups or level shapes), so the shards cannot run as one program: give '
+            'every shard\'s roots trees of one shape, or train with fewer dp shards')
+    return stack_shards(layouts, sharding)
 
   def to_device(self, policy: LayoutPolicy = DEFAULT_POLICY) -> TreePrefillLayout:
     """The device layout; `policy` rounds each level's segment groups (`LayoutPolicy`)."""

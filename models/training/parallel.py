@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hydrajax.parallel import DP, ShardedLayout
-from models.sharding_rules import auto_mesh
+from models.sharding_rules import auto_mesh, named_sharding
 
 
 def data_parallel(loss_and_grads_fn, mesh: Mesh):
@@ -64,18 +64,18 @@ def shard_over_dp(tree, mesh: Mesh):
       free = [i for i, n in enumerate(x.shape) if spec[i] is None and n % dp == 0]
       if free:
         spec[free[0]] = DP
-    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    return jax.device_put(x, named_sharding(mesh, spec))
 
   return jax.tree.map(place, tree)
 
 
 def on_one_mesh(state, mesh: Mesh | None):
-  """The training state (parameters, optimizer state) as a step's outputs will be: every array
-  on one mesh, `mesh` (the step's) or else the one some array is on (a model's tp mesh), an
-  array elsewhere (a fresh optimizer's step count, parameters not yet placed) placed there
-  replicated, and every spec without trailing Nones (the form jit gives its outputs:
-  P('tp', None) and P('tp') are one sharding but two compiles). So the state keeps one
-  sharding from step to step and the step compiles once, not again at its second call."""
+  """The training state (parameters, optimizer state) on one mesh, as a step's outputs will be:
+  `mesh` (the step's) or else the one some array is on (a model's tp mesh). An array elsewhere
+  (a fresh optimizer's step count, parameters not yet placed) is placed there replicated, and
+  one placed by hand with trailing Nones in its spec gets the form jit gives its outputs
+  (`sharding_rules.named_sharding`). So the step compiles once, not again at its second call.
+  A state already so (every step's own outputs) is returned as it is."""
   leaves = jax.tree.leaves(state)
   on_mesh = lambda x: isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
   if mesh is None:
@@ -84,20 +84,13 @@ def on_one_mesh(state, mesh: Mesh | None):
       return state
   mesh = auto_mesh(mesh)
 
-  def spec(x):
-    if not (on_mesh(x) and x.sharding.mesh == mesh):
-      return P()
-    axes = list(x.sharding.spec)
-    while axes and axes[-1] is None:
-      axes.pop()
-    return P(*axes)
+  def want(x):
+    here = on_mesh(x) and x.sharding.mesh == mesh
+    return named_sharding(mesh, x.sharding.spec if here else P())
 
-  def place(x):
-    want = spec(x)
-    if on_mesh(x) and x.sharding.mesh == mesh and x.sharding.spec == want:
-      return x
-    return jax.device_put(x, NamedSharding(mesh, want))
+  def placed(x):
+    return on_mesh(x) and x.sharding.mesh == mesh and x.sharding.spec == want(x).spec
 
-  if all(on_mesh(x) and x.sharding.mesh == mesh and x.sharding.spec == spec(x) for x in leaves):
+  if all(placed(x) for x in leaves):
     return state
-  return jax.tree.map(place, state)
+  return jax.tree.map(lambda x: x if placed(x) else jax.device_put(x, want(x)), state)

@@ -16,7 +16,11 @@ row. `_dq_kernel` is the transposed walk (kv blocks innermost) for dQ.
 Tokens at or past `kv_length` are masked and their keys / values zeroed in the
 kernel (they may hold anything). The custom VJP runs them for its segment
 groups with `shared_backward='mosaic_tpu'` (one call per segment for now);
-tested in TPU interpret mode only (no TPU here): block sizes are untuned.
+tested in TPU interpret mode only (no TPU here). The default blocks are chosen
+on paper (`ROOFLINE.md`, "Training"): with 128 the dK/dV kernel's streamed rows
+(q, dO and the lane-replicated lse and delta, 1.5 KiB a row a kv block) would
+make it memory bound; 512-token kv blocks and 512-row tiles leave both kernels
+compute bound on v5e and v5p.
 """
 
 import functools
@@ -108,14 +112,16 @@ def shared_segment_bwd(
     kv_length: jax.Array,  # int32 scalar: tokens of the segment (<= S)
     *,
     scale: float,
-    block_rows: int = 128,
-    block_kv: int = 128,
+    block_rows: int = 512,
+    block_kv: int = 512,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Returns (dq [M, K, H], dk [S, K, H], dv [S, K, H]), all float32."""
+  """Returns (dq [M, K, H], dk [S, K, H], dv [S, K, H]), all float32. Blocks larger than the
+  problem shrink to it (rounded up to 8 rows)."""
   _check(q, k_cache, v_cache, d_out, lse, delta)
   m, kh, h = q.shape
   s = k_cache.shape[0]
+  block_rows, block_kv = min(block_rows, -(-m // 8) * 8), min(block_kv, -(-s // 8) * 8)
   mp, sp = -(-m // block_rows) * block_rows, -(-s // block_kv) * block_kv
   heads_first = lambda x, n: jnp.pad(jnp.swapaxes(x, 0, 1), ((0, 0), (0, n - x.shape[0]), (0, 0)))
   lanes = lambda x, value: jnp.pad(
@@ -167,7 +173,7 @@ def shared_segment_bwd(
 
 
 def shared_segment_bwd_reference(q, k_cache, v_cache, d_out, lse, delta, kv_length, *, scale,
-                                 block_rows: int = 128, block_kv: int = 128, interpret=False):
+                                 block_rows: int = 512, block_kv: int = 512, interpret=False):
   """The same products in jnp (block sizes and interpret ignored)."""
   del block_rows, block_kv, interpret
   _check(q, k_cache, v_cache, d_out, lse, delta)
