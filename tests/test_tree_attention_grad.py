@@ -192,47 +192,62 @@ def test_plan_prefill_checks_arguments():
     pl.plan_prefill([4], 0, 3)
 
 
-# The Mosaic TPU backward kernels of one shared segment (TPU interpret mode on CPU).
+# The Mosaic TPU backward kernels of a group of shared segments (TPU interpret mode on CPU).
 
-def test_shared_segment_bwd_kernel_matches_oracle_grad():
+def test_shared_segments_bwd_kernel_matches_oracle_grad():
+  """Three segments in one launch: a non-block-multiple length, an empty one, and one drawn
+  afresh; every token past a length holds NaN, which the kernels must keep out."""
   from jax.experimental.pallas import tpu as pltpu
   from pallas_kernels.tpu import shared_segment_bwd as kernel
 
-  b, t, n, kh, h, s, length = 3, 2, 4, 2, 8, 40, 37
-  g = n // kh
-  rng = np.random.default_rng(11)
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f'seed {seed}')  # shown with a failure
+  rng = np.random.default_rng(seed)
+  b, t, n, kh, h, s = 3, 2, 4, 2, 8, 40
+  g, lengths = n // kh, [37, 0, int(rng.integers(1, 40))]
   draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
-  q, k, v, w = draw(b, t, n, h), draw(s, kh, h), draw(s, kh, h), draw(b, t, n, h)
-  # Tokens past the segment's length hold NaN: the kernels must keep them out.
-  k, v = (x.at[length:].set(jnp.nan) for x in (k, v))
+  q, k, v, w = draw(3, b, t, n, h), draw(3, s, kh, h), draw(3, s, kh, h), draw(3, b, t, n, h)
+  for z, length in enumerate(lengths):
+    k, v = (x.at[z, length:].set(jnp.nan) for x in (k, v))
 
-  def oracle(q, k, v):  # every row attends the segment's first `length` tokens
-    rows = lambda x: jnp.broadcast_to(x[:length], (b, length) + x.shape[1:])
-    return hj.naive_attention(q, rows(k), rows(v), jnp.full((b,), length + t, jnp.int32))
-
-  def loss(q, k, v):
-    return jnp.sum(oracle(q, k, v).out * w)
+  def oracle(q, k, v):  # every row attends the segment's tokens
+    rows = lambda x: jnp.broadcast_to(x, (b,) + x.shape)
+    return hj.naive_attention(q, rows(k), rows(v), jnp.full((b,), k.shape[0] + t, jnp.int32))
 
   # Fold [B, T, N, ...] -> [M = B * T * G, K, ...] per kv head.
   fold = lambda x: jnp.moveaxis(x.reshape((b, t, kh, g) + x.shape[3:]), 2, 3).reshape(
       (b * t * g, kh) + x.shape[3:])
   unfold = lambda x: jnp.moveaxis(x.reshape((b, t, g, kh) + x.shape[2:]), 2, 3).reshape(
       (b, t, n) + x.shape[2:])
-  state = oracle(q, k[:length], v[:length])
-  delta = jnp.sum(w * state.out, axis=-1)
-  args = (fold(q), k, v, fold(w), fold(state.lse), fold(delta), jnp.int32(length))
-  dq, dk, dv = kernel.shared_segment_bwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
-                                         interpret=pltpu.InterpretParams())
-  reference = kernel.shared_segment_bwd_reference(*args, scale=h**-0.5)
-  expected = jax.grad(loss, argnums=(0, 1, 2))(q, k[:length], v[:length])
-  for name, a, r, e in zip(('dq', 'dk', 'dv'), (unfold(dq), dk, dv), (unfold(reference[0]),)
-                           + reference[1:], expected):
-    a, r = np.asarray(a), np.asarray(r)
-    if name != 'dq':
-      np.testing.assert_array_equal(a[length:], 0.0, err_msg=name)
-      a, r = a[:length], r[:length]
-    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose(r, e, rtol=1e-5, atol=1e-5, err_msg=f'{name} reference')
+  lses, deltas, expected = [], [], []
+  for z, length in enumerate(lengths):
+    if length == 0:  # no key: lse -inf, no gradient
+      lses.append(jnp.full((b, t, n), -jnp.inf))
+      deltas.append(jnp.zeros((b, t, n)))
+      expected.append((jnp.zeros((b, t, n, h)),) + (jnp.zeros((0, kh, h)),) * 2)
+      continue
+    state = oracle(q[z], k[z, :length], v[z, :length])
+    lses.append(state.lse)
+    deltas.append(jnp.sum(w[z] * state.out, axis=-1))
+    loss = lambda q_, k_, v_: jnp.sum(oracle(q_, k_, v_).out * w[z])
+    expected.append(jax.grad(loss, argnums=(0, 1, 2))(q[z], k[z, :length], v[z, :length]))
+  folded = lambda xs: jnp.stack([fold(x) for x in xs])
+  args = (folded(q), k, v, folded(w), folded(lses), folded(deltas),
+          jnp.asarray(lengths, jnp.int32))
+  got = kernel.shared_segments_bwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
+                                   interpret=pltpu.InterpretParams())
+  reference = kernel.shared_segments_bwd_reference(*args, scale=h**-0.5)
+  for z, length in enumerate(lengths):
+    for name, i in (('dq', 0), ('dk', 1), ('dv', 2)):
+      for source, result in (('kernel', got), ('reference', reference)):
+        a = np.asarray(unfold(result[0][z]) if i == 0 else result[i][z])
+        if i:
+          np.testing.assert_array_equal(a[length:], 0.0, err_msg=f'{source} {name} {z}')
+          a = a[:length]
+        np.testing.assert_allclose(a, expected[z][i], rtol=1e-5, atol=1e-5,
+                                   err_msg=f'{source} {name}, segment {z}')
+  with pytest.raises(ValueError, match=r'lse must be \[Z, M, K\]'):
+    kernel.shared_segments_bwd(*args[:4], args[4][:, 1:], *args[5:], scale=1.0)
 
 
 @pytest.mark.parametrize('impl, case', [

@@ -38,7 +38,7 @@ block multiple are padded and masked in the kernels' wrappers.
 
 `impl=MOSAIC_TPU` computes the shared segments' partial states with the Mosaic TPU kernel of
 `pallas_kernels.tpu.shared_segment_fwd` (one call per segment group) and their dQ, dK, dV with
-`pallas_kernels.tpu.shared_segment_bwd` (one call per segment); the private part stays on XLA.
+`pallas_kernels.tpu.shared_segment_bwd` (one call per group too); the private part stays on XLA.
 """
 
 import dataclasses
@@ -305,26 +305,24 @@ def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _P
   return dq, dk, dv
 
 
-def _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
-                          scale, dk, dv, interpret):
-  """`_part_backward` of a segment group with the Mosaic TPU kernels, one call per segment."""
-  from pallas_kernels.tpu.shared_segment_bwd import shared_segment_bwd  # kernels import hydrajax
+def _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
+                              scale, dk, dv, interpret):
+  """`_part_backward` of a segment group with the Mosaic TPU kernels, all its segments in one
+  call (`shared_segments_bwd`: the segments a grid axis), which reduces dK, dV over each
+  segment's rows and GQA heads in the kernel."""
+  from pallas_kernels.tpu.shared_segment_bwd import shared_segments_bwd  # imports hydrajax
 
   kh = k_cache.shape[1]
-  qz, doz = _fold(q_pad, part.rows, kh), _fold(do_pad, part.rows, kh)  # [Z, M, K, G, H]
-  lsez, deltaz = _fold(lse_pad, part.rows, kh), _fold(delta_pad, part.rows, kh)  # [Z, M, K, G]
-  z, m, _, g = lsez.shape
-  rows_first = lambda x: jnp.swapaxes(x, 1, 2).reshape((m * g, kh) + x.shape[3:])  # [M*G, K, ..]
-  dqs = []
-  for j in range(z):  # segments of one group: few; each call reduces its rows in the kernel
-    dq, dk_j, dv_j = shared_segment_bwd(
-        rows_first(qz[j]), k_cache[part.tokens[j]], v_cache[part.tokens[j]], rows_first(doz[j]),
-        rows_first(lsez[j]), rows_first(deltaz[j]), part.limit[j, 0], scale=scale,
-        interpret=interpret)
-    dqs.append(jnp.swapaxes(dq.reshape(m, g, kh, -1), 1, 2))
-    dk = dk.at[part.tokens[j]].add(dk_j)
-    dv = dv.at[part.tokens[j]].add(dv_j)
-  return jnp.stack(dqs), dk, dv
+  folded = [_fold(x, part.rows, kh) for x in (q_pad, do_pad, lse_pad, delta_pad)]  # [Z, M, K, G..]
+  z, m, _, g = folded[2].shape
+  rows_first = lambda x: jnp.swapaxes(x, 2, 3).reshape((z, m * g, kh) + x.shape[4:])
+  q, do, lse, delta = map(rows_first, folded)
+  dq, dk_z, dv_z = shared_segments_bwd(q, k_cache[part.tokens], v_cache[part.tokens], do, lse,
+                                       delta, part.limit[:, 0], scale=scale, interpret=interpret)
+  # Positions past a segment's length get exact zeros (their tokens belong to others).
+  dk = dk.at[part.tokens].add(dk_z)
+  dv = dv.at[part.tokens].add(dv_z)
+  return jnp.swapaxes(dq.reshape(z, m, g, kh, -1), 2, 3), dk, dv
 
 
 def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
@@ -385,8 +383,8 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   dq_items = []  # with paths: the groups' dq, gathered by each row after the loop
   for part in parts:
     if part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_TPU:
-      dq_z, dk, dv = _part_backward_kernel(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache,
-                                           part, scale, dk, dv, kernels.interpret)
+      dq_z, dk, dv = _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
+                                               v_cache, part, scale, dk, dv, kernels.interpret)
     elif part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_GPU:
       dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                v_cache, part, scale, dk, dv, kernels)

@@ -51,7 +51,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_re
     out_ref[...], lse_ref[...] = osm.finish(m_ref, l_ref, acc_ref)
 
 
-def _check(q, k_cache, v_cache, kv_lengths):
+def check_segments(q, k_cache, v_cache, kv_lengths):
+  """ValueError naming the argument unless q [Z, M, K, H], K/V [Z, S, K, H], kv_lengths [Z]."""
   if q.ndim != 4:
     raise ValueError(f'q must be [Z, M, K, H] (segments, query rows, kv heads, head dim), got '
                      f'{q.shape}')
@@ -79,7 +80,7 @@ def shared_segments_fwd(
   """Returns each segment's partial state: (out [Z, M, K, H], lse [Z, M, K]), float32; a
   segment of length 0 gives (0, -inf). Blocks larger than the problem shrink to it (rounded up
   to 8 rows)."""
-  _check(q, k_cache, v_cache, kv_lengths)
+  check_segments(q, k_cache, v_cache, kv_lengths)
   z, m, kh, h = q.shape
   s = k_cache.shape[1]
   block_rows, block_kv = min(block_rows, -(-m // 8) * 8), min(block_kv, -(-s // 8) * 8)
@@ -114,7 +115,7 @@ def shared_segments_fwd_reference(q, k_cache, v_cache, kv_lengths, *, scale,
                                   block_rows: int = 512, block_kv: int = 512, interpret=False):
   """The same partial states in jnp (block sizes and interpret ignored)."""
   del block_rows, block_kv, interpret
-  _check(q, k_cache, v_cache, kv_lengths)
+  check_segments(q, k_cache, v_cache, kv_lengths)
   visible = jnp.arange(k_cache.shape[1])[None, :] < kv_lengths[:, None]  # [Z, S]
   v = jnp.where(visible[:, :, None, None], v_cache, jnp.zeros((), v_cache.dtype))
   hi = jax.lax.Precision.HIGHEST
