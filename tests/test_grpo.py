@@ -507,7 +507,7 @@ def test_toy_tree_rollouts_are_the_group_step_of_the_same_samples():
   completions does: the sampling log-probs, and the GRPO loss and gradients."""
   from absl import app as absl_app
 
-  from experiments import train_grpo_toy as toy
+  from experiments import grpo_toy as toy
 
   task = rollout.ArithmeticTask(completion_length=4)
   config = get_config('tiny_gqa', vocab_size=rollout.VOCAB_SIZE)
@@ -556,7 +556,7 @@ def test_toy_trains_data_parallel_as_on_one_device(branches):
   the one-device step's parameters, one-level and over rollout trees; a bad --dp is named."""
   from absl import app as absl_app
 
-  from experiments import train_grpo_toy as toy
+  from experiments import grpo_toy as toy
 
   task = rollout.ArithmeticTask(completion_length=4)
   config = get_config('tiny_gqa', vocab_size=rollout.VOCAB_SIZE)
@@ -564,7 +564,7 @@ def test_toy_trains_data_parallel_as_on_one_device(branches):
   optimizer, cfg, bp, g = optax.sgd(0.1), grpo.GrpoConfig(), 4, 4
   prompts, ops = task.prompts(np.random.default_rng(3), bp)
   results = []
-  for mesh in (None, toy._dp_mesh(2, bp)):
+  for mesh in (None, toy.dp_mesh(2, bp)):
     make = (functools.partial(toy.tree_rollouts, b=branches, l=1) if branches else
             toy.group_rollouts)
     rollout_fn, step_fn, make_batch = make(task, graphdef, optimizer, cfg, bp, g, mesh=mesh)
@@ -576,7 +576,7 @@ def test_toy_trains_data_parallel_as_on_one_device(branches):
   _assert_same_step(results[1], results[0][::2], f'toy, branches={branches}')
   for dp in (0, 3, 64):
     with pytest.raises(absl_app.UsageError, match='--dp'):
-      toy._dp_mesh(dp, bp)
+      toy.dp_mesh(dp, bp)
 
 
 def test_train_parallel_step_smoke(tmp_path):

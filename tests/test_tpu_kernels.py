@@ -387,7 +387,7 @@ def test_lowers_to_two_mosaic_launches_for_any_depth(kind):
 def test_training_kernels_lower_to_mosaic(kind):
   """The gradient of the differentiable tree attention with impl=MOSAIC_TPU lowers to Mosaic for
   the target chip at the issue's shapes (bf16, H = 128, GQA 4:1, 1K completions under an 8K
-  prompt cut to 2 rows): the shared segment's forward, dK/dV and dQ kernels."""
+  prompt cut to 2 rows): every part's forward, dK/dV and dQ kernels."""
   from hydrajax.training import prefill_layout as pl
 
   layout = pl.plan_prefill([8192], 2, 1024).to_device()
@@ -405,9 +405,11 @@ def test_training_kernels_lower_to_mosaic(kind):
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
                                  platforms=['tpu'])(q_p, q_c, kv, kv)
   module = exported.mlir_module()
-  for name in ('hydrajax_shared_segments_fwd', 'hydrajax_shared_segment_dkv',
-               'hydrajax_shared_segment_dq'):
+  for name in ('hydrajax_training_forward', 'hydrajax_training_dkv', 'hydrajax_training_dq'):
     assert name in module, name
+  # Two parts (the prompt's own causal tokens, the completions' prompt segment and their own
+  # causal tokens: three), each a forward, a dK/dV and a dQ launch.
+  assert module.count('stablehlo.custom_call @tpu_custom_call') == 9
 
 
 def _shapes(b=2, t=1, n=4, h=H, length=64, kv_heads=2, dtype=jnp.float32, kv_dtype=None):

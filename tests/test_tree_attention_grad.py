@@ -139,8 +139,7 @@ def _prefill_oracle(q_p, q_c, k_p, k_c, v_p, v_c, lengths, group_size):
 @pytest.mark.parametrize('impl', ('xla', 'mosaic_tpu'))
 @pytest.mark.parametrize('dtype', (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
 def test_prefill_attention_matches_causal_oracle(dtype, impl):
-  """impl 'mosaic_tpu': the prompts attended by their completions on the TPU kernels (interpret
-  mode), the causal parts on XLA."""
+  """impl 'mosaic_tpu': every part on the TPU kernels (interpret mode)."""
   from jax.experimental.pallas import tpu as pltpu
 
   interpret = pltpu.InterpretParams() if impl == 'mosaic_tpu' else False
@@ -192,73 +191,16 @@ def test_plan_prefill_checks_arguments():
     pl.plan_prefill([4], 0, 3)
 
 
-# The Mosaic TPU backward kernels of a group of shared segments (TPU interpret mode on CPU).
-
-def test_shared_segments_bwd_kernel_matches_oracle_grad():
-  """Three segments in one launch: a non-block-multiple length, an empty one, and one drawn
-  afresh; every token past a length holds NaN, which the kernels must keep out."""
-  from jax.experimental.pallas import tpu as pltpu
-  from pallas_kernels.tpu import shared_segment_bwd as kernel
-
-  seed = int(np.random.default_rng().integers(1 << 30))
-  print(f'seed {seed}')  # shown with a failure
-  rng = np.random.default_rng(seed)
-  b, t, n, kh, h, s = 3, 2, 4, 2, 8, 40
-  g, lengths = n // kh, [37, 0, int(rng.integers(1, 40))]
-  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
-  q, k, v, w = draw(3, b, t, n, h), draw(3, s, kh, h), draw(3, s, kh, h), draw(3, b, t, n, h)
-  for z, length in enumerate(lengths):
-    k, v = (x.at[z, length:].set(jnp.nan) for x in (k, v))
-
-  def oracle(q, k, v):  # every row attends the segment's tokens
-    rows = lambda x: jnp.broadcast_to(x, (b,) + x.shape)
-    return hj.naive_attention(q, rows(k), rows(v), jnp.full((b,), k.shape[0] + t, jnp.int32))
-
-  # Fold [B, T, N, ...] -> [M = B * T * G, K, ...] per kv head.
-  fold = lambda x: jnp.moveaxis(x.reshape((b, t, kh, g) + x.shape[3:]), 2, 3).reshape(
-      (b * t * g, kh) + x.shape[3:])
-  unfold = lambda x: jnp.moveaxis(x.reshape((b, t, g, kh) + x.shape[2:]), 2, 3).reshape(
-      (b, t, n) + x.shape[2:])
-  lses, deltas, expected = [], [], []
-  for z, length in enumerate(lengths):
-    if length == 0:  # no key: lse -inf, no gradient
-      lses.append(jnp.full((b, t, n), -jnp.inf))
-      deltas.append(jnp.zeros((b, t, n)))
-      expected.append((jnp.zeros((b, t, n, h)),) + (jnp.zeros((0, kh, h)),) * 2)
-      continue
-    state = oracle(q[z], k[z, :length], v[z, :length])
-    lses.append(state.lse)
-    deltas.append(jnp.sum(w[z] * state.out, axis=-1))
-    loss = lambda q_, k_, v_: jnp.sum(oracle(q_, k_, v_).out * w[z])
-    expected.append(jax.grad(loss, argnums=(0, 1, 2))(q[z], k[z, :length], v[z, :length]))
-  folded = lambda xs: jnp.stack([fold(x) for x in xs])
-  args = (folded(q), k, v, folded(w), folded(lses), folded(deltas),
-          jnp.asarray(lengths, jnp.int32))
-  got = kernel.shared_segments_bwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
-                                   interpret=pltpu.InterpretParams())
-  reference = kernel.shared_segments_bwd_reference(*args, scale=h**-0.5)
-  for z, length in enumerate(lengths):
-    for name, i in (('dq', 0), ('dk', 1), ('dv', 2)):
-      for source, result in (('kernel', got), ('reference', reference)):
-        a = np.asarray(unfold(result[0][z]) if i == 0 else result[i][z])
-        if i:
-          np.testing.assert_array_equal(a[length:], 0.0, err_msg=f'{source} {name} {z}')
-          a = a[:length]
-        np.testing.assert_allclose(a, expected[z][i], rtol=1e-5, atol=1e-5,
-                                   err_msg=f'{source} {name}, segment {z}')
-  with pytest.raises(ValueError, match=r'lse must be \[Z, M, K\]'):
-    kernel.shared_segments_bwd(*args[:4], args[4][:, 1:], *args[5:], scale=1.0)
-
-
 @pytest.mark.parametrize('impl, case', [
     ('xla', dataclasses.replace(CASES[1], kv_block=1024)),  # the shared backward alone
-    ('mosaic_tpu', dataclasses.replace(CASES[1], kv_block=1024)),  # forward and backward
+    ('mosaic_tpu', dataclasses.replace(CASES[1], kv_block=1024)),  # everything
     ('mosaic_tpu', CASES[2]),  # MQA, bf16
     ('mosaic_tpu', CASES[3]),  # an empty root, rows without any key
 ], ids=lambda x: x if isinstance(x, str) else x.id)
-def test_grad_with_mosaic_tpu_shared_segments_matches_oracle(impl, case):
-  """The custom VJP with the shared segments' backward (and with impl=MOSAIC_TPU their forward)
-  in the TPU kernels (interpret mode)."""
+def test_grad_with_mosaic_tpu_kernels_matches_oracle(impl, case):
+  """The custom VJP with the shared segments' backward in the TPU kernels, and with
+  impl=MOSAIC_TPU every part's forward and backward (interpret mode; the kernels alone:
+  tests/test_tpu_training_attention.py)."""
   from jax.experimental.pallas import tpu as pltpu
 
   plan, (q, k, v) = _case_inputs(case)
@@ -276,37 +218,3 @@ def test_grad_with_mosaic_tpu_shared_segments_matches_oracle(impl, case):
   with pytest.raises(ValueError, match='shared_backward'):
     tree_attention_differentiable(q, k, v, layout, shared_backward='cuda')
 
-
-# The Mosaic TPU forward kernel of a group of shared segments (TPU interpret mode on CPU).
-
-@pytest.mark.parametrize('dtype', (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
-def test_shared_segments_fwd_kernel_matches_oracle(dtype):
-  """Three segments in one launch: a full one, an empty one and one whose tail (past its length,
-  not a block multiple) holds NaN; GQA rows folded as the training forward folds them."""
-  from jax.experimental.pallas import tpu as pltpu
-  from pallas_kernels.tpu import shared_segment_fwd as kernel
-
-  seed = int(np.random.default_rng().integers(1 << 30))
-  print(f'seed {seed}')  # shown with a failure
-  rng = np.random.default_rng(seed)
-  b, t, n, kh, h, s = 3, 2, 4, 2, 8, 45
-  g, lengths = n // kh, [45, 0, int(rng.integers(1, 44))]
-  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-  q, k, v = draw(3, b, t, n, h), draw(3, s, kh, h), draw(3, s, kh, h)
-  k, v = (x.at[2, lengths[2]:].set(jnp.nan) for x in (k, v))
-  fold = lambda x: jnp.moveaxis(x.reshape(3, b, t, kh, g, h), 3, 4).reshape(3, b * t * g, kh, h)
-  args = (fold(q), k, v, jnp.asarray(lengths, jnp.int32))
-  out, lse = kernel.shared_segments_fwd(*args, scale=h**-0.5, block_rows=8, block_kv=16,
-                                        interpret=pltpu.InterpretParams())
-  ref_out, ref_lse = kernel.shared_segments_fwd_reference(*args, scale=h**-0.5)
-  unfold = lambda x: jnp.moveaxis(x.reshape((b, t, g, kh) + x.shape[2:]), 2, 3).reshape(
-      (b, t, n) + x.shape[2:])
-  for z, length in enumerate(lengths):
-    rows = lambda x: jnp.broadcast_to(x[z, :length], (b, length) + x.shape[2:])
-    oracle = hj.naive_attention(q[z], rows(k), rows(v), jnp.full((b,), length + t, jnp.int32))
-    for state in ((out, lse), (ref_out, ref_lse)):  # the kernel, then its reference
-      assert_states_close(hj.PartialState(unfold(state[0][z]).astype(dtype),
-                                          unfold(state[1][z])), oracle)
-  assert np.isneginf(np.asarray(lse[1])).all() and not np.asarray(out[1]).any()
-  with pytest.raises(ValueError, match=r'kv_lengths must be \[Z\] = \(3,\)'):
-    kernel.shared_segments_fwd(*args[:3], jnp.zeros(2, jnp.int32), scale=1.0)

@@ -161,9 +161,8 @@ def prepare_training_attention(
       kernels are tested in interpret mode only). XLA: all of it on XLA. MOSAIC_GPU: every
       part's forward and backward on the Hopper kernels of
       `pallas_kernels.mosaic_gpu.training_attention` (bf16 / f16 q and K/V, head dim a multiple
-      of 64); only the merge of the parts stays on XLA. MOSAIC_TPU: the shared segments'
-      forward and backward on the Mosaic TPU kernels (`pallas_kernels.tpu.shared_segment_fwd`,
-      `shared_segment_bwd`), the private (causal) part and the merge on XLA.
+      of 64); only the merge of the parts stays on XLA. MOSAIC_TPU: the same on the Mosaic TPU
+      kernels of `pallas_kernels.tpu.training_attention` (tested in interpret mode only).
       An explicit kernel that cannot run raises ValueError with the reason.
     shared_backward: the shared segments' dQ, dK, dV only: XLA, MOSAIC_GPU or MOSAIC_TPU
       (None: as `impl`).
@@ -323,7 +322,7 @@ def tree_attention_differentiable(
       parts stays on XLA) or MOSAIC_TPU; an `AttentionImpl` or its value ('xla', ...). See
       `prepare_training_attention`.
     shared_backward: the shared segments' dQ, dK, dV only (None: as `impl`): XLA, MOSAIC_GPU
-      or MOSAIC_TPU (the Mosaic TPU kernels of `pallas_kernels.tpu.shared_segment_bwd`;
+      or MOSAIC_TPU (the Mosaic TPU kernels of `pallas_kernels.tpu.training_attention`;
       `interpret`: their interpret mode, e.g. `pltpu.InterpretParams()` on CPU).
     kernel_config: the Mosaic GPU kernels' block sizes, a
       `pallas_kernels.mosaic_gpu.training_attention.TrainingKernelConfig` (None: its default,

@@ -36,9 +36,9 @@ backward, the dQ) of the segments on its path and merges them with its own in on
 so any page layout works, contiguous or not, and T or page sizes that are no
 block multiple are padded and masked in the kernels' wrappers.
 
-`impl=MOSAIC_TPU` computes the shared segments' partial states with the Mosaic TPU kernel of
-`pallas_kernels.tpu.shared_segment_fwd` (one call per segment group) and their dQ, dK, dV with
-`pallas_kernels.tpu.shared_segment_bwd` (one call per group too); the private part stays on XLA.
+`impl=MOSAIC_TPU` runs every part, forward and backward, in the Mosaic TPU kernels of
+`pallas_kernels.tpu.training_attention`: a segment group's segments in one launch, and the
+private part's rows in one launch, causal; the merge stays on XLA.
 """
 
 import dataclasses
@@ -59,8 +59,8 @@ from hydrajax.tree_attention import merge_along_paths, merge_into_rows, sum_alon
 class _Kernels:
   """Which kernels run (static; resolved by `prepare_training_attention`)."""
 
-  # The parts' forward and the private (causal, per-row) parts' backward: XLA, MOSAIC_GPU, or
-  # MOSAIC_TPU (the shared segments' forward on its kernel, the private part on XLA).
+  # The parts' forward and the private (causal, per-row) part's backward: XLA, MOSAIC_GPU or
+  # MOSAIC_TPU.
   impl: AttentionImpl
   # The shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU.
   shared_backward: AttentionImpl
@@ -193,19 +193,34 @@ def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernel
   return out.reshape(qz.shape), lse.reshape(qz.shape[:-1])  # merged in float32
 
 
-def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
-  """`_part_forward` of a segment group with the Mosaic TPU kernel, all its segments in one
-  launch (`shared_segments_fwd`: the segments a grid axis)."""
-  from pallas_kernels.tpu.shared_segment_fwd import shared_segments_fwd  # imports hydrajax
+def _tpu_args(q_pad, part: _Part, kh, *per_row):
+  """A part's items for `pallas_kernels.tpu.training_attention`: q and each of `per_row`
+  ([B + 1, T, N, ...]) folded to [Z, M * G, K, ...] (token-major, then the GQA group), the
+  items' lengths [Z], and causal (T, G) for the private part (None for a segment group)."""
+  folded = [_fold(x, part.rows, kh) for x in (q_pad,) + per_row]  # [Z, M, K, G, ...]
+  z, m, _, g = folded[0].shape[:4]
+  rows_first = lambda x: jnp.swapaxes(x, 2, 3).reshape((z, m * g, kh) + x.shape[4:])
+  causal = None if part.shared else (m, g)  # the private part: one row an item, M = T
+  return [rows_first(x) for x in folded], part.limit[:, -1], causal
 
-  kh = k_cache.shape[1]
-  qz = _fold(q_pad, part.rows, kh)  # [Z, M, K, G, H]
-  z, m, _, g, h = qz.shape
-  rows_first = jnp.swapaxes(qz, 2, 3).reshape(z, m * g, kh, h)  # [Z, M * G, K, H]
-  out, lse = shared_segments_fwd(rows_first, k_cache[part.tokens], v_cache[part.tokens],
-                                 part.limit[:, 0], scale=scale, interpret=kernels.interpret)
-  back = lambda x: jnp.swapaxes(x.reshape((z, m, g, kh) + x.shape[3:]), 2, 3)
-  return back(out), back(lse)
+
+def _from_tpu(x, part: _Part, kh, t):
+  """[Z, M * G, K, ...] -> `_fold`'s [Z, M, K, G, ...] (M = R * T)."""
+  z, mg = x.shape[:2]
+  m = part.rows.shape[1] * t
+  return jnp.swapaxes(x.reshape((z, m, mg // m, kh) + x.shape[3:]), 2, 3)
+
+
+def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
+  """`_part_forward` with the Mosaic TPU kernel, all of the part's items in one launch: a
+  segment group's segments, or the private part's rows, causal."""
+  from pallas_kernels.tpu.training_attention import segments_forward  # imports hydrajax
+
+  kh, t = k_cache.shape[1], q_pad.shape[1]
+  (q,), lengths, causal = _tpu_args(q_pad, part, kh)
+  out, lse = segments_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths,
+                              scale=scale, causal=causal, interpret=kernels.interpret)
+  return _from_tpu(out, part, kh, t), _from_tpu(lse, part, kh, t)
 
 
 def _private_args(q_pad, part: _Part):
@@ -244,7 +259,7 @@ def _forward(q, k_cache, v_cache, parts, index, scale, kernels: _Kernels):
       out, lse = _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
     elif gpu:
       out, lse = _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part, scale, kernels)
-    elif tpu and part.shared:
+    elif tpu:
       out, lse = _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part, scale, kernels)
     else:
       out, lse = _part_forward(q_pad, k_cache, v_cache, part, scale)
@@ -307,22 +322,19 @@ def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _P
 
 def _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
                               scale, dk, dv, interpret):
-  """`_part_backward` of a segment group with the Mosaic TPU kernels, all its segments in one
-  call (`shared_segments_bwd`: the segments a grid axis), which reduces dK, dV over each
-  segment's rows and GQA heads in the kernel."""
-  from pallas_kernels.tpu.shared_segment_bwd import shared_segments_bwd  # imports hydrajax
+  """`_part_backward` with the Mosaic TPU kernels, all of the part's items in one call, which
+  reduces each item's dK, dV over its rows and GQA heads in the kernel."""
+  from pallas_kernels.tpu.training_attention import segments_backward  # imports hydrajax
 
-  kh = k_cache.shape[1]
-  folded = [_fold(x, part.rows, kh) for x in (q_pad, do_pad, lse_pad, delta_pad)]  # [Z, M, K, G..]
-  z, m, _, g = folded[2].shape
-  rows_first = lambda x: jnp.swapaxes(x, 2, 3).reshape((z, m * g, kh) + x.shape[4:])
-  q, do, lse, delta = map(rows_first, folded)
-  dq, dk_z, dv_z = shared_segments_bwd(q, k_cache[part.tokens], v_cache[part.tokens], do, lse,
-                                       delta, part.limit[:, 0], scale=scale, interpret=interpret)
-  # Positions past a segment's length get exact zeros (their tokens belong to others).
+  kh, t = k_cache.shape[1], q_pad.shape[1]
+  (q, do, lse, delta), lengths, causal = _tpu_args(q_pad, part, kh, do_pad, lse_pad, delta_pad)
+  dq, dk_z, dv_z = segments_backward(q, k_cache[part.tokens], v_cache[part.tokens], do, lse,
+                                     delta, lengths, scale=scale, causal=causal,
+                                     interpret=interpret)
+  # Tokens no query sees (past a length, the blocks' clamped padding) get exact zeros.
   dk = dk.at[part.tokens].add(dk_z)
   dv = dv.at[part.tokens].add(dv_z)
-  return jnp.swapaxes(dq.reshape(z, m, g, kh, -1), 2, 3), dk, dv
+  return _from_tpu(dq, part, kh, t), dk, dv
 
 
 def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
@@ -391,6 +403,9 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
     elif not part.shared and kernels.impl is AttentionImpl.MOSAIC_GPU:
       dq_z, dk, dv = _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                   v_cache, part, scale, dk, dv, kernels)
+    elif not part.shared and kernels.impl is AttentionImpl.MOSAIC_TPU:
+      dq_z, dk, dv = _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
+                                               v_cache, part, scale, dk, dv, kernels.interpret)
     else:
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)
