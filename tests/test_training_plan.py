@@ -291,3 +291,60 @@ def test_write_kv_puts_every_token_at_its_slot():
                                 np.asarray(weights)[np.asarray(layout.completion_slots)])
   with pytest.raises(ValueError, match=r'completion_kv must be \[6, 6, K, H\]'):
     pl.write_kv(layout, prompt_kv, completion_kv[:5])
+
+
+def test_mosaic_tpu_block_sizes_reach_the_kernels(monkeypatch):
+  """A `TrainingBlockSizes` as kernel_config tunes every TPU launch of the plan (forward, dK/dV
+  and dQ of the segment groups and the private part); the states and gradients stay the
+  oracle's (interpret mode)."""
+  from jax.experimental.pallas import tpu as pltpu
+  from pallas_kernels.tpu import training_attention as tpu_kernels
+
+  blocks = tpu_kernels.TrainingBlockSizes(block_rows=8, block_kv=16)
+  seen = []
+  for name in ('segments_forward', 'segments_backward'):
+    kernel = getattr(tpu_kernels, name)
+
+    def record(*args, kernel=kernel, **kwargs):
+      seen.append((kernel.__name__, kwargs.get('block_rows'), kwargs.get('block_kv')))
+      return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tpu_kernels, name, record)
+  layout, (q, k, v) = _problem(5, jnp.float32)
+  plan = tp.prepare_training_attention(layout, hj.AttentionShapes.of(q, k), impl=MOSAIC_TPU,
+                                       kernel_config=blocks, interpret=pltpu.InterpretParams())
+  assert plan.kernel_config == blocks
+  xla = tp.prepare_training_attention(layout, hj.AttentionShapes.of(q, k), impl=XLA)
+  state, grads = _state_and_grads(lambda *a: tp.attend_differentiable(*a, plan), q)(q, k, v)
+  expected_state, expected = _state_and_grads(lambda *a: tp.attend_differentiable(*a, xla),
+                                              q)(q, k, v)
+  assert_states_close(state, expected_state)
+  for a, e in zip(grads, expected):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+  parts = 1 + len(layout.groups)  # the private part and each segment group
+  assert sorted(seen) == sorted([('segments_forward', 8, 16)] * parts
+                                + [('segments_backward', 8, 16)] * parts), seen
+
+
+@on_cpu
+def test_kernel_config_is_checked_against_the_kernels_that_run():
+  from pallas_kernels.tpu.training_attention import TrainingBlockSizes
+
+  layout, (q, k, _) = _problem(4, jnp.bfloat16, h=64)
+  shapes = hj.AttentionShapes.of(q, k)
+  with pytest.raises(ValueError, match='block_rows must be a positive multiple of 8, got 12'):
+    TrainingBlockSizes(block_rows=12)
+  with pytest.raises(ValueError, match='kernel_config tunes the Mosaic TPU kernels: pass it with '
+                     'impl or shared_backward MOSAIC_TPU, got XLA and XLA'):
+    tp.prepare_training_attention(layout, shapes, impl=XLA, kernel_config=TrainingBlockSizes())
+  with pytest.raises(ValueError, match='tunes the Mosaic TPU kernels only; this plan runs '
+                     'MOSAIC_GPU and MOSAIC_TPU'):
+    tp.prepare_training_attention(layout, shapes, impl=MOSAIC_GPU, shared_backward=MOSAIC_TPU,
+                                  kernel_config=TrainingBlockSizes(), interpret=True)
+  with pytest.raises(TypeError, match='a TrainingKernelConfig \\(Mosaic GPU\\) or a '
+                     'TrainingBlockSizes \\(Mosaic TPU\\), got dict'):
+    tp.prepare_training_attention(layout, shapes, impl=MOSAIC_TPU, interpret=True,
+                                  kernel_config=dict(block_rows=8))
+  plan = tp.prepare_training_attention(layout, shapes, impl=XLA, shared_backward=MOSAIC_TPU,
+                                       kernel_config=TrainingBlockSizes(), interpret=True)
+  assert (plan.impl, plan.shared_backward) == (XLA, MOSAIC_TPU)

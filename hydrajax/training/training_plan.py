@@ -52,7 +52,7 @@ class TrainingAttentionPlan:
   shared_backward: AttentionImpl  # the shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU
   shapes: AttentionShapes
   kv_block: int
-  kernel_config: Any  # the Mosaic GPU kernels' TrainingKernelConfig, or None (their default)
+  kernel_config: Any  # TrainingKernelConfig (Mosaic GPU), TrainingBlockSizes (TPU), or None
   interpret: Any  # the kernels' interpret mode (False when only XLA runs)
 
   @property
@@ -131,13 +131,19 @@ def resolve_training(
   return forward, backward
 
 
-def _check_kernel_config(config) -> None:
+def _kernel_config_backend(config) -> AttentionImpl | None:
+  """The kernels `config` tunes (None without one); TypeError for anything else."""
   if config is None:
-    return
+    return None
   from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig  # GPU Pallas
+  from pallas_kernels.tpu.training_attention import TrainingBlockSizes  # TPU Pallas
 
-  if not isinstance(config, TrainingKernelConfig):
-    raise TypeError(f'kernel_config must be a TrainingKernelConfig, got {type(config).__name__}')
+  if isinstance(config, TrainingKernelConfig):
+    return AttentionImpl.MOSAIC_GPU
+  if isinstance(config, TrainingBlockSizes):
+    return AttentionImpl.MOSAIC_TPU
+  raise TypeError('kernel_config must be a TrainingKernelConfig (Mosaic GPU) or a '
+                  f'TrainingBlockSizes (Mosaic TPU), got {type(config).__name__}')
 
 
 def prepare_training_attention(
@@ -168,7 +174,8 @@ def prepare_training_attention(
       (None: as `impl`).
     kv_block: kv tokens per block of scores in both passes of the XLA parts (bounds memory).
     kernel_config: the Mosaic GPU kernels' `TrainingKernelConfig` (None: its default, or in
-      interpret mode its small `INTERPRET_CONFIG`); ignored when AUTO chose XLA.
+      interpret mode its small `INTERPRET_CONFIG`), or the Mosaic TPU kernels'
+      `pallas_kernels.tpu.training_attention.TrainingBlockSizes`; ignored when AUTO chose XLA.
     interpret: run the kernels in interpret mode (any machine, e.g. CPU tests): True, or for
       Mosaic TPU e.g. `pltpu.InterpretParams()`.
   """
@@ -211,13 +218,17 @@ def resolve_training_kernels(
     raise ValueError(f'shapes must be an AttentionShapes, got {type(shapes).__name__}')
   kv = shapes.kv_struct()
   check_tree_attention_inputs(shapes.query_struct(), kv, kv, layout)
-  _check_kernel_config(kernel_config)
+  tuned = _kernel_config_backend(kernel_config)
   forward, backward = resolve_training(impl, shared_backward, shapes, interpret=interpret)
-  if kernel_config is not None and AttentionImpl.MOSAIC_GPU not in (forward, backward):
+  if tuned is not None and tuned not in (forward, backward):
     if AttentionImpl(impl) is not AttentionImpl.AUTO:
-      raise ValueError('kernel_config tunes the Mosaic GPU kernels: pass it with impl or '
-                       f'shared_backward MOSAIC_GPU, got {forward.name} and {backward.name}')
+      name = 'Mosaic GPU' if tuned is AttentionImpl.MOSAIC_GPU else 'Mosaic TPU'
+      raise ValueError(f'kernel_config tunes the {name} kernels: pass it with impl or '
+                       f'shared_backward {tuned.name}, got {forward.name} and {backward.name}')
     kernel_config = None  # AUTO chose XLA: the config of the kernels it did not choose
+  if tuned is AttentionImpl.MOSAIC_TPU and AttentionImpl.MOSAIC_GPU in (forward, backward):
+    raise ValueError('kernel_config (TrainingBlockSizes) tunes the Mosaic TPU kernels only; '
+                     f'this plan runs {forward.name} and {backward.name}')
   if forward is AttentionImpl.XLA and backward is AttentionImpl.XLA:
     interpret = False  # one static form for all-XLA plans
   return _Kernels(forward, backward, interpret, kernel_config)
@@ -326,7 +337,8 @@ def tree_attention_differentiable(
       `interpret`: their interpret mode, e.g. `pltpu.InterpretParams()` on CPU).
     kernel_config: the Mosaic GPU kernels' block sizes, a
       `pallas_kernels.mosaic_gpu.training_attention.TrainingKernelConfig` (None: its default,
-      or in interpret mode its small `INTERPRET_CONFIG`).
+      or in interpret mode its small `INTERPRET_CONFIG`), or the Mosaic TPU kernels', a
+      `pallas_kernels.tpu.training_attention.TrainingBlockSizes`.
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   plan = prepare_training_attention(

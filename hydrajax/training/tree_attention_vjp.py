@@ -65,7 +65,9 @@ class _Kernels:
   # The shared segments' backward: XLA, MOSAIC_GPU or MOSAIC_TPU.
   shared_backward: AttentionImpl
   interpret: object  # the kernels' interpret mode (see prepare_training_attention)
-  config: object  # the Mosaic GPU kernels' TrainingKernelConfig (None: their default)
+  # The Mosaic GPU kernels' TrainingKernelConfig or the Mosaic TPU kernels' TrainingBlockSizes
+  # (None: their defaults).
+  config: object
 
 
 def _precision(dtype):
@@ -211,6 +213,14 @@ def _from_tpu(x, part: _Part, kh, t):
   return jnp.swapaxes(x.reshape((z, m, mg // m, kh) + x.shape[3:]), 2, 3)
 
 
+def _tpu_blocks(kernels: _Kernels) -> dict:
+  """The TPU kernels' block sizes from the plan's config (their defaults without one)."""
+  from pallas_kernels.tpu.training_attention import TrainingBlockSizes  # imports hydrajax
+
+  config = kernels.config if isinstance(kernels.config, TrainingBlockSizes) else None
+  return {} if config is None else dataclasses.asdict(config)
+
+
 def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` with the Mosaic TPU kernel, all of the part's items in one launch: a
   segment group's segments, or the private part's rows, causal."""
@@ -219,7 +229,8 @@ def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernel
   kh, t = k_cache.shape[1], q_pad.shape[1]
   (q,), lengths, causal = _tpu_args(q_pad, part, kh)
   out, lse = segments_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths,
-                              scale=scale, causal=causal, interpret=kernels.interpret)
+                              scale=scale, causal=causal, interpret=kernels.interpret,
+                              **_tpu_blocks(kernels))
   return _from_tpu(out, part, kh, t), _from_tpu(lse, part, kh, t)
 
 
@@ -321,7 +332,7 @@ def _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _P
 
 
 def _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part: _Part,
-                              scale, dk, dv, interpret):
+                              scale, dk, dv, kernels: _Kernels):
   """`_part_backward` with the Mosaic TPU kernels, all of the part's items in one call, which
   reduces each item's dK, dV over its rows and GQA heads in the kernel."""
   from pallas_kernels.tpu.training_attention import segments_backward  # imports hydrajax
@@ -330,7 +341,7 @@ def _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
   (q, do, lse, delta), lengths, causal = _tpu_args(q_pad, part, kh, do_pad, lse_pad, delta_pad)
   dq, dk_z, dv_z = segments_backward(q, k_cache[part.tokens], v_cache[part.tokens], do, lse,
                                      delta, lengths, scale=scale, causal=causal,
-                                     interpret=interpret)
+                                     interpret=kernels.interpret, **_tpu_blocks(kernels))
   # Tokens no query sees (past a length, the blocks' clamped padding) get exact zeros.
   dk = dk.at[part.tokens].add(dk_z)
   dv = dv.at[part.tokens].add(dv_z)
@@ -396,7 +407,7 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   for part in parts:
     if part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_TPU:
       dq_z, dk, dv = _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
-                                               v_cache, part, scale, dk, dv, kernels.interpret)
+                                               v_cache, part, scale, dk, dv, kernels)
     elif part.shared and kernels.shared_backward is AttentionImpl.MOSAIC_GPU:
       dq_z, dk, dv = _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
                                                v_cache, part, scale, dk, dv, kernels)
@@ -405,7 +416,7 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
                                                   v_cache, part, scale, dk, dv, kernels)
     elif not part.shared and kernels.impl is AttentionImpl.MOSAIC_TPU:
       dq_z, dk, dv = _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache,
-                                               v_cache, part, scale, dk, dv, kernels.interpret)
+                                               v_cache, part, scale, dk, dv, kernels)
     else:
       dq_z, dk, dv = _part_backward(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cache, part,
                                     scale, dk, dv)

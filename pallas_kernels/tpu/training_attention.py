@@ -31,6 +31,7 @@ kernel re-reads every row's q, dO, lse and delta per kv block; 512-row tiles and
 blocks leave all three kernels compute bound on v5e and v5p, where 128 would not.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +42,22 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.tpu import online_softmax as osm
 
 CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a [M, S]^T . b [M, H] -> [S, H]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingBlockSizes:
+  """The kernels' tiles, tuned through `kernel_config=` of `prepare_training_attention` (and the
+  prefill and tree-prefill entries) with impl or shared_backward MOSAIC_TPU. Each shrinks to
+  the problem when that is smaller. The defaults are chosen on paper (module doc)."""
+
+  block_rows: int = 512  # query-matrix rows a tile
+  block_kv: int = 512  # kv tokens a block
+
+  def __post_init__(self):
+    for name in ('block_rows', 'block_kv'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
+        raise ValueError(f'{name} must be a positive multiple of 8, got {value!r}')
 
 
 def _blocks(row_block, kv_block, bm, bs, length, causal):
