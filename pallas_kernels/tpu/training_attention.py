@@ -89,27 +89,30 @@ def _zero_past(ref, kv_block, length):
   return jnp.where(token < length, ref[...], jnp.zeros((), ref.dtype))
 
 
+def _on_blocks(row_block, kv_block, bm, bs, length, causal, step):
+  """Runs step(masked) on the block where any of its pairs attend (masked unless all do)."""
+  attended, whole = _blocks(row_block, kv_block, bm, bs, length, causal)
+  pl.when(attended & whole)(lambda: step(False))
+  pl.when(attended & ~whole)(lambda: step(True))
+
+
 def _forward_kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *,
                     scale, causal):
   # q_ref [bm, H]; k_ref, v_ref [bs, H]; out_ref [bm, H] float32; lse_ref [bm, 128] float32.
   row_block, kv_block = pl.program_id(2), pl.program_id(3)
   length = len_ref[pl.program_id(0)]
   shape = (q_ref.shape[0], k_ref.shape[0])
-  attended, whole = _blocks(row_block, kv_block, *shape, length, causal)
 
   @pl.when(kv_block == 0)
   def _init():
     osm.reset(m_ref, l_ref, acc_ref)
 
-  @pl.when(attended & whole)
-  def _attend_all():
-    osm.update(q_ref[...], k_ref[...], v_ref[...], None, m_ref, l_ref, acc_ref, scale=scale)
+  def step(masked):  # unmasked: the online-softmax fast path, every value in the block real
+    v = _zero_past(v_ref, kv_block, length) if masked else v_ref[...]
+    visible = _visible(row_block, kv_block, shape, length, causal) if masked else None
+    osm.update(q_ref[...], k_ref[...], v, visible, m_ref, l_ref, acc_ref, scale=scale)
 
-  @pl.when(attended & ~whole)
-  def _attend_masked():
-    osm.update(q_ref[...], k_ref[...], _zero_past(v_ref, kv_block, length),
-               _visible(row_block, kv_block, shape, length, causal), m_ref, l_ref, acc_ref,
-               scale=scale)
+  _on_blocks(row_block, kv_block, *shape, length, causal, step)
 
   @pl.when(kv_block == pl.num_programs(3) - 1)
   def _finish():
@@ -128,13 +131,6 @@ def _probs(refs, row_block, kv_block, length, scale, causal, masked):
     p = jnp.where(_visible(row_block, kv_block, s.shape, length, causal), p, 0.0)
   dp = jax.lax.dot_general(do_ref[...], v, osm.TRANS_B, preferred_element_type=jnp.float32)
   return p, p * (dp - delta_ref[:, :1]), k
-
-
-def _on_blocks(row_block, kv_block, bm, bs, length, causal, step):
-  """Runs step(masked) on the block where any of its pairs attend (masked unless all do)."""
-  attended, whole = _blocks(row_block, kv_block, bm, bs, length, causal)
-  pl.when(attended & whole)(lambda: step(False))
-  pl.when(attended & ~whole)(lambda: step(True))
 
 
 def _dkv_kernel(len_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
