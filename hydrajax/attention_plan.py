@@ -1,8 +1,9 @@
 """Plan once per tree change, attend every layer: the prepared attention plan.
 
     plan = prepare_attention(layout, AttentionShapes.of(q, k_cache), impl=AUTO)  # per tree change
+    step = plan.with_private_lengths(lengths).for_step()                       # every step
     for layer in range(num_layers):                                             # every layer
-      out, lse = attend(q, k_all, v_all, plan, kv_offset=layer * L)
+      out, lse = attend(q, k_all, v_all, step, kv_offset=layer * L)
 
 `prepare_attention` resolves the implementation once (`hydrajax.dispatch`) and lets the backend
 precompute what it derives from the layout (XLA: gather indices and masks; Mosaic TPU: the work
@@ -12,7 +13,10 @@ indices are formed. The plan is a jit pytree: arrays are leaves, the implementat
 the backend config and `interpret` are static.
 
 What changes every decode step without a tree change, the rows' private lengths, stays a plain
-layout array: `plan.with_private_lengths(lengths)` swaps it (no backend work).
+layout array: `plan.with_private_lengths(lengths)` swaps it (no backend work, so a host array
+stays on the host). What a backend derives from them, once for all of a step's layers (the
+Mosaic GPU private kernel's lane table), `plan.for_step()` builds, inside the jitted step; a
+plan without it still attends correctly, deriving it in every call.
 
 Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_attention`):
 
@@ -20,7 +24,8 @@ Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_atte
     unsupported_reason(shapes, layout, *, interpret) -> str | None
     prepare(layout, shapes, config, *, interpret) -> pytree
     attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)
-    with_private_lengths(prepared, lengths) -> pytree    # only leaves swapped: no derived work
+    with_private_lengths(prepared, lengths) -> pytree    # leaves swapped, per-step work dropped
+    for_step(prepared) -> pytree                         # per-step work from the lengths, once
 """
 
 import dataclasses
@@ -119,6 +124,13 @@ class AttentionPlan:
     layout = dataclasses.replace(self.layout, private_lengths=lengths)
     prepared = dispatch.backend(self.impl).with_private_lengths(self.prepared, lengths)
     return dataclasses.replace(self, layout=layout, prepared=prepared)
+
+  def for_step(self) -> 'AttentionPlan':
+    """The plan with what the backend derives from the private lengths built once, for every
+    layer of a step (call it after `with_private_lengths`, before the layers; a no-op when
+    already built or when the backend derives nothing)."""
+    prepared = dispatch.backend(self.impl).for_step(self.prepared)
+    return dataclasses.replace(self, prepared=prepared)
 
 
 jax.tree_util.register_dataclass(

@@ -9,8 +9,9 @@ the reason; with `interpret=True` the Mosaic kernels run on any machine (interpr
 
 A backend is a module (or object) with the protocol of `hydrajax.attention_plan`:
 `DEFAULT_CONFIG`, `unsupported_reason(shapes, layout, *, interpret)`,
-`prepare(layout, shapes, config, *, interpret)` and
-`attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)`.
+`prepare(layout, shapes, config, *, interpret)`,
+`attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)`,
+`with_private_lengths(prepared, lengths)` and `for_step(prepared)`.
 """
 
 import enum

@@ -270,6 +270,13 @@ class ShardedLayout:
                            self.num_shards)
     return ShardedLayout(self.layouts.with_private_lengths(per_shard), self.num_shards)
 
+  def for_step(self) -> 'ShardedLayout':
+    """Each shard's `AttentionPlan.for_step` (mapped over the stacked leaves); a layout of
+    unprepared shards as it is."""
+    if isinstance(self.layouts, TreeLayout):
+      return self
+    return ShardedLayout(jax.vmap(lambda plan: plan.for_step())(self.layouts), self.num_shards)
+
 
 def stack_shards(values: Sequence[Any], sharding: jax.sharding.Sharding | None = None
                  ) -> ShardedLayout:

@@ -230,6 +230,10 @@ def with_private_lengths(prepared: XlaPrepared, lengths: jax.Array) -> XlaPrepar
   return dataclasses.replace(prepared, private_lengths=lengths)
 
 
+def for_step(prepared: XlaPrepared) -> XlaPrepared:
+  return prepared  # the private mask fuses into each layer's product: nothing to hoist
+
+
 def _group_partials(q, k_cache, v_cache, group: XlaGroup, kv_offset, scale):
   """Partial states of one group: out [J, R, T, N, H], lse [J, R, T, N]."""
   _, t, n, h = q.shape

@@ -24,7 +24,8 @@ kv_offset=layer * L)`, output projection, residual, RMSNorm, SwiGLU MLP,
 residual. So as not to copy a layer's buffer out of the stacked cache, `k_all,
 v_all` are the whole cache viewed as `[num_layers * L, K, H]` and the layer is
 a scalar token offset into it: the plan (gather indices, work lists) is the
-same for every layer.
+same for every layer, and what it derives from the step's private lengths
+(`AttentionPlan.for_step`) is built once before the layers.
 
 The layers are a Python loop over per-layer parameters, not a `lax.scan`
 over stacked ones: under a scan XLA materialises every layer's weight slice
@@ -375,6 +376,8 @@ class Llama(nnx.Module):
     elif _plan_shapes(plan) != self.attention_shapes(b, t, cache):
       raise ValueError(f'the plan was prepared for {_plan_shapes(plan)}, not '
                        f'{self.attention_shapes(b, t, cache)}')
+    if plan is not None:  # what the backend derives from this step's lengths: once, not a layer
+      plan = plan.for_step()
     replicas = sr.kv_replication(c.num_heads, c.num_kv_heads, mesh)
     reduce = self.tp_reduce_dtype if sr.axis_size(mesh, sr.TP) > 1 else None
     inv_freq = self.inv_freq()

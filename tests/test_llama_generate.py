@@ -122,7 +122,12 @@ def test_the_models_attention_config_reaches_its_plans():
     # A call that runs another backend (e.g. an XLA prefill) takes that backend's default.
     xla = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='xla')
     assert xla.config == hydrajax.XlaConfig()
-    outs.append(model(tokens, positions, cache, jnp.asarray(slots, jnp.int32)[:, None], attn))
+    step = lambda: model(tokens, positions, cache, jnp.asarray(slots, jnp.int32)[:, None], attn)
+    outs.append(step())
+  # The step's lane table, from its private lengths: built once for the two layers
+  # (`AttentionPlan.for_step`), not per layer.
+  cumsums = lambda fn: str(jax.make_jaxpr(fn)()).count('cumsum')
+  assert cumsums(step) == cumsums(attn.for_step) > 0
   (want, want_cache), (got, got_cache) = outs
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_cache.k, np.float32),

@@ -220,6 +220,37 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  def test_step_plan_is_the_per_call_table(self):
+    """`for_step` builds the lane table once for a step's layers: attend over the step plan is
+    bitwise attend building the table itself, and builds none; `with_private_lengths` drops
+    the table, so new lengths never meet an old table."""
+    rng = np.random.default_rng()
+    plan = _tree('deep', self.capacity, rng.integers(0, self.capacity + 1, 7).tolist())
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=int(rng.integers(2**31)))
+    shapes, config = mosaic.KernelShapes.of(q, kc), mosaic.MosaicGpuConfig(block_kv=64)
+    prepared = mosaic.prepare(layout, shapes, config, interpret=self.interpret)
+    attend = lambda p: mosaic.attend(q, kc, vc, p, shapes=shapes, config=config,
+                                     interpret=self.interpret)
+    step = mosaic.for_step(prepared)
+    assert prepared.lanes is None and step.lanes is not None
+    assert mosaic.for_step(step) is step
+    cumsums = lambda p: str(jax.make_jaxpr(attend)(p)).count('cumsum')
+    assert cumsums(prepared) > 0 and cumsums(step) == 0  # the table, only where not prepared
+    for got, want in zip(attend(step), attend(prepared)):
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    other = rng.integers(0, self.capacity + 1, plan.num_rows).tolist()
+    swapped = mosaic.with_private_lengths(step, jnp.asarray(other, jnp.int32))
+    assert swapped.lanes is None
+    fresh = _tree('deep', self.capacity, other)
+    assert fresh.private_pages == plan.private_pages
+    want = attend(mosaic.prepare(fresh.to_device(), shapes, config, interpret=self.interpret))
+    for got, want_ in zip(attend(mosaic.for_step(swapped)), want):
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_, np.float32))
+    _assert_states_close(want, hydrajax.tree_attention_xla(q, kc, vc, fresh.to_device()),
+                         jnp.bfloat16)
+
   @pytest.mark.parametrize('case', CASES, ids=_case_id)
   def test_matches_xla_and_oracle(self, case):
     tree, t, n, k, lengths = case
@@ -663,6 +694,25 @@ class TestSupportAndSchedule:
     q2 = jnp.concatenate([q] * len(devices), axis=2)  # each device's heads
     kc2 = jnp.concatenate([kc] * len(devices), axis=1)
     assert cumsums(2, sharded, q2, kc2) == cumsums(1, sharded, q2, kc2) > 0
+
+  def test_stacked_shard_plans_build_each_shards_table(self):
+    """`ShardedLayout.for_step` (dp shards' plans stacked): each shard's lane table, from its
+    own rows' lengths, as `for_step` of that shard's plan alone."""
+    from hydrajax import parallel
+    rng = np.random.default_rng()
+    plans = [hydrajax.plan_tree(PromptNode(40, num_samples=8), private_capacity=64,
+                                private_lengths=rng.integers(0, 65, 8).tolist()) for _ in '01']
+    q = jax.ShapeDtypeStruct((8, 1, 8, 64), jnp.bfloat16)
+    shapes = hydrajax.AttentionShapes.of(q, jax.ShapeDtypeStruct((plans[0].kv_tokens, 2, 64),
+                                                                 jnp.bfloat16))
+    shards = [hydrajax.prepare_attention(p.to_device(), shapes, impl='mosaic_gpu', interpret=True)
+              for p in plans]
+    lengths = rng.integers(0, 65, 16).astype(np.int32)  # both shards' rows, in global order
+    step = parallel.stack_shards(shards).with_private_lengths(lengths).for_step()
+    for d, shard in enumerate(shards):
+      want = shard.with_private_lengths(jnp.asarray(lengths[8 * d:8 * d + 8])).for_step()
+      np.testing.assert_array_equal(np.asarray(step.layouts.prepared.lanes[d]),
+                                    np.asarray(want.prepared.lanes))
 
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""

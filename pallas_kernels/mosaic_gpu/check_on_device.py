@@ -22,7 +22,10 @@ What it does on the GPU:
 5. (not with `--legacy`) the per-layer path: `prepare` once, then `attend` at
    layer 1 of a flat 2-layer buffer whose every slot that no row attends holds
    NaN, inf or -inf (`garbage` records: bitwise equality with the clean call);
-   timed as `mosaic attend` (no packing per call) next to `tree_attention`.
+   timed as `mosaic attend` (no packing per call) next to `tree_attention`, and
+   as `mosaic attend ... (step plan)`, a layer of a decode step: the lane table
+   built beforehand by `for_step`, once a step, and timed alone
+   (`lane table (for_step)`).
 
 `--legacy` runs only steps 1-4 through `tree_attention`, so the same command
 times a tree that predates `prepare`/`attend` (the "before" of a change).
@@ -413,6 +416,17 @@ def main():
         )
         record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels)
         row[name] = (us, err['out_rel_l2'])
+        if prepared.lanes is None and getattr(prepared.problem, 'lane_steps', 0):
+          # A layer of a model's step: the lane table built once a step (`for_step`), not in
+          # the call; the table timed alone beside it (a decode step pays it once, all layers).
+          steps = [mosaic.for_step(prepared)] * len(sets)
+          us, kernels = cupti_us(lambda q, k, v, p: fn_a(q, k, v, p, jnp.int32(0)),
+                                 [(q_, k_, v_, p) for (q_, k_, v_, _), p in zip(sets, steps)])
+          record(kind='time', shape=shape, impl=name + ' (step plan)', us=us, x_floor=us / fl,
+                 kernels=kernels)
+          row[name + ' (step plan)'] = (us, err['out_rel_l2'])
+          us, kernels = cupti_us(lambda p: mosaic.for_step(p).lanes, [(prepared,)] * len(sets))
+          record(kind='time', shape=shape, impl='lane table (for_step)', us=us, kernels=kernels)
         if args.deep_layer:
           us, kernels, layer = deep_layer_time(fn_a, prepared, plan, sets, args.deep_layer)
           record(kind='time', shape=shape, impl=name + f',layer={layer}', x_floor=us / fl,

@@ -306,6 +306,10 @@ def with_private_lengths(prepared: TpuPrepared, lengths: jax.Array) -> TpuPrepar
   return dataclasses.replace(prepared, private_lengths=lengths)
 
 
+def for_step(prepared: TpuPrepared) -> TpuPrepared:
+  return prepared  # the kernels read the (padded) lengths themselves: nothing to hoist
+
+
 def _interpret_arg(interpret):
   if interpret is True:
     return pltpu.InterpretParams()
