@@ -15,6 +15,7 @@ echo "pytest rc=$?"; tail -3 $R/pytest.txt
 cp models/llama.py /tmp/llama_step_plan.py
 grep -v '      plan = plan.for_step()' /tmp/llama_step_plan.py > /tmp/llama_per_call.py
 grep -c 'for_step()' /tmp/llama_step_plan.py /tmp/llama_per_call.py
+i=1
 for run in step_plan per_call step_plan per_call; do
   cp /tmp/llama_$run.py models/llama.py
   timeout 100 python3 -m experiments.throughput --preset=codellama_7b --impls=mosaic_gpu \
