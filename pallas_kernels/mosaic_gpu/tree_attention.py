@@ -23,9 +23,10 @@ A layout with no shared segment (plain paged decode) is one launch of
 The backend protocol of `hydrajax.attention_plan`: `prepare` runs once per tree
 change (packed segment table, schedule, frame sizes: host work), `for_step`
 once per decode step (the private kernel's lane table, from the rows' private
-lengths), `attend` once per layer with `kv_offset`, the token where this layer's buffer starts in a
-flat `[layers * L, K, H]` cache; the offset is a kernel operand added where
-TMA indices are formed, so no per-layer op rebuilds the layout's arrays.
+lengths), `attend` once per layer with `kv_offset`, the token where this
+layer's buffer starts in a flat `[layers * L, K, H]` cache; the offset is a
+kernel operand added where TMA indices are formed, so no per-layer op rebuilds
+the layout's arrays.
 K/V that no row attends (padding, unwritten private slots, stale chunks) may
 hold NaN or inf: no output depends on it (`online_softmax.zero_rows`).
 
@@ -216,7 +217,7 @@ class Prepared:
   schedule: SharedSchedule | None = dataclasses.field(metadata=dict(static=True))
   problem: PrivateProblem | PagedProblem = dataclasses.field(metadata=dict(static=True))
   # The private kernel's lane table of these private lengths (`for_step`), or None: each
-  # `attend` then builds it.
+  # `attend` then builds it. Swap the lengths with `with_private_lengths`, which drops it.
   lanes: jax.Array | None = None
 
 
@@ -329,7 +330,8 @@ def for_step(prepared: Prepared) -> Prepared:
   """What a decode step derives from its private lengths, built once for all its layers: the
   private kernel's lane table (`private_attention.lane_table`, a few small XLA fusions, 4-6
   µs on an H200). Without it every `attend` builds the table itself; a model's Python loop
-  over layers gets one copy through XLA's CSE, a `lax.scan` over layers one per layer."""
+  over layers gets one copy through XLA's CSE; under a `lax.scan` over layers only XLA's
+  loop-invariant motion would save the per-layer copies."""
   problem = prepared.problem
   if prepared.lanes is not None or not getattr(problem, 'lane_steps', 0):
     return prepared
