@@ -4,8 +4,9 @@ Workload per point (heads N/K, batch B, length n, rows r): B/r groups of r rows,
 each group sharing its own root segment of n tokens, each row with a
 `--suffix`-token private page (its last T tokens are the queries); n is whole
 pages, so the root can be demoted. The attention (--impl, prepared once per
-point as the engine prepares once per tree change) runs on the plan as is
-(batched: one shared segment per group) and on
+point as the engine prepares once per tree change, and its per-step part built
+by `for_step` outside the timed call: a call is a layer of a decode step) runs
+on the plan as is (batched: one shared segment per group) and on
 `SharingPolicy.demote_all().apply(plan)` (per-sequence: every row reads its
 root's pages itself, i.e. plain paged decode). Both outputs are checked against
 the naive float32 oracle on a few rows (--check: at the first point of each
