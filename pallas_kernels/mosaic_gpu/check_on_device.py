@@ -416,10 +416,11 @@ def main():
         )
         record(kind='time', shape=shape, impl=name, us=us, x_floor=us / fl, kernels=kernels)
         row[name] = (us, err['out_rel_l2'])
-        if prepared.lanes is None and getattr(prepared.problem, 'lane_steps', 0):
+        step = mosaic.for_step(prepared)
+        if step.lanes is not None:
           # A layer of a model's step: the lane table built once a step (`for_step`), not in
           # the call; the table timed alone beside it (a decode step pays it once, all layers).
-          steps = [mosaic.for_step(prepared)] * len(sets)
+          steps = [step] * len(sets)
           us, kernels = cupti_us(lambda q, k, v, p: fn_a(q, k, v, p, jnp.int32(0)),
                                  [(q_, k_, v_, p) for (q_, k_, v_, _), p in zip(sets, steps)])
           record(kind='time', shape=shape, impl=name + ' (step plan)', us=us, x_floor=us / fl,

@@ -332,8 +332,9 @@ def for_step(prepared: Prepared) -> Prepared:
   µs on an H200). Without it every `attend` builds the table itself; a model's Python loop
   over layers gets one copy through XLA's CSE; under a `lax.scan` over layers only XLA's
   loop-invariant motion would save the per-layer copies."""
-  problem = prepared.problem
-  if prepared.lanes is not None or not getattr(problem, 'lane_steps', 0):
+  problem = prepared.problem  # a PagedProblem (no shared segment) reads no lane table
+  if prepared.lanes is not None or not (isinstance(problem, PrivateProblem) and
+                                         problem.lane_steps):
     return prepared
   lanes = lane_table(prepared.private_lengths, prepared.private_pages, problem)
   return dataclasses.replace(prepared, lanes=lanes)
