@@ -315,6 +315,39 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
+  @pytest.mark.parametrize('t, n, k', [(1, 8, 8), (1, 32, 8), (1, 64, 8), (2, 16, 8),
+                                       (2, 32, 8), (1, 24, 8), (1, 16, 16)],
+                           ids=['MHA', 'G=4', 'G=8', 'G=2_T=2', 'G=4_T=2', 'G=3_padded',
+                                'two_head_blocks'])
+  def test_token_lanes(self, t, n, k):
+    """Token lanes (`private_token_lanes`: a lane is one token of 8 kv heads, a program 8 kv
+    heads' rows of 8 folded rows) over 16 rows of 0-70 private tokens, new lengths each run,
+    under segments of uneven widths (frames cross them), at a layer offset in a buffer whose
+    every unattended slot is NaN/inf: bitwise the clean buffer's states, close to the oracle
+    and to chunk lanes (their blocks differ, so their sums round differently)."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(t, self.capacity + 1, 16)
+    lengths[rng.integers(16)] = t  # one row of T tokens, and at T = 1 one empty row
+    if t == 1:
+      lengths[rng.integers(16)] = 0
+    plan = _tree('wide', self.capacity, lengths.tolist())
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=int(rng.integers(1 << 30)))
+    shapes = mosaic.KernelShapes.of(q, kc)
+    config = mosaic.MosaicGpuConfig(block_kv=64, private_token_lanes=True)
+    assert mosaic.prepare(layout, shapes, config, interpret=self.interpret).problem.token_lanes
+    got = {}
+    for dirty in (False, True):
+      fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=dirty)
+      got[dirty] = self._attend(q, fk, fv, layout, kv_offset=jnp.int32(offset),
+                                private_token_lanes=True)
+    np.testing.assert_array_equal(np.asarray(got[True].out, np.float32),
+                                  np.asarray(got[False].out, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[True].lse), np.asarray(got[False].lse))
+    _assert_states_close(got[True], hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    _assert_states_close(got[True], self._run(q, kc, vc, layout), jnp.bfloat16)
+
   def test_unguarded_private_steps_on_a_finite_cache(self):
     """`private_zero_unseen=False` leaves stale V rows of partial chunks in place: on a cache
     whose unattended slots are finite (zeros) the states are bitwise the guarded kernel's."""
@@ -599,6 +632,8 @@ class TestSupportAndSchedule:
         mosaic.MosaicGpuConfig(**{name: 1})
     with pytest.raises(ValueError, match='private_staged_pages must be None, True or False'):
       mosaic.MosaicGpuConfig(private_staged_pages='auto')
+    with pytest.raises(ValueError, match='private_token_lanes=True needs private_lane_table'):
+      mosaic.MosaicGpuConfig(private_token_lanes=True, private_lane_table=False)
     mosaic.MosaicGpuConfig(private_staged_pages=None, shared_overlap=None)  # resolved per call
     with pytest.raises(ValueError, match='overlap must be None, True or False'):
       mosaic.SegmentKernelConfig(overlap=1.5)
@@ -713,6 +748,27 @@ class TestSupportAndSchedule:
       want = shard.with_private_lengths(jnp.asarray(lengths[8 * d:8 * d + 8])).for_step()
       np.testing.assert_array_equal(np.asarray(step.layouts.prepared.lanes[d]),
                                     np.asarray(want.prepared.lanes))
+
+  @pytest.mark.parametrize('b, n, k, t, fits', [
+      (16, 8, 8, 1, True), (16, 32, 8, 2, True), (2, 64, 16, 1, True),
+      (16, 8, 4, 1, False),  # kv heads not whole tiles of 8
+      (5, 8, 8, 1, False),  # B*TGp = 5: a frame would end past the batch
+      (16, 64, 8, 2, False),  # T*G = 16 folded rows a query row, more than a frame's 8
+  ])
+  def test_token_lanes_where_they_fit(self, b, n, k, t, fits):
+    """`private_token_lanes` takes shapes that `token_lanes_fit`; others keep chunk lanes (and
+    their frame sizes), so the knob never makes a shape unsupported."""
+    plan = hydrajax.plan_tree(PromptNode(40, num_samples=b), private_capacity=64,
+                              private_lengths=[3] * b)
+    shapes = mosaic.KernelShapes(b, t, n, k, 64, plan.kv_tokens, jnp.bfloat16)
+    token = mosaic.prepare(plan.to_device(), shapes,
+                           mosaic.MosaicGpuConfig(private_token_lanes=True)).problem
+    chunk = mosaic.prepare(plan.to_device(), shapes).problem
+    assert token.token_lanes == fits and not chunk.token_lanes
+    if fits:
+      assert token.frame_rows == 8 and token.lane_tokens == 1 and token.heads_per_program == 8
+    else:
+      assert token == chunk
 
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""

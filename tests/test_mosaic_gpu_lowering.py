@@ -80,6 +80,25 @@ def test_private_knobs_lower_for_cuda(knobs):
 
 
 @pytest.mark.parametrize('b, p, s, n, k, t', [
+    (1024, 1024, 9, 32, 32, 1),  # the 7B decode step: 4 blocks of 8 kv heads, q read by row
+    (1024, 16384, 1, 32, 8, 1),  # G = 4: the GQA decode step
+    (16, 2048, 3, 64, 8, 1),  # G = 8: one query row a frame
+    (8, 2048, 9, 32, 8, 2),  # G = 4, T = 2: causal
+    (8, 2048, 9, 48, 16, 1),  # G = 3: padded rows, out and lse folded
+])
+def test_token_lanes_lower_for_cuda(b, p, s, n, k, t):
+  """Token lanes (`private_token_lanes`): per-token copies of 8 kv heads' tiles, Q and stores
+  per kv head, merge windows [8, 8, H] by TMA into a buffer read through a reshaped ref."""
+  plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b), private_capacity=64,
+                            private_lengths=s)
+  shapes = mosaic.KernelShapes(b, t, n, k, HEAD_DIM, plan.kv_tokens, jnp.bfloat16)
+  config = mosaic.MosaicGpuConfig(private_token_lanes=True)
+  assert mosaic.prepare(plan.to_device(), shapes, config).problem.token_lanes
+  kernels = _lower_tree(b, p, s, n, k, t, private_token_lanes=True)
+  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
+
+
+@pytest.mark.parametrize('b, p, s, n, k, t', [
     (256, 16384, 1, 32, 8, 1),  # G = 4: the GQA decode step
     (16, 2048, 3, 64, 8, 1),  # G = 8, one row a frame
     (8, 2048, 9, 32, 16, 2),  # G = 2, T = 2

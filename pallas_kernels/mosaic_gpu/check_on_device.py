@@ -107,6 +107,7 @@ CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (8, 0, 300, 64, 8, 1),  # no shared prefix at G = 8
     (96, 2048, 9, 32, 32, 2),  # MHA, T = 2: q read by row (`q_by_row`)
     (2, 2048, 200, 32, 32, 128),  # MHA prefill (T = 128): q read by row, two frames a row
+    (64, 2048, 13, 32, 8, 2),  # T = 2, G = 4: 8 folded rows a row (token lanes fit, T*G = 8)
 )
 VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
     dict(block_kv=128, max_concurrent_steps=2),
@@ -139,6 +140,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # No zeroing of V rows past a partial chunk's valid tokens: what the NaN/inf guard costs
     # (its results are only right on a cache whose unattended slots are finite; s30).
     dict(private_zero_unseen=False),
+    # A private lane is one token of 8 kv heads (one 8-row tile), not 8 tokens of one kv head:
+    # a step copies only tokens the rows hold (s45: built with no GPU lent).
+    dict(private_token_lanes=True),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -1,6 +1,7 @@
 """Private-KV attention fused with the tree-level LSE merge, on Hopper (Pallas Mosaic GPU).
 
-One program per (frame, kv head), one warpgroup. A frame is F consecutive rows
+One program per (frame, kv head) (with token lanes, below: per frame and 8 kv heads), one
+warpgroup. A frame is F consecutive rows
 of the folded query matrix (`schedule.private_frame_rows`): R = F / TGp whole
 query rows, or one 64-row tile of a single row when TGp > 64. The 64 rows of
 the wgmma M dimension start at the frame; rows past F are computed on whatever
@@ -43,6 +44,18 @@ its latency hides behind it. Columns of `row_segments` are filled root first
 with no gaps (laminar plans, `SharingPlan`), so a row's depth is its count of
 non-negative entries.
 
+Token lanes (`PrivateProblem.token_lanes`, `MosaicGpuConfig.private_token_lanes`): a chunk
+lane copies 8 tokens of one kv head, so at decode, with a few private tokens a row, most of
+what a step reads is past the rows' lengths (9 tokens: 16 read; 1: 8). In the `[L, K, H]`
+cache one token's 8 kv heads are one 8-row tile, so a token lane copies exactly one token of
+8 kv heads, and a program takes those heads' rows of a frame of 8 folded rows: score row
+8k + j is folded row j of kv head k, column 8l + k' is lane l's token at kv head k', and a
+score is visible when, besides the chunk-lane bounds (counted in tokens), k == k'. Q comes
+in 8 copies (one per kv head), out and lse go out in 8 stores, and the merge windows are
+`[8 heads, 8 rows]` blocks of the item buffers, copied by TMA into one buffer and read from
+there (on the GPU that buffer then holds the output rows). The plans always come from the
+lane table, a lane's valid rows there being 8 or 0.
+
 Outputs (`PrivateProblem.direct_out`): when T*G == TGp and G divides F, a
 frame is whole (b, t) query rows, and out is written in the caller's order,
 `[B*T, K, G, H]` (a reshape of `[B, T, N, H]`), by one 3D TMA store of the
@@ -73,7 +86,7 @@ from pallas_kernels.mosaic_gpu.schedule import (
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.segment_attention import (
-    as_folded, finish_q, floor_div, offset_operand, q_staging, segment_fields, start_q,
+    as_folded, finish_q, floor_div, offset_operand, q_staging, q_tile, segment_fields, start_q,
 )
 
 _BLK = PRIVATE_BLOCK
@@ -108,6 +121,24 @@ class PrivateProblem:
   # False: the caller promises finite values in every kv slot a step copies but no row attends
   # (past a row's length in its last chunk); the V rows there are then not zeroed.
   zero_unseen: bool = True
+  # True: a lane is one token of TOKEN_HEADS kv heads (one 8-row tile of the [L, K, H] cache) and
+  # a program takes those heads' rows of a frame of TOKEN_FRAME_ROWS folded rows, so a step
+  # copies only tokens a row holds (`token_lanes_fit`). False: a lane is 8 tokens of one kv head.
+  token_lanes: bool = False
+
+  @property
+  def lane_tokens(self) -> int:
+    """Tokens a lane holds: 1 (token lanes) or CHUNK."""
+    return 1 if self.token_lanes else CHUNK
+
+  @property
+  def heads_per_program(self) -> int:
+    return TOKEN_HEADS if self.token_lanes else 1
+
+  @property
+  def lse_frame_rows(self) -> int:
+    """Rows a frame takes in the folded lse (`[K, frames * this]`)."""
+    return self.frame_rows if self.token_lanes else WG_M
 
   @property
   def rows_per_frame(self) -> int:
@@ -134,6 +165,18 @@ class PrivateProblem:
   def direct_lse(self) -> bool:
     """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row."""
     return self.direct_out and self.group_size % 4 == 0
+
+
+TOKEN_HEADS = CHUNK  # kv heads of a token lane: one 8-row tile of the [L, K, H] cache
+TOKEN_FRAME_ROWS = WG_M // TOKEN_HEADS  # folded rows per kv head of a token-lane program
+
+
+def token_lanes_fit(num_rows: int, rows_per_query: int, num_kv_heads: int) -> bool:
+  """Whether token lanes apply: kv heads in whole tiles of TOKEN_HEADS, and frames of
+  TOKEN_FRAME_ROWS folded rows that hold whole query rows (TGp <= 8) and end inside the batch
+  (B*TGp a multiple of 8: no frame's stores run past it)."""
+  return (num_kv_heads % TOKEN_HEADS == 0 and rows_per_query <= TOKEN_FRAME_ROWS
+          and num_rows * rows_per_query % TOKEN_FRAME_ROWS == 0)
 
 
 # Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
@@ -170,7 +213,7 @@ LANE_FIELDS = 10  # a lane-table step: 8 lanes' first tokens, contiguous, packed
 
 def lane_steps(problem: PrivateProblem, max_pages: int) -> int:
   """Steps a frame's lane table holds: every lane of `rows_per_frame` rows at full capacity."""
-  chunks = max(1, max_pages * problem.page_size // CHUNK)
+  chunks = max(1, max_pages * problem.page_size // problem.lane_tokens)
   return cdiv(problem.rows_per_frame * chunks, _LANES)
 
 
@@ -179,7 +222,8 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
 
   [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
   to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
-  are 64 contiguous tokens, and the lanes' valid tokens packed 4 bits a lane. A step's lanes
+  are 64 contiguous tokens, and the lanes' valid rows packed 4 bits a lane (valid tokens; with
+  token lanes 8 or 0, and never contiguous: a lane is a tile of its own). A step's lanes
   depend only on the rows' private lengths and pages, so one table per decode step serves all
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
   lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
@@ -189,7 +233,7 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   fields, elementwise over the R ranges. A reduce over R, or over a step's 8 lanes, would be a
   fusion, and a launch, of its own (1-2 µs each, against a call of tens of µs).
   """
-  steps = problem.lane_steps
+  steps, unit = problem.lane_steps, problem.lane_tokens
   r_rows, b_rows, c = problem.rows_per_frame, problem.num_rows, problem.page_size
   tgp, t_tok, g_size = problem.rows_per_query, problem.query_tokens, problem.group_size
   frames = jnp.arange(problem.num_frames, dtype=jnp.int32)
@@ -208,7 +252,7 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   else:  # the tile's last query token
     t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
     seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
-  chunks = (seen + CHUNK - 1) // CHUNK
+  chunks = (seen + unit - 1) // unit
   ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)
   starts = ends - jnp.where(inside, jnp.maximum(chunks, 1), 0)
   # Lane facts [F, lanes]: lane l belongs to row j when starts[j] <= l < ends[j] (at most one j;
@@ -224,15 +268,17 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
     row_chunks = jnp.where(hit, chunks[:, j:j + 1], row_chunks)
   i = lane - first
   real = (r < r_rows) & (i < row_chunks)
-  pos = i * CHUNK
-  valid = jnp.where(real, jnp.clip(row_length - pos, 0, CHUNK), 0)
+  pos = i * unit
+  valid = jnp.where(real, jnp.clip(row_length - pos, 0, unit), 0)
+  if unit != CHUNK:  # a token lane's valid rows: its 8 kv heads, or none
+    valid = valid * (CHUNK // unit)
   pages = jnp.asarray(private_pages, jnp.int32)
   page = jnp.clip(pos // c, 0, pages.shape[1] - 1)
   page_row = jnp.minimum(row0[:, None] + jnp.minimum(r, r_rows - 1), pages.shape[0] - 1)
   tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
   shape = (problem.num_frames, steps, _LANES)
   tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
-  contiguous = real[..., 0]
+  contiguous = real[..., 0] if unit == CHUNK else jnp.zeros_like(real[..., 0])
   packed = valid[..., 0]
   for j in range(1, _LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
     contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * CHUNK)
@@ -272,7 +318,7 @@ def unfold_states(out, lse, problem, num_heads: int):
   if problem.direct_lse:
     return out, lse.reshape(b, t, num_heads)
   f, frames = problem.frame_rows, problem.num_frames
-  rows = lse.reshape(kh, frames, WG_M)[:, :, :f].reshape(kh, frames * f)  # folded order
+  rows = lse.reshape(kh, frames, problem.lse_frame_rows)[:, :, :f].reshape(kh, frames * f)
   rows = rows[:, : b * tgp].reshape(kh, b, tgp)[:, :, : t * g]
   return out, rows.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, num_heads)
 
@@ -339,6 +385,16 @@ def private_attention(
     raise ValueError(f'a staged page table must be [{problem.staged_rows}, '
                      f'{staged_columns(problem, max_pages)}] (pad_page_table), got '
                      f'{private_pages.shape}')
+  token = problem.token_lanes
+  heads, unit = problem.heads_per_program, problem.lane_tokens
+  if token and not (token_lanes_fit(b_rows, tgp, kh) and f_rows == TOKEN_FRAME_ROWS):
+    raise ValueError(f'token lanes need frames of {TOKEN_FRAME_ROWS} folded rows holding whole '
+                     f'query rows and kv heads in tiles of {TOKEN_HEADS} (token_lanes_fit); got '
+                     f'B={b_rows}, TGp={tgp}, K={kh}, F={f_rows}')
+  if token and (grouped_q is not None or not tabled or staged or problem.pair_copies):
+    raise ValueError('token lanes read q folded (or by row at G = 1) and their plans from the '
+                     'lane table, with no staged pages or pair copies')
+  window_merge = merging and token  # merge windows of 8 kv heads by TMA (`start_window`)
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
@@ -349,11 +405,15 @@ def private_attention(
       rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
       refs = refs[4:]
     out_ref, lse_out_ref = refs[:2]
-    smem, (q_bar, k_bars, v_bars, pages_bar) = refs[2:]
+    smem, (q_bar, k_bars, v_bars, pages_bar, window_bars) = refs[2:]
     (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
-     lse_staging, pages_smem) = smem
-    kv_head = lax.axis_index('kv_head')
+     lse_staging, pages_smem, window_o, window_lse) = smem
+    kv_head = lax.axis_index('kv_head')  # the program's (first) kv head
+    if token:
+      kv_head = kv_head * heads
     kv_offset = offset_ref[0]
+    if o_smem is None:  # token lanes on the GPU: the merge window's buffer, free after the merge
+      o_smem = window_o.reshape(WG_M, h)
     # q by row with G > 1 lands in the output rows' buffer first (free until the epilogue).
     q_staged = None if grouped_q is None else (o_staging if interpret else o_smem)
 
@@ -366,14 +426,22 @@ def private_attention(
       wgmma instead, apart from V's, was slower on the H200: 95.6 -> 111.2 µs at B=1024, P=1K,
       9 tokens a row, 32/32, `results/mosaic_gpu_check/s27`.)"""
       def copy(tok, rows, j):
-        src = pl.ds(pl.multiple_of(tok, CHUNK), rows)
         dst = pl.ds(j * CHUNK, rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[src, kv_head], kv_smem.at[0, slot, dst], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src, kv_head], kv_smem.at[1, slot, dst], v_bars.at[slot])
+        if token:  # one token of the program's kv heads: one 8-row tile
+          src = (tok, pl.ds(kv_head, heads))
+        else:
+          src = (pl.ds(pl.multiple_of(tok, CHUNK), rows), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[src], kv_smem.at[0, slot, dst], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[src], kv_smem.at[1, slot, dst], v_bars.at[slot])
 
       def arrive():
         plgpu.barrier_arrive(k_bars.at[slot])
         plgpu.barrier_arrive(v_bars.at[slot])
+
+      if token:  # a lane is a tile of its own: never one copy for the step
+        for j in range(_LANES):
+          copy(toks[j], CHUNK, j)
+        return
 
       @pl.when(contiguous)
       def _():
@@ -424,7 +492,8 @@ def private_attention(
         inside = r < rows_here
         length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
         seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
-        chunks = lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))  # seen >= 0: // 8
+        # Lanes of the row: its tokens (token lanes) or 8-token chunks (seen >= 0: // 8).
+        chunks = seen if token else lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))
         lengths.append(length)
         chunk_counts.append(chunks)
         lane_starts.append(lanes_total)
@@ -437,7 +506,12 @@ def private_attention(
       f0 = frame * f_rows  # first folded row of the frame
       (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
        num_steps) = frame_rows(frame)
-      start_q(q_ref, kv_head, f0, q_by_row, q_smem, q_staged, q_bar.at[0])
+      if token:  # each kv head's frame rows: one 8-row tile of q_smem each
+        for k in range(heads):
+          plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head + k, f0, q_by_row, f_rows),
+                                  q_smem.at[pl.ds(k * f_rows, f_rows)], q_bar.at[0])
+      else:
+        start_q(q_ref, kv_head, f0, q_by_row, q_smem, q_staged, q_bar.at[0])
       if staged:  # the frame's rows of the page table (the table is padded to whole frames)
         plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
       if not tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
@@ -575,13 +649,20 @@ def private_attention(
       # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
       # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
       # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
+      # Token lanes: score row 8k + j is folded row j of the program's kv head k, column 8l + k'
+      # token lane l at kv head k'; g = 8 * step + l, and the heads must match.
       index = osm.row_index(WG_M)  # [64] score row, ROWS layout
+      if token:
+        head_of = floor_div(index, f_rows)  # the program's kv head of each score row
+        row_in = index - head_of * f_rows  # its folded row in the frame
+      else:
+        row_in = index
       if r_rows > 1:
-        rho = floor_div(index, tgp)  # frame row of each score row
-        within = index - rho * tgp
+        rho = floor_div(row_in, tgp)  # frame row of each score row
+        within = row_in - rho * tgp
       else:
         rho = None
-        within = index + q0
+        within = row_in + q0
       t_of = floor_div(within, g_size) if t_tok > 1 else None  # query token of each score row
 
       def per_row(values):
@@ -593,18 +674,23 @@ def private_attention(
           out = jnp.where(rho == r, value, out)
         return out
 
-      lo_rows = per_row([s * CHUNK for s in lane_starts])
-      bound = per_row([jnp.minimum(n, k * CHUNK) for n, k in zip(lengths, chunk_counts)])
+      lo_rows = per_row([s * unit for s in lane_starts])
+      bound = per_row([jnp.minimum(n, k * unit) for n, k in zip(lengths, chunk_counts)])
       if t_of is not None:
         bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
       hi_rows = lo_rows + jnp.maximum(bound, 0)
       cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
+      if token:
+        lane_cols = floor_div(cols, CHUNK)
+        same_head = (cols - lane_cols * CHUNK) == lax.broadcast_in_dim(head_of, cols.shape, [0])
+        cols = lane_cols
 
       def step_mask(step):
-        first = step * _BLK
+        first = step * (_LANES * unit)
         lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
         hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
-        return (cols >= lo) & (cols < hi)
+        visible = (cols >= lo) & (cols < hi)
+        return visible & same_head if token else visible
 
       def zero_unseen(v_smem, packed):
         """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
@@ -661,8 +747,27 @@ def private_attention(
           )
           return o, lse
 
+        def start_window(start):
+          """Token lanes: a window is 8 rows of each of the program's kv heads, [8, 8, ...] in
+          score-row order: a TMA copy into the merge buffer (`window_values` waits for it)."""
+          rows = (pl.ds(kv_head, heads), pl.ds(start, f_rows))
+          plgpu.copy_gmem_to_smem(pout_ref.at[rows], window_o, window_bars.at[0])
+          plgpu.copy_gmem_to_smem(plse_ref.at[rows], window_lse, window_bars.at[0])
+
+        def window_values():
+          plgpu.barrier_wait(window_bars.at[0])
+          if interpret:  # interpret mode cannot reshape refs
+            return window_o[...].reshape(WG_M, h), window_lse[...].reshape(WG_M)
+          o = plgpu.load(window_o.reshape(WG_M, h), layout=plgpu.Layout.WGMMA, optimized=False)
+          lse = plgpu.load(window_lse.reshape(WG_M), layout=osm.ROWS, optimized=False)
+          return o, lse
+
         first = describe(jnp.int32(0), jnp.int32(0))
-        first_window = load_window(first[1])
+        if window_merge:  # copied now, waited for after the private phase; none if no window
+          pl.when(max_depth > 0)(lambda: start_window(first[1]))
+          first_window = None
+        else:
+          first_window = load_window(first[1])
 
       # ---- private phase ----
       acc, m_i, l_i = osm.init(WG_M, h)
@@ -733,7 +838,7 @@ def private_attention(
           return carry[0][0] < max_depth
 
         def merge_body(carry):
-          (d, r, split), run, (o, lse), acc, m_i, l_i = carry
+          (d, r, split), run, window, acc, m_i, l_i = carry
           valid, base, stride, run_end = run
           more_splits = split + 1 < splits
           more_runs = run_end < rows_here
@@ -745,7 +850,14 @@ def private_attention(
           next_run = lax.cond(
               more_splits | (nxt[0] >= max_depth), lambda: run, lambda: describe(nxt[0], nxt[1])
           )
-          next_window = load_window(next_run[1] + nxt[2] * next_run[2])
+          next_start = next_run[1] + nxt[2] * next_run[2]
+          if window_merge:  # this window into registers, then the next (if any) into the buffer
+            o, lse = window_values()
+            next_window = None
+            pl.when(nxt[0] < max_depth)(lambda: start_window(next_start))
+          else:
+            next_window = load_window(next_start)
+            o, lse = window
 
           lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
           if frame_row is not None:
@@ -761,20 +873,45 @@ def private_attention(
 
       with jax.named_scope('finish'):
         osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
-      if direct:
+      if token:
+        store_heads(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref,
+                    lse_out_ref)
+      elif direct:
         store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
       else:
         plgpu.copy_smem_to_gmem(
             o_smem.at[pl.ds(0, f_rows)],
             out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)],
         )
-      if not problem.direct_lse:
+      if not (problem.direct_lse or token):
         plgpu.copy_smem_to_gmem(
             lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
         )
       plgpu.wait_smem_to_gmem(0)
 
     frame_body(lax.axis_index('frame'))
+
+  def store_heads(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref,
+                  lse_out_ref):
+    """Token lanes: each of the program's kv heads' F rows (score rows [F*k, F*(k + 1))) into
+    out and lse, one TMA store each; frames hold whole query rows inside the batch."""
+    f0 = pl.multiple_of(frame * f_rows, ALIGN)
+    per = f_rows // g_size  # (b, t) rows of a frame
+    o_rows = grouped_rows(o_smem, o_staging, g_size) if direct else None
+    lse_rows = grouped_rows(lse_smem, lse_staging, g_size) if problem.direct_lse else None
+    for k in range(heads):
+      if direct:
+        dst = out_ref.at[pl.ds(frame * per, per), kv_head + k]
+        plgpu.copy_smem_to_gmem(o_rows(k * per, per), dst)
+      else:
+        dst = out_ref.at[kv_head + k, pl.ds(f0, f_rows)]
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(k * f_rows, f_rows)], dst)
+      if lse_rows is not None:
+        dst = lse_out_ref.at[pl.ds(frame * per, per), kv_head + k]
+        plgpu.copy_smem_to_gmem(lse_rows(k * per, per), dst)
+      else:
+        dst = lse_out_ref.at[kv_head + k, pl.ds(f0, f_rows)]
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(k * f_rows, f_rows)], dst)
 
   def store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref):
     """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]):
@@ -821,7 +958,8 @@ def private_attention(
       plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
       plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
       plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled
+      # output rows, untiled (token lanes on the GPU: the merge window's buffer)
+      None if window_merge and not interpret else plgpu.SMEM((WG_M, h), dtype),
       plgpu.SMEM((WG_M,), jnp.float32),
       plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
       plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
@@ -830,12 +968,17 @@ def private_attention(
       plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
       if interpret and problem.direct_lse else None,
       plgpu.SMEM((r_rows, max_pages), jnp.int32) if staged else None,  # the frame's pages
+      # Token lanes: the merge window, [kv heads, F rows, ...] (`start_window`); on the GPU it
+      # is also the output rows (o_smem) once the merge is done.
+      plgpu.SMEM((heads, f_rows, h), dtype) if window_merge else None,
+      plgpu.SMEM((heads, f_rows), jnp.float32) if window_merge else None,
   )
   barriers = (
-      plgpu.Barrier(num_barriers=1),  # Q
+      plgpu.Barrier(num_arrivals=heads, num_barriers=1),  # Q: a copy per kv head
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # K
       plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # V
       plgpu.Barrier(num_barriers=1) if staged else None,
+      plgpu.Barrier(num_arrivals=2, num_barriers=1) if window_merge else None,  # out, lse
   )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if tabled:
@@ -849,10 +992,10 @@ def private_attention(
           jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size, h), dtype) if direct
           else jax.ShapeDtypeStruct((kh, frames * f_rows, h), dtype),
           jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size), jnp.float32) if problem.direct_lse
-          else jax.ShapeDtypeStruct((kh, frames * WG_M), jnp.float32),
+          else jax.ShapeDtypeStruct((kh, frames * problem.lse_frame_rows), jnp.float32),
       ),
       scratch_types=[smem, barriers],
-      grid=(frames, kh),
+      grid=(frames, kh // heads),
       grid_names=('frame', 'kv_head'),
       compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -916,7 +1059,8 @@ def private_attention_reference(
     return folded.astype(qf.dtype), lse.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(
         b * t, kh, g
     )
-  where = (np.arange(b * tgp) // f) * WG_M + np.arange(b * tgp) % f
-  lse_tiles = jnp.full((kh, frames * WG_M), -jnp.inf, jnp.float32)
+  per = problem.lse_frame_rows
+  where = (np.arange(b * tgp) // f) * per + np.arange(b * tgp) % f
+  lse_tiles = jnp.full((kh, frames * per), -jnp.inf, jnp.float32)
   lse_tiles = lse_tiles.at[:, where].set(lse.reshape(kh, b * tgp))
   return folded.astype(qf.dtype), lse_tiles

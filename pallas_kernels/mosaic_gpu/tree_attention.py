@@ -56,7 +56,8 @@ from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
-    PrivateProblem, lane_steps, lane_table, pad_page_table, private_attention, stage_pages,
+    TOKEN_FRAME_ROWS, PrivateProblem, lane_steps, lane_table, pad_page_table, private_attention,
+    stage_pages, token_lanes_fit,
 )
 from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
@@ -133,6 +134,13 @@ class MosaicGpuConfig:
       the fold cost (`mosaic_gpu_check/s29`, call 1, 32/8 heads): B=256, P=16K 128.1 -> 129.2
       µs a call, B=1024 455.6 -> 455.0, B=32, P=2K 27.3 -> 26.2. Correct on every check
       layout; off.
+    private_token_lanes: a private-kernel lane is one token of 8 kv heads (one 8-row tile of
+      the [L, K, H] cache) instead of 8 tokens of one kv head, and a program takes 8 kv heads'
+      rows of 8 folded rows (`private_attention.token_lanes_fit`: K a multiple of 8, T*G <= 8,
+      B*TGp a multiple of 8; other shapes keep chunk lanes). A step then copies only tokens the
+      rows hold: at 9 private tokens a row chunk lanes read 16 tokens' bytes, and at 1 token
+      8. Needs `private_lane_table`. Built in session 45 with no GPU lent: checked in interpret
+      mode and lowered for CUDA, not yet timed on an H200; off.
   """
 
   block_kv: int = 128
@@ -147,6 +155,7 @@ class MosaicGpuConfig:
   q_by_row_groups: bool = False
   shared_overlap: bool | None = None
   private_zero_unseen: bool = True
+  private_token_lanes: bool = False
 
   def __post_init__(self):
     for name in _SWITCHES + _OPTIONAL_SWITCHES:
@@ -162,6 +171,9 @@ class MosaicGpuConfig:
     if self.private_slots is not None and not 2 <= self.private_slots <= MAX_PRIVATE_SLOTS:
       raise ValueError(
           f'private_slots must be None or in [2, {MAX_PRIVATE_SLOTS}], got {self.private_slots}')
+    if self.private_token_lanes and not self.private_lane_table:
+      raise ValueError('private_token_lanes=True needs private_lane_table=True (token lanes '
+                       'read their plans from the lane table)')
 
   @classmethod
   def from_knobs(cls, knobs: Sequence[str]) -> 'MosaicGpuConfig':
@@ -282,21 +294,24 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
     )
   num_sms = _num_sms(config, interpret)
   tgp = padded_rows_per_query(tg)
-  frame = private_frame_rows(b, tgp, kh, num_sms)
+  token = config.private_token_lanes and token_lanes_fit(b, tgp, kh)
+  frame = TOKEN_FRAME_ROWS if token else private_frame_rows(b, tgp, kh, num_sms)
   problem = PrivateProblem(
       num_rows=b, query_tokens=t, group_size=g, rows_per_query=tgp, frame_rows=frame,
-      page_size=layout.page_size,
+      page_size=layout.page_size, token_lanes=token,
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
-  slots = config.private_slots or (3 if problem.num_frames * kh <= num_sms else 2)
+  programs = problem.num_frames * kh // problem.heads_per_program
+  slots = config.private_slots or (3 if programs <= num_sms else 2)
   stage = (not config.private_lane_table if config.private_staged_pages is None
            else config.private_staged_pages)
-  staged = stage and stage_pages(problem, layout.private_pages.shape[1])
+  staged = stage and not token and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
-  problem = dataclasses.replace(problem, slots=slots, pair_copies=config.private_pair_copies,
+  by_row = _reads_q_by_row(config, b, t, g, tgp) and not (token and g > 1)
+  problem = dataclasses.replace(problem, slots=slots,
+                                pair_copies=config.private_pair_copies and not token,
                                 zero_unseen=config.private_zero_unseen,
-                                staged_pages=staged, lane_steps=steps,
-                                q_by_row=_reads_q_by_row(config, b, t, g, tgp))
+                                staged_pages=staged, lane_steps=steps, q_by_row=by_row)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
