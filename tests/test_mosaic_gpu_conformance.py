@@ -50,6 +50,31 @@ class TestMosaicGpuCompiled(_MosaicGpu):
     return _import_reason() or dispatch.hopper_reason()
 
 
+class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
+  """Token lanes (`private_token_lanes`: a private lane is one token of 8 kv heads) over random
+  forests in scattered 8-token pages; T*G = 8 folded rows a query row, so every batch fits."""
+
+  interpret = True
+  cases = (
+      Case(972, 2, (32, 8), 2, dtype_index=0, max_len=30, max_rows=3),  # G = 4, T = 2
+      Case(973, 3, (64, 8), 1, dtype_index=1, max_len=24, max_rows=3),  # G = 8
+  )
+
+  @property
+  def config(self):
+    from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
+    return MosaicGpuConfig(private_token_lanes=True)
+
+  @classmethod
+  def skip_reason(cls):
+    return _import_reason()
+
+  def test_the_cases_take_token_lanes(self):
+    for case in self.cases:
+      p = self.problem(case)
+      assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_lanes
+
+
 def test_interpret_mode_prepares_the_kernels_not_a_fallback():
   """A plan_tree layout of the conformance shapes resolves to the kernels (no silent XLA run)."""
   if _import_reason():
