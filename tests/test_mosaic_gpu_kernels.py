@@ -27,9 +27,10 @@ from pallas_kernels.mosaic_gpu import tree_attention as mosaic
 from pallas_kernels.mosaic_gpu.paged_decode import paged_attention, paged_attention_reference
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import (
-    lane_table, private_attention, private_attention_reference,
+    private_attention, private_attention_reference,
 )
-from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
+from pallas_kernels.mosaic_gpu.private_problem import lane_table
+from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
     OVERLAP_MIN_BLOCKS, SegmentKernelConfig, as_folded, overlaps, pack_segments,
     segment_attention, segment_attention_reference,
@@ -828,18 +829,22 @@ class TestSupportAndSchedule:
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # items tile [0, num_items)
     assert spans[-1][1] == sched.num_items
 
-  @pytest.mark.parametrize('b,t,g,page', [(1024, 1, 1, 64), (99, 1, 4, 16), (37, 2, 4, 8),
-                                           (5, 3, 32, 64), (3, 2, 64, 128)], ids=str)
-  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page):
+  @pytest.mark.parametrize('b,t,g,page,token', [
+      (1024, 1, 1, 64, False), (99, 1, 4, 16, False), (37, 2, 4, 8, False),
+      (5, 3, 32, 64, False), (3, 2, 64, 128, False),
+      (1024, 1, 1, 64, True), (37, 2, 4, 8, True), (6, 1, 4, 16, True)], ids=str)
+  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page, token):
     """`lane_table` against the kernel's walk replayed lane by lane (cursor over rows, max(chunks,
     1) lanes a row, a lane's first token from its page), on random lengths (zeros included),
-    pages and frames past the batch; rows spanning several 64-row tiles when T*G > 64."""
-    from pallas_kernels.mosaic_gpu import private_attention as pa
+    pages and frames past the batch; rows spanning several 64-row tiles when T*G > 64. Token
+    lanes: a lane is one token, its valid rows 8 or 0, and a step never one copy."""
+    from pallas_kernels.mosaic_gpu import private_problem as pa
     rng = np.random.default_rng()
     tgp = schedule.padded_rows_per_query(t * g)
-    frame = schedule.private_frame_rows(b, tgp, 8, 132)
+    frame = pa.TOKEN_FRAME_ROWS if token else schedule.private_frame_rows(b, tgp, 8, 132)
+    unit = 1 if token else 8  # tokens a lane
     max_pages = int(rng.integers(1, 5))
-    problem = pa.PrivateProblem(b, t, g, tgp, frame, page)
+    problem = pa.PrivateProblem(b, t, g, tgp, frame, page, token_lanes=token)
     problem = dataclasses.replace(problem, lane_steps=pa.lane_steps(problem, max_pages))
     lengths = rng.integers(0, max_pages * page + 1, b)
     lengths[rng.random(b) < 0.2] = 0
@@ -852,7 +857,7 @@ class TestSupportAndSchedule:
       t_last = t - 1 if r_rows > 1 or tgp <= 64 else min((q0 + 63) // g, t - 1)
       length = [int(lengths[row0 + r]) if row0 + r < b else 0 for r in range(r_rows)]
       seen = [min(max(n - t + 1 + t_last, 0), n) for n in length]
-      chunks = [-(-n // 8) for n in seen]
+      chunks = [-(-n // unit) for n in seen]
       total = sum(max(n, 1) for r, n in enumerate(chunks) if row0 + r < b)
       cursor = (0, 0)
       for step in range(-(-total // 8)):
@@ -861,11 +866,12 @@ class TestSupportAndSchedule:
           r, i = cursor
           n_chunks = chunks[r] if r < r_rows else 0
           real = i < n_chunks
-          valid = min(max(length[r] - 8 * i, 0), 8) if real else 0
-          tok = int(pages[row0 + r, 8 * i // page]) * page + 8 * i % page if real else 0
+          valid = min(max(length[r] - unit * i, 0), unit) * (8 // unit) if real else 0
+          pos = unit * i
+          tok = int(pages[row0 + r, pos // page]) * page + pos % page if real else 0
           toks.append(tok), reals.append(real), rows.append(r), valids.append(valid)
           cursor = (r, i + 1) if i + 1 < max(n_chunks, 1) else (r + 1, 0)
-        contiguous = reals[0] and all(
+        contiguous = not token and reals[0] and all(
             reals[j] and rows[j] == rows[0] and toks[j] == toks[0] + 8 * j for j in range(8))
         packed = sum(v << (4 * j) for j, v in enumerate(valids))
         packed = packed - (1 << 32) if packed >= 1 << 31 else packed

@@ -55,11 +55,12 @@ from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
-from pallas_kernels.mosaic_gpu.private_attention import (
-    TOKEN_FRAME_ROWS, PrivateProblem, lane_steps, lane_table, pad_page_table, private_attention,
-    stage_pages, token_lanes_fit,
+from pallas_kernels.mosaic_gpu.private_attention import private_attention
+from pallas_kernels.mosaic_gpu.private_problem import (
+    TOKEN_FRAME_ROWS, PrivateProblem, lane_steps, lane_table, pad_page_table, stage_pages,
+    token_lanes_fit,
 )
-from pallas_kernels.mosaic_gpu.private_attention import unfold_states as private_unfold_states
+from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
     ALIGN, TILE_M, SharedSchedule, device_num_sms, padded_rows_per_query, private_frame_rows,
     round_up, shared_schedule,
@@ -96,7 +97,7 @@ class MosaicGpuConfig:
       step's copies. Off: no faster on the H200 (run 8: 188.3 against 187.5 µs at B=1024,
       P=1K, 9 tokens a row), and neither were 3 slots (266.6 µs: one program a multiprocessor).
     private_staged_pages: the private kernel copies its frame's rows of the page table to
-      shared memory once (when they fit `private_attention.MAX_STAGED_PAGE_BYTES`), so each
+      shared memory once (when they fit `private_problem.MAX_STAGED_PAGE_BYTES`), so each
       step's plan reads page ids there instead of from global memory. H200, B=1024, 9 private
       tokens a row, 32/32 heads: the private kernel 145 -> 131 µs alone, and 7-13% less time
       in the CodeLlama-7B decode step (`experiments/results/mosaic_gpu_check/run8`). None:
@@ -104,7 +105,7 @@ class MosaicGpuConfig:
       copy and its wait at every program's start are skipped).
     private_lane_table: the private kernel reads each step's plan (its chunks' first tokens,
       contiguity, valid counts) from a table built by XLA from the rows' private lengths and
-      pages (`private_attention.lane_table`; the same for every layer of a step: `for_step`
+      pages (`private_problem.lane_table`; the same for every layer of a step: `for_step`
       builds it once) instead of walking 8 dependent lanes in the kernel. The walk was the
       largest region of a decode step at short rows (1.89 of about 5.8 µs, run 8). H200,
       B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
@@ -136,7 +137,7 @@ class MosaicGpuConfig:
       layout; off.
     private_token_lanes: a private-kernel lane is one token of 8 kv heads (one 8-row tile of
       the [L, K, H] cache) instead of 8 tokens of one kv head, and a program takes 8 kv heads'
-      rows of 8 folded rows (`private_attention.token_lanes_fit`: K a multiple of 8, T*G <= 8,
+      rows of 8 folded rows (`private_problem.token_lanes_fit`: K a multiple of 8, T*G <= 8,
       B*TGp a multiple of 8; other shapes keep chunk lanes). A step then copies only tokens the
       rows hold: at 9 private tokens a row chunk lanes read 16 tokens' bytes, and at 1 token
       8. Needs `private_lane_table`. Built in session 45 with no GPU lent: checked in interpret
@@ -343,7 +344,7 @@ def with_private_lengths(prepared: Prepared, lengths: jax.Array) -> Prepared:
 
 def for_step(prepared: Prepared) -> Prepared:
   """What a decode step derives from its private lengths, built once for all its layers: the
-  private kernel's lane table (`private_attention.lane_table`, a few small XLA fusions, 4-6
+  private kernel's lane table (`private_problem.lane_table`, a few small XLA fusions, 4-6
   µs on an H200). Without it every `attend` builds the table itself; a model's Python loop
   over layers gets one copy through XLA's CSE; under a `lax.scan` over layers only XLA's
   loop-invariant motion would save the per-layer copies."""

@@ -1,0 +1,231 @@
+"""The private kernel's static problem and its plan of a decode step's lanes.
+
+`PrivateProblem` holds the static facts of one `private_attention` call: frames of folded query
+rows, K/V slots, and the lane kind. A step of the kernel copies 8 lanes, each one 8-row tile of
+its K and V slots: 8 tokens of one kv head (chunk lanes), or one token of 8 kv heads (token
+lanes, `token_lanes_fit`). `lane_table` is every step's plan, built by XLA once a decode step
+from the rows' private lengths and pages (`tree_attention.for_step`); `stage_pages` and
+`pad_page_table` are the page-table staging of the walked plans; `unfold_states` turns the
+kernel's outputs into `[B, T, N, H]` and `[B, T, N]`. The kernel is `private_attention`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.mosaic_gpu.schedule import CHUNK, PRIVATE_BLOCK, WG_M, cdiv
+
+LANES = PRIVATE_BLOCK // CHUNK  # lanes a step: each an 8-row tile of the K/V slot
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateProblem:
+  """Static shape facts of one call."""
+
+  num_rows: int  # B
+  query_tokens: int  # T
+  group_size: int  # G
+  rows_per_query: int  # TGp >= T*G, `schedule.padded_rows_per_query`
+  frame_rows: int  # F, `schedule.private_frame_rows`
+  page_size: int  # C, a multiple of CHUNK
+  slots: int = 2  # K/V steps in flight
+  pair_copies: bool = False  # two chunks that follow each other: one 16-token copy
+  # The frame's rows of the page table copied to shared memory once (`stage_pages`), so the
+  # plan's page-id reads are shared-memory reads; the table then has `staged_rows` rows and
+  # `staged_columns` columns (`pad_page_table`).
+  staged_pages: bool = False
+  # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
+  # built once per decode step for every layer and kv head) instead of walked in the kernel.
+  lane_steps: int = 0
+  # qf is q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8), not a folded
+  # copy (`segment_attention.q_tile`).
+  q_by_row: bool = False
+  # False: the caller promises finite values in every kv slot a step copies but no row attends
+  # (past a row's length in its last chunk); the V rows there are then not zeroed.
+  zero_unseen: bool = True
+  # True: a lane is one token of TOKEN_HEADS kv heads (one 8-row tile of the [L, K, H] cache) and
+  # a program takes those heads' rows of a frame of TOKEN_FRAME_ROWS folded rows, so a step
+  # copies only tokens a row holds (`token_lanes_fit`). False: a lane is 8 tokens of one kv head.
+  token_lanes: bool = False
+
+  @property
+  def lane_tokens(self) -> int:
+    """Tokens a lane holds: 1 (token lanes) or CHUNK."""
+    return 1 if self.token_lanes else CHUNK
+
+  @property
+  def heads_per_program(self) -> int:
+    return TOKEN_HEADS if self.token_lanes else 1
+
+  @property
+  def lse_frame_rows(self) -> int:
+    """Rows a frame takes in the folded lse (`[K, frames * this]`)."""
+    return self.frame_rows if self.token_lanes else WG_M
+
+  @property
+  def rows_per_frame(self) -> int:
+    return max(1, self.frame_rows // self.rows_per_query)
+
+  @property
+  def num_frames(self) -> int:
+    return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
+
+  @property
+  def staged_rows(self) -> int:
+    """Rows of a staged page table: every frame's `rows_per_frame` rows inside it."""
+    return cdiv(self.num_rows, self.rows_per_frame) * self.rows_per_frame
+
+  @property
+  def direct_out(self) -> bool:
+    """out is `[B*T, K, G, H]`: frames are whole (b, t) rows (no padding rows)."""
+    return (
+        self.rows_per_query == self.query_tokens * self.group_size
+        and self.frame_rows % self.group_size == 0
+    )
+
+  @property
+  def direct_lse(self) -> bool:
+    """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row."""
+    return self.direct_out and self.group_size % 4 == 0
+
+
+TOKEN_HEADS = CHUNK  # kv heads of a token lane: one 8-row tile of the [L, K, H] cache
+TOKEN_FRAME_ROWS = WG_M // TOKEN_HEADS  # folded rows per kv head of a token-lane program
+
+
+def token_lanes_fit(num_rows: int, rows_per_query: int, num_kv_heads: int) -> bool:
+  """Whether token lanes apply: kv heads in whole tiles of TOKEN_HEADS, and frames of
+  TOKEN_FRAME_ROWS folded rows that hold whole query rows (TGp <= 8) and end inside the batch
+  (B*TGp a multiple of 8: no frame's stores run past it)."""
+  return (num_kv_heads % TOKEN_HEADS == 0 and rows_per_query <= TOKEN_FRAME_ROWS
+          and num_rows * rows_per_query % TOKEN_FRAME_ROWS == 0)
+
+
+# Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
+# and the output rows (97 KiB at H=128) two programs still share a multiprocessor.
+MAX_STAGED_PAGE_BYTES = 8192
+
+
+def staged_columns(problem: PrivateProblem, max_pages: int) -> int:
+  """Columns of a staged page table: a copy of the frame's rows is whole 16-byte TMA box rows
+  (4 int32) and a multiple of 128 bytes (Mosaic GPU splits a copy over a warpgroup's threads);
+  `rows_per_frame` is a power of two."""
+  multiple = max(4, 32 // problem.rows_per_frame)
+  return cdiv(max_pages, multiple) * multiple
+
+
+def stage_pages(problem: PrivateProblem, max_pages: int) -> bool:
+  """Whether the frame's page-table rows (`rows_per_frame` x `staged_columns` int32) fit
+  `MAX_STAGED_PAGE_BYTES` and a TMA box (at most 256 a side)."""
+  rows, columns = problem.rows_per_frame, staged_columns(problem, max_pages)
+  return rows * columns * 4 <= MAX_STAGED_PAGE_BYTES and rows <= 256 and columns <= 256
+
+
+def pad_page_table(private_pages, problem: PrivateProblem):
+  """The page table as a staged kernel reads it: `staged_rows` rows, `staged_columns` columns
+  (zeros: never read for a real chunk). numpy in, numpy out (a host-prepared plan)."""
+  b, p = private_pages.shape
+  pad = ((0, problem.staged_rows - b), (0, staged_columns(problem, p) - p))
+  xp = np if isinstance(private_pages, np.ndarray) else jnp
+  return xp.pad(private_pages, pad)
+
+
+LANE_FIELDS = 10  # a lane-table step: 8 lanes' first tokens, contiguous, packed valid counts
+
+
+def lane_steps(problem: PrivateProblem, max_pages: int) -> int:
+  """Steps a frame's lane table holds: every lane of `rows_per_frame` rows at full capacity."""
+  chunks = max(1, max_pages * problem.page_size // problem.lane_tokens)
+  return cdiv(problem.rows_per_frame * chunks, LANES)
+
+
+def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.Array:
+  """The plan of every step of every frame, as the kernel's chunk walk would make it.
+
+  [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
+  to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
+  are 64 contiguous tokens, and the lanes' valid rows packed 4 bits a lane (valid tokens; with
+  token lanes 8 or 0, and never contiguous: a lane is a tile of its own). A step's lanes
+  depend only on the rows' private lengths and pages, so one table per decode step serves all
+  layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
+  lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
+  empty lane), rows past the batch none.
+
+  Two XLA fusions: the rows' lane ranges (a cumsum over the frame's R rows), then every lane's
+  fields, elementwise over the R ranges. A reduce over R, or over a step's 8 lanes, would be a
+  fusion, and a launch, of its own (1-2 µs each, against a call of tens of µs).
+  """
+  steps, unit = problem.lane_steps, problem.lane_tokens
+  r_rows, b_rows, c = problem.rows_per_frame, problem.num_rows, problem.page_size
+  tgp, t_tok, g_size = problem.rows_per_query, problem.query_tokens, problem.group_size
+  frames = jnp.arange(problem.num_frames, dtype=jnp.int32)
+  if r_rows > 1 or tgp <= WG_M:
+    row0, q0 = frames * r_rows, jnp.zeros_like(frames)
+  else:  # one query row over several 64-row tiles
+    tiles = tgp // WG_M
+    row0, q0 = frames // tiles, (frames % tiles) * WG_M
+  # Row facts [F, R].
+  rows = row0[:, None] + jnp.arange(r_rows, dtype=jnp.int32)
+  inside = rows < b_rows
+  lengths = jnp.asarray(private_lengths, jnp.int32)
+  length = jnp.where(inside, lengths[jnp.minimum(rows, b_rows - 1)], 0)
+  if t_tok == 1 or r_rows > 1 or tgp <= WG_M:
+    seen = length  # the last query token sees the whole row
+  else:  # the tile's last query token
+    t_last = jnp.minimum((q0 + WG_M - 1) // g_size, t_tok - 1)[:, None]
+    seen = jnp.clip(length - t_tok + 1 + t_last, 0, length)
+  chunks = (seen + unit - 1) // unit
+  ends = jnp.cumsum(jnp.where(inside, jnp.maximum(chunks, 1), 0), axis=1)
+  starts = ends - jnp.where(inside, jnp.maximum(chunks, 1), 0)
+  # Lane facts [F, lanes]: lane l belongs to row j when starts[j] <= l < ends[j] (at most one j;
+  # none past the frame's rows, whose r is then R).
+  lane = jnp.arange(steps * LANES, dtype=jnp.int32)[None, :]
+  r = jnp.full(lane.shape, r_rows, jnp.int32)
+  first = row_length = row_chunks = jnp.zeros_like(lane)
+  for j in range(r_rows):
+    hit = (starts[:, j:j + 1] <= lane) & (lane < ends[:, j:j + 1])
+    r = jnp.where(hit, j, r)
+    first = jnp.where(hit, starts[:, j:j + 1], first)
+    row_length = jnp.where(hit, length[:, j:j + 1], row_length)
+    row_chunks = jnp.where(hit, chunks[:, j:j + 1], row_chunks)
+  i = lane - first
+  real = (r < r_rows) & (i < row_chunks)
+  pos = i * unit
+  valid = jnp.where(real, jnp.clip(row_length - pos, 0, unit), 0)
+  if unit != CHUNK:  # a token lane's valid rows: its 8 kv heads, or none
+    valid = valid * (CHUNK // unit)
+  pages = jnp.asarray(private_pages, jnp.int32)
+  page = jnp.clip(pos // c, 0, pages.shape[1] - 1)
+  page_row = jnp.minimum(row0[:, None] + jnp.minimum(r, r_rows - 1), pages.shape[0] - 1)
+  tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
+  shape = (problem.num_frames, steps, LANES)
+  tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
+  contiguous = real[..., 0] if unit == CHUNK else jnp.zeros_like(real[..., 0])
+  packed = valid[..., 0]
+  for j in range(1, LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
+    contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * CHUNK)
+    packed |= lax.shift_left(valid[..., j], jnp.int32(4 * j))
+  return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
+
+
+def unfold_states(out, lse, problem, num_heads: int):
+  """The kernel's outputs (any of the layouts in the module docstring) -> out [B, T, N, H],
+  lse [B, T, N]. Direct layouts are reshapes; folded ones a slice and a transpose."""
+  b, t, g = problem.num_rows, problem.query_tokens, problem.group_size
+  h = out.shape[-1]
+  kh = num_heads // g
+  tgp = problem.rows_per_query
+  if problem.direct_out:
+    out = out.reshape(b, t, num_heads, h)
+  else:
+    out = out[:, : b * tgp].reshape(kh, b, tgp, h)[:, :, : t * g]
+    out = out.reshape(kh, b, t, g, h).transpose(1, 2, 0, 3, 4).reshape(b, t, num_heads, h)
+  if problem.direct_lse:
+    return out, lse.reshape(b, t, num_heads)
+  f, frames = problem.frame_rows, problem.num_frames
+  rows = lse.reshape(kh, frames, problem.lse_frame_rows)[:, :, :f].reshape(kh, frames * f)
+  rows = rows[:, : b * tgp].reshape(kh, b, tgp)[:, :, : t * g]
+  return out, rows.reshape(kh, b, t, g).transpose(1, 2, 0, 3).reshape(b, t, num_heads)
