@@ -138,10 +138,13 @@ class MosaicGpuConfig:
     private_token_lanes: a private-kernel lane is one token of 8 kv heads (one 8-row tile of
       the [L, K, H] cache) instead of 8 tokens of one kv head, and a program takes 8 kv heads'
       rows of 8 folded rows (`private_problem.token_lanes_fit`: K a multiple of 8, T*G <= 8,
-      B*TGp a multiple of 8; other shapes keep chunk lanes). A step then copies only tokens the
-      rows hold: at 9 private tokens a row chunk lanes read 16 tokens' bytes, and at 1 token
-      8. Needs `private_lane_table`. Built in session 45 with no GPU lent: checked in interpret
-      mode and lowered for CUDA, not yet timed on an H200; off.
+      B*TGp a multiple of 8; other shapes, a tensor-parallel shard of 4 or 2 kv heads among
+      them, keep chunk lanes). A step then copies only tokens the rows hold: at 9 private
+      tokens a row chunk lanes read 16 tokens' bytes, and at 1 token 8. Needs
+      `private_lane_table`; with token lanes q is read folded at G > 1 (`q_by_row_groups` off)
+      and `private_staged_pages` and `private_pair_copies` do not apply. Built in session 45
+      with no GPU lent: checked in interpret mode and lowered for CUDA, not yet timed on an
+      H200; off.
   """
 
   block_kv: int = 128
