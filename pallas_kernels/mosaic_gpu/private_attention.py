@@ -93,7 +93,6 @@ from pallas_kernels.mosaic_gpu.segment_attention import (
 )
 
 _BLK = PRIVATE_BLOCK
-_LANES = LANES
 # A step's valid tokens per lane, 4 bits a lane (lane j at bits 4j..4j+3), as an int32:
 _FULL = 0x88888888 - (1 << 32)  # every lane 8
 _FULL_BUT_LAST = 0x08888888  # lanes 0..6 8, lane 7 0
@@ -232,23 +231,23 @@ def private_attention(
         plgpu.barrier_arrive(v_bars.at[slot])
 
       if token:  # a lane is a tile of its own: never one copy for the step
-        for j in range(_LANES):
+        for j in range(LANES):
           copy(toks[j], CHUNK, j)
         return
 
       @pl.when(contiguous)
       def _():
         copy(toks[0], _BLK, 0)
-        for _ in range(_LANES - 1):
+        for _ in range(LANES - 1):
           arrive()
 
       @pl.when(jnp.logical_not(contiguous))
       def _():
         if not problem.pair_copies:
-          for j in range(_LANES):
+          for j in range(LANES):
             copy(toks[j], CHUNK, j)
           return
-        for j in range(0, _LANES, 2):  # lanes j, j + 1: one copy when they follow each other
+        for j in range(0, LANES, 2):  # lanes j, j + 1: one copy when they follow each other
           pair = toks[j + 1] == toks[j] + CHUNK
 
           @pl.when(pair)
@@ -291,7 +290,7 @@ def private_attention(
         chunk_counts.append(chunks)
         lane_starts.append(lanes_total)
         lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
-      num_steps = lax.shift_right_logical(lanes_total + (_LANES - 1), jnp.int32(3))  # // 8
+      num_steps = lax.shift_right_logical(lanes_total + (LANES - 1), jnp.int32(3))  # // 8
       return row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts, num_steps
 
     def frame_body(frame):
@@ -363,14 +362,14 @@ def private_attention(
         tokens the step spans at most two pages: two page-id reads, and the step is one copy
         unless it crosses into a page that does not follow."""
         if c < _BLK:
-          return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(_LANES)])
+          return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(LANES)])
         page = lax.div(pos0, jnp.int32(c))
         left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
         id0, id1 = page_id(r, page), page_id(r, page + 1)
         first = kv_offset + id0 * c + (pos0 - page * c)
         second = kv_offset + id1 * c - left
         toks = [first] + [
-            jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, _LANES)
+            jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, LANES)
         ]
         return toks, (left >= _BLK) | (id1 == id0 + 1)
 
@@ -382,22 +381,22 @@ def private_attention(
 
         def fast():
           pos0 = i * CHUNK
-          more = i + _LANES < chunks
-          nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + _LANES, 0))
+          more = i + LANES < chunks
+          nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + LANES, 0))
           # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
-          last = jnp.clip(length - pos0 - (_LANES - 1) * CHUNK, 0, CHUNK)
-          packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (_LANES - 1)))
+          last = jnp.clip(length - pos0 - (LANES - 1) * CHUNK, 0, CHUNK)
+          packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (LANES - 1)))
           return (*run_tokens(r, pos0), *nxt, packed)
 
         def general():
           lanes, valids, cur = [], [], cursor
-          for _ in range(_LANES):
+          for _ in range(LANES):
             (lr, pos, real, valid), cur = lane_at(cur)
             lanes.append((lr, pos, real))
             valids.append(valid)
           return (*tokens(lanes), *cur, pack(valids))
 
-        toks, contiguous, *rest = lax.cond(i + _LANES <= chunks, fast, general)
+        toks, contiguous, *rest = lax.cond(i + LANES <= chunks, fast, general)
         nr, ni, packed = rest
         return (nr, ni), (toks, contiguous), packed
 
@@ -413,8 +412,8 @@ def private_attention(
         """((first tokens, contiguous), packed valid counts) of a step's plan."""
         if not tabled:
           return plan
-        toks = [kv_offset + tok for tok in plan[:_LANES]]
-        return (toks, plan[_LANES] != 0), plan[_LANES + 1]
+        toks = [kv_offset + tok for tok in plan[:LANES]]
+        return (toks, plan[LANES] != 0), plan[LANES + 1]
 
       def plan_step(cursor):
         if tabled:
@@ -479,7 +478,7 @@ def private_attention(
         cols = lane_cols
 
       def step_mask(step):
-        first = step * (_LANES * unit)
+        first = step * (LANES * unit)
         lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
         hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
         visible = (cols >= lo) & (cols < hi)
@@ -488,7 +487,7 @@ def private_attention(
       def zero_unseen(v_smem, packed):
         """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
         lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
-        valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(_LANES)]
+        valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(LANES)]
 
         def keep(r):
           lane_r = floor_div(r, CHUNK)
@@ -768,8 +767,8 @@ def private_attention(
   )
   barriers = (
       plgpu.Barrier(num_arrivals=heads, num_barriers=1),  # Q: a copy per kv head
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # K
-      plgpu.Barrier(num_arrivals=_LANES, num_barriers=slots),  # V
+      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # K
+      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # V
       plgpu.Barrier(num_barriers=1) if staged else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1) if window_merge else None,  # out, lse
   )
