@@ -51,13 +51,16 @@ class TestMosaicGpuCompiled(_MosaicGpu):
 
 
 class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
-  """Token lanes (`private_token_lanes`: a private lane is one token of 8 kv heads) over random
-  forests in scattered 8-token pages; T*G = 8 folded rows a query row, so every batch fits."""
+  """Token lanes (`private_token_lanes`: a private lane is 8/h tokens of h = min(K, 8) kv heads)
+  over random forests in scattered 8-token pages; T*G = 64/h folded rows a query row (a
+  frame), so every batch fits."""
 
   interpret = True
   cases = (
       Case(972, 2, (32, 8), 2, dtype_index=0, max_len=30, max_rows=3),  # G = 4, T = 2
       Case(973, 3, (64, 8), 1, dtype_index=1, max_len=24, max_rows=3),  # G = 8
+      Case(974, 2, (32, 4), 2, dtype_index=0, max_len=30, max_rows=3),  # h = 4: G = 8, T = 2
+      Case(975, 2, (16, 2), 4, dtype_index=1, max_len=24, max_rows=3),  # h = 2: G = 8, T = 4
   )
 
   @property

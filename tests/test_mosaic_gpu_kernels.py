@@ -317,12 +317,15 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
   @pytest.mark.parametrize('t, n, k', [(1, 8, 8), (1, 32, 8), (1, 64, 8), (2, 16, 8),
-                                       (2, 32, 8), (1, 24, 8), (1, 16, 16)],
+                                       (2, 32, 8), (1, 24, 8), (1, 16, 16), (1, 16, 4),
+                                       (2, 16, 4), (1, 12, 4), (1, 16, 2), (3, 8, 2)],
                            ids=['MHA', 'G=4', 'G=8', 'G=2_T=2', 'G=4_T=2', 'G=3_padded',
-                                'two_head_blocks'])
+                                'two_head_blocks', 'K=4_G=4', 'K=4_G=4_T=2', 'K=4_G=3_padded',
+                                'K=2_G=8', 'K=2_G=4_T=3'])
   def test_token_lanes(self, t, n, k):
-    """Token lanes (`private_token_lanes`: a lane is one token of 8 kv heads, a program 8 kv
-    heads' rows of 8 folded rows) over 16 rows of 0-70 private tokens, new lengths each run,
+    """Token lanes (`private_token_lanes`: a lane is 8/h tokens of h = min(K, 8) kv heads, a
+    program h kv heads' rows of 64/h folded rows) over 16 rows of 0-70 private tokens, new
+    lengths each run,
     under segments of uneven widths (frames cross them), at a layer offset in a buffer whose
     every unattended slot is NaN/inf: bitwise the clean buffer's states, close to the oracle
     and to chunk lanes (their blocks differ, so their sums round differently)."""
@@ -337,7 +340,8 @@ class TestMosaicGpuKernels:
                         seed=int(rng.integers(1 << 30)))
     shapes = mosaic.KernelShapes.of(q, kc)
     config = mosaic.MosaicGpuConfig(block_kv=64, private_token_lanes=True)
-    assert mosaic.prepare(layout, shapes, config, interpret=self.interpret).problem.token_lanes
+    problem = mosaic.prepare(layout, shapes, config, interpret=self.interpret).problem
+    assert problem.lane_heads == min(k, 8)
     got = {}
     for dirty in (False, True):
       fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=dirty)
@@ -750,24 +754,30 @@ class TestSupportAndSchedule:
       np.testing.assert_array_equal(np.asarray(step.layouts.prepared.lanes[d]),
                                     np.asarray(want.prepared.lanes))
 
-  @pytest.mark.parametrize('b, n, k, t, fits', [
-      (16, 8, 8, 1, True), (16, 32, 8, 2, True), (2, 64, 16, 1, True),
-      (16, 8, 4, 1, False),  # kv heads not whole tiles of 8
-      (5, 8, 8, 1, False),  # B*TGp = 5: a frame would end past the batch
-      (16, 64, 8, 2, False),  # T*G = 16 folded rows a query row, more than a frame's 8
+  @pytest.mark.parametrize('b, n, k, t, heads', [
+      (16, 8, 8, 1, 8), (16, 32, 8, 2, 8), (2, 64, 16, 1, 8),
+      (16, 16, 4, 1, 4),  # two tokens of 4 kv heads a lane, frames of 16 rows
+      (16, 16, 2, 1, 2),  # four tokens of 2 kv heads, frames of 32 rows
+      (16, 64, 4, 1, 4),  # T*G = 16: one query row a frame
+      (6, 16, 4, 1, 1),  # B*TGp = 24: a frame of 16 rows would end past the batch
+      (16, 48, 12, 1, 1),  # 12 kv heads: neither whole tiles of 8 nor one tile
+      (16, 8, 1, 1, 1),  # MQA: a lane of one kv head is a chunk lane
+      (5, 8, 8, 1, 1),  # B*TGp = 5: a frame would end past the batch
+      (16, 64, 8, 2, 1),  # T*G = 16 folded rows a query row, more than a frame's 8
   ])
-  def test_token_lanes_where_they_fit(self, b, n, k, t, fits):
-    """`private_token_lanes` takes shapes that `token_lanes_fit`; others keep chunk lanes (and
-    their frame sizes), so the knob never makes a shape unsupported."""
+  def test_token_lanes_where_they_fit(self, b, n, k, t, heads):
+    """`private_token_lanes` takes shapes that `lane_heads_for` fits; others keep chunk lanes
+    (and their frame sizes), so the knob never makes a shape unsupported."""
     plan = hydrajax.plan_tree(PromptNode(40, num_samples=b), private_capacity=64,
                               private_lengths=[3] * b)
     shapes = mosaic.KernelShapes(b, t, n, k, 64, plan.kv_tokens, jnp.bfloat16)
     token = mosaic.prepare(plan.to_device(), shapes,
                            mosaic.MosaicGpuConfig(private_token_lanes=True)).problem
     chunk = mosaic.prepare(plan.to_device(), shapes).problem
-    assert token.token_lanes == fits and not chunk.token_lanes
-    if fits:
-      assert token.frame_rows == 8 and token.lane_tokens == 1 and token.heads_per_program == 8
+    assert token.lane_heads == heads and chunk.lane_heads == 1 and not chunk.token_lanes
+    if heads > 1:
+      assert token.token_lanes and token.heads_per_program == heads
+      assert token.frame_rows == 64 // heads and token.lane_tokens == 8 // heads
     else:
       assert token == chunk
 
@@ -829,22 +839,25 @@ class TestSupportAndSchedule:
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # items tile [0, num_items)
     assert spans[-1][1] == sched.num_items
 
-  @pytest.mark.parametrize('b,t,g,page,token', [
-      (1024, 1, 1, 64, False), (99, 1, 4, 16, False), (37, 2, 4, 8, False),
-      (5, 3, 32, 64, False), (3, 2, 64, 128, False),
-      (1024, 1, 1, 64, True), (37, 2, 4, 8, True), (6, 1, 4, 16, True)], ids=str)
-  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page, token):
+  @pytest.mark.parametrize('b,t,g,page,heads', [
+      (1024, 1, 1, 64, 1), (99, 1, 4, 16, 1), (37, 2, 4, 8, 1),
+      (5, 3, 32, 64, 1), (3, 2, 64, 128, 1),
+      (1024, 1, 1, 64, 8), (37, 2, 4, 8, 8), (6, 1, 4, 16, 8),
+      (36, 2, 2, 8, 4), (12, 1, 4, 16, 4), (40, 3, 2, 8, 2)], ids=str)
+  def test_lane_table_is_the_kernels_chunk_walk(self, b, t, g, page, heads):
     """`lane_table` against the kernel's walk replayed lane by lane (cursor over rows, max(chunks,
     1) lanes a row, a lane's first token from its page), on random lengths (zeros included),
     pages and frames past the batch; rows spanning several 64-row tiles when T*G > 64. Token
-    lanes: a lane is one token, its valid rows 8 or 0, and a step never one copy."""
+    lanes of h kv heads: a lane is 8/h tokens, its valid rows h per valid token, and a step
+    never one copy."""
     from pallas_kernels.mosaic_gpu import private_problem as pa
     rng = np.random.default_rng()
     tgp = schedule.padded_rows_per_query(t * g)
-    frame = pa.TOKEN_FRAME_ROWS if token else schedule.private_frame_rows(b, tgp, 8, 132)
-    unit = 1 if token else 8  # tokens a lane
+    token = heads > 1
+    frame = pa.token_frame_rows(heads) if token else schedule.private_frame_rows(b, tgp, 8, 132)
+    unit = 8 // heads  # tokens a lane
     max_pages = int(rng.integers(1, 5))
-    problem = pa.PrivateProblem(b, t, g, tgp, frame, page, token_lanes=token)
+    problem = pa.PrivateProblem(b, t, g, tgp, frame, page, lane_heads=heads)
     problem = dataclasses.replace(problem, lane_steps=pa.lane_steps(problem, max_pages))
     lengths = rng.integers(0, max_pages * page + 1, b)
     lengths[rng.random(b) < 0.2] = 0

@@ -85,15 +85,17 @@ def test_private_knobs_lower_for_cuda(knobs):
     (16, 2048, 3, 64, 8, 1),  # G = 8: one query row a frame
     (8, 2048, 9, 32, 8, 2),  # G = 4, T = 2: causal
     (8, 2048, 9, 48, 16, 1),  # G = 3: padded rows, out and lse folded
+    (1024, 16384, 1, 16, 4, 1),  # h = 4: a tensor-parallel shard of 32/8 heads over two GPUs
+    (256, 2048, 9, 12, 2, 1),  # h = 2: G = 6, padded rows
 ])
 def test_token_lanes_lower_for_cuda(b, p, s, n, k, t):
-  """Token lanes (`private_token_lanes`): per-token copies of 8 kv heads' tiles, Q and stores
-  per kv head, merge windows [8, 8, H] by TMA into a buffer read through a reshaped ref."""
+  """Token lanes (`private_token_lanes`): copies of 8-row tiles of h kv heads, Q and stores per
+  kv head, merge windows [h, 64/h, H] by TMA into a buffer read through a reshaped ref."""
   plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b), private_capacity=64,
                             private_lengths=s)
   shapes = mosaic.KernelShapes(b, t, n, k, HEAD_DIM, plan.kv_tokens, jnp.bfloat16)
   config = mosaic.MosaicGpuConfig(private_token_lanes=True)
-  assert mosaic.prepare(plan.to_device(), shapes, config).problem.token_lanes
+  assert mosaic.prepare(plan.to_device(), shapes, config).problem.lane_heads == min(k, 8)
   kernels = _lower_tree(b, p, s, n, k, t, private_token_lanes=True)
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 

@@ -97,6 +97,10 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     (1024, 16384, 9, 20, 20),
     # Later in a decode: 8 whole chunks and a partial one a row.
     (1024, 1024, 65, 32, 32),
+    # A 32/8 model's decode step on each of two GPUs (TP=2: 16/4 heads a shard), where token
+    # lanes hold two tokens of 4 kv heads (s46).
+    (1024, 16384, 1, 16, 4),
+    (256, 16384, 1, 16, 4),
 )
 CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
@@ -108,6 +112,8 @@ CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (96, 2048, 9, 32, 32, 2),  # MHA, T = 2: q read by row (`q_by_row`)
     (2, 2048, 200, 32, 32, 128),  # MHA prefill (T = 128): q read by row, two frames a row
     (64, 2048, 13, 32, 8, 2),  # T = 2, G = 4: 8 folded rows a row (token lanes fit, T*G = 8)
+    (64, 2048, 13, 16, 4, 1),  # K = 4, G = 4: token lanes of two tokens of 4 kv heads
+    (64, 2048, 9, 12, 2, 2),  # K = 2, G = 6, T = 2: lanes of four tokens of 2 kv heads, padded
 )
 VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the default)
     dict(block_kv=128, max_concurrent_steps=2),
@@ -140,8 +146,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # No zeroing of V rows past a partial chunk's valid tokens: what the NaN/inf guard costs
     # (its results are only right on a cache whose unattended slots are finite; s30).
     dict(private_zero_unseen=False),
-    # A private lane is one token of 8 kv heads (one 8-row tile), not 8 tokens of one kv head:
-    # a step copies only tokens the rows hold (s45: built with no GPU lent).
+    # A private lane is one token of 8 kv heads (one 8-row tile), not 8 tokens of one kv head
+    # (at K = 4 or 2: two or four tokens of every kv head): a step copies only tokens the rows
+    # hold, or their pairs or quads (s45-46: built with no GPU at hand).
     dict(private_token_lanes=True),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges

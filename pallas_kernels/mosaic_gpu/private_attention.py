@@ -1,6 +1,6 @@
 """Private-KV attention fused with the tree-level LSE merge, on Hopper (Pallas Mosaic GPU).
 
-One program per (frame, kv head) (with token lanes, below: per frame and 8 kv heads), one
+One program per (frame, kv head) (with token lanes, below: per frame and h kv heads), one
 warpgroup. A frame is F consecutive rows
 of the folded query matrix (`schedule.private_frame_rows`): R = F / TGp whole
 query rows, or one 64-row tile of a single row when TGp > 64. The 64 rows of
@@ -43,18 +43,19 @@ its latency hides behind it. Columns of `row_segments` are filled root first
 with no gaps (laminar plans, `SharingPlan`), so a row's depth is its count of
 non-negative entries.
 
-Token lanes (`PrivateProblem.token_lanes`, `MosaicGpuConfig.private_token_lanes`; the
+Token lanes (`PrivateProblem.lane_heads` h > 1, `MosaicGpuConfig.private_token_lanes`; the
 problem, the lane table and the output layouts are `private_problem`'s): a chunk
 lane copies 8 tokens of one kv head, so at decode, with a few private tokens a row, most of
-what a step reads is past the rows' lengths (9 tokens: 16 read; 1: 8). In the `[L, K, H]`
-cache one token's 8 kv heads are one 8-row tile, so a token lane copies exactly one token of
-8 kv heads, and a program takes those heads' rows of a frame of 8 folded rows: score row
-8k + j is folded row j of kv head k, column 8l + k' is lane l's token at kv head k', and a
-score is visible when, besides the chunk-lane bounds (counted in tokens), k == k'. Q comes
-in 8 copies (one per kv head), out and lse go out in 8 stores, and the merge windows are
-`[8 heads, 8 rows]` blocks of the item buffers, copied by TMA into one buffer and read from
+what a step reads is past the rows' lengths (9 tokens: 16 read; 1: 8). In the cache's flat
+`[L*K, H]` view one token's 8 kv heads are one 8-row tile, and so are two tokens of 4 kv heads
+or four of 2 (K = 4, 2). A token lane copies such a tile, 8/h tokens of h kv heads, and a
+program takes those heads' rows of a frame of F = 64/h folded rows: score row F*k + j is
+folded row j of kv head k, column 8l + m is lane l's token m // h at kv head m % h, and a
+score is visible when, besides the chunk-lane bounds (counted in tokens), k == m % h. Q comes
+in h copies (one per kv head), out and lse go out in h stores, and the merge windows are
+`[h heads, F rows]` blocks of the item buffers, copied by TMA into one buffer and read from
 there (on the GPU that buffer then holds the output rows). The plans always come from the
-lane table, a lane's valid rows there being 8 or 0.
+lane table, a lane's valid rows there being h per valid token.
 
 Outputs (`PrivateProblem.direct_out`): when T*G == TGp and G divides F, a
 frame is whole (b, t) query rows, and out is written in the caller's order,
@@ -85,8 +86,7 @@ from pallas_kernels.mosaic_gpu.schedule import (
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.private_problem import (
-    LANE_FIELDS, LANES, TOKEN_FRAME_ROWS, TOKEN_HEADS, PrivateProblem, staged_columns,
-    token_lanes_fit,
+    LANE_FIELDS, LANES, PrivateProblem, lane_heads_for, staged_columns, token_frame_rows,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
     as_folded, finish_q, floor_div, offset_operand, q_staging, q_tile, segment_fields, start_q,
@@ -179,14 +179,15 @@ def private_attention(
                      f'{private_pages.shape}')
   token = problem.token_lanes
   heads, unit = problem.heads_per_program, problem.lane_tokens
-  if token and not (token_lanes_fit(b_rows, tgp, kh) and f_rows == TOKEN_FRAME_ROWS):
-    raise ValueError(f'token lanes need frames of {TOKEN_FRAME_ROWS} folded rows holding whole '
-                     f'query rows and kv heads in tiles of {TOKEN_HEADS} (token_lanes_fit); got '
-                     f'B={b_rows}, TGp={tgp}, K={kh}, F={f_rows}')
+  if token and not (lane_heads_for(b_rows, tgp, kh) == heads
+                    and f_rows == token_frame_rows(heads)):
+    raise ValueError(f'token lanes of {heads} kv heads need frames of {token_frame_rows(heads)} '
+                     f'folded rows holding whole query rows, and K a multiple of 8 or K = '
+                     f'{heads} (lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}, F={f_rows}')
   if token and (grouped_q is not None or not tabled or staged or problem.pair_copies):
     raise ValueError('token lanes read q folded (or by row at G = 1) and their plans from the '
                      'lane table, with no staged pages or pair copies')
-  window_merge = merging and token  # merge windows of 8 kv heads by TMA (`start_window`)
+  window_merge = merging and token  # merge windows of h kv heads by TMA (`start_window`)
 
   def private_merge_kernel(*refs):
     q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
@@ -219,8 +220,8 @@ def private_attention(
       9 tokens a row, 32/32, `results/mosaic_gpu_check/s27`.)"""
       def copy(tok, rows, j):
         dst = pl.ds(j * CHUNK, rows)
-        if token:  # one token of the program's kv heads: one 8-row tile
-          src = (tok, pl.ds(kv_head, heads))
+        if token:  # the program's kv heads of 8/h tokens: one 8-row tile of [L*K, H]
+          src = pl.ds(pl.multiple_of(tok * kh + kv_head, CHUNK), CHUNK)
         else:
           src = (pl.ds(pl.multiple_of(tok, CHUNK), rows), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[src], kv_smem.at[0, slot, dst], k_bars.at[slot])
@@ -284,8 +285,9 @@ def private_attention(
         inside = r < rows_here
         length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
         seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
-        # Lanes of the row: its tokens (token lanes) or 8-token chunks (seen >= 0: // 8).
-        chunks = seen if token else lax.shift_right_logical(seen + (CHUNK - 1), jnp.int32(3))
+        # Lanes of the row: its tokens (one-token lanes) or `unit`-token runs (seen >= 0).
+        chunks = seen if unit == 1 else lax.shift_right_logical(
+            seen + (unit - 1), jnp.int32(unit.bit_length() - 1))
         lengths.append(length)
         chunk_counts.append(chunks)
         lane_starts.append(lanes_total)
@@ -298,7 +300,7 @@ def private_attention(
       f0 = frame * f_rows  # first folded row of the frame
       (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
        num_steps) = frame_rows(frame)
-      if token:  # each kv head's frame rows: one 8-row tile of q_smem each
+      if token:  # each kv head's F frame rows into its F rows of q_smem
         for k in range(heads):
           plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head + k, f0, q_by_row, f_rows),
                                   q_smem.at[pl.ds(k * f_rows, f_rows)], q_bar.at[0])
@@ -441,8 +443,9 @@ def private_attention(
       # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
       # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
       # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
-      # Token lanes: score row 8k + j is folded row j of the program's kv head k, column 8l + k'
-      # token lane l at kv head k'; g = 8 * step + l, and the heads must match.
+      # Token lanes of h kv heads: score row F*k + j is folded row j of the program's kv head k;
+      # column 8l + m is lane l's token m // h at kv head m % h, so g = 64/h * step + l * 8/h +
+      # m // h, and the heads must match.
       index = osm.row_index(WG_M)  # [64] score row, ROWS layout
       if token:
         head_of = floor_div(index, f_rows)  # the program's kv head of each score row
@@ -474,8 +477,13 @@ def private_attention(
       cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
       if token:
         lane_cols = floor_div(cols, CHUNK)
-        same_head = (cols - lane_cols * CHUNK) == lax.broadcast_in_dim(head_of, cols.shape, [0])
+        head_col = cols - lane_cols * CHUNK  # m, then m % h
         cols = lane_cols
+        if unit > 1:
+          token_in = floor_div(head_col, heads)
+          head_col = head_col - token_in * heads
+          cols = lane_cols * unit + token_in
+        same_head = head_col == lax.broadcast_in_dim(head_of, cols.shape, [0])
 
       def step_mask(step):
         first = step * (LANES * unit)
@@ -540,7 +548,7 @@ def private_attention(
           return o, lse
 
         def start_window(start):
-          """Token lanes: a window is 8 rows of each of the program's kv heads, [8, 8, ...] in
+          """Token lanes: a window is F rows of each of the program's h kv heads, [h, F, ...] in
           score-row order: a TMA copy into the merge buffer (`window_values` waits for it)."""
           rows = (pl.ds(kv_head, heads), pl.ds(start, f_rows))
           plgpu.copy_gmem_to_smem(pout_ref.at[rows], window_o, window_bars.at[0])
@@ -772,6 +780,8 @@ def private_attention(
       plgpu.Barrier(num_barriers=1) if staged else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1) if window_merge else None,  # out, lse
   )
+  if token:  # a lane is 8 rows of the flat view (free: a reshape of a row-major buffer)
+    k_cache, v_cache = k_cache.reshape(-1, h), v_cache.reshape(-1, h)
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   if tabled:
     operands.append(lanes)

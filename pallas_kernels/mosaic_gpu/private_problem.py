@@ -2,8 +2,8 @@
 
 `PrivateProblem` holds the static facts of one `private_attention` call: frames of folded query
 rows, K/V slots, and the lane kind. A step of the kernel copies 8 lanes, each one 8-row tile of
-its K and V slots: 8 tokens of one kv head (chunk lanes), or one token of 8 kv heads (token
-lanes, `token_lanes_fit`). `lane_table` is every step's plan, built by XLA once a decode step
+its K and V slots: 8 tokens of one kv head (chunk lanes), or 8/h tokens of h kv heads (token
+lanes, `lane_heads_for`: one token of 8 heads, or two of 4, or four of 2). `lane_table` is every step's plan, built by XLA once a decode step
 from the rows' private lengths and pages (`tree_attention.for_step`); `stage_pages` and
 `pad_page_table` are the page-table staging of the walked plans; `unfold_states` turns the
 kernel's outputs into `[B, T, N, H]` and `[B, T, N]`. The kernel is `private_attention`.
@@ -46,19 +46,25 @@ class PrivateProblem:
   # False: the caller promises finite values in every kv slot a step copies but no row attends
   # (past a row's length in its last chunk); the V rows there are then not zeroed.
   zero_unseen: bool = True
-  # True: a lane is one token of TOKEN_HEADS kv heads (one 8-row tile of the [L, K, H] cache) and
-  # a program takes those heads' rows of a frame of TOKEN_FRAME_ROWS folded rows, so a step
-  # copies only tokens a row holds (`token_lanes_fit`). False: a lane is 8 tokens of one kv head.
-  token_lanes: bool = False
+  # kv heads of a lane. 1 (chunk lanes): a lane is 8 tokens of one kv head. h = 2, 4 or 8
+  # (token lanes, `lane_heads_for`): a lane is CHUNK / h tokens of h kv heads, one 8-row tile of
+  # the cache's flat [L*K, H] view (token-major), and a program takes those heads' rows of a
+  # frame of WG_M / h folded rows, so a step copies only tokens (h = 8) or pairs or quads of
+  # tokens a row holds.
+  lane_heads: int = 1
+
+  @property
+  def token_lanes(self) -> bool:
+    return self.lane_heads > 1
 
   @property
   def lane_tokens(self) -> int:
-    """Tokens a lane holds: 1 (token lanes) or CHUNK."""
-    return 1 if self.token_lanes else CHUNK
+    """Tokens a lane holds: CHUNK // lane_heads."""
+    return CHUNK // self.lane_heads
 
   @property
   def heads_per_program(self) -> int:
-    return TOKEN_HEADS if self.token_lanes else 1
+    return self.lane_heads
 
   @property
   def lse_frame_rows(self) -> int:
@@ -92,16 +98,30 @@ class PrivateProblem:
     return self.direct_out and self.group_size % 4 == 0
 
 
-TOKEN_HEADS = CHUNK  # kv heads of a token lane: one 8-row tile of the [L, K, H] cache
-TOKEN_FRAME_ROWS = WG_M // TOKEN_HEADS  # folded rows per kv head of a token-lane program
+MAX_LANE_HEADS = CHUNK  # kv heads of a token lane at most: one token's 8-row tile
 
 
-def token_lanes_fit(num_rows: int, rows_per_query: int, num_kv_heads: int) -> bool:
-  """Whether token lanes apply: kv heads in whole tiles of TOKEN_HEADS, and frames of
-  TOKEN_FRAME_ROWS folded rows that hold whole query rows (TGp <= 8) and end inside the batch
-  (B*TGp a multiple of 8: no frame's stores run past it)."""
-  return (num_kv_heads % TOKEN_HEADS == 0 and rows_per_query <= TOKEN_FRAME_ROWS
-          and num_rows * rows_per_query % TOKEN_FRAME_ROWS == 0)
+def lane_heads_for(num_rows: int, rows_per_query: int, num_kv_heads: int) -> int:
+  """kv heads of a token lane for this shape, or 1 (chunk lanes) where token lanes do not fit.
+
+  h = 8 when K is a multiple of 8 (a lane: one token of 8 kv heads), h = K when K is 2 or 4 (a
+  lane: 8/K tokens of every kv head; with 8-token pages such a pair or quad never crosses a
+  page). A frame is WG_M / h folded rows: it must hold whole query rows (TGp <= WG_M / h) and
+  end inside the batch (B*TGp a multiple of it: no frame's stores run past it)."""
+  if num_kv_heads % MAX_LANE_HEADS == 0:
+    heads = MAX_LANE_HEADS
+  elif num_kv_heads in (2, 4):
+    heads = num_kv_heads
+  else:
+    return 1
+  frame = token_frame_rows(heads)
+  fits = rows_per_query <= frame and num_rows * rows_per_query % frame == 0
+  return heads if fits else 1
+
+
+def token_frame_rows(lane_heads: int) -> int:
+  """Folded rows per kv head of a token-lane program: its WG_M score rows over its kv heads."""
+  return WG_M // lane_heads
 
 
 # Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
@@ -148,7 +168,7 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
   to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
   are 64 contiguous tokens, and the lanes' valid rows packed 4 bits a lane (valid tokens; with
-  token lanes 8 or 0, and never contiguous: a lane is a tile of its own). A step's lanes
+  token lanes h per valid token, and never contiguous: a lane is a tile of its own). A step's lanes
   depend only on the rows' private lengths and pages, so one table per decode step serves all
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
   lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
@@ -195,8 +215,8 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   real = (r < r_rows) & (i < row_chunks)
   pos = i * unit
   valid = jnp.where(real, jnp.clip(row_length - pos, 0, unit), 0)
-  if unit != CHUNK:  # a token lane's valid rows: its 8 kv heads, or none
-    valid = valid * (CHUNK // unit)
+  if unit != CHUNK:  # a token lane's valid rows: its kv heads of each valid token
+    valid = valid * problem.lane_heads
   pages = jnp.asarray(private_pages, jnp.int32)
   page = jnp.clip(pos // c, 0, pages.shape[1] - 1)
   page_row = jnp.minimum(row0[:, None] + jnp.minimum(r, r_rows - 1), pages.shape[0] - 1)

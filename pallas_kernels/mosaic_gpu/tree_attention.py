@@ -57,8 +57,8 @@ from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import private_attention
 from pallas_kernels.mosaic_gpu.private_problem import (
-    TOKEN_FRAME_ROWS, PrivateProblem, lane_steps, lane_table, pad_page_table, stage_pages,
-    token_lanes_fit,
+    PrivateProblem, lane_heads_for, lane_steps, lane_table, pad_page_table, stage_pages,
+    token_frame_rows,
 )
 from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
@@ -135,16 +135,17 @@ class MosaicGpuConfig:
       the fold cost (`mosaic_gpu_check/s29`, call 1, 32/8 heads): B=256, P=16K 128.1 -> 129.2
       µs a call, B=1024 455.6 -> 455.0, B=32, P=2K 27.3 -> 26.2. Correct on every check
       layout; off.
-    private_token_lanes: a private-kernel lane is one token of 8 kv heads (one 8-row tile of
-      the [L, K, H] cache) instead of 8 tokens of one kv head, and a program takes 8 kv heads'
-      rows of 8 folded rows (`private_problem.token_lanes_fit`: K a multiple of 8, T*G <= 8,
-      B*TGp a multiple of 8; other shapes, a tensor-parallel shard of 4 or 2 kv heads among
-      them, keep chunk lanes). A step then copies only tokens the rows hold: at 9 private
-      tokens a row chunk lanes read 16 tokens' bytes, and at 1 token 8. Needs
+    private_token_lanes: a private-kernel lane is 8/h tokens of h kv heads (one 8-row tile of
+      the cache's flat [L*K, H] view: one token of 8 kv heads when K is a multiple of 8, two
+      tokens of 4 or four of 2 when K is 4 or 2) instead of 8 tokens of one kv head, and a
+      program takes h kv heads' rows of 64/h folded rows (`private_problem.lane_heads_for`:
+      T*G <= 64/h and B*TGp a multiple of 64/h; other shapes keep chunk lanes). A step then
+      copies fewer tokens the rows do not hold: at 9 private tokens a row chunk lanes read 16
+      tokens' bytes (h = 8: 9), and at 1 token 8 (h = 8: 1; h = 4: 2). Needs
       `private_lane_table`; with token lanes q is read folded at G > 1 (`q_by_row_groups` off)
-      and `private_staged_pages` and `private_pair_copies` do not apply. Built in session 45
-      with no GPU lent: checked in interpret mode and lowered for CUDA, not yet timed on an
-      H200; off.
+      and `private_staged_pages` and `private_pair_copies` do not apply. Built in sessions
+      45-46 with no GPU at hand: checked in interpret mode and lowered for CUDA, not yet timed
+      on an H200; off.
   """
 
   block_kv: int = 128
@@ -298,11 +299,12 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
     )
   num_sms = _num_sms(config, interpret)
   tgp = padded_rows_per_query(tg)
-  token = config.private_token_lanes and token_lanes_fit(b, tgp, kh)
-  frame = TOKEN_FRAME_ROWS if token else private_frame_rows(b, tgp, kh, num_sms)
+  heads = lane_heads_for(b, tgp, kh) if config.private_token_lanes else 1
+  token = heads > 1
+  frame = token_frame_rows(heads) if token else private_frame_rows(b, tgp, kh, num_sms)
   problem = PrivateProblem(
       num_rows=b, query_tokens=t, group_size=g, rows_per_query=tgp, frame_rows=frame,
-      page_size=layout.page_size, token_lanes=token,
+      page_size=layout.page_size, lane_heads=heads,
   )
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
   programs = problem.num_frames * kh // problem.heads_per_program
