@@ -778,6 +778,9 @@ class TestSupportAndSchedule:
     if heads > 1:
       assert token.token_lanes and token.heads_per_program == heads
       assert token.frame_rows == 64 // heads and token.lane_tokens == 8 // heads
+      # lse straight into [B*T, K, G] is a strided TMA store per kv head, from float F*k of the
+      # lse buffer: only where that is 128-byte aligned (h = 2).
+      assert token.direct_lse == (heads == 2 and chunk.direct_lse)
     else:
       assert token == chunk
 

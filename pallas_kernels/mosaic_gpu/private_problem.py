@@ -94,8 +94,13 @@ class PrivateProblem:
 
   @property
   def direct_lse(self) -> bool:
-    """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row."""
-    return self.direct_out and self.group_size % 4 == 0
+    """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row. With token
+    lanes kv head k's rows start at float F*k of the lse buffer, and a strided TMA store needs
+    its shared-memory source 128-byte aligned (at F*4 = 32 or 64 bytes the H200 faults with
+    CUDA_ERROR_MISALIGNED_ADDRESS, `mosaic_gpu_check/s46`); the folded lse's stores are
+    contiguous (`cp.async.bulk`: 16 bytes suffice)."""
+    aligned = not self.token_lanes or self.frame_rows * 4 % 128 == 0
+    return self.direct_out and self.group_size % 4 == 0 and aligned
 
 
 MAX_LANE_HEADS = CHUNK  # kv heads of a token lane at most: one token's 8-row tile
