@@ -773,7 +773,8 @@ class TestSupportAndSchedule:
     shapes = mosaic.KernelShapes(b, t, n, k, 64, plan.kv_tokens, jnp.bfloat16)
     token = mosaic.prepare(plan.to_device(), shapes,
                            mosaic.MosaicGpuConfig(private_token_lanes=True)).problem
-    chunk = mosaic.prepare(plan.to_device(), shapes).problem
+    chunk = mosaic.prepare(plan.to_device(), shapes,
+                           mosaic.MosaicGpuConfig(private_token_lanes=False)).problem
     assert token.lane_heads == heads and chunk.lane_heads == 1 and not chunk.token_lanes
     if heads > 1:
       assert token.token_lanes and token.heads_per_program == heads
@@ -783,6 +784,23 @@ class TestSupportAndSchedule:
       assert token.direct_lse == (heads == 2 and chunk.direct_lse)
     else:
       assert token == chunk
+
+  @pytest.mark.parametrize('b, n, k, capacity, lane_table, heads', [
+      (1024, 32, 8, 64, True, 8),  # 512 programs, rows of at most 64 tokens
+      (256, 16, 4, 64, True, 4),  # 64 programs (a tensor-parallel shard)
+      (1024, 32, 8, 128, True, 1),  # rows up to 128 tokens: chunk lanes copy 64 at once
+      (32, 32, 8, 64, True, 1),  # 16 programs: too few
+      (1024, 32, 8, 64, False, 1),  # no lane table: token lanes need it
+  ])
+  def test_token_lanes_by_default(self, b, n, k, capacity, lane_table, heads):
+    """`private_token_lanes=None` (the default) takes token lanes where they fit, rows hold at
+    most `TOKEN_LANES_MAX_CAPACITY` private tokens and there are `TOKEN_LANES_MIN_PROGRAMS`
+    programs: where the H200 measured them faster (the config's docstring)."""
+    plan = hydrajax.plan_tree(PromptNode(40, num_samples=b), private_capacity=capacity,
+                              private_lengths=[3] * b)
+    shapes = mosaic.KernelShapes(b, 1, n, k, 64, plan.kv_tokens, jnp.bfloat16)
+    config = mosaic.MosaicGpuConfig(private_lane_table=lane_table)
+    assert mosaic.prepare(plan.to_device(), shapes, config).problem.lane_heads == heads
 
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""

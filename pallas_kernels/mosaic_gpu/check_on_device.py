@@ -150,6 +150,8 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     # (at K = 4 or 2: two or four tokens of every kv head): a step copies only tokens the rows
     # hold, or their pairs or quads (s45-46: built with no GPU at hand).
     dict(private_token_lanes=True),
+    # Chunk lanes everywhere (before s46, token lanes were never the default).
+    dict(private_token_lanes=False),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

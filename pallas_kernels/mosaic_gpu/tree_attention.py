@@ -143,9 +143,17 @@ class MosaicGpuConfig:
       copies fewer tokens the rows do not hold: at 9 private tokens a row chunk lanes read 16
       tokens' bytes (h = 8: 9), and at 1 token 8 (h = 8: 1; h = 4: 2). Needs
       `private_lane_table`; with token lanes q is read folded at G > 1 (`q_by_row_groups` off)
-      and `private_staged_pages` and `private_pair_copies` do not apply. Built in sessions
-      45-46 with no GPU at hand: checked in interpret mode and lowered for CUDA, not yet timed
-      on an H200; off.
+      and `private_staged_pages` and `private_pair_copies` do not apply. None (the default):
+      token lanes where they fit, no row holds more than `TOKEN_LANES_MAX_CAPACITY` private
+      tokens (the page table's width), and they make at least `TOKEN_LANES_MIN_PROGRAMS`
+      programs. H200, the private kernel alone in a layer of a decode step
+      (`mosaic_gpu_check/s46`): 32/8 heads, 1 token a row: B=1024 28.0 -> 17.8 µs, B=256
+      11.5 -> 8.9, but B=32 (16 programs) 10.2 -> 11.5; 16/4 (a tensor-parallel shard) B=1024
+      14.8 -> 10.5, B=256 (64 programs) 12.4 -> 10.5; 32/32 B=1024 at 9 tokens 94.7 -> 54.1,
+      at 8 56.4 -> 50.7; but 128 tokens a row at B=256, 32/8, 40.6 -> 50.3 (chunk lanes copy
+      a row's 64 contiguous tokens at once). In the CodeLlama-7B decode step (128 new tokens,
+      rows of 0-128) about even: 4.76 and 4.73 ms of attention kernels a step at B=1024,
+      P=1K.
   """
 
   block_kv: int = 128
@@ -160,7 +168,7 @@ class MosaicGpuConfig:
   q_by_row_groups: bool = False
   shared_overlap: bool | None = None
   private_zero_unseen: bool = True
-  private_token_lanes: bool = False
+  private_token_lanes: bool | None = None
 
   def __post_init__(self):
     for name in _SWITCHES + _OPTIONAL_SWITCHES:
@@ -299,7 +307,7 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
     )
   num_sms = _num_sms(config, interpret)
   tgp = padded_rows_per_query(tg)
-  heads = lane_heads_for(b, tgp, kh) if config.private_token_lanes else 1
+  heads = _lane_heads(config, layout, b, tgp, kh)
   token = heads > 1
   frame = token_frame_rows(heads) if token else private_frame_rows(b, tgp, kh, num_sms)
   problem = PrivateProblem(
@@ -327,6 +335,22 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
       pages, layout.private_lengths, layout.row_segments, pack_segments(layout.groups), sched,
       problem,
   )
+
+
+# `private_token_lanes=None`: token lanes only where the measured points favour them (see there).
+TOKEN_LANES_MAX_CAPACITY = 64  # private tokens a row at most: rows below one chunk-lane step
+TOKEN_LANES_MIN_PROGRAMS = 64  # programs at least: half an H200's multiprocessors
+
+
+def _lane_heads(config: MosaicGpuConfig, layout: TreeLayout, b: int, tgp: int, kh: int) -> int:
+  """kv heads of a private-kernel lane: `private_problem.lane_heads_for`, or 1 (chunk lanes)."""
+  heads = lane_heads_for(b, tgp, kh) if config.private_lane_table else 1
+  if config.private_token_lanes is not None or heads == 1:
+    return heads if config.private_token_lanes else 1
+  capacity = layout.private_pages.shape[1] * layout.page_size
+  programs = b * tgp // token_frame_rows(heads) * (kh // heads)
+  fits = capacity <= TOKEN_LANES_MAX_CAPACITY and programs >= TOKEN_LANES_MIN_PROGRAMS
+  return heads if fits else 1
 
 
 def _reads_q_by_row(config: MosaicGpuConfig, b: int, t: int, g: int, tgp: int) -> bool:

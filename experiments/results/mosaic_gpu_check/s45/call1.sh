@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 45, call 1 (NOT RUN: no device was lent in session 45). One nvidia-h200 (bash call1.sh
+# Session 45, call 1 (never run as is: session 46 ran its successor, `../s46/call1.sh`). One nvidia-h200 (bash call1.sh
 # <commit>, with OUT set; about 9 minutes). Token lanes in the private kernel
 # (`MosaicGpuConfig.private_token_lanes`: a lane is one token of 8 kv heads, so a step copies only
 # tokens the rows hold), against the default (chunk lanes), the kernels alone:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 45, call 2 (NOT RUN: no device was lent in session 45). One nvidia-h200 (bash call2.sh
+# Session 45, call 2 (never run as is: session 46 ran a shorter one in `../s46/call2.sh`). One nvidia-h200 (bash call2.sh
 # <commit>, with OUT set; about 7 minutes). The CodeLlama-7B decode step at B=1024 (P=1K, where
 # the private kernel is about 96 µs of 131 a layer, and P=16K), every kernel of a step profiled:
 # the default against token lanes (`--mosaic_gpu_knobs=private_token_lanes=true`), alternated.
