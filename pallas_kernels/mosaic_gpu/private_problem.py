@@ -3,10 +3,11 @@
 `PrivateProblem` holds the static facts of one `private_attention` call: frames of folded query
 rows, K/V slots, and the lane kind. A step of the kernel copies 8 lanes, each one 8-row tile of
 its K and V slots: 8 tokens of one kv head (chunk lanes), or 8/h tokens of h kv heads (token
-lanes, `lane_heads_for`: one token of 8 heads, or two of 4, or four of 2). `lane_table` is every step's plan, built by XLA once a decode step
-from the rows' private lengths and pages (`tree_attention.for_step`); `stage_pages` and
-`pad_page_table` are the page-table staging of the walked plans; `unfold_states` turns the
-kernel's outputs into `[B, T, N, H]` and `[B, T, N]`. The kernel is `private_attention`.
+lanes, `lane_heads_for`: one token of 8 heads, or two of 4, or four of 2). `lane_table` is
+every step's plan, built by XLA once a decode step from the rows' private lengths and pages
+(`tree_attention.for_step`); `stage_pages` and `pad_page_table` are the page-table staging of
+the walked plans; `unfold_states` turns the kernel's outputs into `[B, T, N, H]` and
+`[B, T, N]`. The kernel is `private_attention`.
 """
 
 import dataclasses
