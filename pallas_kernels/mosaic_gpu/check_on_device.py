@@ -101,6 +101,10 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     # lanes hold two tokens of 4 kv heads (s46).
     (1024, 16384, 1, 16, 4),
     (256, 16384, 1, 16, 4),
+    # Long private rows at many programs (B=1024: 512 token-lane programs): whether token lanes
+    # lose there as at B=256 (s46), which keeps them off past 64 tokens of capacity.
+    (1024, 16384, 128, 32, 8),
+    (1024, 1024, 128, 32, 32),
 )
 CHECK_SHAPES = (  # (B, P, S, N, K, T), checked only
     (32, 0, 700, 32, 8, 1),  # no shared prefix: paged decode, out and lse in [B, T, N] order
