@@ -802,6 +802,22 @@ class TestSupportAndSchedule:
     config = mosaic.MosaicGpuConfig(private_lane_table=lane_table)
     assert mosaic.prepare(plan.to_device(), shapes, config).problem.lane_heads == heads
 
+  def test_hand_built_token_lane_problems_are_refused(self):
+    """A `PrivateProblem` whose lane heads or frames no kernel has is refused when built, and
+    one whose lane heads do not fit K when the kernel is called, each naming what it got."""
+    from pallas_kernels.mosaic_gpu import private_problem as pp
+    from pallas_kernels.mosaic_gpu.private_attention import private_attention
+    with pytest.raises(ValueError, match='lane_heads must be 1, 2, 4 or 8, got 3'):
+      pp.PrivateProblem(8, 1, 1, 1, 8, 16, lane_heads=3)
+    with pytest.raises(ValueError, match='need frame_rows = 16 .token_frame_rows., got 8'):
+      pp.PrivateProblem(8, 1, 4, 4, 8, 16, lane_heads=4)
+    problem = pp.PrivateProblem(16, 1, 4, 4, 16, 16, lane_heads=4)  # fits K = 4, not K = 8
+    kv = jnp.zeros((64, 8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match='token lanes of 4 kv heads .* got B=16, TGp=4, K=8'):
+      private_attention(jnp.zeros((8, 128, 64), jnp.bfloat16), kv, kv,
+                        jnp.zeros((16, 4), jnp.int32), jnp.zeros((16,), jnp.int32), None, None,
+                        None, None, None, problem, scale=0.125, interpret=True)
+
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""
     got = mosaic.MosaicGpuConfig.from_knobs(

@@ -86,7 +86,7 @@ from pallas_kernels.mosaic_gpu.schedule import (
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.private_problem import (
-    LANE_FIELDS, LANES, PrivateProblem, lane_heads_for, staged_columns, token_frame_rows,
+    LANE_FIELDS, LANES, PrivateProblem, lane_heads_for, staged_columns,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
     as_folded, finish_q, floor_div, offset_operand, q_staging, q_tile, segment_fields, start_q,
@@ -179,11 +179,10 @@ def private_attention(
                      f'{private_pages.shape}')
   token = problem.token_lanes
   heads, unit = problem.heads_per_program, problem.lane_tokens
-  if token and not (lane_heads_for(b_rows, tgp, kh) == heads
-                    and f_rows == token_frame_rows(heads)):
-    raise ValueError(f'token lanes of {heads} kv heads need frames of {token_frame_rows(heads)} '
-                     f'folded rows holding whole query rows, and K a multiple of 8 or K = '
-                     f'{heads} (lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}, F={f_rows}')
+  if token and lane_heads_for(b_rows, tgp, kh) != heads:  # frames: `PrivateProblem` checks them
+    raise ValueError(f'token lanes of {heads} kv heads need frames of {f_rows} folded rows '
+                     f'holding whole query rows, and K a multiple of 8 or K = {heads} '
+                     f'(lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}')
   if token and (grouped_q is not None or not tabled or staged or problem.pair_copies):
     raise ValueError('token lanes read q folded (or by row at G = 1) and their plans from the '
                      'lane table, with no staged pages or pair copies')

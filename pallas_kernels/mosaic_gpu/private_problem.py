@@ -54,6 +54,14 @@ class PrivateProblem:
   # tokens a row holds.
   lane_heads: int = 1
 
+  def __post_init__(self):
+    if self.lane_heads not in (1, 2, 4, MAX_LANE_HEADS):
+      raise ValueError(f'lane_heads must be 1, 2, 4 or {MAX_LANE_HEADS}, got {self.lane_heads}')
+    if self.token_lanes and self.frame_rows != token_frame_rows(self.lane_heads):
+      raise ValueError(f'token lanes of {self.lane_heads} kv heads need frame_rows = '
+                       f'{token_frame_rows(self.lane_heads)} (token_frame_rows), got '
+                       f'{self.frame_rows}')
+
   @property
   def token_lanes(self) -> bool:
     return self.lane_heads > 1

@@ -344,9 +344,11 @@ TOKEN_LANES_MIN_PROGRAMS = 64  # programs at least: half an H200's multiprocesso
 
 def _lane_heads(config: MosaicGpuConfig, layout: TreeLayout, b: int, tgp: int, kh: int) -> int:
   """kv heads of a private-kernel lane: `private_problem.lane_heads_for`, or 1 (chunk lanes)."""
-  heads = lane_heads_for(b, tgp, kh) if config.private_lane_table else 1
-  if config.private_token_lanes is not None or heads == 1:
-    return heads if config.private_token_lanes else 1
+  if config.private_token_lanes is False or not config.private_lane_table:
+    return 1
+  heads = lane_heads_for(b, tgp, kh)
+  if config.private_token_lanes or heads == 1:  # forced, or no fit
+    return heads
   capacity = layout.private_pages.shape[1] * layout.page_size
   programs = b * tgp // token_frame_rows(heads) * (kh // heads)
   fits = capacity <= TOKEN_LANES_MAX_CAPACITY and programs >= TOKEN_LANES_MIN_PROGRAMS
