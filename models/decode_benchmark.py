@@ -48,6 +48,9 @@ from models.sampling import SamplingConfig
 log = logging.getLogger(__name__)
 
 MODES = ('no_sharing', 'paged', 'tree', 'no_attention')
+# What names an implementation's own attention kernels in a profile (`impl_kernels_s`: those
+# alone, without the glue XLA runs around them, which `attention_kernel_s` also holds).
+IMPL_KERNEL_MARKERS = {'mosaic_gpu': 'mosaic_gpu_kernel'}
 GREEDY = SamplingConfig()
 
 
@@ -187,7 +190,9 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   """Measures one point; returns its record (status 'ok', 'does_not_fit' or 'unsupported').
 
   With `profile_kernels` > 0 (GPU), one more step is profiled and its costliest
-  kernels recorded (`top_kernels`: name, microseconds, launches).
+  kernels recorded (`top_kernels`: name, microseconds, launches). That step comes after the
+  timed ones, so its rows hold more private tokens (`kernel_suffix`) than their mean
+  (`suffix_mid`): `add_derived` takes its device-time floor at that length.
   """
   c = model.config
   itemsize = jnp.dtype(model.dtype).itemsize
@@ -267,16 +272,20 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   if step_s <= 0:  # noise larger than the steps (a loaded CPU): the plain mean instead
     step_s = elapsed / steps
   if profile_kernels and int(state.step) < case.new_tokens:
+    record['kernel_suffix'] = int(state.step)  # step s feeds a row's s-th generated token
     state, kernels = timing.kernel_times(run, state, 1)
     record['top_kernels'] = kernels[:profile_kernels]
     # Device time of one step, every kernel: `add_derived` takes attention's share from it too.
     record['kernel_step_s'] = sum(us for _, us, _ in kernels) * 1e-6
+    marker = IMPL_KERNEL_MARKERS.get(case.impl)
+    if marker is not None and case.mode != 'no_attention':
+      record['impl_kernels_s'] = sum(us for name, us, _ in kernels if marker in name) * 1e-6
   stats = jax.devices()[0].memory_stats() or {}
   record.update(
       status='ok', steps_timed=steps, first_step=first_step, decode_s=elapsed, step_s=step_s,
       warmup_step_s=warm, one_step_call_s=one, call_overhead_s=max(0.0, one - step_s),
       tokens_per_s=case.batch / step_s,
-      suffix_mid=first_step + steps / 2,
+      suffix_mid=first_step + (steps - 1) / 2,  # the timed steps' mean private tokens
       peak_bytes_in_use=stats.get('peak_bytes_in_use'),
   )
   del state
@@ -299,10 +308,15 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
     # rows over dp, and the matmuls over both.
     sizes = mesh_sizes(r.get('mesh'))
     tp, dp = sizes.get(TP, 1), sizes.get(DP, 1)
-    shard = (-(-b // dp), p, suffix, c.num_heads // tp, max(1, c.num_kv_heads // tp), c.head_dim)
     cost_fn = shared_prefix_cost if r['mode'] in ('tree', 'no_attention') else per_sequence_cost
-    r['attention_floor_s'] = c.num_layers * cost_fn(*shard).floor_s(ceilings)
-    r['tree_attention_floor_s'] = c.num_layers * shared_prefix_cost(*shard).floor_s(ceilings)
+
+    def floor_s(suffix, cost_fn=cost_fn):
+      shard = (-(-b // dp), p, suffix, c.num_heads // tp, max(1, c.num_kv_heads // tp),
+               c.head_dim)
+      return c.num_layers * cost_fn(*shard).floor_s(ceilings)
+
+    r['attention_floor_s'] = floor_s(suffix)
+    r['tree_attention_floor_s'] = floor_s(suffix, shared_prefix_cost)
     r['devices'] = tp * dp
     flops = decode_matmul_flops(c, b) / (tp * dp)
     r['matmul_flops_per_step'] = flops
@@ -316,9 +330,14 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
       # of either step in it, but every kernel of both, so it is what attention's kernels and
       # glue cost on the GPU (wall-time shares moved 1.85x -> 2.33x between two runs of the same
       # kernels on an H200, `results/mosaic_gpu_check/s27`).
+      # Both against the floor of the profiled step's lengths (at B=1024, P=1K, 32/32 the
+      # floor at 13 private tokens is 1.5x that at 8: `results/mosaic_gpu_check/s47`).
       if r.get('kernel_step_s') is not None and ceiling.get('kernel_step_s') is not None:
+        r['attention_kernel_floor_s'] = floor_s(r.get('kernel_suffix', suffix))
         r['attention_kernel_s'] = r['kernel_step_s'] - ceiling['kernel_step_s']
-        r['attention_kernel_over_floor'] = r['attention_kernel_s'] / r['attention_floor_s']
+        r['attention_kernel_over_floor'] = r['attention_kernel_s'] / r['attention_kernel_floor_s']
+        if r.get('impl_kernels_s') is not None:
+          r['impl_kernels_over_floor'] = r['impl_kernels_s'] / r['attention_kernel_floor_s']
       r['fraction_of_ceiling'] = r['tokens_per_s'] / ceiling['tokens_per_s']
       r['predicted_tokens_per_s'] = b / (ceiling['step_s'] + r['tree_attention_floor_s'])
     for base in ('paged', 'no_sharing'):

@@ -109,7 +109,18 @@ def test_derived_numbers():
   ceiling['kernel_step_s'], tree['kernel_step_s'] = 0.018, 0.024
   db.add_derived(records, config, ceilings)
   assert tree['attention_kernel_s'] == pytest.approx(0.006)
+  assert tree['attention_kernel_floor_s'] == pytest.approx(tree['attention_floor_s'])
   assert tree['attention_kernel_over_floor'] == pytest.approx(0.006 / tree['attention_floor_s'])
+  # The profiled step holds more private tokens than the timed steps' mean: its floor is taken
+  # there, with the implementation's own kernels against it too.
+  tree.update(kernel_suffix=128, impl_kernels_s=0.005)
+  db.add_derived(records, config, ceilings)
+  # 128 tokens a row: now the bytes bound it (16384 + 1024*128 tokens of 16 KiB, q and out).
+  later = 32 * ((16384 + 1024 * 128) * 16384 + 2 * 1024 * 32 * 128 * 2) / 4e12
+  assert tree['attention_kernel_floor_s'] == pytest.approx(later, rel=1e-6)
+  assert tree['attention_floor_s'] == pytest.approx(32 * flops / 8e14, rel=1e-6)  # unchanged
+  assert tree['attention_kernel_over_floor'] == pytest.approx(0.006 / later)
+  assert tree['impl_kernels_over_floor'] == pytest.approx(0.005 / later)
   (estimate,) = [e for e in db.max_batch_estimates(records, config) if e['name'] == 'tree_xla']
   shared = config.kv_bytes_per_token(2) * 16384
   per_row = (90 * 2**30 - 13 * 2**30 - shared) / 1024
