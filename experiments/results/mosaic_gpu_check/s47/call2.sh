@@ -12,7 +12,7 @@ i=1; n=$#
 for knobs in "$@"; do
   left=$(( (585 - SECONDS) / (n - i + 1) ))
   timeout $left python3 -m experiments.throughput --preset=codellama_7b --impls=mosaic_gpu \
-    --profile_kernels=16 --new_tokens=128 --modes=no_attention,tree --max_decode_s=0.4 \
+    --profile_kernels=64 --new_tokens=128 --modes=no_attention,tree --max_decode_s=0.4 \
     --batches=1024 --prefixes=1024,16384 --deadline_s=$((left - 20)) --mosaic_gpu_knobs="$knobs" \
     --workdir=$R/grid$i > $R/grid$i.log 2>&1
   echo "grid$i knobs=[$knobs] rc=$? left=$left"
