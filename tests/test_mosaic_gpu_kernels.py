@@ -29,7 +29,7 @@ from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold
 from pallas_kernels.mosaic_gpu.private_attention import (
     private_attention, private_attention_reference,
 )
-from pallas_kernels.mosaic_gpu.private_problem import lane_table
+from pallas_kernels.mosaic_gpu.private_problem import LANES, lane_table
 from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
     OVERLAP_MIN_BLOCKS, SegmentKernelConfig, as_folded, overlaps, pack_segments,
@@ -352,6 +352,38 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(np.asarray(got[True].lse), np.asarray(got[False].lse))
     _assert_states_close(got[True], hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     _assert_states_close(got[True], self._run(q, kc, vc, layout), jnp.bfloat16)
+
+  @pytest.mark.parametrize('page', [16, 64])
+  @pytest.mark.parametrize('n, k, t', [(8, 8, 1), (32, 8, 1), (16, 4, 1), (8, 2, 1), (16, 8, 2)],
+                           ids=['K=8_MHA', 'K=8_G=4', 'K=4_G=4', 'K=2_G=4', 'K=8_G=2_T=2'])
+  def test_token_runs_change_nothing(self, n, k, t, page):
+    """`private_token_runs` copies a step of one row's consecutive tokens of every kv head as
+    one 64-row copy instead of 8 tiles: the slot holds the same rows, so the states are
+    bitwise those of token lanes without it, with NaN/inf in every unattended slot. Rows of
+    0-80 tokens (odd rows' pages run backwards: a step across their page boundary stays 8
+    copies), several rows a frame where G < 8/h*8 allows."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(t, 81, 8)
+    lengths[rng.integers(8)] = 64 + t  # a whole run and a partial lane after it
+    if t == 1:
+      lengths[rng.integers(8)] = 0
+    plan = _long_rows_plan(page, lengths.tolist())
+    layout = plan.to_device()
+    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
+                        seed=int(rng.integers(1 << 30)))
+    shapes = mosaic.KernelShapes.of(q, kc)
+    config = mosaic.MosaicGpuConfig(block_kv=64, private_token_lanes=True,
+                                    private_token_runs=True)
+    prepared = mosaic.for_step(mosaic.prepare(layout, shapes, config, interpret=self.interpret))
+    assert prepared.problem.token_runs and prepared.problem.lane_heads == k
+    assert int(jnp.sum(prepared.lanes[..., LANES] != 0)) > 0  # some steps are one copy
+    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
+    attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
+                               private_token_lanes=True)
+    want, got = attend(), attend(private_token_runs=True)
+    _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
 
   def test_unguarded_private_steps_on_a_finite_cache(self):
     """`private_zero_unseen=False` leaves stale V rows of partial chunks in place: on a cache

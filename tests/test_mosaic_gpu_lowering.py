@@ -100,6 +100,21 @@ def test_token_lanes_lower_for_cuda(b, p, s, n, k, t):
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
 
+@pytest.mark.parametrize('b, p, s, n, k', [(256, 16384, 128, 32, 8), (1024, 16384, 128, 16, 4),
+                                           (256, 2048, 70, 8, 2)])
+def test_token_runs_lower_for_cuda(b, p, s, n, k):
+  """`private_token_runs`: a step of consecutive tokens of every kv head, one 64-row copy of
+  the flat view into the slot the 8-row tiles otherwise fill."""
+  plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b), private_capacity=128,
+                            private_lengths=s)
+  shapes = mosaic.KernelShapes(b, 1, n, k, HEAD_DIM, plan.kv_tokens, jnp.bfloat16)
+  knobs = dict(private_token_lanes=True, private_token_runs=True)
+  config = mosaic.MosaicGpuConfig(**knobs)
+  assert mosaic.prepare(plan.to_device(), shapes, config).problem.token_runs
+  kernels = _lower_tree(b, p, s, n, k, 1, **knobs)
+  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
+
+
 @pytest.mark.parametrize('b, p, s, n, k, t', [
     (256, 16384, 1, 32, 8, 1),  # G = 4: the GQA decode step
     (16, 2048, 3, 64, 8, 1),  # G = 8, one row a frame

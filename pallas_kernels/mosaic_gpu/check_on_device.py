@@ -156,6 +156,9 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(private_token_lanes=True),
     # Chunk lanes everywhere (before s46, token lanes were never the default).
     dict(private_token_lanes=False),
+    # Token lanes with a step of one row's consecutive tokens of every kv head (K = 8, 4, 2) as
+    # one 64-row copy (s47: built with no GPU at hand).
+    dict(private_token_lanes=True, private_token_runs=True),
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

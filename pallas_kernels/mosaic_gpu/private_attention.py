@@ -183,6 +183,9 @@ def private_attention(
     raise ValueError(f'token lanes of {heads} kv heads need frames of {f_rows} folded rows '
                      f'holding whole query rows, and K a multiple of 8 or K = {heads} '
                      f'(lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}')
+  if problem.token_runs and kh != heads:
+    raise ValueError(f'token_runs needs lanes of every kv head (K = lane_heads), got K={kh}, '
+                     f'lane_heads={heads}')
   if token and (grouped_q is not None or not tabled or staged or problem.pair_copies):
     raise ValueError('token lanes read q folded (or by row at G = 1) and their plans from the '
                      'lane table, with no staged pages or pair copies')
@@ -219,8 +222,9 @@ def private_attention(
       9 tokens a row, 32/32, `results/mosaic_gpu_check/s27`.)"""
       def copy(tok, rows, j):
         dst = pl.ds(j * CHUNK, rows)
-        if token:  # the program's kv heads of 8/h tokens: one 8-row tile of [L*K, H]
-          src = pl.ds(pl.multiple_of(tok * kh + kv_head, CHUNK), CHUNK)
+        if token:  # the program's kv heads of 8/h tokens: one 8-row tile of [L*K, H] (with
+          # `token_runs` 64 rows: 8 lanes of consecutive tokens of every kv head)
+          src = pl.ds(pl.multiple_of(tok * kh + kv_head, CHUNK), rows)
         else:
           src = (pl.ds(pl.multiple_of(tok, CHUNK), rows), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[src], kv_smem.at[0, slot, dst], k_bars.at[slot])
@@ -230,7 +234,7 @@ def private_attention(
         plgpu.barrier_arrive(k_bars.at[slot])
         plgpu.barrier_arrive(v_bars.at[slot])
 
-      if token:  # a lane is a tile of its own: never one copy for the step
+      if token and not problem.token_runs:  # a lane is a tile of its own: 8 copies a step
         for j in range(LANES):
           copy(toks[j], CHUNK, j)
         return

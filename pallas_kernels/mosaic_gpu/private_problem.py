@@ -53,10 +53,16 @@ class PrivateProblem:
   # frame of WG_M / h folded rows, so a step copies only tokens (h = 8) or pairs or quads of
   # tokens a row holds.
   lane_heads: int = 1
+  # Token lanes whose tile holds every kv head (K == h): 8 lanes of a row's consecutive tokens
+  # are then 64 consecutive rows of the flat view, and such a step is one copy (the lane table
+  # marks it contiguous, as chunk lanes' 64-token runs) instead of 8.
+  token_runs: bool = False
 
   def __post_init__(self):
     if self.lane_heads not in (1, 2, 4, MAX_LANE_HEADS):
       raise ValueError(f'lane_heads must be 1, 2, 4 or {MAX_LANE_HEADS}, got {self.lane_heads}')
+    if self.token_runs and not self.token_lanes:
+      raise ValueError('token_runs needs token lanes (lane_heads > 1)')
     if self.token_lanes and self.frame_rows != token_frame_rows(self.lane_heads):
       raise ValueError(f'token lanes of {self.lane_heads} kv heads need frame_rows = '
                        f'{token_frame_rows(self.lane_heads)} (token_frame_rows), got '
@@ -180,9 +186,10 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   """The plan of every step of every frame, as the kernel's chunk walk would make it.
 
   [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
-  to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 chunks
-  are 64 contiguous tokens, and the lanes' valid rows packed 4 bits a lane (valid tokens; with
-  token lanes h per valid token, and never contiguous: a lane is a tile of its own). A step's lanes
+  to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 lanes
+  are one row's consecutive tokens (64 contiguous tokens; with token lanes only marked where
+  `token_runs`: else a lane is a tile of its own), and the lanes' valid rows packed 4 bits a
+  lane (valid tokens; with token lanes h per valid token). A step's lanes
   depend only on the rows' private lengths and pages, so one table per decode step serves all
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
   lanes. Rows run after each other, max(chunks, 1) lanes a row (a row with no chunk takes one
@@ -237,10 +244,11 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
   shape = (problem.num_frames, steps, LANES)
   tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
-  contiguous = real[..., 0] if unit == CHUNK else jnp.zeros_like(real[..., 0])
+  runs = unit == CHUNK or problem.token_runs
+  contiguous = real[..., 0] if runs else jnp.zeros_like(real[..., 0])
   packed = valid[..., 0]
   for j in range(1, LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
-    contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * CHUNK)
+    contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * unit)
     packed |= lax.shift_left(valid[..., j], jnp.int32(4 * j))
   return jnp.concatenate([tok, contiguous[..., None].astype(jnp.int32), packed[..., None]], -1)
 

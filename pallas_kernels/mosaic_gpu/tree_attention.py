@@ -154,6 +154,11 @@ class MosaicGpuConfig:
       a row's 64 contiguous tokens at once, or too few programs). In the CodeLlama-7B decode
       step at B=1024, about 7 private tokens a row (a capacity of 128, so None keeps chunk
       lanes there), the two kernels 4326 -> 3593 µs a step at P=1K, 17444 -> 16311 at 16K.
+    private_token_runs: with token lanes of every kv head (K = 8, 4 or 2: a lane is a whole
+      token's tile), a step of 8 lanes of one row's consecutive tokens is one 64-row copy of
+      the flat view instead of 8 (`PrivateProblem.token_runs`), as chunk lanes copy a row's 64
+      contiguous tokens. Long rows are where token lanes lost to chunk lanes (B=256, 32/8, 128
+      tokens a row: 16 copies a step against 2). Off until timed on the H200.
   """
 
   block_kv: int = 128
@@ -169,6 +174,7 @@ class MosaicGpuConfig:
   shared_overlap: bool | None = None
   private_zero_unseen: bool = True
   private_token_lanes: bool | None = None
+  private_token_runs: bool = False
 
   def __post_init__(self):
     for name in _SWITCHES + _OPTIONAL_SWITCHES:
@@ -322,7 +328,8 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   staged = stage and not token and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
   by_row = _reads_q_by_row(config, b, t, g, tgp) and not (token and g > 1)
-  problem = dataclasses.replace(problem, slots=slots,
+  runs = config.private_token_runs and token and kh == heads
+  problem = dataclasses.replace(problem, slots=slots, token_runs=runs,
                                 pair_copies=config.private_pair_copies and not token,
                                 zero_unseen=config.private_zero_unseen,
                                 staged_pages=staged, lane_steps=steps, q_by_row=by_row)
