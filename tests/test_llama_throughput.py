@@ -121,6 +121,18 @@ def test_derived_numbers():
   assert tree['attention_floor_s'] == pytest.approx(32 * flops / 8e14, rel=1e-6)  # unchanged
   assert tree['attention_kernel_over_floor'] == pytest.approx(0.006 / later)
   assert tree['impl_kernels_over_floor'] == pytest.approx(0.005 / later)
+  assert 'attention_kernel_matched_s' not in tree  # no full profiles in these records
+  # With every kernel of both steps: the GEMMs both launch alike (one drifted 0.5 ms slower in
+  # the tree's step) drop out; fusions named apart, or launched a different number of times,
+  # stay on their sides.
+  ceiling['kernel_profile'] = [['nvjet_a', 8000.0, 64], ['fusion_1', 200.0, 32],
+                               ['scatter', 40.0, 32]]
+  tree['kernel_profile'] = [['nvjet_a', 8500.0, 64], ['private_kernel', 2000.0, 32],
+                            ['fusion_9', 210.0, 32], ['scatter', 50.0, 96]]
+  db.add_derived(records, config, ceilings)
+  assert tree['attention_kernel_matched_s'] == pytest.approx((2000 + 210 + 50 - 200 - 40) * 1e-6)
+  assert tree['attention_kernel_matched_over_floor'] == pytest.approx(
+      tree['attention_kernel_matched_s'] / later)
   (estimate,) = [e for e in db.max_batch_estimates(records, config) if e['name'] == 'tree_xla']
   shared = config.kv_bytes_per_token(2) * 16384
   per_row = (90 * 2**30 - 13 * 2**30 - shared) / 1024
