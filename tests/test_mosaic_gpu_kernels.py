@@ -361,7 +361,7 @@ class TestMosaicGpuKernels:
     one 64-row copy instead of 8 tiles: the slot holds the same rows, so the states are
     bitwise those of token lanes without it, with NaN/inf in every unattended slot. Rows of
     0-80 tokens (odd rows' pages run backwards: a step across their page boundary stays 8
-    copies), several rows a frame where G < 8/h*8 allows."""
+    copies), two to eight rows a frame."""
     rng = np.random.default_rng()
     lengths = rng.integers(t, 81, 8)
     lengths[rng.integers(8)] = 64 + t  # a whole run and a partial lane after it
