@@ -78,6 +78,22 @@ class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
       assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_lanes
 
 
+class TestMosaicGpuTokenRunsInterpret(TestMosaicGpuTokenLanesInterpret):
+  """The same forests with `private_token_runs`: at K = 8 a step of a row's 8 consecutive
+  tokens (here a whole 8-token page) is one copy; the scattered pages give the K = 4 and 2
+  cases none (`test_token_runs_change_nothing` has them, over pages of 16 and 64)."""
+
+  @property
+  def config(self):
+    from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
+    return MosaicGpuConfig(private_token_lanes=True, private_token_runs=True)
+
+  def test_the_cases_take_token_lanes(self):
+    for case in self.cases:
+      p = self.problem(case)
+      assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_runs
+
+
 def test_interpret_mode_prepares_the_kernels_not_a_fallback():
   """A plan_tree layout of the conformance shapes resolves to the kernels (no silent XLA run)."""
   if _import_reason():
