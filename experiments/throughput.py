@@ -290,7 +290,7 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       'matmul eff likewise; predicted tok/s = B / (no-attention step + tree attention floor); '
       'attn kernels = the same difference in device time (CUPTI, every kernel of one step each; '
       'with --profile_kernels); matched = the same without the kernels both steps launch alike '
-      '(same name and launches: the projections\' GEMMs, whose run-to-run drift was -0.4 to '
+      '(same name and launches: the projections\' GEMMs, whose run-to-run drift was -1.1 to '
       '+0.9 ms a step at B=1024); impl kernels = the attention implementation\'s own kernels in that '
       'step (Mosaic GPU); all three over the floor at the profiled step\'s private tokens (one '
       'step after the timed ones).\n',

@@ -342,8 +342,9 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
         if r.get('kernel_profile') and ceiling.get('kernel_profile'):
           # Kernels both steps launch alike (same name, same launches: the projections'
           # GEMMs) are the same work; their difference is the GPU's drift between the two
-          # runs (-0.4 to +0.9 ms a step at B=1024 in s24-s46, where P=1K's floor is 1.2-1.9
-          # ms), so the matched share leaves them out.
+          # runs (-1.1 to +0.9 ms a step at B=1024 over the committed runs,
+          # `results/mosaic_gpu_check/s47/matmul_drift.txt`, where the 7B step's P=1K floor is
+          # 1.2-1.9 ms), so the matched share leaves them out.
           mine, theirs = unshared_kernel_s(r['kernel_profile'], ceiling['kernel_profile'])
           r['attention_kernel_matched_s'] = mine - theirs
           r['attention_kernel_matched_over_floor'] = (

@@ -849,6 +849,15 @@ class TestSupportAndSchedule:
       private_attention(jnp.zeros((8, 128, 64), jnp.bfloat16), kv, kv,
                         jnp.zeros((16, 4), jnp.int32), jnp.zeros((16,), jnp.int32), None, None,
                         None, None, None, problem, scale=0.125, interpret=True)
+    # Token runs: only with token lanes, and only when a lane holds every kv head.
+    with pytest.raises(ValueError, match='token_runs needs token lanes'):
+      pp.PrivateProblem(8, 1, 1, 1, 64, 16, token_runs=True)
+    problem = pp.PrivateProblem(8, 1, 1, 1, 8, 16, lane_heads=8, token_runs=True)
+    kv = jnp.zeros((64, 16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match='token_runs needs lanes of every kv head .* K=16'):
+      private_attention(jnp.zeros((16, 128, 64), jnp.bfloat16), kv, kv,
+                        jnp.zeros((8, 4), jnp.int32), jnp.zeros((8,), jnp.int32), None, None,
+                        None, None, None, problem, scale=0.125, interpret=True)
 
   def test_config_from_knobs(self):
     """`MosaicGpuConfig.from_knobs` (experiments' --mosaic_gpu_knobs): names and values checked."""

@@ -1,7 +1,9 @@
 """s46's CodeLlama-7B decode steps (`../s46/call2/grid*_throughput.jsonl`) as raw records of
 a57ff0f's `models.decode_benchmark`: the profiled step's private tokens (`kernel_suffix`: it ran
 right after the timed steps), the timed steps' mean (`suffix_mid`), the Mosaic kernels' own sum
-(`impl_kernels_s`, both of them are in each record's top 16). Then, from the repository root:
+(`impl_kernels_s`, both of them are in each record's top 16), and as `kernel_profile` the top 16
+kernels s46 kept (not every kernel: the matched share is then over those 16 of each step).
+Then, from the repository root:
 
   python3 experiments/results/mosaic_gpu_check/s47/reread_s46.py
   python3 -m experiments.throughput --rebuild=experiments/results/mosaic_gpu_check/s47/reread_s46/grid1/raw.jsonl \
@@ -25,6 +27,7 @@ for grid in ('grid1', 'grid2'):
         first, steps = r['first_step'], r['steps_timed']
         r['suffix_mid'] = first + (steps - 1) / 2
         r['kernel_suffix'] = first + steps
+        r['kernel_profile'] = r['top_kernels']  # the top 16 only
         if r['mode'] == 'tree':
           r['impl_kernels_s'] = 1e-6 * sum(us for name, us, _ in r['top_kernels']
                                            if 'mosaic_gpu_kernel' in name)
