@@ -54,7 +54,6 @@ machine) is recorded as `untimeable`.
 
 import functools
 import gc
-import itertools
 import json
 import os
 import statistics

@@ -90,7 +90,6 @@ def _check(path, body, n, status, ctype, data) -> None:
 def soak(llama, seconds: float, *, seed: int = 0, warmup: bool = True, log=None) -> dict:
   """Runs the traffic for `seconds`; returns what it saw (asserting every answer on the way)."""
   engine = Engine(llama, SOAK_CONFIG)
-  budget = getattr(engine, 'compiled_shape_budget', None)
   if warmup:
     engine.warmup()  # every shape of the budget before the traffic, as the server's main does
   served = Served(engine)
@@ -159,22 +158,19 @@ def soak(llama, seconds: float, *, seed: int = 0, warmup: bool = True, log=None)
                   counts['answered']))
   return {'samples': samples, 'alive': alive, 'leftover_requests': leftover, **counts,
           'shapes': len(engine.stats.shapes),
-          'budget': budget().num_programs if budget is not None else None}
+          'budget': engine.compiled_shape_budget().num_programs}
 
 
 def _check_soak(result) -> None:
   samples = result['samples']
   assert result['alive'] and result['leftover_requests'] == 0
   assert result['answered'] >= 1 and result['answered'] + result['left'] >= CLIENTS
-  if result['budget'] is not None:
-    assert result['shapes'] <= result['budget'], result
+  assert result['shapes'] <= result['budget'], result
   third = next(s for s in samples if s[0] >= samples[-1][0] / 3)
   assert samples[-1][2] - third[2] <= RSS_GROWTH_BYTES, (third, samples[-1])
   assert samples[-1][3] - third[3] <= MAPS_GROWTH, (third, samples[-1])
 
 
-@pytest.mark.skipif(not hasattr(Engine, 'compiled_shape_budget'),
-                    reason='the engine has no compiled-shape budget yet (helper engine, issue 13)')
 def test_soak_mixed_traffic_bounded_shapes_steady_memory(model):  # noqa: F811
   _check_soak(soak(model, SOAK_S))
 

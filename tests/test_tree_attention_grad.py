@@ -10,7 +10,7 @@ import pytest
 import hydrajax as hj
 from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_attention_differentiable
-from tests.conftest import TOLERANCES, assert_states_close, random_inputs, random_tree
+from tests.conftest import assert_states_close, random_inputs, random_tree
 
 GRAD_TOLERANCES = {
     jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5),
