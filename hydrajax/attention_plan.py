@@ -40,7 +40,7 @@ from hydrajax import dispatch
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.validation import check_tree_attention_inputs
+from hydrajax.validation import FLOAT_DTYPES, check_tree_attention_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +78,28 @@ class AttentionShapes:
           f'AttentionShapes: query heads N={self.num_heads} must be a multiple of kv heads '
           f'K={self.num_kv_heads}'
       )
-    object.__setattr__(self, 'dtype', jnp.dtype(self.dtype))
-    object.__setattr__(self, 'kv_dtype', jnp.dtype(self.kv_dtype or self.dtype))
+    for name in ('dtype', 'kv_dtype'):
+      value = getattr(self, name)
+      value = self.dtype if value is None else value
+      try:
+        value = jnp.dtype(value)
+      except TypeError:
+        raise ValueError(f'AttentionShapes.{name} must be a dtype, got {value!r}') from None
+      if value not in FLOAT_DTYPES:
+        raise ValueError(
+            f'AttentionShapes.{name} must be float32, bfloat16 or float16, got {value}')
+      object.__setattr__(self, name, value)
 
   @classmethod
   def of(cls, q, k_cache) -> 'AttentionShapes':
     """From q [B, T, N, H] and one layer's k_cache [L, K, H] (arrays or ShapeDtypeStructs)."""
+    for name, x, dims in (('q', q, '[B, T, N, H]'), ('k_cache', k_cache, '[L, K, H]')):
+      if len(getattr(x, 'shape', (None,) * 5)) != len(dims.split(',')):
+        raise ValueError(f'{name} must be {dims}, got shape {getattr(x, "shape", None)}')
     b, t, n, h = q.shape
-    length, kh, _ = k_cache.shape
+    length, kh, hk = k_cache.shape
+    if hk != h:
+      raise ValueError(f'head dim H differs: q has {h}, k_cache has {hk}')
     return cls(b, t, n, kh, h, length, q.dtype, k_cache.dtype)
 
   @property
@@ -120,7 +134,9 @@ class AttentionPlan:
 
   def with_private_lengths(self, lengths: jax.Array) -> 'AttentionPlan':
     """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token):
-    leaves swapped, nothing prepared again."""
+    leaves swapped, nothing prepared again. A host (numpy) array stays on the host; concrete
+    values are checked against the page table's capacity and T (`check_private_lengths`)."""
+    lengths = check_private_lengths(lengths, self.layout, self.shapes.query_tokens)
     layout = dataclasses.replace(self.layout, private_lengths=lengths)
     prepared = dispatch.backend(self.impl).with_private_lengths(self.prepared, lengths)
     return dataclasses.replace(self, layout=layout, prepared=prepared)
@@ -182,6 +198,30 @@ def check_scale(scale) -> float | None:
   return scale
 
 
+def check_private_lengths(lengths, layout: TreeLayout, query_tokens: int):
+  """`lengths` as an integer array of the layout's `private_lengths` shape ([B], or [dp, B/dp]
+  for stacked shard plans; lists become numpy), else ValueError naming `lengths`. Concrete
+  values (not traced) must be 0 (a padding row) or in [T, capacity]: the T query tokens are a
+  row's last T private tokens, and no row holds more than its pages."""
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
+  want = tuple(layout.private_lengths.shape)
+  if getattr(lengths, 'shape', None) != want or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f'lengths must be an integer array of shape {want} (one per row), got '
+                     f'{getattr(lengths, "dtype", type(lengths).__name__)}'
+                     f'{list(getattr(lengths, "shape", ()))}')
+  if isinstance(lengths, jax.core.Tracer):
+    return lengths
+  values = np.asarray(lengths).reshape(-1)
+  capacity = layout.private_pages.shape[-1] * layout.page_size
+  bad = (values < 0) | ((values != 0) & ((values < query_tokens) | (values > capacity)))
+  if bad.any():
+    row = int(np.argmax(bad))
+    raise ValueError(f'lengths must be 0 or in [T={query_tokens}, capacity={capacity}] (the '
+                     f"page table's), got {int(values[row])} at row {row}")
+  return lengths
+
+
 def prepare_attention(
     layout: TreeLayout,
     shapes: AttentionShapes,
@@ -205,10 +245,13 @@ def prepare_attention(
   if not isinstance(shapes, AttentionShapes):
     raise ValueError(f'shapes must be an AttentionShapes, got {type(shapes).__name__}')
   check_layout(layout, shapes)
+  if not isinstance(interpret, (bool, np.bool_)):
+    raise ValueError(f'interpret must be True or False, got {interpret!r}')
   interpret = bool(interpret)
   requested = AttentionImpl(impl)
   impl, module = dispatch.resolve_backend(requested, shapes, layout, interpret=interpret)
   default = module.DEFAULT_CONFIG
+  _check_config(config)
   if isinstance(config, tuple):
     config = next((c for c in config if isinstance(c, type(default))), None)
   if config is not None and default is not None and not isinstance(config, type(default)):
@@ -224,10 +267,22 @@ def prepare_attention(
   return AttentionPlan(layout, prepared, impl, shapes, config, interpret)
 
 
+def _check_config(config) -> None:
+  """A backend config is a frozen dataclass (`XlaConfig`, `BlockSizes`, `MosaicGpuConfig`),
+  or a tuple of them: anything else is a mistake AUTO would otherwise ignore."""
+  for c in config if isinstance(config, tuple) else (config,):
+    if c is not None and not dataclasses.is_dataclass(c):
+      raise ValueError(f'config must be a backend config (XlaConfig, MosaicGpuConfig, the TPU '
+                       f'BlockSizes), a tuple of them, or None; got {c!r}')
+
+
 def _check_call(q, k_cache, v_cache, plan: AttentionPlan, kv_offset) -> None:
   if not isinstance(plan, AttentionPlan):
     raise ValueError(f'plan must be an AttentionPlan (prepare_attention), got {type(plan).__name__}')
   s = plan.shapes
+  for name, x in (('q', q), ('k_cache', k_cache), ('v_cache', v_cache)):
+    if not hasattr(x, 'shape') or not hasattr(x, 'dtype'):
+      raise ValueError(f'{name} must be an array, got {type(x).__name__}')
   expected_q = (s.num_rows, s.query_tokens, s.num_heads, s.head_dim)
   if tuple(q.shape) != expected_q:
     raise ValueError(f'q must be [B, T, N, H] = {expected_q} as planned, got {tuple(q.shape)}')
@@ -245,7 +300,12 @@ def _check_call(q, k_cache, v_cache, plan: AttentionPlan, kv_offset) -> None:
         f'dtypes must be q {s.dtype} and k/v {s.kv_dtype} as planned, got q {q.dtype}, '
         f'k {k_cache.dtype}, v {v_cache.dtype}'
     )
-  if isinstance(kv_offset, (int, np.integer)) and not isinstance(kv_offset, bool):
+  concrete_scalar = (isinstance(kv_offset, (np.ndarray, jax.Array)) and
+                     not isinstance(kv_offset, jax.core.Tracer) and kv_offset.shape == () and
+                     jnp.issubdtype(kv_offset.dtype, jnp.integer))
+  if concrete_scalar:  # checked as its value (a host round trip for a device scalar)
+    kv_offset = int(kv_offset)
+  if isinstance(kv_offset, (int, np.integer)) and not isinstance(kv_offset, (bool, np.bool_)):
     page = plan.layout.page_size
     if kv_offset < 0 or kv_offset % page or kv_offset + s.kv_tokens > k_cache.shape[0]:
       raise ValueError(
@@ -299,6 +359,12 @@ def tree_attention(
   (out [B, T, N, H] in q.dtype, lse [B, T, N] float32). The same as
   `attend(q, k, v, prepare_attention(layout, AttentionShapes.of(q, k), ...))`; a model calling
   attention every layer prepares once instead.
+
+  What only the host plan knows (the tokens its layout indexes, its shortest private row) is
+  checked where the layout is the one `to_device()` returned; a layout traced by `jax.jit`
+  has lost it, and a K/V buffer shorter than the plan's `kv_tokens` would be read out of
+  range unnoticed. Under jit, prepare outside (`prepare_attention` checks these facts) and
+  `attend` inside, as the models do, or call once without jit first.
 
   Args:
     impl: see `prepare_attention`.

@@ -38,11 +38,16 @@ class PromptNode:
   def __post_init__(self):
     object.__setattr__(self, 'length', as_int(self.length, 'PromptNode.length'))
     object.__setattr__(self, 'num_samples', as_int(self.num_samples, 'PromptNode.num_samples'))
-    object.__setattr__(self, 'children', tuple(self.children))
+    children = (self.children,) if isinstance(self.children, PromptNode) else self.children
+    object.__setattr__(self, 'children', tuple(children))
+    for child in self.children:
+      if not isinstance(child, PromptNode):
+        raise ValueError(
+            f'PromptNode.children must be PromptNodes, got {child!r} ({type(child).__name__})')
     if self.length < 0:
       raise ValueError(f'PromptNode.length must be >= 0, got {self.length}')
     if self.tokens is not None:
-      object.__setattr__(self, 'tokens', tuple(int(t) for t in self.tokens))
+      object.__setattr__(self, 'tokens', token_ids(self.tokens, 'PromptNode.tokens'))
       if len(self.tokens) != self.length:
         raise ValueError(f'PromptNode.tokens has {len(self.tokens)} ids but length is {self.length}')
     if self.num_samples < 1:
@@ -51,11 +56,19 @@ class PromptNode:
       raise ValueError('num_samples applies to leaves only; give inner nodes children instead')
 
 
+def token_ids(tokens, name: str) -> tuple[int, ...]:
+  """`tokens` (a sequence of integers) as a tuple of ints, else ValueError naming `name`: a
+  float or a string would be cut to an id that is not the token meant."""
+  if isinstance(tokens, (str, bytes)) or not hasattr(tokens, '__iter__'):
+    raise ValueError(f'{name} must be a sequence of integer token ids, got {tokens!r}')
+  return tuple(as_int(t, f'{name}[{i}]') for i, t in enumerate(tokens))
+
+
 def _private_region(num_rows: int, first_token: int, capacity: int, lengths, align: int = 1):
   """(page size, pages, lengths, kv_tokens): one page of `capacity` tokens (rounded up to a
   multiple of `align`) per row after the shared tokens."""
   capacity = as_int(capacity, 'private_capacity')
-  lengths = [lengths] * num_rows if np.isscalar(lengths) else list(lengths)
+  lengths = [np.asarray(lengths).item()] * num_rows if np.ndim(lengths) == 0 else list(lengths)
   lengths = [as_int(n, 'private_lengths') for n in lengths]
   if len(lengths) != num_rows:
     raise ValueError(f'private_lengths needs {num_rows} entries, got {len(lengths)}')
@@ -85,9 +98,11 @@ def plan_tree(
       writes a node attends those tokens as private pages (`models.generate`, pages of
       `PAGE_ALIGN`, which the Mosaic GPU kernels take).
   """
-  roots = (roots,) if isinstance(roots, PromptNode) else tuple(roots)
-  if not roots:
-    raise ValueError('plan_tree needs at least one root')
+  roots = (roots,) if isinstance(roots, PromptNode) else roots
+  if not isinstance(roots, (list, tuple)) or not roots or any(
+      not isinstance(root, PromptNode) for root in roots):
+    raise ValueError(f'roots must be a PromptNode or a non-empty sequence of them, got {roots!r}')
+  roots = tuple(roots)
   segment_align = as_int(segment_align, 'segment_align')
   if segment_align < 1:
     raise ValueError(f'segment_align must be >= 1, got {segment_align}')
@@ -144,9 +159,12 @@ def plan_from_tokens(sequences: Sequence[Sequence[int]], *, max_new_tokens: int 
   `max_new_tokens` generated tokens; the page size (one page per row) is that
   rounded up to a multiple of `PAGE_ALIGN`, so that every kernel accepts the layout.
   """
-  seqs = [tuple(int(t) for t in s) for s in sequences]
+  if isinstance(sequences, (str, bytes)) or not hasattr(sequences, '__iter__'):
+    raise ValueError(f'sequences must be a list of token-id lists, got {sequences!r}')
+  seqs = [token_ids(s, f'sequences[{i}]') for i, s in enumerate(sequences)]
   if not seqs:
     raise ValueError('plan_from_tokens needs at least one sequence')
+  max_new_tokens = as_int(max_new_tokens, 'max_new_tokens')
   if max_new_tokens < 0:
     raise ValueError(f'max_new_tokens must be >= 0, got {max_new_tokens}')
   segments: list[Segment] = []

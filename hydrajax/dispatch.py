@@ -33,6 +33,16 @@ class AttentionImpl(enum.Enum):
   MOSAIC_GPU = 'mosaic_gpu'  # Pallas Mosaic GPU kernels (Hopper)
   MOSAIC_TPU = 'mosaic_tpu'  # Pallas Mosaic TPU kernels
 
+  @classmethod
+  def _missing_(cls, value):
+    """Names in any case ('XLA'); else a ValueError listing the names."""
+    if isinstance(value, str):
+      for member in cls:
+        if member.value == value.lower():
+          return member
+    raise ValueError(
+        f'impl must be an AttentionImpl or one of {[m.value for m in cls]}, got {value!r}')
+
 
 class AttentionFallbackWarning(UserWarning):
   """AUTO could not use this machine's kernel and runs XLA instead (the message says why)."""

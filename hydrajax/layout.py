@@ -56,6 +56,9 @@ class Segment:
     return self.row_end - self.row_begin
 
 
+MAX_KV_TOKENS = 2**31 - 1
+
+
 def as_int(value, name: str) -> int:
   """`value` as a Python int (ints and numpy integers), else ValueError naming `name`."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -140,6 +143,11 @@ class SharingPlan:
     """
     if policy is None:
       policy = LayoutPolicy.BUCKETED if bucket else LayoutPolicy.EXACT
+    if not isinstance(policy, LayoutPolicy):
+      raise ValueError(f'policy must be a LayoutPolicy (e.g. LayoutPolicy.BUCKETED) or None, got '
+                       f'{policy!r}')
+    if max_private_pages is not None:
+      max_private_pages = as_int(max_private_pages, 'max_private_pages')
     return build_layout(self, policy, max_private_pages=max_private_pages)
 
 
@@ -155,6 +163,9 @@ def _check_plan(plan: SharingPlan) -> None:
     raise ValueError(f'num_rows must be >= 1, got {plan.num_rows}')
   if plan.page_size < 1:
     raise ValueError(f'page_size must be >= 1, got {plan.page_size}')
+  if plan.kv_tokens > MAX_KV_TOKENS:  # device token indices are int32
+    raise ValueError(f'kv_tokens must be at most {MAX_KV_TOKENS} (int32 token indices), got '
+                     f'{plan.kv_tokens}')
   if len(plan.private_pages) != plan.num_rows or len(plan.private_lengths) != plan.num_rows:
     raise ValueError(
         f'private_pages and private_lengths need one entry per row ({plan.num_rows}), '
@@ -209,7 +220,7 @@ def bucket_size(n: int, minimum: int = 1) -> int:
 
   Wastes at most 25% (and nothing at powers of two), so similar trees share a compile.
   """
-  n = max(n, minimum)
+  n = max(as_int(n, 'n'), as_int(minimum, 'minimum'))
   if n <= 4:
     return n
   base = 1 << (n.bit_length() - 1)

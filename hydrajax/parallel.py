@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hydrajax.attention_plan import attend, tree_attention
+from hydrajax.attention_plan import AttentionShapes, attend, check_layout, tree_attention
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout, host_layout
 from hydrajax.partial_state import PartialState
+from hydrajax.validation import check_tree_attention_inputs
 
 TP = 'tp'  # tensor parallelism: heads
 DP = 'dp'  # data parallelism: independent sharing groups
@@ -131,6 +132,11 @@ def tree_attention_sharded(
   (MQA, or 8 kv heads on 16 devices): the cache is replicated and each device
   reads the one kv head of its query heads.
   """
+  if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)):
+    raise ValueError(f'mesh must be a jax.sharding.Mesh (jax.make_mesh), got {type(mesh).__name__}')
+  # On the whole arrays, before sharding: inside shard_map the layout's host facts are gone.
+  check_tree_attention_inputs(q, k_cache, v_cache, layout)
+  check_layout(layout, AttentionShapes.of(q, k_cache))
   if head_axis not in mesh.shape:
     raise ValueError(f'head_axis {head_axis!r} is not an axis of the mesh {dict(mesh.shape)}')
   tp = mesh.shape[head_axis]

@@ -52,10 +52,28 @@ def merge_stacked(outs: jax.Array, lses: jax.Array) -> PartialState:
   return PartialState(acc / jnp.where(total > 0, total, 1.0)[..., None], lse)
 
 
+def _as_state(state, name: str) -> PartialState:
+  """A state as `PartialState` (a plain `(out, lse)` pair too), its shapes checked."""
+  if not isinstance(state, tuple) or len(state) != 2:
+    raise ValueError(f'{name} must be a PartialState or an (out, lse) pair, got '
+                     f'{type(state).__name__}')
+  out, lse = state
+  if getattr(out, 'ndim', 0) < 1 or getattr(lse, 'shape', None) != tuple(out.shape[:-1]):
+    raise ValueError(f'{name}: lse must have out\'s shape without its last axis, got out '
+                     f'{getattr(out, "shape", None)} and lse {getattr(lse, "shape", None)}')
+  return PartialState(out, lse)
+
+
 def merge_many(states: Sequence[PartialState], out_dtype=None) -> PartialState:
-  """N-way merge of partial states over disjoint key sets (same shapes)."""
+  """N-way merge of partial states over disjoint key sets (same shapes; an `(out, lse)` pair
+  is a state too). An lse is finite or -inf (NaN or +inf are no attention's result)."""
   if not states:
     raise ValueError('merge_many needs at least one state')
+  states = [_as_state(s, f'states[{i}]') for i, s in enumerate(states)]
+  for i, s in enumerate(states[1:], 1):
+    if s.out.shape != states[0].out.shape:
+      raise ValueError(f'states must share one shape: states[0].out is {states[0].out.shape}, '
+                       f'states[{i}].out is {s.out.shape}')
   out_dtype = out_dtype or states[0].out.dtype
   merged = merge_stacked(jnp.stack([s.out.astype(jnp.float32) for s in states]),
                          jnp.stack([s.lse.astype(jnp.float32) for s in states]))
@@ -64,4 +82,4 @@ def merge_many(states: Sequence[PartialState], out_dtype=None) -> PartialState:
 
 def merge(a: PartialState, b: PartialState, out_dtype=None) -> PartialState:
   """2-way merge; see the module docstring."""
-  return merge_many([a, b], out_dtype)
+  return merge_many([_as_state(a, 'a'), _as_state(b, 'b')], out_dtype)

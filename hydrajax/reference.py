@@ -21,6 +21,18 @@ def naive_attention(
     scale: float | None = None,
 ) -> PartialState:
   """Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] float32); computes in float32."""
+  if getattr(q, 'ndim', None) != 4:
+    raise ValueError(f'q must be [B, T, N, H], got shape {getattr(q, "shape", None)}')
+  for name, x in (('k', k), ('v', v)):
+    if getattr(x, 'ndim', None) != 4 or x.shape[0] != q.shape[0] or x.shape[3] != q.shape[3]:
+      raise ValueError(f'{name} must be [B={q.shape[0]}, S, K, H={q.shape[3]}], got shape '
+                       f'{getattr(x, "shape", None)}')
+  if k.shape != v.shape or k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+    raise ValueError(f'k {k.shape} and v {v.shape} must share one shape whose K divides '
+                     f'N={q.shape[2]}')
+  if getattr(kv_lengths, 'shape', None) != (q.shape[0],):
+    raise ValueError(f'kv_lengths must be [B={q.shape[0]}], got shape '
+                     f'{getattr(kv_lengths, "shape", None)}')
   out_dtype = q.dtype
   if k.shape[1] == 0:  # no keys at all: the empty state
     return PartialState(jnp.zeros(q.shape, out_dtype), jnp.full(q.shape[:-1], -jnp.inf))

@@ -9,6 +9,9 @@ def _rows(begin: int, end: int) -> str:
 
 def render_plan(plan: SharingPlan, *, max_children: int = 6) -> str:
   """Draws the segment tree, one line per segment; long sibling lists are elided."""
+  if not isinstance(plan, SharingPlan):
+    raise ValueError(f'plan must be a SharingPlan (the host plan, not its device layout), got '
+                     f'{type(plan).__name__}')
   children: dict[int, list[int]] = {}
   for j, s in enumerate(plan.segments):
     children.setdefault(s.parent, []).append(j)

@@ -244,6 +244,8 @@ class SharingPolicy:
 
   def demoted(self, plan: SharingPlan, *, group_size: int | None = None) -> tuple[int, ...]:
     """Indices (ascending) of the segments that `apply` demotes; see the module docstring."""
+    if not isinstance(plan, SharingPlan):
+      raise ValueError(f'plan must be a SharingPlan, got {type(plan).__name__}')
     chosen = []
     tail_demoted = np.ones(plan.num_rows, bool)  # every later non-empty path segment is demoted
     for j in reversed(range(len(plan.segments))):

@@ -118,7 +118,8 @@ def merge_along_paths(dense: PartialState, index, outs, lses, out_dtype=None) ->
 def sum_along_paths(dense, index, items):
   """dense [B, ...] plus, for every row, the items [M, ...] of the segments on its path
   (gathered at `path_item_index`), in float32: what scatter-adding the items into their rows
-  would give."""
+  would give. An index past the items reads the last one (a gather clamps): pass the layout's
+  own `path_item_index`."""
   if items.shape[1:] != dense.shape[1:]:
     raise ValueError(f'items must be [M, {", ".join(map(str, dense.shape[1:]))}] like dense\'s '
                      f'rows, got {list(items.shape)}')
@@ -128,7 +129,7 @@ def sum_along_paths(dense, index, items):
 
 
 def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
-  """LSE-merges partial states into their rows (rows == num_rows are dropped).
+  """LSE-merges partial states into their rows (rows == num_rows, or past it, are dropped).
 
   rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. Rows that receive
   nothing get (0, -inf). A state every row has once, in row order (its private

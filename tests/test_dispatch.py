@@ -57,7 +57,7 @@ def test_auto_on_cpu_picks_xla(problem):
 
 def test_unknown_impl_raises(problem):
   _, args = problem
-  with pytest.raises(ValueError, match="'cuda' is not a valid AttentionImpl"):
+  with pytest.raises(ValueError, match=r"impl must be an AttentionImpl or one of \['auto', 'xla', 'mosaic_gpu', 'mosaic_tpu'\], got 'cuda'"):
     hj.tree_attention(*args, impl='cuda')
 
 

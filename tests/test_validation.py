@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hydrajax as hj
@@ -108,7 +109,7 @@ def test_bad_prompt_nodes_raise(kwargs, match):
 @pytest.mark.parametrize(
     'roots, kwargs, match',
     [
-        ([], dict(private_capacity=2), r'plan_tree needs at least one root'),
+        ([], dict(private_capacity=2), r'roots must be a PromptNode or a non-empty sequence'),
         (
             hj.PromptNode(3, num_samples=2),
             dict(private_capacity=2, private_lengths=[1]),
@@ -312,6 +313,118 @@ def test_bad_kv_offset_raises():
 def test_float_lengths_raise(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+def test_concrete_array_kv_offsets_are_range_checked():
+  plan, q, _ = _small_problem()
+  layers = jax.random.normal(jax.random.key(7), (2 * plan.kv_tokens, 2, 8))
+  p = hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, layers[:plan.kv_tokens]))
+  for offset in (jnp.int32(10**6), jnp.int32(-4), np.array(3)):
+    with pytest.raises(ValueError, match='kv_offset must be a multiple of page_size=4'):
+      hj.attend(q, layers, layers, p, kv_offset=offset)
+  second = hj.attend(q, layers, layers, p, kv_offset=jnp.int32(plan.kv_tokens))
+  expected = hj.tree_attention(q, layers[plan.kv_tokens:], layers[plan.kv_tokens:], plan.to_device())
+  np.testing.assert_allclose(second.out, expected.out, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_private_lengths_of_a_prepared_plan_raise():
+  plan, q, kv = _small_problem()
+  p = hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, kv))
+  b, capacity = plan.num_rows, p.layout.max_private_tokens
+  for lengths, match in [
+      (jnp.full((b,), capacity + 1, jnp.int32),
+       rf'lengths must be 0 or in \[T=1, capacity={capacity}\].*got {capacity + 1} at row 0'),
+      (np.full((b,), -5, np.int32), 'got -5 at row 0'),
+      (jnp.ones((b,), jnp.float32), rf'lengths must be an integer array of shape \({b},\)'),
+      (jnp.ones((b + 3,), jnp.int32), rf'of shape \({b},\)'),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      p.with_private_lengths(lengths)
+  swapped = p.with_private_lengths([1] * b)  # a list is a host array
+  assert swapped.layout.private_lengths.tolist() == [1] * b
+  padded = p.with_private_lengths(np.array([0] + [1] * (b - 1), np.int32))  # 0: a padding row
+  assert padded.layout.private_lengths[0] == 0
+
+
+def test_prepared_plans_refuse_what_tree_attention_refuses():
+  plan, q, kv = _small_problem()
+  with pytest.raises(ValueError, match='AttentionShapes.dtype must be float32'):
+    hj.AttentionShapes.of(q.astype(jnp.int32), kv)
+  with pytest.raises(ValueError, match='AttentionShapes.kv_dtype must be float32'):
+    hj.AttentionShapes.of(q, kv.astype(jnp.int32))
+  with pytest.raises(ValueError, match='AttentionShapes.dtype must be a dtype'):
+    hj.AttentionShapes(1, 1, 1, 1, 1, 1, 'foo')
+  with pytest.raises(ValueError, match=r'q must be \[B, T, N, H\]'):
+    hj.AttentionShapes.of(q[0], kv)
+  with pytest.raises(ValueError, match='head dim H differs'):
+    hj.AttentionShapes.of(q, kv[..., :2])
+  p = hj.prepare_attention(plan.to_device(), hj.AttentionShapes.of(q, kv))
+  with pytest.raises(ValueError, match='q must be an array'):
+    hj.attend(q.tolist(), kv, kv, p)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(impl='foo'), r"impl must be an AttentionImpl or one of \['auto', 'xla'"),
+    (dict(impl=3), 'impl must be'),
+    (dict(config=3), 'config must be a backend config'),
+    (dict(config=(hj.XlaConfig(), 'x')), 'config must be a backend config'),
+    (dict(interpret='no'), 'interpret must be True or False'),
+])
+def test_bad_implementation_arguments_raise(kwargs, match):
+  plan, q, kv = _small_problem()
+  with pytest.raises(ValueError, match=match):
+    hj.tree_attention(q, kv, kv, plan.to_device(), **kwargs)
+
+
+def test_impl_names_in_any_case():
+  assert hj.AttentionImpl('XLA') is hj.AttentionImpl.XLA
+  assert hj.AttentionImpl('Mosaic_GPU') is hj.AttentionImpl.MOSAIC_GPU
+
+
+def test_bad_merges_raise():
+  state = hj.PartialState(jnp.ones((1, 2)), jnp.zeros((1,)))
+  with pytest.raises(ValueError, match=r'states must share one shape.*states\[1\]'):
+    hj.merge(state, hj.PartialState(jnp.ones((1, 3)), jnp.zeros((1,))))
+  with pytest.raises(ValueError, match="a: lse must have out's shape without its last axis"):
+    hj.merge(hj.PartialState(state.out, jnp.zeros((1, 2))), state)
+  with pytest.raises(ValueError, match=r'states\[0\] must be a PartialState or an \(out, lse\)'):
+    hj.merge_many([state.out])
+  pair = hj.merge((state.out, state.lse), (state.out, state.lse))  # a pair is a state
+  np.testing.assert_allclose(pair.out, state.out)
+  np.testing.assert_allclose(pair.lse, np.log(2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize('make, match', [
+    (lambda: hj.plan_from_tokens([[1.9, 2.5], [1.2, 2.0]]), r'sequences\[0\]\[0\] must be an integer'),
+    (lambda: hj.plan_from_tokens(['12', '13']), r'sequences\[0\] must be a sequence of integer'),
+    (lambda: hj.plan_from_tokens([[True, False]]), r'sequences\[0\]\[0\] must be an integer'),
+    (lambda: hj.plan_from_tokens([1, 2]), r'sequences\[0\] must be a sequence'),
+    (lambda: hj.plan_from_tokens('abc'), 'sequences must be a list of token-id lists'),
+    (lambda: hj.plan_from_tokens([[1, 2]], max_new_tokens=2.5), 'max_new_tokens must be an integer'),
+    (lambda: hj.PromptNode(2, tokens=(1.7, 2.2)), r'PromptNode.tokens\[0\] must be an integer'),
+    (lambda: hj.PromptNode(4, children=(5,)), 'PromptNode.children must be PromptNodes'),
+    (lambda: hj.plan_tree(None, private_capacity=4), 'roots must be a PromptNode'),
+    (lambda: hj.SharingPlan(1, (), 1, ((0,),), (0,), 2**33), 'kv_tokens must be at most'),
+    (lambda: _plan().to_device(policy='pow2'), 'policy must be a LayoutPolicy'),
+    (lambda: _plan().to_device(max_private_pages=2.5), 'max_private_pages must be an integer'),
+    (lambda: hj.bucket_size(10.5), 'n must be an integer'),
+    (lambda: hj.render_plan(_plan().to_device()), 'plan must be a SharingPlan'),
+    (lambda: hj.SharingPolicy.default().apply(None), 'plan must be a SharingPlan'),
+    (lambda: hj.naive_attention(jnp.ones((1, 1, 3, 4)), jnp.ones((1, 2, 2, 4)),
+                                jnp.ones((1, 2, 2, 4)), jnp.ones(1, jnp.int32)), 'K divides N=3'),
+])
+def test_bad_builder_and_helper_arguments_raise(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_builders_take_what_users_pass():
+  node = hj.PromptNode(4, children=hj.PromptNode(2))  # one child without a tuple
+  assert node.children == (hj.PromptNode(2),)
+  plan = hj.plan_tree(node, private_capacity=4, private_lengths=np.array(1))  # a 0-d array
+  assert plan.private_lengths == (1,)
+  tokens = hj.plan_from_tokens([np.array([1, 2, 3]), (1, 2, 4)])  # numpy ids
+  assert tokens.segment_tokens == ((1, 2),)
 
 
 def test_deep_prefix_chains_plan_without_recursion():
