@@ -44,11 +44,15 @@ import hydrajax
 from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
                       TreeLayout)
 from hydrajax.builders import PAGE_ALIGN
+from hydrajax.layout import as_int
 from hydrajax.parallel import ShardedLayout
+from hydrajax.validation import FLOAT_DTYPES
 from models import sharding_rules as sr
+from models.engine.requests import check_prompt
 from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
-from models.sampling import SamplingParams, SamplingRows, row_keys, sample_batch
+from models.sampling import (SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch,
+                             token_ids)
 
 NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
 # Private regions are rounded up to this many tokens: the KV buffer length and the
@@ -57,12 +61,14 @@ PRIVATE_ALIGN = 64
 # Prefill rows attend their own node's tokens as private pages of this many tokens; every
 # node's first KV token is a multiple of it.
 PREFILL_PAGE = PAGE_ALIGN
+# Token ids ride to the device as int32: without a vocab (`plan_prompts`) they must fit it.
+ID_LIMIT = 2**31
 
 
 def prompt_node(tokens: Sequence[int], children: Sequence[PromptNode] = (), *,
                 num_samples: int = 1, label: str = '') -> PromptNode:
-  """A `PromptNode` holding its token ids."""
-  tokens = tuple(int(t) for t in tokens)
+  """A `PromptNode` holding its token ids (integers >= 0: 3.7 is refused, not cut to 3)."""
+  tokens = token_ids('tokens', tokens)
   return PromptNode(len(tokens), tuple(children), num_samples, label, tokens)
 
 
@@ -101,21 +107,33 @@ class _Node:
   prompt_id: int = -1  # leaves: output group
 
 
-def _from_prompt_nodes(roots: Sequence[PromptNode]) -> list[_Node]:
+def _from_prompt_nodes(roots: Sequence[PromptNode], vocab_size: int) -> list[_Node]:
   leaf_count = 0
 
-  def convert(node: PromptNode) -> _Node:
+  def convert(node: PromptNode, name: str) -> _Node:
     nonlocal leaf_count
     if node.tokens is None and node.length:
       raise ValueError('generate needs token ids on every PromptNode (use prompt_node(tokens))')
+    if node.tokens:  # inner nodes and leaves may be empty
+      _checked_ids(f'{name}.tokens', node.tokens, vocab_size)
     out = _Node(node.tokens or (), [], node.num_samples)
     if node.children:
-      out.children = [convert(c) for c in node.children]
+      out.children = [convert(c, f'{name}.children[{i}]') for i, c in enumerate(node.children)]
     else:
       out.prompt_id, leaf_count = leaf_count, leaf_count + 1
     return out
 
-  return [convert(r) for r in roots]
+  return [convert(r, f'prompts[{i}]') for i, r in enumerate(roots)]
+
+
+def _checked_ids(name: str, tokens, vocab_size: int) -> list[int]:
+  """`check_prompt` (the engine's), its ValueError prefixed with the argument's `name`."""
+  if hasattr(tokens, '__len__') and not isinstance(tokens, (str, bytes)) and len(tokens) == 0:
+    raise ValueError(f'{name} is empty: every sequence needs >= 1 prompt token')
+  try:
+    return check_prompt(tokens, vocab_size).tolist()
+  except ValueError as e:
+    raise ValueError(f'{name}: {e}') from None
 
 
 def _from_token_lists(sequences: Sequence[Sequence[int]], num_samples: int) -> list[_Node]:
@@ -186,29 +204,44 @@ class TreePrompts:
     return self.plan.kv_tokens
 
 
-def prompt_forest(prompts, *, num_samples: int = 1) -> list[_Node]:
-  """The forest of a `PromptNode` forest with tokens, or of token lists (shared prefixes found)."""
-  if num_samples < 1:
+def prompt_forest(prompts, *, num_samples: int = 1, vocab_size: int = ID_LIMIT) -> list[_Node]:
+  """The forest of a `PromptNode` forest with tokens, or of token lists (shared prefixes found).
+
+  Every token id must be an integer in [0, vocab_size): ValueError naming `prompts` otherwise.
+  """
+  if as_int(num_samples, 'num_samples') < 1:
     raise ValueError(f'num_samples must be >= 1, got {num_samples}')
   if isinstance(prompts, PromptNode):
     prompts = [prompts]
+  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, '__iter__'):
+    raise ValueError(f'prompts must be a PromptNode forest or a list of token-id lists, got '
+                     f'{prompts!r}')
   prompts = list(prompts)
   if not prompts:
     raise ValueError('prompts must not be empty')
   if all(isinstance(p, PromptNode) for p in prompts):
     if num_samples != 1:
       raise ValueError('with PromptNode trees, give num_samples on the leaves (num_samples=1 here)')
-    return _from_prompt_nodes(prompts)
+    return _from_prompt_nodes(prompts, vocab_size)
   if any(isinstance(p, PromptNode) for p in prompts):
     raise ValueError('prompts must be all PromptNodes or all token lists')
-  return _from_token_lists(prompts, num_samples)
+  if not hasattr(prompts[0], '__len__'):  # one flat prompt instead of a list of them
+    raise ValueError(f'prompts must be a list of token-id lists, got a list of {prompts[0]!r}: '
+                     f'give one prompt as [tokens]')
+  ids = [_checked_ids(f'prompts[{i}]', p, vocab_size) for i, p in enumerate(prompts)]
+  return _from_token_lists(ids, num_samples)
 
 
 def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreePrompts:
   """Plans a forest of `PromptNode`s with tokens, or token lists, for `max_new_tokens`."""
-  if max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  _check_max_new_tokens(max_new_tokens)
   return plan_forest(prompt_forest(prompts, num_samples=num_samples), max_new_tokens)
+
+
+def _check_max_new_tokens(max_new_tokens) -> int:
+  if as_int(max_new_tokens, 'max_new_tokens') < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  return int(max_new_tokens)
 
 
 def private_capacity(max_new_tokens: int) -> int:
@@ -635,47 +668,59 @@ def generate(
       runs padding rows); the outputs are the same, in the same order.
     prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
       `num_samples`), or a list of token-id lists (shared prefixes found
-      automatically, `num_samples` each).
+      automatically, `num_samples` each). Ids are integers in [0, vocab_size), checked
+      as the engine checks a prompt (`check_prompt`).
     max_new_tokens: tokens generated per sequence (fewer after a stop token).
     num_samples: samples per token list.
     sampling: a `SamplingParams` (`SamplingConfig` is the same class): greedy (default),
       temperature, top-k, top-p, min-p, stop tokens and sequences, log-probs (`logprobs`,
       `top_logprobs`), and a seed that overrides `seed`; its `max_new_tokens` and `n`
       are not used (this function's arguments say them).
-    seed: the random seed of sampling (keys depend on (seed, prompt, sample, token index)).
-    stop_tokens: ids that end a sequence (the stop token is returned), with sampling's.
+    seed: the random seed of sampling in [0, 2**32) (keys depend on (seed, prompt, sample,
+      token index)).
+    stop_tokens: ids in [0, vocab_size) that end a sequence (the stop token is returned),
+      with sampling's.
     return_logprobs: also return the model log-probs of the generated tokens.
     impl: attention for decode: an `AttentionImpl` (or its string), or a `ModelMode`:
       TREE (AUTO), NO_ATTENTION, DENSE (alias `NAIVE`: dense per-sequence caches, the
       ground truth).
     prefill_impl: attention for prefill (default: XLA when impl is XLA, else AUTO).
     prefill_chunk: prefill tokens per node per model call.
-    cache_dtype: KV cache dtype (default: the model's).
+    cache_dtype: KV cache dtype: float32, bfloat16 or float16 (default: the model's).
     interpret: run the Mosaic kernels in interpret mode (e.g. impl='mosaic_tpu' on a CPU).
     sharing_policy: which shared segments decode reads per sequence instead of batched
       (`SharingPolicy`, applied once to the decode tree; None: `SharingPolicy.default()`,
-      the measured break-even points; `SharingPolicy.never()` keeps every segment shared).
+      the measured break-even points; `SharingPolicy.never()` keeps every segment shared;
+      a string such as 'never' is refused).
       The tokens are the same either way. Only whole aligned pages move (the decode plan's
       page is `max_new_tokens` rounded up to PRIVATE_ALIGN), so most segments of token
       prompts stay shared whatever the policy.
   """
   _check_mesh(model, impl)
   static = _static_sampling(sampling)
-  stop_tokens = tuple(stop_tokens) + tuple(t for t in sampling.stop_tokens if t not in stop_tokens)
+  vocab = model.config.vocab_size
+  stop_tokens = _stop_ids('stop_tokens', stop_tokens, vocab)
+  stop_tokens += tuple(t for t in _stop_ids('sampling.stop_tokens', sampling.stop_tokens, vocab)
+                       if t not in stop_tokens)
   return_logprobs = return_logprobs or sampling.wants_logprobs
+  _check_seed(seed)
   if sampling.seed is not None:
     seed = sampling.seed
   sampling = static
-  if max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
-  forest = prompt_forest(prompts, num_samples=num_samples)
+  max_new_tokens = _check_max_new_tokens(max_new_tokens)
+  if as_int(prefill_chunk, 'prefill_chunk') < 1:
+    raise ValueError(f'prefill_chunk must be >= 1, got {prefill_chunk}')
+  dtype = _cache_dtype(cache_dtype, model.dtype)
+  if sharing_policy is not None and not isinstance(sharing_policy, SharingPolicy):
+    raise ValueError(f'sharing_policy must be a SharingPolicy (e.g. SharingPolicy.never()) or '
+                     f'None, got {sharing_policy!r}')
+  forest = prompt_forest(prompts, num_samples=num_samples, vocab_size=vocab)
   dp = sr.axis_size(model.mesh, sr.DP)
   if dp > 1:  # each dp shard its own sharing groups (models.data_parallel)
     from models import data_parallel  # it builds on this module
     tp = data_parallel.plan_shards(forest, dp, max_new_tokens)
   else:
     tp = plan_forest(forest, max_new_tokens)
-  dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
   graphdef, params = nnx.split(model)
@@ -719,6 +764,32 @@ def generate(
       top_tokens=np.asarray(state.top_tokens)[order] if sampling.top_logprobs else None,
       top_logprobs=np.asarray(state.top_logprobs)[order] if sampling.top_logprobs else None,
   )
+
+
+def _stop_ids(name: str, value, vocab_size: int) -> tuple[int, ...]:
+  """Stop tokens checked as `SamplingParams` checks its own, and against the vocab."""
+  ids = token_ids(name, value)
+  if any(t >= vocab_size for t in ids):
+    raise ValueError(f'{name} must be token ids in [0, {vocab_size}), got {ids}')
+  return ids
+
+
+def _check_seed(seed) -> None:
+  if not 0 <= as_int(seed, 'seed') < SEED_LIMIT:
+    raise ValueError(f'seed must be in [0, 2**32), got {seed}')
+
+
+def _cache_dtype(cache_dtype, default):
+  """The KV dtype: None (the model's) or a float dtype the attention kernels take."""
+  if cache_dtype is None:
+    return default
+  try:
+    dtype = jnp.dtype(cache_dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in FLOAT_DTYPES:
+    raise ValueError(f'cache_dtype must be None, float32, bfloat16 or float16, got {cache_dtype!r}')
+  return dtype
 
 
 def _check_mesh(model: Llama, impl) -> None:

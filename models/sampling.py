@@ -5,7 +5,9 @@ On the device, sampling is batched with per-row parameters (`SamplingRows`:
 temperature, top-k, top-p, min-p per row), so one compiled step serves a batch
 of mixed requests. The distribution of a row is, in this order:
 
-1. logits / temperature (temperature 0: greedy, the argmax of the raw logits);
+1. logits / temperature (temperature 0: greedy, the argmax of the raw logits), computed as
+   (logits - max) / temperature, so a tiny temperature tends to the argmax instead of
+   overflowing;
 2. top-k: tokens whose scaled logit is below the k-th largest are dropped;
 3. top-p: of what is left, renormalized and sorted, a token is kept while the
    mass of strictly more likely tokens is below p (the least likely kept
@@ -41,6 +43,9 @@ import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
+# Temperatures are in [0, MAX_TEMPERATURE] (the server's bound): above it the distribution is
+# uniform to float32 precision anyway, and 1e39 would be inf on the device.
+MAX_TEMPERATURE = 1e6
 
 
 def _is_int(value) -> bool:
@@ -51,7 +56,7 @@ def _is_number(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _token_ids(name: str, value, *, allow_empty: bool = True) -> tuple[int, ...]:
+def token_ids(name: str, value, *, allow_empty: bool = True) -> tuple[int, ...]:
   """A tuple of non-negative int token ids from a sequence; ValueError naming `name`."""
   if isinstance(value, (str, bytes)) or _is_int(value) or not isinstance(
       value, (collections.abc.Sequence, np.ndarray)):
@@ -74,7 +79,8 @@ class SamplingParams:
 
   Attributes:
     max_new_tokens: tokens to generate (fewer after a stop); `generate` takes its own.
-    temperature: 0 is greedy; > 0 samples from softmax(logits / temperature), filtered.
+    temperature: 0 is greedy; > 0 samples from softmax(logits / temperature), filtered; at
+      most MAX_TEMPERATURE (1e6). A tiny temperature (1e-30) draws the argmax, its limit.
     top_k: keep the k most likely tokens (0: all).
     top_p: keep the smallest set of most likely tokens whose mass reaches p (1: all).
     min_p: drop tokens less likely than min_p times the most likely one (0: none).
@@ -122,18 +128,18 @@ class SamplingParams:
       object.__setattr__(self, name, float(value))
 
     integer('max_new_tokens', 1)
-    real('temperature', 0.0, math.inf)
+    real('temperature', 0.0, MAX_TEMPERATURE)
     integer('top_k', 0)
     real('top_p', 0.0, 1.0, open_low=True)
     real('min_p', 0.0, 1.0)
     if self.seed is not None:
       integer('seed', 0, SEED_LIMIT - 1)
-    object.__setattr__(self, 'stop_tokens', _token_ids('stop_tokens', self.stop_tokens))
+    object.__setattr__(self, 'stop_tokens', token_ids('stop_tokens', self.stop_tokens))
     seqs = self.stop_sequences
     if isinstance(seqs, (str, bytes)) or not isinstance(seqs, collections.abc.Sequence):
       raise ValueError(f'stop_sequences must be a sequence of token-id sequences, got {seqs!r}')
     object.__setattr__(self, 'stop_sequences', tuple(
-        _token_ids(f'stop_sequences[{i}]', s, allow_empty=False) for i, s in enumerate(seqs)))
+        token_ids(f'stop_sequences[{i}]', s, allow_empty=False) for i, s in enumerate(seqs)))
     if not isinstance(self.logprobs, (bool, np.bool_)):
       raise ValueError(f'logprobs must be True or False, got {self.logprobs!r}')
     object.__setattr__(self, 'logprobs', bool(self.logprobs))
@@ -265,7 +271,8 @@ def request_keys(seeds: jax.Array, streams: jax.Array, indices: jax.Array) -> ja
 
 
 def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
-  """logits [B, V] -> scaled logits [B, V] float32, -inf where top-k, top-p or min-p drop.
+  """logits [B, V] -> scaled logits [B, V] float32 ((logits - row max) / temperature), -inf
+  where top-k, top-p or min-p drop.
 
   Rows with temperature 0 are scaled by 1 (they take the argmax anyway). The sort that
   top-k and top-p need runs only when some row uses them (`rows.mode` FILTER, or decided on
@@ -275,7 +282,13 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
   top_k = jnp.asarray(rows.top_k, jnp.int32)
   top_p = jnp.asarray(rows.top_p, jnp.float32)
   min_p = jnp.asarray(rows.min_p, jnp.float32)
-  x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
+  x = logits.astype(jnp.float32)
+  # Shifted so the max is 0 before the division: a tiny t sends the rest to -inf (the argmax,
+  # its limit) instead of overflowing every logit to +-inf (NaN draws). t is kept normal: a
+  # subnormal one may be flushed to 0 in the division (0 / 0).
+  top = jnp.max(x, axis=-1, keepdims=True)
+  scale = jnp.where(t > 0, jnp.maximum(t, np.finfo(np.float32).tiny), 1.0)
+  x = (x - jnp.where(jnp.isfinite(top), top, 0)) / scale[:, None]
   v = x.shape[-1]
   top = jnp.max(x, axis=-1, keepdims=True)
   # min-p: p >= min_p * p_max  <=>  x >= x_max + log(min_p)

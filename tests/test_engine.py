@@ -365,6 +365,33 @@ def test_nested_cache_config_and_the_flat_keywords_agree():
     EngineConfig(num_chunk=3)
 
 
+@pytest.mark.parametrize('kwargs,name', [
+    (dict(num_chunks=8.0), 'num_chunks'), (dict(num_chunks='8'), 'num_chunks'),
+    (dict(num_chunks=True), 'num_chunks'), (dict(num_chunks=8, chunk_size=8.5), 'chunk_size'),
+    (dict(num_chunks=8, max_batch=4.0), 'max_batch'),
+    (dict(num_chunks=8, max_prefill_tokens=8.0), 'max_prefill_tokens'),
+    (dict(num_chunks=8, max_top_logprobs=True), 'max_top_logprobs'),
+    (dict(num_chunks=8, decode_buckets=(64.0,)), 'decode_buckets'),
+    (dict(num_chunks=8, decode_buckets=64), 'decode_buckets'),
+    (dict(num_chunks=8, seed=1.0), 'seed'),
+], ids=lambda x: repr(x)[:32])
+def test_config_integer_fields_must_be_ints(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize('field,value', [
+    ('num_chunks', 8.0), ('num_chunks', '8'), ('chunk_size', 8.5), ('max_sequences', False),
+    ('max_sequence_length', 48.0),
+])
+def test_chunk_cache_config_integer_fields_must_be_ints(field, value):
+  from hydrajax.chunk_cache import ChunkCacheConfig
+  with pytest.raises(ValueError, match=f'ChunkCacheConfig.{field}'):
+    ChunkCacheConfig(**{'num_chunks': 8, field: value})
+  config = ChunkCacheConfig(num_chunks=np.int64(8), chunk_size=np.int32(4))  # numpy ints are ints
+  assert (type(config.num_chunks), type(config.chunk_size)) == (int, int)
+
+
 def _stub(engine):
   """The model call replaced by zeros: shapes are the host's business."""
   import jax.numpy as jnp

@@ -240,6 +240,32 @@ def test_generate_rejects_bad_prompts():
     PromptNode(3, tokens=(1, 2))
 
 
+@pytest.mark.parametrize('kwargs,name', [
+    (dict(prompts=[[1, 97]]), 'prompts'), (dict(prompts=[[10**6]]), 'prompts'),
+    (dict(prompts=[[2], [-1]]), r'prompts\[1\]'), (dict(prompts=[[3.7]]), 'prompts'),
+    (dict(prompts='hello'), 'prompts'), (dict(prompts=[1, 2, 3]), 'prompts'),
+    (dict(prompts=gen.prompt_node([1], [gen.prompt_node([2]), gen.prompt_node([97])])),
+     r'prompts\[0\]\.children\[1\]'),
+    (dict(cache_dtype=jnp.int32), 'cache_dtype'), (dict(cache_dtype='float'), 'cache_dtype'),
+    (dict(stop_tokens=[1.5]), 'stop_tokens'), (dict(stop_tokens=5), 'stop_tokens'),
+    (dict(stop_tokens=[97]), 'stop_tokens'), (dict(max_new_tokens=2.5), 'max_new_tokens'),
+    (dict(max_new_tokens=None), 'max_new_tokens'), (dict(seed=1.5), 'seed'),
+    (dict(seed=-1), 'seed'), (dict(seed=2**40), 'seed'), (dict(sharing_policy='never'),
+                                                         'sharing_policy'),
+    (dict(num_samples=1.5), 'num_samples'), (dict(prefill_chunk=2.5), 'prefill_chunk'),
+], ids=lambda x: repr(x)[:24])
+def test_generate_refuses_bad_arguments_naming_them(kwargs, name):
+  model = abstract_model(get_config('tiny_gqa'), jnp.float32)  # vocab 97; checked first
+  kwargs = dict(prompts=[[1, 2]], max_new_tokens=2) | kwargs
+  with pytest.raises(ValueError, match=name):
+    gen.generate(model, **kwargs)
+
+
+def test_prompt_node_refuses_float_ids():
+  with pytest.raises(ValueError, match='tokens'):  # int(3.7) cut it to 3
+    gen.prompt_node([1, 3.7])
+
+
 def test_node_logits_gathers_each_rows_node_across_calls():
   # Two calls: the first ends nodes 0 and 2 (rows 0 and 2), the second ends node 1 (row 1).
   vocab = 5

@@ -15,6 +15,7 @@ from models.config import get_config
 from models.kv_cache import DenseKVCache
 from models.llama import Llama
 from models.sampling import (
+  MAX_TEMPERATURE,
   SamplingMode,
   SamplingParams,
   SamplingRows,
@@ -29,7 +30,8 @@ from models.sampling import (
 @pytest.mark.parametrize('field,value', [
     ('n', 2.0), ('n', True), ('n', 0), ('max_new_tokens', 2.5), ('max_new_tokens', 0),
     ('temperature', math.nan), ('temperature', math.inf), ('temperature', -1.0),
-    ('temperature', '1'), ('temperature', True), ('top_k', -1), ('top_k', 1.5),
+    ('temperature', '1'), ('temperature', True), ('temperature', 1e308), ('temperature', 1e7),
+    ('top_k', -1), ('top_k', 1.5),
     ('top_p', 0.0), ('top_p', 1.5), ('top_p', math.nan), ('min_p', -0.1), ('min_p', 2.0),
     ('seed', -1), ('seed', 2**32), ('seed', 1.0), ('stop_tokens', 5), ('stop_tokens', (1.5,)),
     ('stop_tokens', (-1,)), ('stop_tokens', 'ab'), ('stop_sequences', ((),)),
@@ -126,6 +128,35 @@ def test_sampled_logprobs_are_the_model_log_softmax():
   assert all(t in o for t, o in zip(tokens, order[:, :3]))  # top-k=3 kept the draws there
 
 
+@pytest.mark.parametrize('temperature', [1e-30, 1e-38, 1e-40])
+@pytest.mark.parametrize('filters', [{}, dict(top_p=0.9), dict(min_p=0.1), dict(top_k=5),
+                                     dict(top_p=0.9, min_p=0.1)], ids=repr)
+def test_a_tiny_temperature_draws_the_argmax_with_its_logprobs(temperature, filters):
+  # Jitted with t a constant (`generate`), logits / 1e-38 overflowed to +-inf (and a subnormal
+  # t was flushed to 0): NaN draws gave token 0 and its log-prob.
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.normal(0, 3, (4, 97)).astype(np.float32))
+  keys = request_keys(jnp.zeros(4, jnp.uint32), jnp.arange(4), jnp.zeros(4, jnp.int32))
+  greedy = sample_batch(logits, keys, SamplingRows.of([SamplingParams()] * 4))
+  params = SamplingParams(temperature=temperature, **filters)
+  host = SamplingRows.of([params] * 4)
+  draws = (sample_batch(logits, keys, host),  # static mode
+           sample_batch(logits, keys, dataclasses.replace(host, mode=None)),  # on the device
+           jax.jit(lambda x, k: sample_batch(x, k, SamplingRows.full(params, 4)))(logits, keys))
+  for got in draws:
+    np.testing.assert_array_equal(got.tokens, np.argmax(np.asarray(logits), -1))
+    assert np.all(np.isfinite(got.logprobs))
+    np.testing.assert_allclose(got.logprobs, greedy.logprobs, rtol=1e-6)
+
+
+def test_the_largest_temperature_draws_near_uniformly():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+  keys = row_keys(jax.random.key(16), jnp.arange(4000), 0)
+  rows = SamplingRows.of([SamplingParams(temperature=MAX_TEMPERATURE)] * 4000)
+  counts = np.bincount(draw(logits, keys, rows), minlength=4) / 4000
+  np.testing.assert_allclose(counts, [0.25] * 4, atol=0.03)
+
+
 def test_min_p_and_top_p_distributions():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
   keys = row_keys(jax.random.key(15), jnp.arange(4000), 0)
@@ -184,6 +215,16 @@ def test_generate_stop_sequences_and_logprobs(model):
     n = ends[0] if ends else 6
     assert stopped.lengths[r] == n
     np.testing.assert_array_equal(stopped.tokens[r, :n], out.tokens[r, :n])
+
+
+def test_generate_with_a_tiny_temperature_is_greedy(model):
+  prompts = [[1, 2, 3, 4], [1, 2, 5], [7]]  # 1e-40 gave token 0 at every step
+  greedy = gen.generate(model, prompts, max_new_tokens=4, impl='xla', return_logprobs=True)
+  tiny = gen.generate(model, prompts, max_new_tokens=4, impl='xla', sampling=SamplingParams(
+      temperature=1e-40, top_p=0.9, min_p=0.1, logprobs=True))
+  np.testing.assert_array_equal(tiny.tokens, greedy.tokens)
+  assert np.all(np.isfinite(tiny.logprobs))
+  np.testing.assert_allclose(tiny.logprobs, greedy.logprobs, rtol=1e-6)
 
 
 def test_the_sampling_mode_is_known_from_the_host_rows():

@@ -72,7 +72,7 @@ from hydrajax.chunk_cache.eviction import CachedChunks
 from hydrajax.chunk_cache.layout_cache import LayoutCache, build_plan, no_empty_groups, plan_layout
 from hydrajax.chunk_cache.row_order import RowArrays, dfs_order, order_rows, segments
 from hydrajax.chunk_cache.trie import ChunkTrie, Node
-from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout
+from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
 
 
 
@@ -101,8 +101,10 @@ class ChunkCacheConfig:
 
   def __post_init__(self):
     for name in ('num_chunks', 'chunk_size', 'max_sequence_length', 'max_sequences'):
-      if getattr(self, name) < 1:
-        raise ValueError(f'ChunkCacheConfig.{name} must be >= 1, got {getattr(self, name)}')
+      value = as_int(getattr(self, name), f'ChunkCacheConfig.{name}')  # 8.5 chunks: no
+      if value < 1:
+        raise ValueError(f'ChunkCacheConfig.{name} must be >= 1, got {value}')
+      object.__setattr__(self, name, value)
     if self.retain_prefixes and not self.share_prefixes:
       raise ValueError('retain_prefixes needs share_prefixes (cached chunks are reused by sharing)')
 

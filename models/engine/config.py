@@ -5,6 +5,7 @@ from typing import Any
 
 from hydrajax import AttentionImpl, SharingPolicy
 from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
+from hydrajax.layout import as_int
 from models.sampling import MAX_TOP_LOGPROBS, SamplingMode
 
 # Old flat keywords of EngineConfig -> the ChunkCacheConfig field they set.
@@ -143,6 +144,9 @@ class EngineConfig:
     unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
     if unknown:
       raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
+    for name in ('num_chunks', 'chunk_size', 'max_batch', 'max_sequence_length'):
+      if name in cache_fields:  # named as given (the cache calls max_batch max_sequences)
+        as_int(cache_fields[name], f'EngineConfig.{name}')
     if cache is None:
       if 'num_chunks' not in cache_fields:
         raise TypeError('EngineConfig needs cache=ChunkCacheConfig(...) (or num_chunks=...)')
@@ -160,7 +164,7 @@ class EngineConfig:
       sharing_policy = SharingPolicy.default()
     values = dict(
         cache=cache, max_prefill_tokens=max_prefill_tokens, max_prefill_rows=max_prefill_rows,
-        decode_buckets=tuple(decode_buckets), min_prefill_len=min_prefill_len,
+        decode_buckets=decode_buckets, min_prefill_len=min_prefill_len,
         prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
         cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
         command_buffers=command_buffers, max_top_logprobs=max_top_logprobs,
@@ -172,15 +176,23 @@ class EngineConfig:
 
   def _check(self) -> None:
     for name in ('max_prefill_tokens', 'max_prefill_rows', 'min_prefill_len'):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      value = as_int(getattr(self, name), f'EngineConfig.{name}')
+      if value < 1:
         raise ValueError(f'EngineConfig.{name} must be an integer >= 1, got {value!r}')
-    if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+      object.__setattr__(self, name, value)
+    if not 0 <= as_int(self.seed, 'EngineConfig.seed') < 2**32:
       raise ValueError(f'EngineConfig.seed must be an integer in [0, 2**32), got {self.seed!r}')
-    if not (isinstance(self.max_top_logprobs, int)
-            and 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS):
+    if not 0 <= as_int(self.max_top_logprobs, 'EngineConfig.max_top_logprobs') <= MAX_TOP_LOGPROBS:
       raise ValueError(f'EngineConfig.max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], '
                        f'got {self.max_top_logprobs!r}')
+    object.__setattr__(self, 'seed', int(self.seed))
+    object.__setattr__(self, 'max_top_logprobs', int(self.max_top_logprobs))
+    buckets = self.decode_buckets
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, '__iter__'):
+      raise ValueError(f'EngineConfig.decode_buckets must be a sequence of integers, got '
+                       f'{buckets!r}')
+    object.__setattr__(self, 'decode_buckets', tuple(
+        as_int(b, f'EngineConfig.decode_buckets[{i}]') for i, b in enumerate(buckets)))
     if not isinstance(self.command_buffers, bool):
       raise ValueError(f'EngineConfig.command_buffers must be a bool, got '
                        f'{self.command_buffers!r}')
