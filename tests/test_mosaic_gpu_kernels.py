@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import hydrajax
+from hydrajax import dispatch
 from hydrajax import PromptNode
 from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import schedule
@@ -621,10 +622,21 @@ class TestSupportAndSchedule:
     assert 'head dim 96' in self._reason(*self._args(h=96))
     assert 'page size 20' in self._reason(*self._args(capacity=20))
     assert 'L=204' in self._reason(*self._args(capacity=12))
-    # The form of the dispatcher that predates the prepared plan also checks the device.
-    if not ON_HOPPER:
-      assert 'Hopper' in mosaic.unsupported_reason(q, kc, vc, layout)
-    assert 'share one dtype' in mosaic.unsupported_reason(q, kc.astype(jnp.float16), vc, layout)
+    assert 'share one dtype' in self._reason(q, kc.astype(jnp.float16), vc, layout)
+
+  def test_auto_runs_mixed_dtypes_on_xla(self, monkeypatch):
+    # On a Hopper GPU (as it were) AUTO must not pick the kernels for q and caches of two
+    # dtypes, which `attend` would then refuse: XLA takes them.
+    monkeypatch.setattr(dispatch, '_warned', set())
+    monkeypatch.setattr(dispatch, 'default_kernel', lambda: hydrajax.AttentionImpl.MOSAIC_GPU)
+    monkeypatch.setattr(dispatch, 'hopper_reason', lambda: None)
+    q, kc, vc, layout = self._args()
+    kc, vc = kc.astype(jnp.float32), vc.astype(jnp.float32)
+    with pytest.warns(hydrajax.AttentionFallbackWarning, match='must share one dtype'):
+      plan = hydrajax.prepare_attention(layout, hydrajax.AttentionShapes.of(q, kc))
+    assert plan.impl is hydrajax.AttentionImpl.XLA
+    out = hydrajax.attend(q, kc, vc, plan)
+    _assert_states_close(out, hydrajax.tree_attention_xla(q, kc, vc, layout), jnp.bfloat16)
 
   def test_prepare_packs_on_the_host_once(self):
     """The segment table is one concrete array and the schedule static: nothing of the

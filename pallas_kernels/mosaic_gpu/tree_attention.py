@@ -225,11 +225,13 @@ class KernelShapes:
   head_dim: int  # H
   kv_tokens: int  # L, one layer's buffer
   dtype: Any
+  kv_dtype: Any = None  # the caches' (None: dtype)
 
   @classmethod
   def of(cls, q, k_cache) -> 'KernelShapes':
     b, t, n, h = q.shape
-    return cls(b, t, n, k_cache.shape[1], h, k_cache.shape[0], jnp.dtype(q.dtype))
+    return cls(b, t, n, k_cache.shape[1], h, k_cache.shape[0], jnp.dtype(q.dtype),
+               jnp.dtype(k_cache.dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -257,12 +259,16 @@ def _shape_reason(shapes, layout: TreeLayout) -> str | None:
   dtype = jnp.dtype(shapes.dtype)
   if dtype not in SUPPORTED_DTYPES:
     return f'dtype {dtype} is not bfloat16 or float16'
+  kv_dtype = jnp.dtype(getattr(shapes, 'kv_dtype', None) or dtype)
+  if kv_dtype != dtype:
+    return f'q ({dtype}) and k/v caches ({kv_dtype}) must share one dtype'
   if shapes.head_dim not in SUPPORTED_HEAD_DIMS:
     return f'head dim {shapes.head_dim} is not one of {SUPPORTED_HEAD_DIMS}'
   if shapes.kv_tokens % ALIGN:
     return f'KV buffer length L={shapes.kv_tokens} is not a multiple of {ALIGN} (TMA tiling)'
   if layout.page_size % ALIGN:
-    return f'page size {layout.page_size} is not a multiple of {ALIGN} (TMA tiling)'
+    return (f'page size {layout.page_size} is not a multiple of {ALIGN} (TMA tiling; plan_tree: '
+            f'a private_capacity that is a multiple of {ALIGN})')
   if layout.row_segments is None:
     return 'layout.row_segments is None (the kernels merge along each row\'s path)'
   if layout.row_segments.shape[0] != shapes.num_rows:
@@ -274,19 +280,10 @@ def _hopper_reason() -> str | None:
   return dispatch.hopper_reason()  # the one device check
 
 
-def unsupported_reason(shapes, layout, *legacy, interpret: bool = False) -> str | None:
+def unsupported_reason(shapes, layout, *, interpret: bool = False) -> str | None:
   """None when the kernels handle these shapes and layout, else why not (dtype/shape limits
-  only: the device check is the dispatcher's).
-
-  Transitional: the dispatcher that predates the prepared plan calls
-  `unsupported_reason(q, k_cache, v_cache, layout)`; that form also checks for Hopper.
-  """
+  only: the device check is the dispatcher's)."""
   del interpret  # interpret mode has the same limits
-  if legacy:
-    q, k_cache, (v_cache, layout) = shapes, layout, legacy
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-      return f'q ({q.dtype}) and k/v caches ({k_cache.dtype}) must share one dtype'
-    return _hopper_reason() or _shape_reason(KernelShapes.of(q, k_cache), layout)
   return _shape_reason(shapes, layout)
 
 
