@@ -42,8 +42,9 @@ $(PY_NEWEST):
 
 venv: $(STAMP)
 
+# CPU unless JAX_PLATFORMS says otherwise (JAX_PLATFORMS=cuda make demo).
 demo: $(STAMP)
-	$(PY) -m experiments.demo
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
