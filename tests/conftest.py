@@ -100,6 +100,14 @@ def assert_states_close(actual: hj.PartialState, expected: hj.PartialState, dtyp
   np.testing.assert_allclose(a_lse, e_lse, err_msg='lse', **lse_tol)
 
 
+def fresh_rng() -> np.random.Generator:
+  """A generator on a fresh seed, printed (pytest shows it on failure) so a failing case can
+  be replayed with `np.random.default_rng(seed)`."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f'seed={seed}')
+  return np.random.default_rng(seed)
+
+
 def random_length(rng: np.random.Generator, max_len: int = 300) -> int:
   """A segment length in 0..max_len, with 0 and 1 drawn often."""
   kind = rng.choice(4, p=[0.15, 0.1, 0.3, 0.45])

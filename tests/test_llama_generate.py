@@ -16,6 +16,7 @@ from models.config import get_config
 from models.hf_loading import abstract_model, load_hf_checkpoint
 from models.llama import Llama
 from models.sampling import SamplingConfig, processed_logits, row_keys, sample
+from tests.conftest import fresh_rng
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 
@@ -101,7 +102,7 @@ def test_the_models_attention_config_reaches_its_plans():
     pytest.skip(f'cannot import the Mosaic GPU backend: {error}')
   from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
   config = dataclasses.replace(get_config('tiny_gqa'), num_layers=2, head_dim=64)
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   seed = int(rng.integers(2**31))
   lengths = rng.integers(1, 17, 6)
   plan = hydrajax.plan_tree(PromptNode(24, num_samples=6), private_capacity=16,
@@ -145,7 +146,7 @@ def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():
   config = dataclasses.replace(get_config('tiny_gqa'), num_layers=1, head_dim=64)
   model = Llama(config, rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)),
                 dtype=jnp.bfloat16)
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   toks = lambda n: rng.integers(0, 97, n).tolist()
   forest = [gen.prompt_node(toks(21), [gen.prompt_node(toks(5), num_samples=2),
                                        gen.prompt_node(toks(11))]),

@@ -31,6 +31,9 @@ class _MosaicGpu(TreeAttentionConformance):
   cases = (
       Case(970, 2, (4, 2), 1, dtype_index=0, max_len=40, max_rows=3),
       Case(971, 3, (2, 1), 2, dtype_index=1, max_len=24, max_rows=3),
+      # No shared segment: the paged-decode kernel (MHA, MQA).
+      Case(976, 2, (4, 4), 2, dtype_index=1, max_rows=3, shared=False),
+      Case(977, 2, (4, 1), 1, dtype_index=0, max_rows=3, shared=False),
   )
 
 
@@ -76,6 +79,16 @@ class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
     for case in self.cases:
       p = self.problem(case)
       assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_lanes
+
+
+def test_unshared_cases_run_the_paged_kernel():
+  if _import_reason():
+    pytest.skip(_import_reason())
+  from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem
+  for case in _MosaicGpu.cases:
+    p = TestMosaicGpuInterpret().problem(case)
+    plan = TestMosaicGpuInterpret().prepare(p.plan.to_device(), p.q, p.k)
+    assert isinstance(plan.prepared.problem, PagedProblem) == (not case.shared), case.id
 
 
 class TestMosaicGpuTokenRunsInterpret(TestMosaicGpuTokenLanesInterpret):

@@ -36,6 +36,7 @@ from pallas_kernels.mosaic_gpu.segment_attention import (
     OVERLAP_MIN_BLOCKS, SegmentKernelConfig, as_folded, overlaps, pack_segments,
     segment_attention, segment_attention_reference,
 )
+from tests.conftest import fresh_rng
 
 ON_HOPPER = mosaic._hopper_reason() is None
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}  # out, absolute and relative
@@ -226,7 +227,7 @@ class TestMosaicGpuKernels:
     """`for_step` builds the lane table once for a step's layers: attend over the step plan is
     bitwise attend building the table itself, and builds none; `with_private_lengths` drops
     the table, so new lengths never meet an old table."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     plan = _tree('deep', self.capacity, rng.integers(0, self.capacity + 1, 7).tolist())
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=1, n=4, k=2, h=self.head_dim, dtype=jnp.bfloat16,
@@ -330,7 +331,7 @@ class TestMosaicGpuKernels:
     under segments of uneven widths (frames cross them), at a layer offset in a buffer whose
     every unattended slot is NaN/inf: bitwise the clean buffer's states, close to the oracle
     and to chunk lanes (their blocks differ, so their sums round differently)."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     lengths = rng.integers(t, self.capacity + 1, 16)
     lengths[rng.integers(16)] = t  # one row of T tokens, and at T = 1 one empty row
     if t == 1:
@@ -363,7 +364,7 @@ class TestMosaicGpuKernels:
     bitwise those of token lanes without it, with NaN/inf in every unattended slot. Rows of
     0-80 tokens (odd rows' pages run backwards: a step across their page boundary stays 8
     copies), two to eight rows a frame."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     lengths = rng.integers(t, 81, 8)
     lengths[rng.integers(8)] = 64 + t  # a whole run and a partial lane after it
     if t == 1:
@@ -414,7 +415,7 @@ class TestMosaicGpuKernels:
     plan = _tree('deep', self.capacity, (4, 16, 9, 70, 5))
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=2, n=8, k=2, h=self.head_dim, dtype=jnp.bfloat16,
-                        seed=int(np.random.default_rng().integers(1 << 30)))
+                        seed=int(fresh_rng().integers(1 << 30)))
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
     shapes = mosaic.KernelShapes.of(q, fk)
 
@@ -446,7 +447,7 @@ class TestMosaicGpuKernels:
     plan = _tree('wide', self.capacity, lengths)
     layout = plan.to_device()
     q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
-                        seed=int(np.random.default_rng().integers(1 << 30)))
+                        seed=int(fresh_rng().integers(1 << 30)))
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
     attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
                                num_sms=1)
@@ -783,7 +784,7 @@ class TestSupportAndSchedule:
     """`ShardedLayout.for_step` (dp shards' plans stacked): each shard's lane table, from its
     own rows' lengths, as `for_step` of that shard's plan alone."""
     from hydrajax import parallel
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     plans = [hydrajax.plan_tree(PromptNode(40, num_samples=8), private_capacity=64,
                                 private_lengths=rng.integers(0, 65, 8).tolist()) for _ in '01']
     q = jax.ShapeDtypeStruct((8, 1, 8, 64), jnp.bfloat16)
@@ -891,7 +892,7 @@ class TestSupportAndSchedule:
     """`launch_time`'s bisection against program-by-program list scheduling (each program on
     the first multiprocessor to free up), on random runs; adjacent runs of one length merged
     (the second random run may repeat the first's)."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     for _ in range(200):
       num_sms = int(rng.integers(1, 20))
       runs = [(int(rng.integers(0, 80)), int(rng.integers(0, 30)))
@@ -941,7 +942,7 @@ class TestSupportAndSchedule:
     lanes of h kv heads: a lane is 8/h tokens, its valid rows h per valid token, and a step
     never one copy."""
     from pallas_kernels.mosaic_gpu import private_problem as pa
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     tgp = schedule.padded_rows_per_query(t * g)
     token = heads > 1
     frame = pa.token_frame_rows(heads) if token else schedule.private_frame_rows(b, tgp, 8, 132)

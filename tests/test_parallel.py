@@ -4,11 +4,13 @@ tests/conftest.py asks XLA for 8 host devices before jax starts.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hydrajax as hj
 from hydrajax.parallel import tree_attention_sharded
+from tests.tree_attention_conformance import Case, assert_close, naive_tree_attention, random_problem
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4, reason='needs 4 devices (tests/conftest.py sets XLA_FLAGS before jax)')
@@ -39,6 +41,19 @@ def test_sharded_equals_oracle_on_four_fake_devices(n, k, axis_type):
   expected = hj.naive_tree_attention(q, k_cache, v_cache, _PLAN)
   np.testing.assert_allclose(got.out, expected.out, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(got.lse, expected.lse, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize('tp,heads,t,dtype', [
+    (2, (8, 2), 2, 'bfloat16'), (4, (8, 8), 3, 'float32'), (4, (4, 1), 1, 'bfloat16')])
+def test_sharded_random_forests_match_the_oracle(tp, heads, t, dtype):
+  # Fresh random forests (the conformance suite's generator: ragged pages, empty segments).
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f'seed={seed}')  # shown on failure
+  case = Case(seed, 3, heads, t, max_len=40, max_rows=4)
+  p = random_problem(case, head_dim=16, dtype=jnp.dtype(dtype), page_size=8)
+  mesh = jax.make_mesh((tp,), ('tp',), devices=jax.devices()[:tp])
+  got = tree_attention_sharded(p.q, p.k, p.v, p.plan.to_device(), mesh=mesh, impl='xla')
+  assert_close(got, naive_tree_attention(p.q, p.k, p.v, p.plan), p.q.dtype)
 
 
 def test_heads_that_do_not_divide_raise():

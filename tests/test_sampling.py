@@ -25,6 +25,7 @@ from models.sampling import (
   row_keys,
   sample_batch,
 )
+from tests.conftest import fresh_rng
 
 
 @pytest.mark.parametrize('field,value', [
@@ -249,7 +250,7 @@ def _has_conditional(fn, *args) -> bool:
 def test_a_static_mode_draws_what_the_device_decides_without_a_conditional(case):
   """A GPU reads a `lax.cond` predicate back on the host (the dispatch waits for the device);
   rows with a static mode compile none, and draw the same tokens."""
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   b, v = 9, 67
   logits = jnp.asarray(rng.normal(0, 2, (b, v)).astype(np.float32))
   keys = request_keys(jnp.asarray(rng.integers(0, 2**32, b, dtype=np.uint32)),

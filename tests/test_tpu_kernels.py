@@ -503,6 +503,7 @@ class TestMosaicTpu(TreeAttentionConformance):
   cases = (
       ConformanceCase(950, 2, (4, 2), 1, dtype_index=0, max_len=140, max_rows=3),
       ConformanceCase(951, 3, (2, 1), 2, dtype_index=1, max_len=30, max_rows=3),
+      ConformanceCase(952, 2, (4, 4), 2, dtype_index=0, max_rows=3, shared=False),  # no segment
   )
 
 

@@ -18,7 +18,7 @@ from hydrajax.training import tree_attention_differentiable
 from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw
-from tests.conftest import assert_states_close, random_inputs, random_tree
+from tests.conftest import assert_states_close, fresh_rng, random_inputs, random_tree
 
 AUTO, XLA = hj.AttentionImpl.AUTO, hj.AttentionImpl.XLA
 MOSAIC_GPU, MOSAIC_TPU = hj.AttentionImpl.MOSAIC_GPU, hj.AttentionImpl.MOSAIC_TPU
@@ -273,7 +273,7 @@ def test_shared_forward_prepares_once_with_the_same_numbers(monkeypatch):
 def test_write_kv_puts_every_token_at_its_slot():
   """The concatenation is the slots' scatter (padding zero), and its gradient each token's."""
   layout = pl.plan_prefill((5, 11), 3, 6, prompt_capacity=12).to_device()
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   prompt_kv = jnp.asarray(rng.standard_normal((2, 12, 2, 8), np.float32))
   completion_kv = jnp.asarray(rng.standard_normal((6, 6, 2, 8), np.float32))
   buffer = pl.write_kv(layout, prompt_kv, completion_kv)

@@ -422,7 +422,8 @@ class TestXla(TreeAttentionConformance):
       for seed, (depth, heads, t) in enumerate(
           [(1, (8, 8), 1), (2, (8, 2), 3), (3, (8, 1), 1), (4, (8, 2), 2), (2, (4, 4), 2),
            (3, (4, 1), 3)], start=900)
-  )
+  ) + (ConformanceCase(906, 2, (8, 8), 2, dtype_index=1, shared=False),
+       ConformanceCase(907, 2, (8, 1), 1, dtype_index=0, shared=False))
   config = hj.XlaConfig(kv_block=16)  # long segments run in several blocks
 
 

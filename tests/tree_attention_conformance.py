@@ -48,12 +48,14 @@ class Case:
   max_len: int = 40  # longest shared segment (>= 21: see conftest.random_length)
   max_rows: int = 5  # rows per tree
   max_trees: int = 2
+  shared: bool = True  # False: no shared segment at all (plain paged decode)
 
   @property
   def id(self) -> str:
     n, k = self.heads
     fold = 'mha' if n == k else ('mqa' if k == 1 else 'gqa')
-    return f'depth={self.depth}_{fold}_N={n}_K={k}_T={self.t}_dtype{self.dtype_index}_seed={self.seed}'
+    tree = f'depth={self.depth}' if self.shared else 'unshared'
+    return f'{tree}_{fold}_N={n}_K={k}_T={self.t}_dtype{self.dtype_index}_seed={self.seed}'
 
 
 def pytest_generate_tests(metafunc):
@@ -103,7 +105,11 @@ def random_problem(case: Case, *, head_dim: int, dtype, page_size: int) -> Probl
                   int(rng.integers(1, case.max_rows + 1)), max_fanout=3, max_len=case.max_len)
       for i in range(trees)
   )
+  if not case.shared:  # the forest's rows, each with only its private KV
+    roots = (hj.PromptNode(0, num_samples=hj.plan_tree(roots, private_capacity=0).num_rows),)
   plan = paged_plan(roots, rng, page_size=page_size, t=case.t, max_private=2 * page_size + 3)
+  if not case.shared:
+    plan = dataclasses.replace(plan, segments=())
   n, k = case.heads
 
   def draw(shape):
