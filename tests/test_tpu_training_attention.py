@@ -28,7 +28,11 @@ def _rng():
   return np.random.default_rng(seed)
 
 
-def _problem(rng, causal, dtype):
+# (N, K): GQA, MHA (G = 1), MQA.
+HEADS = pytest.mark.parametrize('heads', [(N, K), (4, 4), (4, 1)], ids=['gqa', 'mha', 'mqa'])
+
+
+def _problem(rng, causal, dtype, heads=(N, K)):
   """Three items: q [3, rows, T, N, H], K/V [3, S, K, H] with NaN past each length, lengths."""
   rows = 1 if causal else B
   if causal:  # a row's own tokens (its T queries among them), or none
@@ -36,22 +40,24 @@ def _problem(rng, causal, dtype):
   else:
     lengths = [S, 0, int(rng.integers(1, S - 1))]
   draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-  q, k, v = draw(3, rows, T, N, H), draw(3, S, K, H), draw(3, S, K, H)
+  n, kh = heads
+  q, k, v = draw(3, rows, T, n, H), draw(3, S, kh, H), draw(3, S, kh, H)
   for z, length in enumerate(lengths):
     k, v = (x.at[z, length:].set(jnp.nan) for x in (k, v))
   return q, k, v, lengths
 
 
-def _fold(x):
+def _fold(x, kh=K):
   """[Z, rows, T, N, ...] -> [Z, rows * T * G, K, ...] (token-major, then the GQA group)."""
-  z, r = x.shape[:2]
-  y = x.reshape((z, r, T, K, G) + x.shape[4:])
-  return jnp.swapaxes(y, 3, 4).reshape((z, r * T * G, K) + x.shape[4:])
+  z, r, _, n = x.shape[:4]
+  y = x.reshape((z, r, T, kh, n // kh) + x.shape[4:])
+  return jnp.swapaxes(y, 3, 4).reshape((z, r * T * (n // kh), kh) + x.shape[4:])
 
 
 def _unfold(x, rows):
-  y = x.reshape((rows, T, G, K) + x.shape[2:])
-  return jnp.swapaxes(y, 2, 3).reshape((rows, T, N) + x.shape[2:])
+  g, kh = x.shape[0] // (rows * T), x.shape[1]
+  y = x.reshape((rows, T, g, kh) + x.shape[2:])
+  return jnp.swapaxes(y, 2, 3).reshape((rows, T, g * kh) + x.shape[2:])
 
 
 def _oracle(q, k, v, causal):
@@ -61,13 +67,14 @@ def _oracle(q, k, v, causal):
   return hj.naive_attention(q, tile(k), tile(v), jnp.full((rows,), n if causal else n + T))
 
 
+@HEADS
 @pytest.mark.parametrize('causal', [False, True], ids=['segments', 'causal'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_forward_matches_oracle(causal, dtype):
-  q, k, v, lengths = _problem(_rng(), causal, dtype)
-  rows = q.shape[1]
-  args = (_fold(q), k, v, jnp.asarray(lengths, jnp.int32))
-  kw = dict(scale=H**-0.5, causal=(T, G) if causal else None)
+def test_forward_matches_oracle(causal, dtype, heads):
+  q, k, v, lengths = _problem(_rng(), causal, dtype, heads)
+  rows, g = q.shape[1], heads[0] // heads[1]
+  args = (_fold(q, heads[1]), k, v, jnp.asarray(lengths, jnp.int32))
+  kw = dict(scale=H**-0.5, causal=(T, g) if causal else None)
   got = kernel.segments_forward(*args, **kw, **BLOCKS, interpret=pltpu.InterpretParams())
   reference = kernel.segments_forward_reference(*args, **kw)
   for z, length in enumerate(lengths):
@@ -79,27 +86,28 @@ def test_forward_matches_oracle(causal, dtype):
   assert np.isneginf(np.asarray(got[1][empty])).all() and not np.asarray(got[0][empty]).any()
 
 
+@HEADS
 @pytest.mark.parametrize('causal', [False, True], ids=['segments', 'causal'])
-def test_backward_matches_oracle_grad(causal):
+def test_backward_matches_oracle_grad(causal, heads):
   rng = _rng()
-  q, k, v, lengths = _problem(rng, causal, jnp.float32)
-  rows = q.shape[1]
+  q, k, v, lengths = _problem(rng, causal, jnp.float32, heads)
+  (n, kh), rows = heads, q.shape[1]
   w = jnp.asarray(rng.standard_normal(q.shape, np.float32))
   lses, deltas, expected = [], [], []
   for z, length in enumerate(lengths):
     if length == 0:  # no token: lse -inf, no gradient
-      lses.append(jnp.full((rows, T, N), -jnp.inf))
-      deltas.append(jnp.zeros((rows, T, N)))
-      expected.append((jnp.zeros((rows, T, N, H)),) + (jnp.zeros((0, K, H)),) * 2)
+      lses.append(jnp.full((rows, T, n), -jnp.inf))
+      deltas.append(jnp.zeros((rows, T, n)))
+      expected.append((jnp.zeros((rows, T, n, H)),) + (jnp.zeros((0, kh, H)),) * 2)
       continue
     state = _oracle(q[z], k[z, :length], v[z, :length], causal)
     lses.append(state.lse)
     deltas.append(jnp.sum(w[z] * state.out, axis=-1))
     loss = lambda q_, k_, v_: jnp.sum(_oracle(q_, k_, v_, causal).out * w[z])
     expected.append(jax.grad(loss, argnums=(0, 1, 2))(q[z], k[z, :length], v[z, :length]))
-  args = (_fold(q), k, v, _fold(w), _fold(jnp.stack(lses)), _fold(jnp.stack(deltas)),
-          jnp.asarray(lengths, jnp.int32))
-  kw = dict(scale=H**-0.5, causal=(T, G) if causal else None)
+  args = (_fold(q, kh), k, v, _fold(w, kh), _fold(jnp.stack(lses), kh),
+          _fold(jnp.stack(deltas), kh), jnp.asarray(lengths, jnp.int32))
+  kw = dict(scale=H**-0.5, causal=(T, n // kh) if causal else None)
   got = kernel.segments_backward(*args, **kw, **BLOCKS, interpret=pltpu.InterpretParams())
   reference = kernel.segments_backward_reference(*args, **kw)
   for z, length in enumerate(lengths):

@@ -89,17 +89,21 @@ def masked_loss(attend, layout, seed):
   return loss
 
 
-@pytest.mark.parametrize('heads,dtype', [((4, 4), jnp.float32), ((4, 2), jnp.float32),
-                                         ((4, 1), jnp.bfloat16), ((6, 2), jnp.bfloat16)],
-                         ids=['MHA_f32', 'GQA_f32', 'MQA_bf16', 'GQA_bf16'])
-def test_states_and_gradients_match_the_dense_oracle(heads, dtype):
+@pytest.mark.parametrize('heads,dtype,impl', [
+    ((4, 4), jnp.float32, 'xla'), ((4, 2), jnp.float32, 'xla'), ((4, 1), jnp.bfloat16, 'xla'),
+    ((6, 2), jnp.bfloat16, 'xla'),
+    # The Mosaic TPU kernels in interpret mode (the Mosaic GPU ones: test_mosaic_gpu_training).
+    ((4, 2), jnp.float32, 'mosaic_tpu'), ((4, 4), jnp.bfloat16, 'mosaic_tpu')],
+    ids=['MHA_f32', 'GQA_f32', 'MQA_bf16', 'GQA_bf16', 'tpu_GQA_f32', 'tpu_MHA_bf16'])
+def test_states_and_gradients_match_the_dense_oracle(heads, dtype, impl):
   seed = zlib.crc32(f'tree_prefill {heads} {jnp.dtype(dtype).name}'.encode())
   rng = np.random.default_rng(seed)
   plan = tp.plan_tree_prefill(*random_forest(rng, int(rng.integers(6, 11))))
   assert len(plan.levels) >= 3, plan.levels
   layout = plan.to_device()
   qs, k, v = _inputs(seed, layout, heads, 16, dtype)
-  ours = jax.jit(lambda qs, k, v: tp.tree_prefill_attention(qs, k, v, layout, kv_block=16))
+  ours = jax.jit(lambda qs, k, v: tp.tree_prefill_attention(
+      qs, k, v, layout, kv_block=16, impl=impl, interpret=impl != 'xla'))
   dense = jax.jit(lambda qs, k, v: oracle(qs, k, v, plan, layout))
   # All levels in one custom VJP (one float32 dK / dV buffer), not one a level.
   assert str(jax.make_jaxpr(ours)(qs, k, v)).count('custom_vjp_call') == 1
