@@ -461,15 +461,17 @@ class TestTrainingKernels:
     for name, a in zip(('dk', 'dv'), actual[1:]):  # unattended tokens: exact zeros
       np.testing.assert_array_equal(np.asarray(a, np.float32)[~attended], 0.0, err_msg=name)
 
-  @pytest.mark.parametrize('dq_in_place', [False, True], ids=['dq_summed', 'dq_in_place'])
-  def test_prefill_attention_impl(self, dq_in_place):
+  @pytest.mark.parametrize('dq_in_place,heads', [(False, (4, 2)), (True, (4, 2)), (False, (4, 4)),
+                                                (True, (4, 1))],
+                           ids=['dq_summed', 'dq_in_place', 'dq_summed_mha', 'dq_in_place_mqa'])
+  def test_prefill_attention_impl(self, dq_in_place, heads):
     """Every part on the kernels (shared prompts, completions' and prompts' causal self-attention;
     on slices of the buffer, `prefill_vjp`) against the XLA path: values of both states and
     gradients of q_p, q_c, k, v. Two prompts of different lengths, no block multiples. The
     completions' dQ summed after, or in place (`prefill_dq_in_place`)."""
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
     config = dataclasses.replace(default, prefill_dq_in_place=dq_in_place)
-    lengths, g, t, p, n, kh, h = (5, 11), 3, 6, 12, 4, 2, 64
+    (n, kh), lengths, g, t, p, h = heads, (5, 11), 3, 6, 12, 64
     layout = pl.plan_prefill(lengths, g, t, prompt_capacity=p).to_device()
     rng = np.random.default_rng(9)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(BF16)
