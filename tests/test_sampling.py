@@ -129,9 +129,8 @@ def test_sampled_logprobs_are_the_model_log_softmax():
   assert all(t in o for t, o in zip(tokens, order[:, :3]))  # top-k=3 kept the draws there
 
 
-@pytest.mark.parametrize('temperature', [1e-30, 1e-38, 1e-40])
-@pytest.mark.parametrize('filters', [{}, dict(top_p=0.9), dict(min_p=0.1), dict(top_k=5),
-                                     dict(top_p=0.9, min_p=0.1)], ids=repr)
+@pytest.mark.parametrize('temperature', [1e-30, 1e-40])
+@pytest.mark.parametrize('filters', [{}, dict(top_k=5, top_p=0.9, min_p=0.1)], ids=repr)
 def test_a_tiny_temperature_draws_the_argmax_with_its_logprobs(temperature, filters):
   # Jitted with t a constant (`generate`), logits / 1e-38 overflowed to +-inf (and a subnormal
   # t was flushed to 0): NaN draws gave token 0 and its log-prob.
