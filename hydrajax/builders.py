@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from hydrajax.layout import Segment, SharingPlan, as_int
+from hydrajax.validation import token_ids
 
 # Pages of plan_from_tokens and the segment starts of generate's plans are multiples of this
 # (the Mosaic GPU kernels' TMA tiles).
@@ -54,14 +55,6 @@ class PromptNode:
       raise ValueError(f'PromptNode.num_samples must be >= 1, got {self.num_samples}')
     if self.children and self.num_samples != 1:
       raise ValueError('num_samples applies to leaves only; give inner nodes children instead')
-
-
-def token_ids(tokens, name: str) -> tuple[int, ...]:
-  """`tokens` (a sequence of integers) as a tuple of ints, else ValueError naming `name`: a
-  float or a string would be cut to an id that is not the token meant."""
-  if isinstance(tokens, (str, bytes)) or not hasattr(tokens, '__iter__'):
-    raise ValueError(f'{name} must be a sequence of integer token ids, got {tokens!r}')
-  return tuple(as_int(t, f'{name}[{i}]') for i, t in enumerate(tokens))
 
 
 def _private_region(num_rows: int, first_token: int, capacity: int, lengths, align: int = 1):

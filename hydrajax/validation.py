@@ -4,7 +4,10 @@ They run at trace time on shapes and dtypes, and raise ValueError naming the
 argument and the expected shape, so that bad input never reaches a kernel.
 """
 
+import numbers
+
 import jax.numpy as jnp
+import numpy as np
 
 from hydrajax.layout import TreeLayout
 
@@ -43,3 +46,38 @@ def check_tree_attention_inputs(q, k_cache, v_cache, layout) -> None:
     raise ValueError(f'layout private arrays must have B={b} rows')
   if pages * layout.page_size > 0 and length < layout.page_size:
     raise ValueError(f'k_cache holds {length} tokens, less than one page of {layout.page_size}')
+
+
+def token_ids(value, name: str, *, vocab_size: int | None = None,
+              allow_empty: bool = True) -> tuple[int, ...]:
+  """`value`, a 1-D sequence or integer array of token ids, as a tuple of Python ints.
+
+  Ids must be >= 0 (and < `vocab_size` where given). ValueError naming `name` otherwise: a
+  float, bool or string would be cut or read as an id that is not the token meant.
+  """
+  if isinstance(value, (str, bytes)) or not hasattr(value, '__iter__'):
+    raise ValueError(f'{name} must be a 1-D sequence of integer token ids, got {value!r}')
+  if hasattr(value, '__array__') and not isinstance(value, (list, tuple)):
+    array = np.asarray(value)  # checked whole: a 16K-token prompt is no Python loop
+    if array.ndim != 1:
+      raise ValueError(f'{name} must be 1-D, got shape {array.shape}')
+    if not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(f'{name} must hold integer token ids, got dtype {array.dtype}')
+    ids = tuple(array.tolist())
+  else:
+    ids = tuple(value)
+    bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_))]
+    if bad:
+      raise ValueError(f'{name} must hold integer token ids (not {type(bad[0]).__name__}), '
+                       f'got {bad[0]!r}')
+    ids = tuple(int(t) for t in ids)
+  if not ids:
+    if allow_empty:
+      return ids
+    raise ValueError(f'{name} must hold at least one token id')
+  low, high = min(ids), max(ids)  # Python ints: no overflow before the range check
+  if low < 0:
+    raise ValueError(f'{name} must hold token ids >= 0, got {low}')
+  if vocab_size is not None and high >= vocab_size:
+    raise ValueError(f'{name} token ids must be in [0, {vocab_size}), got {high}')
+  return ids

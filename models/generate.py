@@ -46,13 +46,11 @@ from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, Sharing
 from hydrajax.builders import PAGE_ALIGN
 from hydrajax.layout import as_int
 from hydrajax.parallel import ShardedLayout
-from hydrajax.validation import FLOAT_DTYPES
+from hydrajax.validation import FLOAT_DTYPES, token_ids
 from models import sharding_rules as sr
-from models.engine.requests import check_prompt
 from models.kv_cache import DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
-from models.sampling import (SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch,
-                             token_ids)
+from models.sampling import SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch
 
 NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
 # Private regions are rounded up to this many tokens: the KV buffer length and the
@@ -68,7 +66,7 @@ ID_LIMIT = 2**31
 def prompt_node(tokens: Sequence[int], children: Sequence[PromptNode] = (), *,
                 num_samples: int = 1, label: str = '') -> PromptNode:
   """A `PromptNode` holding its token ids (integers >= 0: 3.7 is refused, not cut to 3)."""
-  tokens = token_ids('tokens', tokens)
+  tokens = token_ids(tokens, 'tokens')
   return PromptNode(len(tokens), tuple(children), num_samples, label, tokens)
 
 
@@ -127,13 +125,8 @@ def _from_prompt_nodes(roots: Sequence[PromptNode], vocab_size: int) -> list[_No
 
 
 def _checked_ids(name: str, tokens, vocab_size: int) -> list[int]:
-  """`check_prompt` (the engine's), its ValueError prefixed with the argument's `name`."""
-  if hasattr(tokens, '__len__') and not isinstance(tokens, (str, bytes)) and len(tokens) == 0:
-    raise ValueError(f'{name} is empty: every sequence needs >= 1 prompt token')
-  try:
-    return check_prompt(tokens, vocab_size).tolist()
-  except ValueError as e:
-    raise ValueError(f'{name}: {e}') from None
+  """A prompt's ids checked as the engine checks one (at least one id, in the vocab)."""
+  return list(token_ids(tokens, name, vocab_size=vocab_size, allow_empty=False))
 
 
 def _from_token_lists(sequences: Sequence[Sequence[int]], num_samples: int) -> list[_Node]:
@@ -768,10 +761,7 @@ def generate(
 
 def _stop_ids(name: str, value, vocab_size: int) -> tuple[int, ...]:
   """Stop tokens checked as `SamplingParams` checks its own, and against the vocab."""
-  ids = token_ids(name, value)
-  if any(t >= vocab_size for t in ids):
-    raise ValueError(f'{name} must be token ids in [0, {vocab_size}), got {ids}')
-  return ids
+  return token_ids(value, name, vocab_size=vocab_size)
 
 
 def _check_seed(seed) -> None:

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax.validation import token_ids
+
 MAX_TOP_LOGPROBS = 20  # the most top_logprobs a request may ask for
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 # Temperatures are in [0, MAX_TEMPERATURE] (the server's bound): above it the distribution is
@@ -54,23 +56,6 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def token_ids(name: str, value, *, allow_empty: bool = True) -> tuple[int, ...]:
-  """A tuple of non-negative int token ids from a sequence; ValueError naming `name`."""
-  if isinstance(value, (str, bytes)) or _is_int(value) or not isinstance(
-      value, (collections.abc.Sequence, np.ndarray)):
-    raise ValueError(f'{name} must be a sequence of integer token ids, got {value!r}')
-  if isinstance(value, np.ndarray) and value.ndim != 1:
-    raise ValueError(f'{name} must be 1-D, got shape {value.shape}')
-  if not all(_is_int(t) for t in value):
-    raise ValueError(f'{name} must hold integer token ids, got {value!r}')
-  ids = tuple(int(t) for t in value)
-  if any(t < 0 for t in ids):
-    raise ValueError(f'{name} must hold token ids >= 0, got {ids}')
-  if not allow_empty and not ids:
-    raise ValueError(f'{name} must not be empty')
-  return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +119,12 @@ class SamplingParams:
     real('min_p', 0.0, 1.0)
     if self.seed is not None:
       integer('seed', 0, SEED_LIMIT - 1)
-    object.__setattr__(self, 'stop_tokens', token_ids('stop_tokens', self.stop_tokens))
+    object.__setattr__(self, 'stop_tokens', token_ids(self.stop_tokens, 'stop_tokens'))
     seqs = self.stop_sequences
     if isinstance(seqs, (str, bytes)) or not isinstance(seqs, collections.abc.Sequence):
       raise ValueError(f'stop_sequences must be a sequence of token-id sequences, got {seqs!r}')
     object.__setattr__(self, 'stop_sequences', tuple(
-        token_ids(f'stop_sequences[{i}]', s, allow_empty=False) for i, s in enumerate(seqs)))
+        token_ids(s, f'stop_sequences[{i}]', allow_empty=False) for i, s in enumerate(seqs)))
     if not isinstance(self.logprobs, (bool, np.bool_)):
       raise ValueError(f'logprobs must be True or False, got {self.logprobs!r}')
     object.__setattr__(self, 'logprobs', bool(self.logprobs))

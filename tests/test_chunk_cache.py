@@ -275,6 +275,11 @@ def test_capacity_refusal_changes_nothing_and_reservations_hold():
   assert cache.reserved_chunks == 0 and cache.lengths().tolist() == [16, 19]
   with pytest.raises(ValueError, match='max_sequence_length'):
     cache.insert(list(range(41)))
+  for bad, match in (([1, 2.5], r'tokens must hold integer token ids \(not float\)'),
+                     ([], 'tokens must hold at least one token id'),
+                     (np.array([3, -1]), 'tokens must hold token ids >= 0, got -1')):
+    with pytest.raises(ValueError, match=match):  # before, 2.5 was cut to 2
+      cache.insert(bad)
 
 
 def test_remove_all_frees_everything():

@@ -229,7 +229,7 @@ def test_sample_distribution_and_filters():
 
 def test_generate_rejects_bad_prompts():
   model = abstract_model(get_config('tiny_gqa'), jnp.float32)  # prompts are checked first
-  with pytest.raises(ValueError, match='empty'):
+  with pytest.raises(ValueError, match=r'prompts\[0\] must hold at least one token id'):
     gen.generate(model, [[]], max_new_tokens=2)
   with pytest.raises(ValueError, match='token ids on every PromptNode'):
     gen.generate(model, PromptNode(3), max_new_tokens=2)

@@ -395,13 +395,16 @@ def test_bad_merges_raise():
 
 
 @pytest.mark.parametrize('make, match', [
-    (lambda: hj.plan_from_tokens([[1.9, 2.5], [1.2, 2.0]]), r'sequences\[0\]\[0\] must be an integer'),
-    (lambda: hj.plan_from_tokens(['12', '13']), r'sequences\[0\] must be a sequence of integer'),
-    (lambda: hj.plan_from_tokens([[True, False]]), r'sequences\[0\]\[0\] must be an integer'),
-    (lambda: hj.plan_from_tokens([1, 2]), r'sequences\[0\] must be a sequence'),
+    (lambda: hj.plan_from_tokens([[1.9, 2.5], [1.2, 2.0]]), r'sequences\[0\] must hold integer token ids \(not float\)'),
+    (lambda: hj.plan_from_tokens(['12', '13']), r'sequences\[0\] must be a 1-D sequence of integer'),
+    (lambda: hj.plan_from_tokens([[True, False]]), r'sequences\[0\] must hold integer token ids \(not bool\)'),
+    (lambda: hj.plan_from_tokens([[1, -2]]), r'sequences\[0\] must hold token ids >= 0, got -2'),
+    (lambda: hj.plan_from_tokens([np.ones((2, 2), int)]), r'sequences\[0\] must be 1-D'),
+    (lambda: hj.plan_from_tokens([np.ones(2)]), r'sequences\[0\] must hold integer token ids, got dtype float64'),
+    (lambda: hj.plan_from_tokens([1, 2]), r'sequences\[0\] must be a 1-D sequence'),
     (lambda: hj.plan_from_tokens('abc'), 'sequences must be a list of token-id lists'),
     (lambda: hj.plan_from_tokens([[1, 2]], max_new_tokens=2.5), 'max_new_tokens must be an integer'),
-    (lambda: hj.PromptNode(2, tokens=(1.7, 2.2)), r'PromptNode.tokens\[0\] must be an integer'),
+    (lambda: hj.PromptNode(2, tokens=(1.7, 2.2)), r'PromptNode.tokens must hold integer token ids \(not float\)'),
     (lambda: hj.PromptNode(4, children=(5,)), 'PromptNode.children must be PromptNodes'),
     (lambda: hj.plan_tree(None, private_capacity=4), 'roots must be a PromptNode'),
     (lambda: hj.SharingPlan(1, (), 1, ((0,),), (0,), 2**33), 'kv_tokens must be at most'),
@@ -439,3 +442,17 @@ def test_deep_prefix_chains_plan_without_recursion():
   tp = hj.plan_from_tokens(sequences, max_new_tokens=1)
   assert len(tp.plan.segments) == depth - 1 and tp.order == tuple(range(depth))
   assert tp.plan.page_size % 8 == 0
+
+
+def test_token_ids_is_one_check_for_every_api():
+  """plan_from_tokens, PromptNode, generate, Engine.submit, SamplingParams and ChunkCache all
+  check token ids here."""
+  from hydrajax.validation import token_ids
+  assert token_ids(np.array([3, 0, 7]), 'x', vocab_size=8) == (3, 0, 7)
+  assert token_ids([np.int32(5), 2], 'x') == (5, 2) and token_ids((), 'x') == ()
+  assert token_ids(jnp.arange(3), 'x') == (0, 1, 2)
+  for value, match in (([8], r'x token ids must be in \[0, 8\), got 8'),
+                       ([], 'x must hold at least one token id'), (5, 'x must be a 1-D sequence'),
+                       (b'ab', 'x must be a 1-D sequence'), ([[1]], r'x must hold integer token ids \(not list\)')):
+    with pytest.raises(ValueError, match=match):
+      token_ids(value, 'x', vocab_size=8, allow_empty=False)

@@ -73,6 +73,7 @@ from hydrajax.chunk_cache.layout_cache import LayoutCache, build_plan, no_empty_
 from hydrajax.chunk_cache.row_order import RowArrays, dfs_order, order_rows, segments
 from hydrajax.chunk_cache.trie import ChunkTrie, Node
 from hydrajax.layout import LayoutPolicy, Segment, SharingPlan, TreeLayout, as_int
+from hydrajax.validation import token_ids
 
 
 
@@ -700,9 +701,7 @@ class ChunkCache:
     return rows
 
   def _check_tokens(self, tokens, reserve_tokens: int) -> np.ndarray:
-    tokens = np.asarray(tokens, np.int64).reshape(-1)
-    if tokens.size < 1:
-      raise ValueError('tokens must hold at least one token id')
+    tokens = np.array(token_ids(tokens, 'tokens', allow_empty=False), np.int64)
     if reserve_tokens < 0:
       raise ValueError(f'reserve_tokens must be >= 0, got {reserve_tokens}')
     if tokens.size + reserve_tokens > self.config.max_sequence_length:

@@ -1,11 +1,11 @@
 """Requests, their events, and the checks a prompt passes before it is queued."""
 
 import dataclasses
-import numbers
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from hydrajax.validation import token_ids
 from models.sampling import SamplingParams
 
 
@@ -62,33 +62,6 @@ class Request:
 
 
 def check_prompt(prompt, vocab_size: int) -> np.ndarray:
-  """A prompt as int64 [n] with ids in [0, vocab_size); ValueError naming `prompt` otherwise.
-
-  Accepts a 1-D sequence or array of integers (no floats, bools, strings or nesting).
-  """
-  if isinstance(prompt, (str, bytes)):
-    raise ValueError(f'prompt must be a 1-D sequence of integer token ids, got {type(prompt)}')
-  if hasattr(prompt, '__array__') and not isinstance(prompt, (list, tuple)):
-    array = np.asarray(prompt)
-    if array.ndim != 1:
-      raise ValueError(f'prompt must be 1-D, got shape {array.shape}')
-    if not np.issubdtype(array.dtype, np.integer):
-      raise ValueError(f'prompt must hold integer token ids, got dtype {array.dtype}')
-    ids = array.tolist()
-  else:
-    try:
-      ids = list(prompt)
-    except TypeError:
-      raise ValueError(f'prompt must be a 1-D sequence of integer token ids, got {prompt!r}'
-                       ) from None
-    bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_))]
-    if bad:
-      raise ValueError(f'prompt must hold integer token ids (not {type(bad[0]).__name__}), '
-                       f'got {bad[0]!r}')
-  if not ids:
-    raise ValueError('prompt must hold at least one token id')
-  low, high = min(ids), max(ids)  # python ints: no overflow before the range check
-  if low < 0 or high >= vocab_size:
-    bad = low if low < 0 else high
-    raise ValueError(f'prompt token ids must be in [0, {vocab_size}), got {bad}')
-  return np.array(ids, np.int64)
+  """A prompt as int64 [n], n >= 1, ids in [0, vocab_size); ValueError naming `prompt`."""
+  return np.array(token_ids(prompt, 'prompt', vocab_size=vocab_size, allow_empty=False),
+                  np.int64)
