@@ -40,7 +40,7 @@ from hydrajax import dispatch
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.validation import FLOAT_DTYPES, check_tree_attention_inputs
+from hydrajax.validation import FLOAT_DTYPES, check_query_and_caches, check_tree_attention_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +93,9 @@ class AttentionShapes:
   @classmethod
   def of(cls, q, k_cache) -> 'AttentionShapes':
     """From q [B, T, N, H] and one layer's k_cache [L, K, H] (arrays or ShapeDtypeStructs)."""
-    for name, x, dims in (('q', q, '[B, T, N, H]'), ('k_cache', k_cache, '[L, K, H]')):
-      if len(getattr(x, 'shape', (None,) * 5)) != len(dims.split(',')):
-        raise ValueError(f'{name} must be {dims}, got shape {getattr(x, "shape", None)}')
+    check_query_and_caches(q, k_cache, k_cache)
     b, t, n, h = q.shape
-    length, kh, hk = k_cache.shape
-    if hk != h:
-      raise ValueError(f'head dim H differs: q has {h}, k_cache has {hk}')
+    length, kh, _ = k_cache.shape
     return cls(b, t, n, kh, h, length, q.dtype, k_cache.dtype)
 
   @property
@@ -132,11 +128,14 @@ class AttentionPlan:
   config: Any  # the backend's frozen config
   interpret: bool
 
-  def with_private_lengths(self, lengths: jax.Array) -> 'AttentionPlan':
+  def with_private_lengths(self, lengths: jax.Array, *, check: bool = True) -> 'AttentionPlan':
     """The plan with rows' private lengths [B] int32 replaced (e.g. one more decoded token):
     leaves swapped, nothing prepared again. A host (numpy) array stays on the host; concrete
-    values are checked against the page table's capacity and T (`check_private_lengths`)."""
-    lengths = check_private_lengths(lengths, self.layout, self.shapes.query_tokens)
+    values are checked against the page table's capacity and T (`check_private_lengths`).
+    `check=False` keeps the shape check but skips the values' (a caller whose lengths come
+    from the cache that built the page table: the engine, every step)."""
+    lengths = check_private_lengths(lengths, self.layout, self.shapes.query_tokens,
+                                    check_values=check)
     layout = dataclasses.replace(self.layout, private_lengths=lengths)
     prepared = dispatch.backend(self.impl).with_private_lengths(self.prepared, lengths)
     return dataclasses.replace(self, layout=layout, prepared=prepared)
@@ -198,11 +197,12 @@ def check_scale(scale) -> float | None:
   return scale
 
 
-def check_private_lengths(lengths, layout: TreeLayout, query_tokens: int):
+def check_private_lengths(lengths, layout: TreeLayout, query_tokens: int, *,
+                          check_values: bool = True):
   """`lengths` as an integer array of the layout's `private_lengths` shape ([B], or [dp, B/dp]
-  for stacked shard plans; lists become numpy), else ValueError naming `lengths`. Concrete
-  values (not traced) must be 0 (a padding row) or in [T, capacity]: the T query tokens are a
-  row's last T private tokens, and no row holds more than its pages."""
+  for stacked shard plans; lists become numpy), else ValueError naming `lengths`. With
+  `check_values`, concrete values (not traced) must be 0 (a padding row) or in [T, capacity]:
+  the T query tokens are a row's last T private tokens, and no row holds more than its pages."""
   if isinstance(lengths, (list, tuple)):
     lengths = np.asarray(lengths)
   want = tuple(layout.private_lengths.shape)
@@ -210,7 +210,7 @@ def check_private_lengths(lengths, layout: TreeLayout, query_tokens: int):
     raise ValueError(f'lengths must be an integer array of shape {want} (one per row), got '
                      f'{getattr(lengths, "dtype", type(lengths).__name__)}'
                      f'{list(getattr(lengths, "shape", ()))}')
-  if isinstance(lengths, jax.core.Tracer):
+  if not check_values or isinstance(lengths, jax.core.Tracer):
     return lengths
   values = np.asarray(lengths).reshape(-1)
   capacity = layout.private_pages.shape[-1] * layout.page_size

@@ -262,8 +262,10 @@ class ShardedLayout:
   def page_size(self) -> int:
     return self._layout.page_size
 
-  def with_private_lengths(self, lengths: jax.Array | np.ndarray) -> 'ShardedLayout':
-    """Every row's private length replaced (lengths [B] int32, global row order).
+  def with_private_lengths(self, lengths: jax.Array | np.ndarray, *,
+                           check: bool = True) -> 'ShardedLayout':
+    """Every row's private length replaced (lengths [B] int32, global row order); `check` as
+    in `AttentionPlan.with_private_lengths`.
 
     The swap only replaces leaves (every backend's `with_private_lengths`), so the stacked
     leaves take the lengths as [dp, B/dp] directly; a host array stays on the host (no device
@@ -274,7 +276,8 @@ class ShardedLayout:
     if isinstance(self.layouts, TreeLayout):
       return ShardedLayout(dataclasses.replace(self.layouts, private_lengths=per_shard),
                            self.num_shards)
-    return ShardedLayout(self.layouts.with_private_lengths(per_shard), self.num_shards)
+    return ShardedLayout(self.layouts.with_private_lengths(per_shard, check=check),
+                         self.num_shards)
 
   def for_step(self) -> 'ShardedLayout':
     """Each shard's `AttentionPlan.for_step` (mapped over the stacked leaves); a layout of

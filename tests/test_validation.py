@@ -344,14 +344,22 @@ def test_bad_private_lengths_of_a_prepared_plan_raise():
   assert swapped.layout.private_lengths.tolist() == [1] * b
   padded = p.with_private_lengths(np.array([0] + [1] * (b - 1), np.int32))  # 0: a padding row
   assert padded.layout.private_lengths[0] == 0
+  # check=False (the engine's step, whose cache built the page table): the shape is checked,
+  # the values are not.
+  unchecked = p.with_private_lengths(np.full((b,), capacity + 1, np.int32), check=False)
+  assert unchecked.layout.private_lengths[0] == capacity + 1
+  with pytest.raises(ValueError, match=rf'of shape \({b},\)'):
+    p.with_private_lengths(np.ones((b + 3,), np.int32), check=False)
 
 
 def test_prepared_plans_refuse_what_tree_attention_refuses():
   plan, q, kv = _small_problem()
-  with pytest.raises(ValueError, match='AttentionShapes.dtype must be float32'):
+  with pytest.raises(ValueError, match='q must be float32, bfloat16 or float16, got int32'):
     hj.AttentionShapes.of(q.astype(jnp.int32), kv)
-  with pytest.raises(ValueError, match='AttentionShapes.kv_dtype must be float32'):
+  with pytest.raises(ValueError, match='k_cache must be float32, bfloat16 or float16'):
     hj.AttentionShapes.of(q, kv.astype(jnp.int32))
+  with pytest.raises(ValueError, match='AttentionShapes.kv_dtype must be float32'):
+    hj.AttentionShapes(1, 1, 1, 1, 1, 1, jnp.float32, jnp.int8)
   with pytest.raises(ValueError, match='AttentionShapes.dtype must be a dtype'):
     hj.AttentionShapes(1, 1, 1, 1, 1, 1, 'foo')
   with pytest.raises(ValueError, match=r'q must be \[B, T, N, H\]'):

@@ -178,7 +178,8 @@ class DecodeLoop:
       self._plan = (key, plan, lead)
       self.stats.plan_builds += 1
     _, plan, lead = self._plan
-    return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+    # The cache that built the page table gave the lengths: no per-step value check.
+    return plan.with_private_lengths(lengths if lead is None else lengths + lead, check=False)
 
   def _build_plan_sharded(self, b: int):
     """(the stacked per-shard plans, lead [dp b] int32 or None: see `_apply_sharing_policy`)."""
@@ -208,7 +209,7 @@ class DecodeLoop:
     if self._plan is not None and self._plan[0] == key:
       _, plan, lead = self._plan
       lengths = layout.private_lengths
-      return plan.with_private_lengths(lengths if lead is None else lengths + lead)
+      return plan.with_private_lengths(lengths if lead is None else lengths + lead, check=False)
     layout, lead = self._apply_sharing_policy(layout, b)
     plan = self._prepare_plan(layout, self.config.impl)
     if isinstance(plan, AttentionPlan):  # else NO_ATTENTION: nothing to prepare
