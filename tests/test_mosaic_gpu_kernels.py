@@ -833,14 +833,17 @@ class TestSupportAndSchedule:
   @pytest.mark.parametrize('b, n, k, capacity, lane_table, heads', [
       (1024, 32, 8, 64, True, 8),  # 512 programs, rows of at most 64 tokens
       (256, 16, 4, 64, True, 4),  # 64 programs (a tensor-parallel shard)
-      (1024, 32, 8, 128, True, 1),  # rows up to 128 tokens: chunk lanes copy 64 at once
+      (1024, 32, 8, 128, True, 8),  # rows up to 128 tokens: 512 programs
+      (1024, 32, 32, 128, True, 8),  # the CodeLlama-7B decode step
+      (256, 32, 8, 128, True, 1),  # 128 programs: chunk lanes copy 64 tokens at once
       (32, 32, 8, 64, True, 1),  # 16 programs: too few
       (1024, 32, 8, 64, False, 1),  # no lane table: token lanes need it
   ])
   def test_token_lanes_by_default(self, b, n, k, capacity, lane_table, heads):
-    """`private_token_lanes=None` (the default) takes token lanes where they fit, rows hold at
-    most `TOKEN_LANES_MAX_CAPACITY` private tokens and there are `TOKEN_LANES_MIN_PROGRAMS`
-    programs: where the H200 measured them faster (the config's docstring)."""
+    """`private_token_lanes=None` (the default) takes token lanes where they fit and there are
+    `TOKEN_LANES_MIN_PROGRAMS` programs, or `TOKEN_LANES_LONG_ROW_MIN_PROGRAMS` where rows may
+    hold more than `TOKEN_LANES_MAX_CAPACITY` private tokens: where they measured no slower
+    (the config's docstring)."""
     plan = hydrajax.plan_tree(PromptNode(40, num_samples=b), private_capacity=capacity,
                               private_lengths=[3] * b)
     shapes = mosaic.KernelShapes(b, 1, n, k, 64, plan.kv_tokens, jnp.bfloat16)

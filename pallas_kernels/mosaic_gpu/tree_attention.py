@@ -144,21 +144,25 @@ class MosaicGpuConfig:
       tokens' bytes (h = 8: 9), and at 1 token 8 (h = 8: 1; h = 4: 2). Needs
       `private_lane_table`; with token lanes q is read folded at G > 1 (`q_by_row_groups` off)
       and `private_staged_pages` and `private_pair_copies` do not apply. None (the default):
-      token lanes where they fit, no row holds more than `TOKEN_LANES_MAX_CAPACITY` private
-      tokens (the page table's width), and they make at least `TOKEN_LANES_MIN_PROGRAMS`
-      programs. H200, the private kernel alone in a layer of a decode step
+      token lanes where they fit and make at least `TOKEN_LANES_MIN_PROGRAMS` programs, or
+      `TOKEN_LANES_LONG_ROW_MIN_PROGRAMS` where a row may hold more than
+      `TOKEN_LANES_MAX_CAPACITY` private tokens (the page table's width). H200, the private kernel alone in a layer of a decode step
       (`mosaic_gpu_check/s46`): 32/8 heads, 1 token a row: B=1024 28.0 -> 17.8 µs, B=256
       11.5 -> 8.9, but B=32 (16 programs) 10.2 -> 11.5; 16/4 (a tensor-parallel shard) B=1024
       14.8 -> 10.5, B=256 (64 programs) 12.4 -> 10.5; 32/32 B=1024 at 9 tokens 94.7 -> 54.1,
       at 8 56.4 -> 50.7; but 128 tokens a row at B=256, 32/8, 40.6 -> 50.3 (chunk lanes copy
       a row's 64 contiguous tokens at once, or too few programs). In the CodeLlama-7B decode
-      step at B=1024, about 7 private tokens a row (a capacity of 128, so None keeps chunk
-      lanes there), the two kernels 4326 -> 3593 µs a step at P=1K, 17444 -> 16311 at 16K.
+      step at B=1024, about 7 private tokens a row (a capacity of 128), the two kernels 4326
+      -> 3593 µs a step at P=1K, 17444 -> 16311 at 16K. Long rows at 512 programs (H100,
+      `mosaic_gpu_check/s49`): B=1024, 32/32, 9, 65 and 128 tokens a row, 156.0 -> 109.5,
+      460.3 -> 417.2 and 765.7 -> 767.8 µs; 32/8 at 128, 596.8 -> 606.8 (no step-plan time).
     private_token_runs: with token lanes of every kv head (K = 8, 4 or 2: a lane is a whole
       token's tile), a step of 8 lanes of one row's consecutive tokens is one 64-row copy of
       the flat view instead of 8 (`PrivateProblem.token_runs`), as chunk lanes copy a row's 64
       contiguous tokens. Long rows are where token lanes lost to chunk lanes (B=256, 32/8, 128
-      tokens a row: 16 copies a step against 2). Off until timed on the H200.
+      tokens a row: 16 copies a step against 2). Off: at B=1024, 32/8, 128 tokens a row it
+      did not pay (H100, `mosaic_gpu_check/s49`: 597.5 µs, token lanes alone 606.8 and chunk
+      lanes 596.8 in one run).
   """
 
   block_kv: int = 128
@@ -342,8 +346,11 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
 
 
 # `private_token_lanes=None`: token lanes only where the measured points favour them (see there).
-TOKEN_LANES_MAX_CAPACITY = 64  # private tokens a row at most: rows below one chunk-lane step
 TOKEN_LANES_MIN_PROGRAMS = 64  # programs at least: half an H200's multiprocessors
+# Rows longer than one chunk-lane step (64 tokens) need more programs: at 128 tokens a row
+# token lanes lost at B=256 (128 programs) and tied at B=1024 (512).
+TOKEN_LANES_MAX_CAPACITY = 64
+TOKEN_LANES_LONG_ROW_MIN_PROGRAMS = 512
 
 
 def _lane_heads(config: MosaicGpuConfig, layout: TreeLayout, b: int, tgp: int, kh: int) -> int:
@@ -355,8 +362,9 @@ def _lane_heads(config: MosaicGpuConfig, layout: TreeLayout, b: int, tgp: int, k
     return heads
   capacity = layout.private_pages.shape[1] * layout.page_size
   programs = b * tgp // token_frame_rows(heads) * (kh // heads)
-  fits = capacity <= TOKEN_LANES_MAX_CAPACITY and programs >= TOKEN_LANES_MIN_PROGRAMS
-  return heads if fits else 1
+  least = (TOKEN_LANES_MIN_PROGRAMS if capacity <= TOKEN_LANES_MAX_CAPACITY
+           else TOKEN_LANES_LONG_ROW_MIN_PROGRAMS)
+  return heads if programs >= least else 1
 
 
 def _reads_q_by_row(config: MosaicGpuConfig, b: int, t: int, g: int, tgp: int) -> bool:
