@@ -9,7 +9,7 @@ VENV_NEWEST ?= .venv-newest
 LOCK := requirements/gpu-image.txt
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
-PYTEST_ARGS ?= -q -n 2
+PYTEST_ARGS ?= -q -n 2 --durations=30
 TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed

@@ -67,6 +67,30 @@ def _bound_memory_mappings():
     _free_compiled_programs()
 
 
+# Interpret mode runs a kernel op by op in host callbacks: 30-60 s a case of the Mosaic GPU
+# kernel tests on a 2-core CI machine. A class that runs kernels in interpret mode may name,
+# in `interpret_cases` ({test name: ids to keep}), the cases of its many-case tests that it
+# runs (chosen to cover each kv-head fold, T > 1 and padded rows); the compiled classes run
+# every case on a GPU. `--all-interpret-cases` (or HYDRAJAX_ALL_INTERPRET_CASES=1) runs all.
+def pytest_addoption(parser):
+  parser.addoption('--all-interpret-cases', action='store_true',
+                   help="run every case of interpret-mode kernel classes, not their "
+                        "`interpret_cases`")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption('--all-interpret-cases') or os.environ.get('HYDRAJAX_ALL_INTERPRET_CASES'):
+    return
+  kept, dropped = [], []
+  for item in items:
+    cases = getattr(item.cls, 'interpret_cases', {}).get(getattr(item, 'originalname', None))
+    dropped_here = cases is not None and item.callspec.id not in cases
+    (dropped if dropped_here else kept).append(item)
+  if dropped:
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
 # Per-dtype tolerances of a fast path against the naive oracle (which computes in float32).
 # bf16: the probabilities are rounded to bf16 before the PV product, and the output is bf16.
 TOLERANCES = {

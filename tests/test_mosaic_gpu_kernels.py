@@ -13,6 +13,7 @@ code that runs on the GPU.
 import dataclasses
 import functools
 import heapq
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -587,10 +588,23 @@ class TestMosaicGpuKernels:
 
 
 class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
-  """The same cases in Mosaic GPU interpret mode on CPU, with small shapes."""
+  """The same cases in Mosaic GPU interpret mode on CPU, with small shapes; of the many-case
+  tests, the cases below (conftest: each kv-head fold, T > 1, padded rows, each knob)."""
 
   interpret = True
   head_dim = 64
+  interpret_cases = {
+      'test_matches_xla_and_oracle': (
+          'batch1_T=1_heads=4/1', 'two_level_T=3_heads=2/2', 'deep_T=4_heads=4/1',
+          'forest_T=2_heads=8/2', 'private_only_T=2_heads=4/2'),
+      'test_long_rows': ('page=128_T=1_heads=8/1_sms=1', 'page=16_T=2_heads=8/2_sms=1',
+                         'page=64_T=2_heads=8/1_sms=None'),
+      'test_private_knobs_change_nothing': ('16-pair_copies', '64-slots=4', '16-staged_pages',
+                                            '64-lane_walk', '16-walk_unstaged'),
+      'test_token_lanes': ('MHA', 'G=3_padded', 'K=4_G=4_T=2', 'K=2_G=4_T=3'),
+      'test_token_runs_change_nothing': ('K=8_G=2_T=2-64', 'K=4_G=4-16', 'K=2_G=4-64'),
+      'test_q_read_by_row_is_the_fold': ('1-G=1', '2-G=2', '1-G=4', '2-G=8'),
+  }
 
 
 class TestSupportAndSchedule:
@@ -1011,3 +1025,19 @@ class TestSupportAndSchedule:
       want = [plan.segments[j].kv_start for j in plan.path(row) if plan.segments[j].kv_length]
       got = [int(ids[i]) for i in table[row] if i >= 0]
       assert got == want
+
+
+def test_interpret_cases_name_real_cases():
+  """Every case an interpret class keeps (`interpret_cases`, conftest) is one that exists: a
+  renamed case would otherwise drop from CPU runs unseen."""
+  import subprocess
+  import sys
+  from tests.test_mosaic_gpu_training import TestTrainingKernelsInterpret
+  files = ['tests/test_mosaic_gpu_kernels.py', 'tests/test_mosaic_gpu_training.py']
+  listed = subprocess.run([sys.executable, '-m', 'pytest', '--co', '-q', '-p', 'no:cacheprovider',
+                           '-k', 'Interpret', *files], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).parent.parent).stdout
+  for cls in (TestMosaicGpuKernelsInterpret, TestTrainingKernelsInterpret):
+    for name, cases in cls.interpret_cases.items():
+      for case in cases:
+        assert f'{cls.__name__}::{name}[{case}]' in listed, (cls.__name__, name, case)
