@@ -615,6 +615,8 @@ class TestTrainingKernelsInterpret(TestTrainingKernels):
       'test_causal_backward': ('N=4_K=1_T=128_S=128_len=(128, 128)',
                                'N=2_K=2_T=40_S=150_len=(40, 26, 129)'),
       'test_dq_in_float32_and_onto_dq_init': ('paired',),  # the default; 170 s a case
+      'test_paired_tiles_change_nothing': ('N=4_K=2_T=150_S=200_len=(180, 150, 100)',),
+      'test_backward_in_row_parts': ('4',),
   }
 
 
