@@ -67,25 +67,34 @@ def _bound_memory_mappings():
     _free_compiled_programs()
 
 
-# Interpret mode runs a kernel op by op in host callbacks: 30-60 s a case of the Mosaic GPU
-# kernel tests on a 2-core CI machine. A class that runs kernels in interpret mode may name,
-# in `interpret_cases` ({test name: ids to keep}), the cases of its many-case tests that it
-# runs (chosen to cover each kv-head fold, T > 1 and padded rows); the compiled classes run
-# every case on a GPU. `--all-interpret-cases` (or HYDRAJAX_ALL_INTERPRET_CASES=1) runs all.
+# Some tests' cases are slow on a 2-core CI machine: interpret mode runs a kernel op by op in
+# host callbacks (30-170 s a case of the Mosaic GPU kernel tests), and a model sharded over 8
+# fake CPU devices compiles for each mesh (30-40 s a case). A test class, or a module, may name
+# in `representative_cases` ({test name: ids to keep}) the cases of its many-case tests that
+# `make test` runs: chosen to cover each kv-head fold (MHA, GQA, MQA), T > 1, padded rows, each
+# knob, each kind of mesh. The compiled kernel classes run every case on a GPU, and
+# `--all-cases` (or HYDRAJAX_ALL_CASES=1) runs every case anywhere.
 def pytest_addoption(parser):
-  parser.addoption('--all-interpret-cases', action='store_true',
-                   help="run every case of interpret-mode kernel classes, not their "
-                        "`interpret_cases`")
+  parser.addoption('--all-cases', action='store_true',
+                   help='run every case, not only the `representative_cases` of slow tests')
+
+
+def representative_cases(item) -> tuple[str, ...] | None:
+  """The ids of `item`'s test that a default run keeps (its class's, else its module's), or
+  None: all."""
+  table = getattr(item.cls, 'representative_cases', None)
+  if table is None:
+    table = getattr(item.module, 'representative_cases', {})
+  return table.get(getattr(item, 'originalname', None))
 
 
 def pytest_collection_modifyitems(config, items):
-  if config.getoption('--all-interpret-cases') or os.environ.get('HYDRAJAX_ALL_INTERPRET_CASES'):
+  if config.getoption('--all-cases') or os.environ.get('HYDRAJAX_ALL_CASES'):
     return
   kept, dropped = [], []
   for item in items:
-    cases = getattr(item.cls, 'interpret_cases', {}).get(getattr(item, 'originalname', None))
-    dropped_here = cases is not None and item.callspec.id not in cases
-    (dropped if dropped_here else kept).append(item)
+    cases = representative_cases(item)
+    (dropped if cases is not None and item.callspec.id not in cases else kept).append(item)
   if dropped:
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept

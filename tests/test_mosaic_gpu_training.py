@@ -602,11 +602,12 @@ def _close_grads(actual, expected):
 
 
 class TestTrainingKernelsInterpret(TestTrainingKernels):
-  """The same cases in Mosaic GPU interpret mode on CPU; of the many-case tests, the cases
-  below (conftest: MHA, GQA and MQA, an empty item, both dQ paths, the default tiles)."""
+  """The same cases in Mosaic GPU interpret mode on CPU; of the many-case tests, the
+  `representative_cases` (conftest): MHA, GQA and MQA, an empty item, both dQ paths, the
+  default tiles."""
 
   interpret = True
-  interpret_cases = {
+  representative_cases = {
       'test_backward': (
           'fused_dq-N=8_K=2_M=96_S=100_len=77', 'fused_dq-N=4_K=2_M=64_S=64_len=0',
           'dq_kernel-N=4_K=1_M=64_S=128_len=128', 'dq_kernel-N=2_K=2_M=40_S=130_len=129'),
