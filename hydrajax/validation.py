@@ -1,7 +1,8 @@
-"""Input checks shared by every tree-attention implementation.
+"""Input checks shared across the library; each raises ValueError naming the argument.
 
-They run at trace time on shapes and dtypes, and raise ValueError naming the
-argument and the expected shape, so that bad input never reaches a kernel.
+The tree-attention checks run at trace time on shapes and dtypes, so that bad input never
+reaches a kernel; `token_ids` is every API's check of token ids (builders, generate, the
+engine, sampling's stop tokens, the chunk cache).
 """
 
 import numbers
