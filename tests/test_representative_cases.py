@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 MODULES = ('test_mosaic_gpu_kernels', 'test_mosaic_gpu_training', 'test_engine_data_parallel',
-           'test_model_parallel', 'test_data_parallel')
+           'test_model_parallel', 'test_data_parallel', 'test_tpu_training_attention')
 
 
 def _tables(module):

@@ -136,3 +136,12 @@ def test_bad_inputs_are_named():
   lse = jnp.zeros(args[0].shape[:3])
   with pytest.raises(ValueError, match=r'lse must be \(3, 12, 2\)'):
     kernel.segments_backward(*args, args[0], lse[:, 1:], lse, lengths, scale=1.0)
+
+
+# Interpret mode is slow on 2 cores (10-30 s a case): `make test` keeps these (conftest);
+# --all-cases runs all.
+representative_cases = {
+    'test_forward_matches_oracle': ('segments-float32', 'causal-bfloat16',
+                                    'segments-bfloat16-mha', 'causal-float32-mqa'),
+    'test_backward_matches_oracle_grad': ('causal', 'segments-mqa'),
+}
