@@ -37,14 +37,20 @@ import importlib.resources
 import json
 from typing import Any, Iterable
 
+import jax
 import numpy as np
 
 from hydrajax.layout import Segment, SharingPlan
 
 # Rows are int32 on the device: a min_rows this large demotes every demotable segment.
 MAX_ROWS = 2**31 - 1
-# The packaged thresholds that `SharingPolicy.default()` loads.
-DEFAULT_THRESHOLDS = ('data', 'break_even_h200.json')
+# The packaged thresholds, by the GPU they were measured on (a substring of its device kind).
+# `SharingPolicy.default()` loads the default device's table, else the H200's.
+DEVICE_THRESHOLDS = {
+    'h100': ('data', 'break_even_h100.json'),
+    'h200': ('data', 'break_even_h200.json'),
+}
+DEFAULT_THRESHOLDS = DEVICE_THRESHOLDS['h200']
 
 
 FORMAT_V1 = 'hydrajax.sharing_policy/1'
@@ -169,9 +175,23 @@ class SharingPolicy:
     return cls(min_rows=MAX_ROWS, source='demote_all')
 
   @classmethod
-  def default(cls) -> 'SharingPolicy':
-    """The packaged thresholds measured on an H200 (see `status` in the data file)."""
-    return _load_default()
+  def default(cls, device_kind: str | None = None) -> 'SharingPolicy':
+    """The packaged thresholds measured on this GPU (see `status` in the data file).
+
+    Args:
+      device_kind: the device whose table to load, as `jax.Device.device_kind` names it
+        (None: the default device's). An H100 gets the H100's table; every other device
+        the H200's (the break-even points move with the device: the H100's keep
+        2-row segments of 1K tokens per-sequence at B = 8 and 32 where the H200's share them).
+    """
+    if device_kind is None:
+      device_kind = jax.devices()[0].device_kind
+    if not isinstance(device_kind, str):
+      raise ValueError(f'device_kind must be a str or None, got {device_kind!r:.100}')
+    kind = device_kind.lower()
+    resource = next((f for name, f in DEVICE_THRESHOLDS.items() if name in kind),
+                    DEFAULT_THRESHOLDS)
+    return _load_packaged(resource)
 
   @classmethod
   def from_dict(cls, data: dict[str, Any], source: str = '') -> 'SharingPolicy':
@@ -358,8 +378,7 @@ def demote(plan: SharingPlan, segments: Iterable[int]) -> SharingPlan:
 
 
 @functools.cache
-def _load_default() -> SharingPolicy:
-  resource = importlib.resources.files('hydrajax').joinpath(*DEFAULT_THRESHOLDS)
-  data = json.loads(resource.read_text())
+def _load_packaged(resource: tuple[str, ...]) -> SharingPolicy:
+  data = json.loads(importlib.resources.files('hydrajax').joinpath(*resource).read_text())
   status = data.get('status', 'unknown status')
-  return SharingPolicy.from_dict(data, source=f'hydrajax/{"/".join(DEFAULT_THRESHOLDS)} ({status})')
+  return SharingPolicy.from_dict(data, source=f'hydrajax/{"/".join(resource)} ({status})')

@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hydrajax as hj
 from hydrajax.benchmarking import report
-from hydrajax.sharing_policy import MAX_ROWS
+from hydrajax.sharing_policy import DEVICE_THRESHOLDS, MAX_ROWS
 from tests.conftest import assert_states_close, naive_tree_attention, random_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,16 +227,31 @@ def test_demote_rejects_illegal_sets():
 
 
 def test_default_thresholds_load_and_round_trip(tmp_path):
-  default = hj.SharingPolicy.default()
-  assert 'break_even_h200.json' in default.source
-  with open(os.path.join(REPO, 'hydrajax', 'data', 'break_even_h200.json')) as f:
-    data = json.load(f)
-  assert 'status' in data and default == hj.SharingPolicy.from_dict(data)
-  if data['status'].startswith('provisional'):  # until the H200 numbers replace them
-    assert all(default.rows_needed(n) == 2 for n in (0, 1, 64, 100, 4096, 10**6))
+  for name, resource in DEVICE_THRESHOLDS.items():
+    with open(os.path.join(REPO, 'hydrajax', *resource)) as f:
+      data = json.load(f)
+    assert data['status'].startswith('measured') and name in data['device'].lower()
+    policy = hj.SharingPolicy.default(device_kind=data['device'])
+    assert resource[-1] in policy.source and policy == hj.SharingPolicy.from_dict(data)
+  default = hj.SharingPolicy.default()  # this machine's device: a CPU gets the H200's table
+  assert default == hj.SharingPolicy.default(jax.devices()[0].device_kind)
   path = tmp_path / 'p.json'
   path.write_text(json.dumps(POLICIES['stepped'].to_dict()))
   assert hj.SharingPolicy.load(str(path)) == POLICIES['stepped']
+
+
+def test_default_thresholds_follow_the_device():
+  h100 = hj.SharingPolicy.default('NVIDIA H100 80GB HBM3')
+  h200 = hj.SharingPolicy.default('NVIDIA H200')
+  assert 'break_even_h100.json' in h100.source and 'break_even_h200.json' in h200.source
+  for other in ('cpu', 'TPU v5 lite', 'NVIDIA A100-SXM4-80GB'):
+    assert hj.SharingPolicy.default(other) == h200
+  # Where the two measured differently (break_even/grid_s50*): 2 rows of 1K tokens, 32/32 heads,
+  # B = 8, were 1.11x slower batched on the H100 and 0.94x on the H200.
+  assert h100.rows_needed(1024, num_rows=8, group_size=1) == 4
+  assert h200.rows_needed(1024, num_rows=8, group_size=1) == 2
+  with pytest.raises(ValueError, match='device_kind must be a str'):
+    hj.SharingPolicy.default(100)
 
 
 def _numeric_case(base: int, heads, dtype, t, unaligned, paged, policy):

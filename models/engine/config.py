@@ -109,7 +109,7 @@ class EngineConfig:
       every step).
     sharing_policy: which shared segments decode steps read per row instead of batched
       (`SharingPolicy`, applied once per tree change as `generate` does). Default:
-      `SharingPolicy.default()`, the break-even thresholds measured on an H200 (a segment too
+      `SharingPolicy.default()`, the break-even thresholds measured on this GPU (a segment too
       short or shared by too few rows for batching to win is read per row); None or
       `SharingPolicy.never()`: every segment stays shared.
     interpret: run `impl`/`prefill_impl`'s Mosaic kernels in interpret mode (e.g. 'mosaic_tpu'

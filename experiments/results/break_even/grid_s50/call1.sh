@@ -1,5 +1,5 @@
 #!/bin/bash
-# Ready in session 45 (NOT RUN: no device was lent). One nvidia-h200 (bash call1.sh <commit>, with
+# Written in session 45, run in session 50 (2026-12-05). One nvidia-h200 (bash call1.sh <commit>, with
 # OUT set; about 9 minutes), then call2.sh. The break-even grid re-run at a layer of a decode step:
 # since session 44 `experiments.break_even` times plans after `for_step` (the lane table built once
 # a step, outside the call), and its probe at B=8 / B=32, n=1024 measured 0.66-0.92 where the

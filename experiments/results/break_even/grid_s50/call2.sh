@@ -1,5 +1,5 @@
 #!/bin/bash
-# Ready in session 45 (NOT RUN). One nvidia-h200 (bash call2.sh <commit> <call1's r.tgz>, with OUT
+# Written in session 45, run in session 50 (2026-12-05). One nvidia-h200 (bash call2.sh <commit> <call1's r.tgz>, with OUT
 # set; about 9 minutes): call 1's walk goes on (--resume) and writes the thresholds; copy
 # break_even_h200.json to hydrajax/data/ only if write_thresholds accepted it (no measured shape
 # kept shared where batched was more than 3% slower).
