@@ -601,9 +601,12 @@ class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
                          'page=64_T=2_heads=8/1_sms=None'),
       'test_private_knobs_change_nothing': ('16-pair_copies', '64-slots=4', '16-staged_pages',
                                             '64-lane_walk', '16-walk_unstaged'),
-      'test_token_lanes': ('MHA', 'G=3_padded', 'K=4_G=4_T=2', 'K=2_G=4_T=3'),
-      'test_token_runs_change_nothing': ('K=8_G=2_T=2-64', 'K=4_G=4-16', 'K=2_G=4-64'),
-      'test_q_read_by_row_is_the_fold': ('1-G=1', '2-G=2', '1-G=4', '2-G=8'),
+      # 40-75 s a case on 2 cores: one padded GQA fold and one at T > 1 (the compiled class
+      # runs all 12 on a GPU).
+      'test_token_lanes': ('G=3_padded', 'K=2_G=4_T=3'),
+      'test_token_runs_change_nothing': ('K=8_G=2_T=2-64',),
+      'test_q_read_by_row_is_the_fold': ('2-G=2', '1-G=4'),  # the G = 1 view: TestSupportAndSchedule
+      'test_packed_frames': ('wide_T=1_heads=4/2', 'two_level_T=40_heads=4/2'),
   }
 
 

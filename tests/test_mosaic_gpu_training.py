@@ -618,6 +618,9 @@ class TestTrainingKernelsInterpret(TestTrainingKernels):
       'test_dq_in_float32_and_onto_dq_init': ('paired',),  # the default; 170 s a case
       'test_paired_tiles_change_nothing': ('N=4_K=2_T=150_S=200_len=(180, 150, 100)',),
       'test_backward_in_row_parts': ('4',),
+      'test_prefill_attention_impl': ('dq_summed', 'dq_in_place_mqa'),
+      # The uniform tree on slices: test_uniform_tree_prefill_on_slices.
+      'test_tree_prefill_impl': ('walked',),
   }
 
 
