@@ -50,6 +50,7 @@ A grid cut by --deadline_s (or a device's time limit) goes on with the same flag
 the points in --workdir/raw.jsonl that ran are kept, the rest run.
 """
 
+import json
 import os
 import time
 
@@ -98,6 +99,9 @@ flags.DEFINE_bool('fuse_qkv', False, 'one q/k/v weight per layer (models.llama.L
                   'per-step concatenation of wq and wkv; tp must divide the kv heads')
 flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
                   'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
+flags.DEFINE_string('compiler_options', '', 'XLA compile options of the decode programs over the '
+                    "library's, as JSON, e.g. '{\"xla_disable_hlo_passes\": \"\"}' (XLA's "
+                    'rematerialization pass on again: models.kv_cache.CACHE_PROGRAM_OPTIONS)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
 
@@ -123,6 +127,19 @@ def _cases():
       for mode in FLAGS.modes:
         for impl in [''] if mode == 'no_attention' else FLAGS.impls:
           yield db.Case(mode, impl, batch, prefix, FLAGS.new_tokens)
+
+
+def _compiler_options() -> dict | None:
+  if not FLAGS.compiler_options:
+    return None
+  try:
+    options = json.loads(FLAGS.compiler_options)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'--compiler_options must be a JSON object, got {FLAGS.compiler_options!r}: '
+                     f'{e}') from e
+  if not isinstance(options, dict):
+    raise ValueError(f'--compiler_options must be a JSON object, got {FLAGS.compiler_options!r}')
+  return options
 
 
 def _recorded_config(records, flag_config):
@@ -154,6 +171,7 @@ def main(argv):
     raise ValueError(f'--mesh={FLAGS.mesh}: this benchmark is tensor parallel (one sharing '
                      'group); use tp only')
   sr.check_mesh(config, mesh)
+  compiler_options = _compiler_options()  # errors before any work too
   if FLAGS.rebuild:
     records = read_jsonl(FLAGS.rebuild)
     config = _recorded_config(records, config)
@@ -201,7 +219,8 @@ def main(argv):
       try:
         r = db.run_case(model, case, (k, v), first, page_size=FLAGS.page_size,
                         memory_limit=memory_limit, max_decode_s=FLAGS.max_decode_s,
-                        profile_kernels=FLAGS.profile_kernels)
+                        profile_kernels=FLAGS.profile_kernels,
+                        compiler_options=compiler_options)
       except Exception as e:  # a failing point is recorded; the sweep goes on
         logging.exception('%s failed', case)
         r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])
@@ -211,7 +230,8 @@ def main(argv):
              run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
              tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
-             fuse_qkv=FLAGS.fuse_qkv, page_size=FLAGS.page_size)
+             fuse_qkv=FLAGS.fuse_qkv, page_size=FLAGS.page_size,
+             compiler_options=FLAGS.compiler_options)
     records.append(r)
     writer.append(r)
     logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),
@@ -221,14 +241,15 @@ def main(argv):
 
 def _kept(config):
   """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
-  --page_size, --tp_reduce_dtype, --tp_micro_batches, --mosaic_gpu_knobs and --fuse_qkv that ran, did not fit or are not supported."""
+  --page_size, --tp_reduce_dtype, --tp_micro_batches, --mosaic_gpu_knobs, --fuse_qkv and
+  --compiler_options that ran, did not fit or are not supported."""
   def keep(r) -> bool:
     return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
              r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1), r.get('mosaic_gpu_knobs', []),
-             r.get('fuse_qkv', False))
+             r.get('fuse_qkv', False), r.get('compiler_options', ''))
             == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
                 FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches, FLAGS.mosaic_gpu_knobs,
-                FLAGS.fuse_qkv)
+                FLAGS.fuse_qkv, FLAGS.compiler_options)
             and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
   return keep
 

@@ -186,8 +186,13 @@ def _build_cache(k, v, kv_tokens: int, dest: np.ndarray, mesh=None) -> KVCache:
 
 
 def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: int,
-             memory_limit: int, max_decode_s: float, profile_kernels: int = 0) -> dict[str, Any]:
+             memory_limit: int, max_decode_s: float, profile_kernels: int = 0,
+             compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
   """Measures one point; returns its record (status 'ok', 'does_not_fit' or 'unsupported').
+
+  `compiler_options` are XLA options for the decode program over the library's own
+  (`models.kv_cache.CACHE_PROGRAM_OPTIONS`), e.g. {'xla_disable_hlo_passes': ''} for XLA's
+  default passes.
 
   With `profile_kernels` > 0 (GPU), one more step is profiled and its costliest
   kernels recorded (`top_kernels`: name, microseconds, launches). That step comes after the
@@ -239,7 +244,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   graphdef, params = nnx.split(model)
   start = time.perf_counter()
   compiled = decode.lower(graphdef, params, state, layout, setup.rows, key, stops, jnp.int32(1),
-                          sampling=GREEDY, impl=impl).compile()
+                          sampling=GREEDY, impl=impl).compile(compiler_options)
   record['compile_s'] = time.perf_counter() - start
   log.info('%s B=%d P=%d: decode compiled in %.1f s', case.name, case.batch, case.prefix,
            record['compile_s'])

@@ -48,7 +48,7 @@ from hydrajax.layout import as_int
 from hydrajax.parallel import ShardedLayout
 from hydrajax.validation import FLOAT_DTYPES, token_ids
 from models import sharding_rules as sr
-from models.kv_cache import DenseKVCache, KVCache
+from models.kv_cache import CACHE_PROGRAM_OPTIONS, DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
 from models.sampling import SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch
 
@@ -375,7 +375,8 @@ def _parent(segments: list[Segment], i: int) -> int:
   return -1
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',),
+                   compiler_options=CACHE_PROGRAM_OPTIONS)
 def _prefill_step(graphdef, params, tokens, positions, cache, slots, plan, last_index):
   model = nnx.merge(graphdef, params)
   h, cache = model.forward_hidden(tokens, positions, cache, slots, plan, impl=_mode_of(plan))
@@ -576,7 +577,7 @@ def _loop(forward, state: DecodeState, rows, key, stop_tokens, num_steps, sampli
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'sampling', 'impl'),
-                   donate_argnames=('state',))
+                   donate_argnames=('state',), compiler_options=CACHE_PROGRAM_OPTIONS)
 def decode(graphdef, params, state: DecodeState, plan: AttentionPlan | TreeLayout, rows: RowSpec,
            key, stop_tokens, num_steps, *, sampling: SamplingParams,
            impl=AttentionImpl.AUTO) -> DecodeState:
@@ -603,7 +604,8 @@ def decode(graphdef, params, state: DecodeState, plan: AttentionPlan | TreeLayou
   return _loop(forward, state, rows, key, stop_tokens, num_steps, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'sampling'), donate_argnames=('state',))
+@functools.partial(jax.jit, static_argnames=('graphdef', 'sampling'), donate_argnames=('state',),
+                   compiler_options=CACHE_PROGRAM_OPTIONS)
 def _decode_naive(graphdef, params, state: DecodeState, rows: RowSpec, key, stop_tokens,
                   num_steps, *, sampling):
   model = nnx.merge(graphdef, params)
@@ -615,7 +617,8 @@ def _decode_naive(graphdef, params, state: DecodeState, rows: RowSpec, key, stop
   return _loop(forward, state, rows, key, stop_tokens, num_steps, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',),
+                   compiler_options=CACHE_PROGRAM_OPTIONS)
 def _prefill_naive(graphdef, params, tokens, cache, last_index):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)

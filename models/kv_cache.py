@@ -18,6 +18,16 @@ import jax.numpy as jnp
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 
+# XLA compile options of every jitted program that runs the model over a donated KV cache.
+# XLA's rematerialization pass misreads such programs: it counts the cache (most of the device's
+# memory) more than once, finds the program over its memory limit, and recomputes what it can,
+# which cannot lower a peak made of the cache. In the CodeLlama-7B decode step at B=1024 on an
+# H200 that was the Mosaic GPU lane table again before every layer (31 extra launches, 5.7 µs
+# each) and the first layer's K/V writes twice more: about 0.35 ms of a 26 ms step
+# (`experiments/results/xla_programs/`; the same program memory with the pass off). A CPU has
+# no such pass.
+CACHE_PROGRAM_OPTIONS = {'xla_disable_hlo_passes': 'rematerialization'}
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -201,8 +201,12 @@ def _qkv(p, x, positions, inv_freq, eps):
     b, t, kh, g2, h = qkv.shape
     q = apply_rope(qkv[:, :, :, :g2 - 2].reshape(b, t, kh * (g2 - 2), h), positions, inv_freq)
     return q, apply_rope(qkv[:, :, :, g2 - 2], positions, inv_freq), qkv[:, :, :, g2 - 1]
-  q = apply_rope(jnp.einsum('btd,dnh->btnh', y, p['wq']), positions, inv_freq)
-  kv = jnp.einsum('btd,dckh->btckh', y, p['wkv'])
+  # XLA merges the two products into one GEMM over wq and wkv concatenated, a copy of both
+  # weights on every call. The barrier ties that copy to this layer's input: scheduled freely,
+  # a step's copies of every layer could be live at once (3 GiB at CodeLlama-7B).
+  wq, wkv, y = jax.lax.optimization_barrier((p['wq'], p['wkv'], y))
+  q = apply_rope(jnp.einsum('btd,dnh->btnh', y, wq), positions, inv_freq)
+  kv = jnp.einsum('btd,dckh->btckh', y, wkv)
   k = apply_rope(kv[:, :, 0], positions, inv_freq)
   v = kv[:, :, 1]
   return q, k, v

@@ -344,3 +344,57 @@ def test_workdir_readme_names_the_run_and_its_files(tmp_path):
   assert text.startswith('# Example\n\ncommand: `python -m experiments.example --flag`')
   assert 'commit: abc1234' in text and '| x |' in text and '# a table' not in text
   assert 'files: `table.md`' in text
+
+
+# ---------------------------------------------------------------------------
+# hlo_launches: a compiled program's launches per loop iteration
+
+
+def test_step_launches_reads_the_loop_body_of_a_compiled_program():
+  from hydrajax.benchmarking import hlo_launches
+
+  def program(x, w):
+    def body(_, x):
+      return jnp.tanh(x @ w) * 2.0 + jnp.sin(x)
+    return jax.lax.fori_loop(0, 3, body, x)
+
+  x = jnp.ones((8, 16), jnp.float32)
+  text = jax.jit(program).lower(x, jnp.ones((16, 16), jnp.float32)).compile().as_text()
+  launches = hlo_launches.step_launches(text)
+  assert launches and all(l.base in text for l in launches)
+  summary = hlo_launches.summarize(launches)
+  assert summary['launches'] == len(launches) and summary['remat_launches'] == 0
+  assert sum(summary['by_category'].values()) == len(launches)
+  with pytest.raises(ValueError, match='hlo_text'):
+    hlo_launches.step_launches('')
+
+
+def test_step_launches_counts_rematerialized_and_repeated_work():
+  from hydrajax.benchmarking import hlo_launches
+  text = '''HloModule m
+%fused_table (p: s32[8]) -> s32[8] {
+  %p = s32[8]{0} parameter(0)
+  ROOT %c = s32[8]{0} concatenate(%p), dimensions={0}
+}
+%body (s: (s32[8], f32[4])) -> (s32[8], f32[4]) {
+  %s = (s32[8], f32[4]) parameter(0)
+  %t = s32[8]{0} fusion(%g), kind=kInput, calls=%fused_table
+  %k = (f32[4]{0}, f32[4]{0}) custom-call(%t), custom_call_target="mosaic_gpu_v2"
+  %t.remat = s32[8]{0} fusion(%g), kind=kInput, calls=%fused_table
+  %k.1 = (f32[4]{0}, f32[4]{0}) custom-call(%t.remat), custom_call_target="mosaic_gpu_v2"
+  %t.remat2 = s32[8]{0} fusion(%g), kind=kInput, calls=%fused_table
+  %m = f32[4]{0} custom-call(%t.remat2), custom_call_target="__cublas$lt$matmul"
+  ROOT %r = (s32[8], f32[4]) tuple(%t, %m)
+}
+ENTRY %main (a: (s32[8], f32[4])) -> (s32[8], f32[4]) {
+  %a = (s32[8], f32[4]) parameter(0)
+  ROOT %w = (s32[8], f32[4]) while(%a), condition=%cond, body=%body
+}
+'''
+  launches = hlo_launches.step_launches(text)
+  assert [l.name for l in launches] == ['t', 'k', 't.remat', 'k.1', 't.remat2', 'm']
+  assert [l.base for l in launches] == ['t', 'k', 't', 'k.1', 't', 'm']
+  assert launches[0].what == 'concatenate -> s32[8]{0}' and launches[0].kind == 'kInput'
+  summary = hlo_launches.summarize(launches)
+  assert summary == dict(launches=6, by_category={'fusion': 3, 'mosaic': 2, 'gemm': 1},
+                         remat_launches=2, repeated={'t': 3})

@@ -433,9 +433,13 @@ def test_greedy_outputs_equal_with_the_default_sharing_policy(model, reference):
 
 def test_command_buffers_off_is_an_xla_gpu_option_only():
   from models.engine.step import compiler_options
-  assert compiler_options('gpu', command_buffers=False) == {'xla_gpu_enable_command_buffer': ''}
-  assert compiler_options('gpu', command_buffers=True) == {}
-  assert compiler_options('cpu', command_buffers=False) == {}
+  from models.kv_cache import CACHE_PROGRAM_OPTIONS
+  remat_off = {'xla_disable_hlo_passes': 'rematerialization'}  # every program over the cache
+  assert CACHE_PROGRAM_OPTIONS == remat_off
+  assert compiler_options('gpu', command_buffers=False) == {
+      **remat_off, 'xla_gpu_enable_command_buffer': ''}
+  assert compiler_options('gpu', command_buffers=True) == remat_off
+  assert compiler_options('cpu', command_buffers=False) == remat_off
   assert dataclasses.replace(CONFIG, command_buffers=False).command_buffers is False
   with pytest.raises(ValueError, match='command_buffers'):
     dataclasses.replace(CONFIG, command_buffers=None)

@@ -187,12 +187,17 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   table = lambda d: [l for l in (tmp_path / d / 'table.md').read_text().splitlines()
                      if l.startswith('| ')]
   assert table('a') == table('b') and len(table('a')) == 3
+  remat_on = '{"xla_disable_hlo_passes": ""}'  # XLA's default passes (a CPU has no remat pass)
   out = run('--batches=2', '--prefixes=16', '--new_tokens=4', '--modes=tree', '--impls=xla',
-            '--page_size=8', '--max_decode_s=0.05', '--fuse_qkv', f'--workdir={tmp_path / "c"}')
+            '--page_size=8', '--max_decode_s=0.05', '--fuse_qkv', f'--compiler_options={remat_on}',
+            f'--workdir={tmp_path / "c"}')
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / 'c' / 'raw.jsonl') as f:
     fused = [json.loads(line) for line in f]
-  assert [(r['status'], r['fuse_qkv']) for r in fused] == [('ok', True)]
+  assert [(r['status'], r['fuse_qkv'], r['compiler_options']) for r in fused] == [
+      ('ok', True, remat_on)]
+  out = run('--batches=2', '--prefixes=16', '--compiler_options=[1]', f'--workdir={tmp_path / "d"}')
+  assert out.returncode != 0 and '--compiler_options must be a JSON object' in out.stderr
   # --resume keeps the points that ran and runs the new one (a second batch size).
   with open(tmp_path / 'a' / 'raw.jsonl') as f:
     first = [json.loads(line) for line in f]

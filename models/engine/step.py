@@ -6,6 +6,7 @@ from flax import nnx
 
 from hydrajax import AttentionPlan
 from hydrajax.parallel import ShardedLayout
+from models.kv_cache import CACHE_PROGRAM_OPTIONS
 from models.sampling import SamplingRows, request_keys, sample_batch
 
 
@@ -36,11 +37,12 @@ def model_step(graphdef, treedef, params, cache, tokens, positions, slots, layou
 
 
 def compiler_options(platform: str, *, command_buffers: bool) -> dict:
-  """XLA compile options of the model step on `platform` (`EngineConfig.command_buffers`:
-  False turns XLA's CUDA graphs off on a GPU; other platforms have none)."""
+  """XLA compile options of the model step on `platform`: those of every program over a KV
+  cache (`CACHE_PROGRAM_OPTIONS`), and `EngineConfig.command_buffers` False turns XLA's CUDA
+  graphs off on a GPU (other platforms have none)."""
   if platform != 'gpu' or command_buffers:
-    return {}
-  return {'xla_gpu_enable_command_buffer': ''}
+    return dict(CACHE_PROGRAM_OPTIONS)
+  return {**CACHE_PROGRAM_OPTIONS, 'xla_gpu_enable_command_buffer': ''}
 
 
 def segment_slots(layout) -> int:

@@ -396,6 +396,10 @@ def for_step(prepared: Prepared) -> Prepared:
                                          problem.lane_steps):
     return prepared
   lanes = lane_table(prepared.private_lengths, prepared.private_pages, problem)
+  # XLA's rematerialization pass may otherwise build the table again before each layer (it
+  # did before every layer of the CodeLlama-7B step: `experiments/results/xla_programs/`);
+  # a barrier's result cannot be recomputed.
+  lanes = jax.lax.optimization_barrier(lanes)
   return dataclasses.replace(prepared, lanes=lanes)
 
 
