@@ -45,6 +45,12 @@ flags.DEFINE_enum('target', 'h200', ['h100', 'h200'], 'the GPU the program is co
 flags.DEFINE_enum('remat', 'both', ['on', 'off', 'both'], "XLA's rematerialization pass")
 flags.DEFINE_bool('fuse_qkv', False, 'one q/k/v weight per layer (as in experiments.throughput)')
 flags.DEFINE_string('workdir', '/tmp/xla_programs', 'output folder')
+flags.register_validator('modes', lambda v: bool(v) and set(v) <= {'tree', 'no_attention'},
+                         '--modes must list tree and/or no_attention')
+flags.register_validator('prefixes', lambda v: bool(v) and all(p.isdigit() and int(p) > 0
+                                                                for p in v),
+                         '--prefixes must list positive integers (tokens)')
+flags.register_validator('batch', lambda v: v > 0, '--batch must be >= 1')
 
 # XLA:GPU target configs (`GpuTargetConfigProto` text): what a deviceless compile reads in place
 # of a device. Sizes from the two GPUs' specifications.
