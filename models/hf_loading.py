@@ -369,18 +369,19 @@ def save_params(model: Llama, directory: str | os.PathLike) -> None:
     json.dump(dict(hf=model.config.to_hf_dict(), name=model.config.name,
                    dtype=jnp.dtype(model.dtype).name), f, indent=1)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  params['layers'] = {i: _unfused(layer) for i, layer in params['layers'].items()}
+  params['layers'] = {i: _unfused(layer, model.config.num_heads)
+                      for i, layer in params['layers'].items()}
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, _PARAMS_DIR), params, force=True)
   checkpointer.wait_until_finished()
 
 
-def _unfused(layer: dict) -> dict:
+def _unfused(layer: dict, num_heads: int) -> dict:
   """A layer's parameters with `wqkv` (`Llama.fuse_qkv`) as wq and wkv."""
   if 'wqkv' not in layer:
     return layer
   layer = dict(layer)
-  layer['wq'], layer['wkv'] = split_qkv(layer.pop('wqkv'))
+  layer['wq'], layer['wkv'] = split_qkv(layer.pop('wqkv'), num_heads)
   return layer
 
 

@@ -163,21 +163,35 @@ class DecoderLayer(nnx.Module):
 
 # A layer's parameters: wq and wkv, or after `Llama.fuse_qkv` the one weight wqkv.
 LAYER_PARAMS = ('attn_norm', 'wq', 'wkv', 'wqkv', 'wo', 'mlp_norm', 'w_gate', 'w_up', 'w_down')
-QKV_AXES = (sr.EMBED, sr.KV_HEADS, None, sr.HEAD_DIM)  # wqkv [D, K, G + 2, H]
+QKV_AXES = (sr.EMBED, sr.KV_HEADS, None, sr.HEAD_DIM)  # wqkv [D, S, (N + 2K) / S, H]
 
 
-def fused_qkv(wq: jax.Array, wkv: jax.Array) -> jax.Array:
-  """wq [D, N, H], wkv [D, 2, K, H] -> wqkv [D, K, G + 2, H]: each kv head's G query heads, then
-  its k and v, so that a split of the kv heads over tp gives each device whole groups."""
+def fused_qkv(wq: jax.Array, wkv: jax.Array, shards: int = 1) -> jax.Array:
+  """wq [D, N, H], wkv [D, 2, K, H] -> wqkv [D, S, (N + 2K) / S, H] for S = `shards` (the
+  tensor-parallel degree, which must divide K): shard s's N/S query heads, then its K/S k heads,
+  then its K/S v heads. At S = 1 that is [q | k | v], the order of the copy XLA makes itself
+  when it merges the q and kv products; under tp each device holds whole groups."""
   d, n, h = wq.shape
   k = wkv.shape[2]
-  return jnp.concatenate([wq.reshape(d, k, n // k, h), jnp.moveaxis(wkv, 1, 2)], axis=2)
+  kv = wkv.reshape(d, 2, shards, k // shards, h)
+  return jnp.concatenate([wq.reshape(d, shards, n // shards, h), kv[:, 0], kv[:, 1]], axis=2)
 
 
-def split_qkv(wqkv: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`fused_qkv`'s inverse: (wq [D, N, H], wkv [D, 2, K, H])."""
-  d, k, g2, h = wqkv.shape
-  return wqkv[:, :, :g2 - 2].reshape(d, k * (g2 - 2), h), jnp.moveaxis(wqkv[:, :, g2 - 2:], 2, 1)
+def split_qkv(wqkv: jax.Array, num_heads: int) -> tuple[jax.Array, jax.Array]:
+  """`fused_qkv`'s inverse, given the query heads N: (wq [D, N, H], wkv [D, 2, K, H])."""
+  q, k, v = _split_fused(wqkv, num_heads, axis=1)
+  return q, jnp.stack([k, v], axis=1)
+
+
+def _split_fused(x: jax.Array, num_heads: int, axis: int):
+  """q, k, v of `x` whose dims `axis`, `axis + 1` are wqkv's [S, (N + 2K) / S] (any view: N and
+  S both global or both a device's), each with the two merged into heads."""
+  shards, width = x.shape[axis], x.shape[axis + 1]
+  nq = num_heads // shards
+  nk = (width - nq) // 2
+  merge = lambda part: part.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+  take = lambda start, size: merge(jax.lax.slice_in_dim(x, start, start + size, axis=axis + 1))
+  return take(0, nq), take(nq, nk), take(nq + nk, nk)
 
 
 def _mlp_out(p, x, eps, reduce_dtype=None):
@@ -196,11 +210,10 @@ def _mlp(p, x, eps, reduce_dtype=None):
 
 def _qkv(p, x, positions, inv_freq, eps):
   y = rms_norm(x, p['attn_norm'], eps)
-  if 'wqkv' in p:  # one product (`Llama.fuse_qkv`)
-    qkv = jnp.einsum('btd,dkgh->btkgh', y, p['wqkv'])
-    b, t, kh, g2, h = qkv.shape
-    q = apply_rope(qkv[:, :, :, :g2 - 2].reshape(b, t, kh * (g2 - 2), h), positions, inv_freq)
-    return q, apply_rope(qkv[:, :, :, g2 - 2], positions, inv_freq), qkv[:, :, :, g2 - 1]
+  if 'wqkv' in p:  # one product (`Llama.fuse_qkv`); wo [N, H, D] gives the view's q heads
+    qkv = jnp.einsum('btd,dsjh->btsjh', y, p['wqkv'])
+    q, k, v = _split_fused(qkv, p['wo'].shape[0], axis=2)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
   # XLA merges the two products into one GEMM over wq and wkv concatenated, a copy of both
   # weights on every call. The barrier ties that copy to this layer's input: scheduled freely,
   # a step's copies of every layer could be live at once (3 GiB at CodeLlama-7B).
@@ -263,19 +276,18 @@ class Llama(nnx.Module):
     return hasattr(self.layers[0], 'wqkv')
 
   def fuse_qkv(self) -> 'Llama':
-    """Each layer's wq and wkv become one weight `wqkv` [D, K, G + 2, H] (`fused_qkv`), in place;
-    returns the model.
+    """Each layer's wq and wkv become one weight `wqkv` [D, S, (N + 2K) / S, H] (`fused_qkv`,
+    S the mesh's tp, 1 without one), in place; returns the model.
 
     For inference: the q, k and v projections are then one GEMM over a weight that exists.
     Left apart, XLA merges the two products of one input into one GEMM anyway and concatenates
     wq and wkv for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at B=1024 on an
-    H200). Measured there (`experiments/results/throughput/s24`): the copy is gone, but XLA
-    runs the fused product as a Triton GEMM (4.38 ms against cuBLAS's 3.93 + the 1.69 ms
-    copy), and the tree step's time did not change (25.28 against 25.27 ms); without
-    attention the step got slower (31.3 against 22.5 ms). So it stays opt-in. Under tensor
-    parallelism the kv heads are split over tp, so tp must divide them (kv
-    heads fewer than tp stay apart: ValueError). One layer at a time, so memory grows by one
-    layer's q/k/v weights at most. `save_params` writes wq and wkv again.
+    H200). At tp = 1 the fused weight is that concatenation, made once. (Session 24 timed a
+    layout grouped by kv head, [D, K, G + 2, H]: XLA ran that product as a slower Triton GEMM,
+    `experiments/results/throughput/s24`.) Under tensor parallelism the kv heads are split
+    over tp, so tp must divide them (kv heads fewer than tp stay apart: ValueError). One layer
+    at a time, so memory grows by one layer's q/k/v weights at most. `save_params` writes wq
+    and wkv again.
     """
     c, mesh = self.config, self.mesh
     if self.qkv_fused:
@@ -283,10 +295,11 @@ class Llama(nnx.Module):
     if sr.kv_replication(c.num_heads, c.num_kv_heads, mesh) > 1:
       raise ValueError(f'fuse_qkv needs the kv heads K={c.num_kv_heads} split over '
                        f'tp={sr.axis_size(mesh, sr.TP)} (tp must divide K)')
-    shape = (c.dim, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim)
+    shards = sr.axis_size(mesh, sr.TP)
+    shape = (c.dim, shards, (c.num_heads + 2 * c.num_kv_heads) // shards, c.head_dim)
     sharding = None if mesh is None else sr.named_sharding(
         mesh, sr.partition_spec(QKV_AXES, mesh=mesh, shape=shape))
-    fuse = jax.jit(fused_qkv, out_shardings=sharding)
+    fuse = jax.jit(functools.partial(fused_qkv, shards=shards), out_shardings=sharding)
     for layer in self.layers:
       wqkv = fuse(layer.wq.get_value(), layer.wkv.get_value())
       del layer.wq, layer.wkv

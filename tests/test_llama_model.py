@@ -243,9 +243,10 @@ def test_every_parameter_has_logical_axes_and_a_rule():
 
 @pytest.mark.parametrize('name', ['tiny_gqa', 'tiny_mha', 'tiny_llama3'])
 def test_fused_qkv_is_the_same_model(name, tmp_path):
-  """`fuse_qkv`: one weight [D, K, G + 2, H] per layer (each kv head's query heads, then its k and
-  v) gives the separate weights' logits and cache (float32), greedy tokens and training forward;
-  `save_params` writes wq and wkv again, so the checkpoint restores to the unfused model."""
+  """`fuse_qkv`: one weight [D, 1, N + 2K, H] per layer on one device (q heads, k heads, v
+  heads: the order of XLA's own concatenation) gives the separate weights' logits and cache
+  (float32), greedy tokens and training forward; `save_params` writes wq and wkv again, so the
+  checkpoint restores to the unfused model."""
   from models import generate as gen
   from models.hf_loading import restore_params, save_params
   from models.llama import fused_qkv, split_qkv
@@ -256,15 +257,15 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
   assert model.qkv_fused and not unfused.qkv_fused
   layer = model.layers[0]
   assert not hasattr(layer, 'wq') and not hasattr(layer, 'wkv')
-  g = config.num_heads // config.num_kv_heads
-  assert layer.wqkv.get_value().shape == (config.dim, config.num_kv_heads, g + 2, config.head_dim)
+  n, kh = config.num_heads, config.num_kv_heads
+  wqkv = layer.wqkv.get_value()
+  assert wqkv.shape == (config.dim, 1, n + 2 * kh, config.head_dim)
   wq, wkv = unfused.layers[0].wq.get_value(), unfused.layers[0].wkv.get_value()
-  np.testing.assert_array_equal(layer.wqkv.get_value(), fused_qkv(wq, wkv))
-  for got, want in zip(split_qkv(layer.wqkv.get_value()), (wq, wkv)):
+  np.testing.assert_array_equal(wqkv, fused_qkv(wq, wkv))
+  flat = lambda w: w.reshape(config.dim, -1)
+  np.testing.assert_array_equal(flat(wqkv), jnp.concatenate([flat(wq), flat(wkv)], axis=1))
+  for got, want in zip(split_qkv(wqkv, n), (wq, wkv)):
     np.testing.assert_array_equal(got, want)
-  # q head n of kv head n // G, then that kv head's k and v.
-  np.testing.assert_array_equal(layer.wqkv.get_value()[:, -1, 0], wq[:, (config.num_kv_heads - 1) * g])
-  np.testing.assert_array_equal(layer.wqkv.get_value()[:, 0, g + 1], wkv[:, 1, 0])
   assert model.fuse_qkv() is model  # idempotent
 
   prompts = [gen.prompt_node(list(range(1, 24)), children=[

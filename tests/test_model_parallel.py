@@ -25,6 +25,7 @@ from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate, prompt_node
 from models.kv_cache import KVCache
+from models.llama import split_qkv
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason='needs 8 devices (tests/conftest.py sets XLA_FLAGS before jax)')
@@ -331,7 +332,13 @@ def test_fused_qkv_on_a_mesh_equals_one_device(kind, mesh_name):
   model = sr.init_model(config, mesh=_mesh(mesh_name), seed=3).fuse_qkv()
   wqkv = model.layers[0].wqkv.get_value()
   tp = MESHES[mesh_name][1]
-  assert {s.data.shape[1] for s in wqkv.addressable_shards} == {config.num_kv_heads // tp}
+  # Each device one shard: its N/tp q heads, then its K/tp k heads and v heads.
+  width = (config.num_heads + 2 * config.num_kv_heads) // tp
+  assert wqkv.shape[1] == tp
+  assert {s.data.shape[1:3] for s in wqkv.addressable_shards} == {(1, width)}
+  apart = sr.init_model(config, mesh=model.mesh, seed=3).layers[0]
+  for part, param in zip(split_qkv(wqkv, config.num_heads), (apart.wq, apart.wkv)):
+    np.testing.assert_array_equal(np.asarray(part), np.asarray(param.get_value()))
   layout = parallel.stack_layouts(parallel.split_plan(plan, dp)) if dp > 1 else plan.to_device()
   cache = _sharded_cache(model, k, v)
   _check_shardings(model, cache)
