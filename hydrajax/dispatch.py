@@ -64,10 +64,19 @@ HOPPER_KINDS = ('h100', 'h200', 'h800', 'gh200')
 
 
 def hopper_reason() -> str | None:
-  """None on a Hopper GPU (compute capability 9.0), else why not."""
-  if jax.default_backend() != 'gpu':
-    return f'needs a Hopper GPU, the default backend is {jax.default_backend()}'
-  device = jax.devices()[0]
+  """None on a Hopper GPU (compute capability 9.0), else why not.
+
+  Under `jax.sharding.use_abstract_mesh` with a device, that device decides (by its kind: an
+  abstract device has no compute capability), as in `tpu_reason`: a host with no GPU lowers for
+  one (`experiments.xla_programs`).
+  """
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is None:
+    if jax.default_backend() != 'gpu':
+      return f'needs a Hopper GPU, the default backend is {jax.default_backend()}'
+    device = jax.devices()[0]
+  elif device.platform not in ('gpu', 'cuda'):
+    return f'needs a Hopper GPU, the mesh\'s device is {device.device_kind} ({device.platform})'
   capability = getattr(device, 'compute_capability', None)
   if capability is not None:
     if str(capability) not in ('9.0', '9.0a'):

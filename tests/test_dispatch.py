@@ -84,6 +84,26 @@ def test_device_check_is_one_function():
     assert 'need a TPU' in dispatch.device_reason(hj.AttentionImpl.MOSAIC_TPU)
 
 
+@pytest.mark.parametrize('kind, platform, hopper', [
+    ('NVIDIA H100 80GB HBM3', 'gpu', True), ('NVIDIA H200', 'gpu', True),
+    ('NVIDIA A100-SXM4-80GB', 'gpu', False), ('TPU v5p', 'tpu', False),
+], ids=['h100', 'h200', 'a100', 'tpu'])
+def test_the_abstract_mesh_device_decides_the_hopper_check(kind, platform, hopper):
+  # A host with no GPU lowers for one (experiments.xla_programs): the mesh's device decides.
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=132, platform=platform)
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    reason = dispatch.hopper_reason()
+    assert dispatch.is_hopper() == hopper
+    assert (dispatch.device_reason(hj.AttentionImpl.MOSAIC_GPU) is None) == hopper
+  if hopper:
+    assert reason is None
+  else:
+    assert 'needs a Hopper GPU' in reason and kind in reason
+  if jax.default_backend() == 'cpu':  # outside the mesh, this machine decides again
+    assert 'the default backend is cpu' in dispatch.hopper_reason()
+
+
 def test_a_config_of_another_backend_is_refused_for_an_explicit_impl(problem):
   _, args = problem
   from pallas_kernels.tpu.tree_attention import BlockSizes
