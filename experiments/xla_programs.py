@@ -1,13 +1,14 @@
 r"""What XLA:GPU launches in one decode step, compiled for an H100 or H200 on a machine with none.
 
-`experiments.throughput`'s decode program (the same `models.generate.decode` call, greedy,
-Mosaic GPU tree attention or no attention) is compiled ahead of time for a GPU described by a
-target config, with abstract weights and cache (nothing is allocated). The compiled program's
-while-loop body is one decode step: its kernel launches are listed in order, with what each
-fusion computes, and counted by kind (the Mosaic GPU kernels, GEMMs, fusions) and by whether
-XLA's rematerialization pass made them (`.remat` names: work computed again). No timing: the
-launch list is what a GPU profile of the step would show, before running one. GEMMs are not
-autotuned without a device (cuBLAS is asked for; the choice of kernel may differ on a GPU).
+`experiments.throughput`'s decode program (the same `models.generate.decode` call,
+`models.decode_benchmark.decode_call`: greedy, Mosaic GPU tree attention or no attention) is
+compiled ahead of time for a GPU described by a target config, with abstract weights and cache
+(nothing is allocated). The compiled program's while-loop body is one decode step: its kernel
+launches are listed in order, with what each fusion computes, and counted by kind (the Mosaic
+GPU kernels, GEMMs, fusions) and by whether XLA's rematerialization pass made them (`.remat`
+names: work computed again). No timing: the launch list is what a GPU profile of the step would
+show, before running one. GEMMs are not autotuned without a device (cuBLAS is asked for; the
+choice of kernel may differ on a GPU).
 
 Needs the JAX CUDA plugin of the installed JAX, and no GPU (pick the CUDA major of the plugin;
 the compile reads the target config, not a device):
@@ -77,46 +78,35 @@ TARGETS = {
 }
 
 def _compile(case, config, remat: str, target: str, fuse_qkv: bool):
-  """The decode program of `case`, compiled for `target` (jax.stages.Compiled)."""
+  """The decode program of `case` (`models.decode_benchmark.decode_call`, as `run_case` times
+  it), compiled for `target` (jax.stages.Compiled)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax.experimental import topologies
 
-  from hydrajax import AttentionImpl, dispatch
   from models import decode_benchmark as db
-  from models.generate import decode, start_decode
   from models.kv_cache import KVCache
-  from models.llama import NO_ATTENTION, Llama
+  from models.llama import Llama
 
   topology = topologies.get_topology_desc(platform='cuda', target_config=TARGETS[target],
                                           topology='1x1x1')
   mesh = topologies.make_mesh(topology, (1,), ('x',))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  abstract = lambda tree: jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
+
   def make():
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     return model.fuse_qkv() if fuse_qkv else model
 
-  model = nnx.eval_shape(make)
-  graphdef, params = nnx.split(model)
   setup = db.decode_setup(case, page_size=64)
-  impl = NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl.MOSAIC_GPU
   cache = jax.eval_shape(lambda: KVCache.zeros(config, setup.kv_tokens, jnp.bfloat16))
-  first = jax.ShapeDtypeStruct((case.batch, config.vocab_size), jnp.float32)
-  key, stops = jax.random.key(0), jnp.zeros((0,), jnp.int32)
-  state = jax.eval_shape(lambda cache, first: start_decode(
-      cache, first, setup.rows, key, stops, max_new_tokens=case.new_tokens, sampling=db.GREEDY),
-      cache, first)
-  # The kernels' device check reads the local devices; here the target is the compile's.
-  saved, dispatch.hopper_reason = dispatch.hopper_reason, lambda: None
-  try:
-    lowered = decode.trace(graphdef, abstract(params), abstract(state),
-                           abstract(setup.plan.to_device()), abstract(setup.rows), key, stops,
-                           jnp.int32(1), sampling=db.GREEDY, impl=impl).lower()
-  finally:
-    dispatch.hopper_reason = saved
+  first = jax.ShapeDtypeStruct((config.vocab_size,), jnp.float32)
+  call, state = db.decode_call(nnx.eval_shape(make), case, setup, cache, first,
+                               sharding=replicated)
+  # The kernels' device check (`hydrajax.dispatch.hopper_reason`) reads the mesh's device: the
+  # target's, not this machine's.
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    lowered = call.lower(state)
   # '' empties the disabled-pass list that the program's own options set (remat on).
   options = {'xla_disable_hlo_passes': 'rematerialization' if remat == 'off' else ''}
   return lowered.compile(compiler_options=options)

@@ -42,7 +42,7 @@ from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
 from models.kv_cache import KVCache
-from models.llama import NO_ATTENTION, Llama
+from models.llama import NO_ATTENTION, Llama, ModelMode
 from models.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,62 @@ def _rows(prefix: int, write_base: np.ndarray, private_base: int) -> RowSpec:
       private_base=jnp.full((b,), private_base, jnp.int32),
       sequence_ids=jnp.arange(b, dtype=jnp.int32),
   )
+
+
+def decode_impl(case: Case) -> AttentionImpl | ModelMode:
+  """The attention implementation a case decodes with (NO_ATTENTION for no_attention)."""
+  return NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+  """A case's `models.generate.decode` call (greedy, a fixed key, no stop tokens) but for the
+  state and the step count: one program for every count. Arrays, or ShapeDtypeStructs to lower
+  with no device (`experiments.xla_programs`)."""
+
+  graphdef: Any  # static
+  params: Any
+  layout: Any  # TreeLayout
+  rows: RowSpec
+  key: Any
+  stops: Any  # [0] int32
+  impl: AttentionImpl | ModelMode
+
+  def lower(self, state) -> jax.stages.Lowered:
+    return decode.lower(self.graphdef, self.params, state, self.layout, self.rows, self.key,
+                        self.stops, jnp.int32(1), sampling=GREEDY, impl=self.impl)
+
+  def runner(self, compiled):
+    """(state, n) -> the state n steps later, by `compiled` (from `lower`); donates the state."""
+    return lambda state, n: compiled(self.params, state, self.layout, self.rows, self.key,
+                                     self.stops, jnp.int32(n))
+
+
+def decode_call(model: Llama, case: Case, setup: DecodeSetup, cache: KVCache, first_logits, *,
+                sharding=None) -> tuple[DecodeCall, Any]:
+  """(the decode call of `case`, its first state) for a cache holding the prefix.
+
+  first_logits [V] or [B, V]: the prefill's last logits. The cache is donated. With `sharding`
+  the model, cache and logits are abstract (`nnx.eval_shape`, ShapeDtypeStructs), and so are
+  the call's params, layout and rows and the state, on that sharding.
+  """
+  key, stops = jax.random.key(0), jnp.zeros((0,), jnp.int32)
+
+  def start(cache, first_logits):
+    first = jnp.broadcast_to(first_logits, (case.batch, first_logits.shape[-1]))
+    return start_decode(cache, first, setup.rows, key, stops, max_new_tokens=case.new_tokens,
+                        sampling=GREEDY)
+
+  graphdef, params = nnx.split(model)
+  layout, rows = setup.plan.to_device(), setup.rows
+  if sharding is None:
+    state = start(cache, first_logits)
+  else:
+    place = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    state = place(jax.eval_shape(start, cache, first_logits))
+    params, layout, rows = place(params), place(layout), place(rows)
+  return DecodeCall(graphdef, params, layout, rows, key, stops, decode_impl(case)), state
 
 
 def cache_bytes(config: LlamaConfig, kv_tokens: int, itemsize: int) -> int:
@@ -222,7 +278,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       record.update(status='does_not_fit', reason='estimated: weights + cache + the XLA path\'s '
                     'per-row gather of K and V [B, S, K, H] exceed device memory')
       return record
-  impl = NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
+  impl = decode_impl(case)
   layout = setup.plan.to_device()
   if impl is not NO_ATTENTION:
     # One device's heads: what each shard of the attention shard_map runs.
@@ -236,15 +292,9 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       return record
     record['resolved_impl'] = resolved.value
   cache = _build_cache(*prefix_kv, setup.kv_tokens, setup.prefix_dest, model.mesh)
-  key = jax.random.key(0)
-  stops = jnp.zeros((0,), jnp.int32)
-  first = jnp.broadcast_to(first_logits, (case.batch, first_logits.shape[-1]))
-  state = start_decode(cache, first, setup.rows, key, stops, max_new_tokens=case.new_tokens,
-                       sampling=GREEDY)
-  graphdef, params = nnx.split(model)
+  call, state = decode_call(model, case, setup, cache, first_logits)
   start = time.perf_counter()
-  compiled = decode.lower(graphdef, params, state, layout, setup.rows, key, stops, jnp.int32(1),
-                          sampling=GREEDY, impl=impl).compile(compiler_options)
+  compiled = call.lower(state).compile(compiler_options)
   record['compile_s'] = time.perf_counter() - start
   log.info('%s B=%d P=%d: decode compiled in %.1f s', case.name, case.batch, case.prefix,
            record['compile_s'])
@@ -257,7 +307,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       record.update(status='does_not_fit', reason='decode program (weights, cache, temporaries) '
                     'exceeds device memory')
       return record
-  run = lambda state, n: compiled(params, state, layout, setup.rows, key, stops, jnp.int32(n))
+  run = call.runner(compiled)
 
   def timed(state, n):
     start = time.perf_counter()
