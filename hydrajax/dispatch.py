@@ -66,12 +66,12 @@ HOPPER_KINDS = ('h100', 'h200', 'h800', 'gh200')
 def hopper_reason() -> str | None:
   """None on a Hopper GPU (compute capability 9.0), else why not.
 
-  Under `jax.sharding.use_abstract_mesh` with a device, that device decides (by its kind: an
-  abstract device has no compute capability), as in `tpu_reason`: a host with no GPU lowers for
-  one (`experiments.xla_programs`).
+  On a host with no GPU, under `jax.sharding.use_abstract_mesh` with a GPU device, that device
+  decides (by its kind: an abstract device has no compute capability), as in `tpu_reason`: the
+  host lowers for that GPU (`experiments.xla_programs`). A host with a GPU checks its own.
   """
   device = jax.sharding.get_abstract_mesh().abstract_device
-  if device is None:
+  if jax.default_backend() == 'gpu' or device is None:
     if jax.default_backend() != 'gpu':
       return f'needs a Hopper GPU, the default backend is {jax.default_backend()}'
     device = jax.devices()[0]

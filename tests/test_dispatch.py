@@ -90,18 +90,20 @@ def test_device_check_is_one_function():
 ], ids=['h100', 'h200', 'a100', 'tpu'])
 def test_the_abstract_mesh_device_decides_the_hopper_check(kind, platform, hopper):
   # A host with no GPU lowers for one (experiments.xla_programs): the mesh's device decides.
+  # A host with a GPU checks its own device, mesh or not.
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=132, platform=platform)
   mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
+  local = dispatch.hopper_reason()
   with jax.sharding.use_abstract_mesh(mesh):
     reason = dispatch.hopper_reason()
-    assert dispatch.is_hopper() == hopper
-    assert (dispatch.device_reason(hj.AttentionImpl.MOSAIC_GPU) is None) == hopper
-  if hopper:
-    assert reason is None
-  else:
+    kernel_reason = dispatch.device_reason(hj.AttentionImpl.MOSAIC_GPU)
+  if jax.default_backend() == 'gpu':
+    assert reason == local
+    return
+  assert (reason is None) == hopper == (kernel_reason is None)
+  if not hopper:
     assert 'needs a Hopper GPU' in reason and kind in reason
-  if jax.default_backend() == 'cpu':  # outside the mesh, this machine decides again
-    assert 'the default backend is cpu' in dispatch.hopper_reason()
+  assert f'the default backend is {jax.default_backend()}' in local
 
 
 def test_a_config_of_another_backend_is_refused_for_an_explicit_impl(problem):
