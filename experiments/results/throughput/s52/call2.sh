@@ -1,8 +1,9 @@
 #!/bin/bash
 # Session 52, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
 # bash call2.sh <commit> [batches: 1024,32 by default; 512,32 on an H100]. The CodeLlama-7B
-# decode step at P=1K, no attention and tree, every kernel of one step profiled: wq/wkv apart (the default), fused (`--fuse_qkv`, at
-# tp=1 now [D, 1, N + 2K, H], the order of XLA's own concatenation), apart again.
+# decode step at P=1K, no attention and tree, every kernel of one step profiled: wq/wkv apart
+# (the default), fused (`--fuse_qkv`, at tp=1 now [D, 1, N + 2K, H], the order of XLA's own
+# concatenation), apart again.
 # The question: does XLA keep the cuBLAS GEMM for the fused weight (s24's grouped layout got a
 # slower Triton GEMM) and the step lose the 1.7 ms concatenation?
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
