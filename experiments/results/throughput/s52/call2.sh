@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 52, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
-# bash call2.sh <commit> [batches: 1024,32 by default; 512,32 on an H100]. The CodeLlama-7B
+# bash call2.sh <commit> [batches: 1024,32 by default; 512,32 on an H100] [seconds, 585]. The CodeLlama-7B
 # decode step at P=1K, no attention and tree, every kernel of one step profiled: wq/wkv apart
 # (the default), fused (`--fuse_qkv`, at tp=1 now [D, 1, N + 2K, H], the order of XLA's own
 # concatenation), apart again.
@@ -11,7 +11,7 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE
 R=$OUT/call2; mkdir -p $R
 i=1
 for fuse in false true false; do
-  left=$(( (585 - SECONDS) / (4 - i) ))
+  left=$(( (${3:-585} - SECONDS) / (4 - i) ))
   timeout $left python3 -m experiments.throughput --preset=codellama_7b --impls=mosaic_gpu \
     --profile_kernels=64 --new_tokens=128 --modes=no_attention,tree --max_decode_s=0.4 \
     --batches=${2:-1024,32} --prefixes=1024 --deadline_s=$((left - 20)) \
