@@ -1,0 +1,33 @@
+#!/bin/bash
+# Session 52, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
+# bash call1.sh <commit>. The CodeLlama-7B decode step at B=1024, every kernel of one step
+# profiled, three runs in one call (s51's call1 and s52's throughput/call2 folded into one, the
+# device time being short):
+#   grid1: the library's default (XLA's rematerialization pass off over a cache), P=1K and 16K;
+#   grid2: the pass on again (`--compiler_options`), P=1K;
+#   grid3: the fused q/k/v weight (`--fuse_qkv`: [D, 1, N + 2K, H] at tp=1), P=1K.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+R=$OUT/call1; mkdir -p $R
+run() {  # grid number, seconds, prefixes, extra flags
+  timeout $2 python3 -m experiments.throughput --preset=codellama_7b --impls=mosaic_gpu \
+    --profile_kernels=64 --new_tokens=128 --modes=no_attention,tree --max_decode_s=0.4 \
+    --batches=1024 --prefixes=$3 --deadline_s=$(($2 - 20)) "${@:4}" \
+    --workdir=$R/grid$1 > $R/grid$1.log 2>&1
+  echo "grid$1 [${*:4}] rc=$?"
+  python3 -c "
+import json
+for l in open('$R/grid$1/throughput.jsonl'):
+  r = json.loads(l)
+  if r.get('status') == 'ok':
+    print(r['mode'], r['prefix'], 'step ms %.2f' % (r['step_s'] * 1e3),
+          'program GiB %.1f' % (r.get('program_bytes', 0) / 2**30),
+          'attn/floor %.2f' % r.get('attention_over_floor', 0),
+          'matched/floor %.2f' % r.get('attention_kernel_matched_over_floor', 0))
+    for name, us, n in r.get('top_kernels', [])[:5]:
+      print('   %8.0f us x%-4d %s' % (us, n, name[:80]))
+"
+}
+run 1 230 1024,16384
+run 2 170 1024 --compiler_options='{"xla_disable_hlo_passes": ""}'
+run 3 $((585 - SECONDS)) 1024 --fuse_qkv
