@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 52, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
-# bash call1.sh <commit>. The CodeLlama-7B decode step at B=1024, every kernel of one step
+# bash call1.sh <commit> [seconds, 585]. The CodeLlama-7B decode step at B=1024, every kernel of one step
 # profiled, three runs in one call (s51's call1 and s52's throughput/call2 folded into one, the
 # device time being short):
 #   grid1: the library's default (XLA's rematerialization pass off over a cache), P=1K and 16K;
@@ -28,6 +28,7 @@ for l in open('$R/grid$1/throughput.jsonl'):
       print('   %8.0f us x%-4d %s' % (us, n, name[:80]))
 "
 }
-run 1 230 1024,16384
-run 2 170 1024 --compiler_options='{"xla_disable_hlo_passes": ""}'
-run 3 $((585 - SECONDS)) 1024 --fuse_qkv
+T=${2:-585}
+run 1 $((T * 2 / 5)) 1024,16384
+run 2 $(((T - SECONDS) / 2)) 1024 --compiler_options='{"xla_disable_hlo_passes": ""}'
+run 3 $((T - SECONDS)) 1024 --fuse_qkv
