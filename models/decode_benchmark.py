@@ -149,10 +149,11 @@ class DecodeCall:
 
 
 def decode_call(model: Llama, case: Case, setup: DecodeSetup, cache: KVCache, first_logits, *,
-                sharding=None) -> tuple[DecodeCall, Any]:
+                layout=None, sharding=None) -> tuple[DecodeCall, Any]:
   """(the decode call of `case`, its first state) for a cache holding the prefix.
 
-  first_logits [V] or [B, V]: the prefill's last logits. The cache is donated. With `sharding`
+  first_logits [V] or [B, V]: the prefill's last logits. The cache is donated. `layout`: the
+  setup's plan on the device, if the caller made it already (else made here). With `sharding`
   the model, cache and logits are abstract (`nnx.eval_shape`, ShapeDtypeStructs), and so are
   the call's params, layout and rows and the state, on that sharding.
   """
@@ -164,7 +165,8 @@ def decode_call(model: Llama, case: Case, setup: DecodeSetup, cache: KVCache, fi
                         sampling=GREEDY)
 
   graphdef, params = nnx.split(model)
-  layout, rows = setup.plan.to_device(), setup.rows
+  layout = setup.plan.to_device() if layout is None else layout
+  rows = setup.rows
   if sharding is None:
     state = start(cache, first_logits)
   else:
@@ -292,7 +294,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       return record
     record['resolved_impl'] = resolved.value
   cache = _build_cache(*prefix_kv, setup.kv_tokens, setup.prefix_dest, model.mesh)
-  call, state = decode_call(model, case, setup, cache, first_logits)
+  call, state = decode_call(model, case, setup, cache, first_logits, layout=layout)
   start = time.perf_counter()
   compiled = call.lower(state).compile(compiler_options)
   record['compile_s'] = time.perf_counter() - start

@@ -173,6 +173,11 @@ def fused_qkv(wq: jax.Array, wkv: jax.Array, shards: int = 1) -> jax.Array:
   when it merges the q and kv products; under tp each device holds whole groups."""
   d, n, h = wq.shape
   k = wkv.shape[2]
+  if wkv.shape != (d, 2, k, h) or n % k:
+    raise ValueError(f'fused_qkv needs wq [D, N, H] and wkv [D, 2, K, H] with K dividing N, got '
+                     f'wq {wq.shape} and wkv {wkv.shape}')
+  if not isinstance(shards, int) or shards < 1 or k % shards:
+    raise ValueError(f'shards must be an int >= 1 dividing the kv heads K={k}, got {shards!r}')
   kv = wkv.reshape(d, 2, shards, k // shards, h)
   return jnp.concatenate([wq.reshape(d, shards, n // shards, h), kv[:, 0], kv[:, 1]], axis=2)
 

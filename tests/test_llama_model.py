@@ -266,6 +266,10 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
   np.testing.assert_array_equal(flat(wqkv), jnp.concatenate([flat(wq), flat(wkv)], axis=1))
   for got, want in zip(split_qkv(wqkv, n), (wq, wkv)):
     np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r'shards must be an int >= 1 dividing the kv heads'):
+    fused_qkv(wq, wkv, shards=kh + 1)
+  with pytest.raises(ValueError, match=r'fused_qkv needs wq \[D, N, H\] and wkv \[D, 2, K, H\]'):
+    fused_qkv(wq, wkv[:, :1])
   assert model.fuse_qkv() is model  # idempotent
 
   prompts = [gen.prompt_node(list(range(1, 24)), children=[
