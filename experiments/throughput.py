@@ -46,6 +46,11 @@ Rebuild the tables and plots from a run's raw records:
   python -m experiments.throughput --rebuild=experiments/results/throughput/raw.jsonl \
       --workdir=/tmp/throughput
 
+A few lines a point, with the costliest kernels of its profiled step (what a device script prints
+after each grid):
+
+  python -m experiments.throughput --summary=experiments/results/throughput/throughput.jsonl
+
 A grid cut by --deadline_s (or a device's time limit) goes on with the same flags and --resume:
 the points in --workdir/raw.jsonl that ran are kept, the rest run.
 """
@@ -84,6 +89,9 @@ flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8
 flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
 flags.DEFINE_integer('profile_kernels', 0, 'record the N costliest kernels of one step (GPU)')
 flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
+flags.DEFINE_string('summary', '', 'print a line a point and its costliest kernels from this '
+                    'throughput.jsonl (a device script\'s log), then stop')
+flags.DEFINE_integer('summary_kernels', 6, 'kernels a point with --summary')
 flags.DEFINE_bool('resume', False, 'keep the points of --workdir/raw.jsonl that ran (same preset, '
                   'mesh, new tokens, page size) and run the rest; a kept point may come from '
                   'another machine start, so compare within one run where it matters')
@@ -159,8 +167,27 @@ def _recorded_config(records, flag_config):
   return get_config(presets.pop(), **overrides)
 
 
+def summary_lines(records, kernels: int = 6) -> list[str]:
+  """A line per measured point (step, program memory, attention over its floor) and under it
+  the `kernels` costliest kernels of its profiled step (`--profile_kernels`)."""
+  lines = []
+  for r in records:
+    if r.get('status') != 'ok':
+      continue
+    lines.append(f"{r['name']} B={r['batch']} P={r['prefix']}: step {1e3 * r['step_s']:.2f} ms, "
+                 f"program {r.get('program_bytes', 0) / 2**30:.1f} GiB, "
+                 f"attn/floor {r.get('attention_over_floor') or 0:.2f}, "
+                 f"matched/floor {r.get('attention_kernel_matched_over_floor') or 0:.2f}")
+    lines += [f'  {us:9.0f} us x{n:<4d} {name[:90]}'
+              for name, us, n in r.get('top_kernels', [])[:kernels]]
+  return lines
+
+
 def main(argv):
   del argv
+  if FLAGS.summary:
+    print('\n'.join(summary_lines(read_jsonl(FLAGS.summary), FLAGS.summary_kernels)))
+    return
   started = time.perf_counter()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   overrides = {'num_layers': FLAGS.num_layers} if FLAGS.num_layers else {}

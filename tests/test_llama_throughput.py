@@ -139,6 +139,24 @@ def test_derived_numbers():
   assert estimate['max_batch'] == int((130 * 2**30 - 13 * 2**30 - shared) // per_row)
 
 
+def test_summary_lists_measured_points_and_their_costliest_kernels():
+  from experiments.throughput import summary_lines
+
+  records = [
+      dict(status='ok', name='tree_mosaic_gpu', batch=1024, prefix=1024, step_s=0.02512,
+           program_bytes=3 * 2**30, attention_over_floor=1.97,
+           attention_kernel_matched_over_floor=None,
+           top_kernels=[['gemm', 4222.4, 64], ['private', 2703.0, 32], ['merge', 10.0, 1]]),
+      dict(status='does_not_fit', name='paged_xla', batch=1024, prefix=1024),
+  ]
+  assert summary_lines(records, kernels=2) == [
+      'tree_mosaic_gpu B=1024 P=1024: step 25.12 ms, program 3.0 GiB, attn/floor 1.97, '
+      'matched/floor 0.00',
+      '       4222 us x64   gemm',
+      '       2703 us x32   private',
+  ]
+
+
 def test_floors_on_a_mesh_are_one_devices_share():
   """At tp:2 each device attends half the heads and runs half the matmuls; dp splits the rows."""
   config = get_config('codellama_13b')

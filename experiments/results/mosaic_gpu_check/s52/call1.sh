@@ -15,18 +15,7 @@ run() {  # grid number, seconds, prefixes, extra flags
     --batches=1024 --prefixes=$3 --deadline_s=$(($2 - 20)) "${@:4}" \
     --workdir=$R/grid$1 > $R/grid$1.log 2>&1
   echo "grid$1 [${*:4}] rc=$?"
-  python3 -c "
-import json
-for l in open('$R/grid$1/throughput.jsonl'):
-  r = json.loads(l)
-  if r.get('status') == 'ok':
-    print(r['mode'], r['prefix'], 'step ms %.2f' % (r['step_s'] * 1e3),
-          'program GiB %.1f' % (r.get('program_bytes', 0) / 2**30),
-          'attn/floor %.2f' % r.get('attention_over_floor', 0),
-          'matched/floor %.2f' % r.get('attention_kernel_matched_over_floor', 0))
-    for name, us, n in r.get('top_kernels', [])[:5]:
-      print('   %8.0f us x%-4d %s' % (us, n, name[:80]))
-"
+  python3 -m experiments.throughput --summary=$R/grid$1/throughput.jsonl --summary_kernels=5
 }
 T=${2:-585}
 run 1 $((T * 2 / 5)) 1024,16384
