@@ -103,8 +103,9 @@ flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
 flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output projection and the '
                      'MLP in this many blocks whose all-reduces follow each other, so one can run '
                      'beside the next block\'s matmuls (models.llama.Llama)')
-flags.DEFINE_bool('fuse_qkv', False, 'one q/k/v weight per layer (models.llama.Llama.fuse_qkv): no '
-                  'per-step concatenation of wq and wkv; tp must divide the kv heads')
+flags.DEFINE_bool('fuse_qkv', True, 'one q/k/v weight per layer (models.llama.Llama.fuse_qkv) '
+                  'where tp divides the kv heads, as a loaded checkpoint has by default: no '
+                  'per-step concatenation of wq and wkv; false: apart (records before session 53)')
 flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
                   'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
 flags.DEFINE_string('compiler_options', '', 'XLA compile options of the decode programs over the '
@@ -217,13 +218,13 @@ def main(argv):
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                         tp_micro_batches=FLAGS.tp_micro_batches,
                         attention_config=_mosaic_gpu_config())
-  if FLAGS.fuse_qkv:
+  if FLAGS.fuse_qkv and model.can_fuse_qkv:
     model.fuse_qkv()
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)
   path = os.path.join(FLAGS.workdir, 'raw.jsonl')
-  records = resume_records(path, _kept(config) if FLAGS.resume else None)
+  records = resume_records(path, _kept(config, model.qkv_fused) if FLAGS.resume else None)
   writer = JsonlWriter(path)
   done = {(r['name'], r['batch'], r['prefix']) for r in records}
   cases = [c for c in _cases() if (c.name, c.batch, c.prefix) not in done]
@@ -257,7 +258,7 @@ def main(argv):
              run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
              tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
-             fuse_qkv=FLAGS.fuse_qkv, page_size=FLAGS.page_size,
+             fuse_qkv=model.qkv_fused, page_size=FLAGS.page_size,
              compiler_options=FLAGS.compiler_options)
     records.append(r)
     writer.append(r)
@@ -266,17 +267,17 @@ def main(argv):
   _finish(records, config, ceilings, prefill, writer.meta, time.perf_counter() - started)
 
 
-def _kept(config):
+def _kept(config, fused: bool):
   """Which records of an earlier run a resumed one keeps: points of this preset, mesh, --new_tokens,
-  --page_size, --tp_reduce_dtype, --tp_micro_batches, --mosaic_gpu_knobs, --fuse_qkv and
-  --compiler_options that ran, did not fit or are not supported."""
+  --page_size, --tp_reduce_dtype, --tp_micro_batches, --mosaic_gpu_knobs, q/k/v weights (fused or
+  not, as this run's model) and --compiler_options that ran, did not fit or are not supported."""
   def keep(r) -> bool:
     return ((r.get('preset'), r.get('mesh'), r.get('new_tokens'), r.get('page_size'),
              r.get('tp_reduce_dtype'), r.get('tp_micro_batches', 1), r.get('mosaic_gpu_knobs', []),
              r.get('fuse_qkv', False), r.get('compiler_options', ''))
             == (config.name, FLAGS.mesh or 'none', FLAGS.new_tokens, FLAGS.page_size,
                 FLAGS.tp_reduce_dtype, FLAGS.tp_micro_batches, FLAGS.mosaic_gpu_knobs,
-                FLAGS.fuse_qkv, FLAGS.compiler_options)
+                fused, FLAGS.compiler_options)
             and r.get('status') in ('ok', 'does_not_fit', 'unsupported'))
   return keep
 

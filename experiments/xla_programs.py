@@ -44,7 +44,8 @@ flags.DEFINE_integer('layers', 0, 'decoder layers (0: the preset\'s)')
 flags.DEFINE_list('modes', ['tree', 'no_attention'], 'tree (Mosaic GPU) and/or no_attention')
 flags.DEFINE_enum('target', 'h200', ['h100', 'h200'], 'the GPU the program is compiled for')
 flags.DEFINE_enum('remat', 'both', ['on', 'off', 'both'], "XLA's rematerialization pass")
-flags.DEFINE_bool('fuse_qkv', False, 'one q/k/v weight per layer (as in experiments.throughput)')
+flags.DEFINE_bool('fuse_qkv', True, 'one q/k/v weight per layer (as experiments.throughput runs '
+                  'by default); false: wq and wkv apart')
 flags.DEFINE_string('workdir', '/tmp/xla_programs', 'output folder')
 flags.register_validator('modes', lambda v: bool(v) and set(v) <= {'tree', 'no_attention'},
                          '--modes must list tree and/or no_attention')

@@ -310,7 +310,7 @@ def _load_config(path) -> LlamaConfig:
 
 def load_hf_checkpoint(
     path: str | os.PathLike, *, dtype=jnp.bfloat16, config: LlamaConfig | None = None,
-    mesh=None,
+    mesh=None, fuse_qkv: bool | None = None,
 ) -> Llama:
   """Loads a HF Llama folder (config.json + safetensors, single or sharded) into a `Llama`.
 
@@ -328,10 +328,14 @@ def load_hf_checkpoint(
       chosen dtype and the checkpoint's own (`torch_dtype` in config.json) are logged.
     config: overrides the folder's config.json.
     mesh: a `jax.sharding.Mesh` with axes dp / tp (None: the default device).
+    fuse_qkv: one q/k/v weight a layer (`Llama.fuse_qkv`, the faster decode step from batch
+      64 on); None (the default): fused wherever tp divides the kv heads, else wq and wkv apart;
+      False: apart (`save_params` writes them apart either way).
   """
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
                               jnp.dtype(jnp.float16)):
     raise ValueError(f'dtype must be bfloat16, float16 or float32, got {dtype}')
+  _check_fuse_qkv(fuse_qkv)
   config = config or _load_config(path)
   sr.check_mesh(config, mesh)
   files = safetensors_files(path)
@@ -341,7 +345,19 @@ def load_hf_checkpoint(
   with _open_all(files) as (get, shape_of):
     _check_names_and_shapes(files, shape_of, config)
     params = convert_hf_tensors(get, config, dtype, place=_placer(config, dtype, mesh))
-  return model_from_params(config, params, dtype, mesh)
+  return _with_qkv(model_from_params(config, params, dtype, mesh), fuse_qkv)
+
+
+def _check_fuse_qkv(fuse_qkv) -> None:
+  if fuse_qkv not in (None, True, False):
+    raise ValueError(f'fuse_qkv must be None, True or False, got {fuse_qkv!r}')
+
+
+def _with_qkv(model: Llama, fuse_qkv: bool | None) -> Llama:
+  """The loaded model with its q/k/v weights as `fuse_qkv` asks (see `load_hf_checkpoint`)."""
+  if fuse_qkv or (fuse_qkv is None and model.can_fuse_qkv):
+    model.fuse_qkv()  # True where tp does not divide the kv heads: its ValueError
+  return model
 
 
 def _stored_dtype(path) -> str:
@@ -407,13 +423,16 @@ def _split_kv(layer: dict) -> dict:
   return layer
 
 
-def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None) -> Llama:
+def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None,
+                   fuse_qkv: bool | None = None) -> Llama:
   """Restores a `Llama` written by `save_params` (in its saved dtype unless `dtype` is given).
 
-  With `mesh`, orbax restores every parameter straight into its shards.
+  With `mesh`, orbax restores every parameter straight into its shards. `fuse_qkv` as in
+  `load_hf_checkpoint` (None: one q/k/v weight a layer wherever tp divides the kv heads).
   """
   import orbax.checkpoint as ocp
 
+  _check_fuse_qkv(fuse_qkv)
   directory = os.path.abspath(os.fspath(directory))
   config_file = os.path.join(directory, _CONFIG_FILE)
   if not os.path.exists(config_file):
@@ -437,4 +456,4 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None) -> Ll
   restored['layers'] = {i: fuse_kv(layer) for i, layer in restored['layers'].items()}
   dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
   restored = jax.tree.map(lambda x: x.astype(dtype), restored)  # keeps the sharding
-  return model_from_params(config, restored, dtype, mesh)
+  return _with_qkv(model_from_params(config, restored, dtype, mesh), fuse_qkv)

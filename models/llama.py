@@ -280,11 +280,18 @@ class Llama(nnx.Module):
   def qkv_fused(self) -> bool:
     return hasattr(self.layers[0], 'wqkv')
 
+  @property
+  def can_fuse_qkv(self) -> bool:
+    """Whether `fuse_qkv` can run: tp divides the kv heads (no kv head replicated)."""
+    c = self.config
+    return sr.kv_replication(c.num_heads, c.num_kv_heads, self.mesh) == 1
+
   def fuse_qkv(self) -> 'Llama':
     """Each layer's wq and wkv become one weight `wqkv` [D, S, (N + 2K) / S, H] (`fused_qkv`,
     S the mesh's tp, 1 without one), in place; returns the model.
 
-    For inference: the q, k and v projections are then one GEMM over a weight that exists.
+    For inference (`load_hf_checkpoint` and `restore_params` call it by default where tp
+    divides the kv heads): the q, k and v projections are then one GEMM over a weight that exists.
     Left apart, XLA merges the two products of one input into one GEMM anyway and concatenates
     wq and wkv for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at B=1024 on an
     H200). At tp = 1 the fused weight is that concatenation, made once. On an H100
@@ -299,7 +306,7 @@ class Llama(nnx.Module):
     c, mesh = self.config, self.mesh
     if self.qkv_fused:
       return self
-    if sr.kv_replication(c.num_heads, c.num_kv_heads, mesh) > 1:
+    if not self.can_fuse_qkv:
       raise ValueError(f'fuse_qkv needs the kv heads K={c.num_kv_heads} split over '
                        f'tp={sr.axis_size(mesh, sr.TP)} (tp must divide K)')
     shards = sr.axis_size(mesh, sr.TP)

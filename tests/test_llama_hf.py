@@ -47,7 +47,7 @@ def test_logits_equal_hf_golden(name):
   got = np.asarray(_logits(model, golden['input_ids']))
   np.testing.assert_allclose(got, golden['logits'], rtol=1e-4, atol=1e-4)
   bf16 = hf_loading.load_hf_checkpoint(_folder(name), dtype=jnp.bfloat16)
-  assert bf16.layers[0].wq.get_value().dtype == jnp.bfloat16
+  assert bf16.qkv_fused and bf16.layers[0].wqkv.get_value().dtype == jnp.bfloat16
   got = np.asarray(_logits(bf16, golden['input_ids']))
   err = np.linalg.norm(got - golden['logits']) / np.linalg.norm(golden['logits'])
   assert err < 5e-2
@@ -145,6 +145,11 @@ def test_orbax_round_trip(tmp_path):
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(restored, nnx.Param))):
     np.testing.assert_array_equal(a, b)
+  # Loaded and restored with one q/k/v weight a layer (the default), saved apart.
+  apart = hf_loading.restore_params(tmp_path / 'saved', fuse_qkv=False)
+  assert model.qkv_fused and restored.qkv_fused and not apart.qkv_fused
+  with pytest.raises(ValueError, match="fuse_qkv must be None, True or False, got 'yes'"):
+    hf_loading.load_hf_checkpoint(_folder('tiny_llama3'), fuse_qkv='yes')
   as_bf16 = hf_loading.restore_params(tmp_path / 'saved', dtype=jnp.bfloat16)
   w = model.layers[1].w_down.get_value()
   np.testing.assert_array_equal(as_bf16.layers[1].w_down.get_value(), w.astype(jnp.bfloat16))
@@ -156,7 +161,7 @@ def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
   # Saved before K and V were one weight: layers hold `wk` and `wv` [D, K, H].
   import orbax.checkpoint as ocp
 
-  model = hf_loading.load_hf_checkpoint(_folder('tiny_gqa'), dtype=jnp.float32)
+  model = hf_loading.load_hf_checkpoint(_folder('tiny_gqa'), dtype=jnp.float32, fuse_qkv=False)
   hf_loading.save_params(model, tmp_path / 'saved')
   old = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   old['layers'] = {i: {**{k: v for k, v in layer.items() if k != 'wkv'},
@@ -165,7 +170,7 @@ def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / 'saved' / 'params', old, force=True)
   checkpointer.wait_until_finished()
-  restored = hf_loading.restore_params(tmp_path / 'saved')
+  restored = hf_loading.restore_params(tmp_path / 'saved', fuse_qkv=False)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(restored, nnx.Param))):
     np.testing.assert_array_equal(a, b)

@@ -304,14 +304,22 @@ def test_hf_load_and_orbax_restore_place_each_parameter_in_its_shards(tmp_path, 
   """Each tensor goes straight into its shards (a device holds 1/tp of a tp-sharded weight)."""
   folder = os.path.join(FIXTURES, f'hf_{name}')
   mesh = _mesh(mesh_name, explicit=True)
-  whole = hf_loading.load_hf_checkpoint(folder, dtype=jnp.float32)
-  sharded = hf_loading.load_hf_checkpoint(folder, dtype=jnp.float32, mesh=mesh)
+  whole = hf_loading.load_hf_checkpoint(folder, dtype=jnp.float32, fuse_qkv=False)
+  sharded = hf_loading.load_hf_checkpoint(folder, dtype=jnp.float32, mesh=mesh, fuse_qkv=False)
+  # By default one q/k/v weight wherever tp divides the kv heads (tiny_mha's 4 on tp=4, not
+  # tiny_llama3's 1 on tp=4), its parts the unfused weights.
+  default = hf_loading.load_hf_checkpoint(folder, dtype=jnp.float32, mesh=mesh)
+  assert default.qkv_fused == (name == 'tiny_mha') == default.can_fuse_qkv
+  if default.qkv_fused:
+    for part, param in zip(split_qkv(default.layers[0].wqkv.get_value(), whole.config.num_heads),
+                           (whole.layers[0].wq, whole.layers[0].wkv)):
+      np.testing.assert_array_equal(np.asarray(part), np.asarray(param.get_value()))
   tp = MESHES[mesh_name][1]
   wq = sharded.layers[0].wq.get_value()
   assert {s.data.shape for s in wq.addressable_shards} == {
       (wq.shape[0], wq.shape[1] // tp, wq.shape[2])}
   hf_loading.save_params(whole, tmp_path / 'saved')
-  restored = hf_loading.restore_params(tmp_path / 'saved', mesh=mesh)
+  restored = hf_loading.restore_params(tmp_path / 'saved', mesh=mesh, fuse_qkv=False)
   for model in (sharded, restored):
     cache = KVCache.zeros(model.config, 128, jnp.float32, mesh=model.mesh)
     _check_shardings(model, cache)

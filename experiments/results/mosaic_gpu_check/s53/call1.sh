@@ -1,11 +1,11 @@
 #!/bin/bash
-# Session 52, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
+# Session 53, one nvidia-h200 (`needs_h200`: the B=1024 step does not fit an H100), OUT set:
 # bash call1.sh <commit> [seconds, 585]. The CodeLlama-7B decode step at B=1024, every kernel of one step
-# profiled, three runs in one call (s51's call1 and s52's throughput/call2 folded into one, the
-# device time being short):
-#   grid1: the library's default (XLA's rematerialization pass off over a cache), P=1K and 16K;
-#   grid2: the pass on again (`--compiler_options`), P=1K;
-#   grid3: the fused q/k/v weight (`--fuse_qkv`: [D, 1, N + 2K, H] at tp=1), P=1K.
+# profiled, three runs in one call (session 52's unrun call1.sh with the new default):
+#   grid1: the default (one q/k/v weight a layer since session 53; XLA's rematerialization pass
+#          off over a cache since session 51), P=1K and 16K: issue 10's targets;
+#   grid2: wq and wkv apart (`--fuse_qkv=false`, the default before), P=1K;
+#   grid3: apart and the pass on again (`--compiler_options`, the program of session 50), P=1K.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 R=$OUT/call1; mkdir -p $R
@@ -19,5 +19,5 @@ run() {  # grid number, seconds, prefixes, extra flags
 }
 T=${2:-585}
 run 1 $((T * 2 / 5)) 1024,16384
-run 2 $(((T - SECONDS) / 2)) 1024 --compiler_options='{"xla_disable_hlo_passes": ""}'
-run 3 $((T - SECONDS)) 1024 --fuse_qkv
+run 2 $(((T - SECONDS) / 2)) 1024 --fuse_qkv=false
+run 3 $((T - SECONDS)) 1024 --fuse_qkv=false --compiler_options='{"xla_disable_hlo_passes": ""}'
