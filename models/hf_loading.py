@@ -330,7 +330,8 @@ def load_hf_checkpoint(
     mesh: a `jax.sharding.Mesh` with axes dp / tp (None: the default device).
     fuse_qkv: one q/k/v weight a layer (`Llama.fuse_qkv`, the faster decode step from batch
       64 on); None (the default): fused wherever tp divides the kv heads, else wq and wkv apart;
-      False: apart (`save_params` writes them apart either way).
+      True: fused (ValueError where tp does not divide them); False: apart (`save_params`
+      writes them apart either way).
   """
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
                               jnp.dtype(jnp.float16)):
