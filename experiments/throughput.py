@@ -168,26 +168,10 @@ def _recorded_config(records, flag_config):
   return get_config(presets.pop(), **overrides)
 
 
-def summary_lines(records, kernels: int = 6) -> list[str]:
-  """A line per measured point (step, program memory, attention over its floor) and under it
-  the `kernels` costliest kernels of its profiled step (`--profile_kernels`)."""
-  lines = []
-  for r in records:
-    if r.get('status') != 'ok':
-      continue
-    lines.append(f"{r['name']} B={r['batch']} P={r['prefix']}: step {1e3 * r['step_s']:.2f} ms, "
-                 f"program {r.get('program_bytes', 0) / 2**30:.1f} GiB, "
-                 f"attn/floor {r.get('attention_over_floor') or 0:.2f}, "
-                 f"matched/floor {r.get('attention_kernel_matched_over_floor') or 0:.2f}")
-    lines += [f'  {us:9.0f} us x{n:<4d} {name[:90]}'
-              for name, us, n in r.get('top_kernels', [])[:kernels]]
-  return lines
-
-
 def main(argv):
   del argv
   if FLAGS.summary:
-    print('\n'.join(summary_lines(read_jsonl(FLAGS.summary), FLAGS.summary_kernels)))
+    print('\n'.join(db.summary_lines(read_jsonl(FLAGS.summary), FLAGS.summary_kernels)))
     return
   started = time.perf_counter()
   os.makedirs(FLAGS.workdir, exist_ok=True)

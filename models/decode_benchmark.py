@@ -448,3 +448,19 @@ def max_batch_estimates(records: list[dict[str, Any]], config: LlamaConfig) -> l
     out.append(dict(name=name, prefix=prefix, from_batch=r['batch'], bytes_per_row=per_row,
                     max_batch=int(max(0, (r['memory_limit_bytes'] - fixed) // per_row))))
   return out
+
+
+def summary_lines(records, kernels: int = 6) -> list[str]:
+  """A line per measured point (step, program memory, attention over its floor) and under it
+  the `kernels` costliest kernels of its profiled step (`--profile_kernels`)."""
+  lines = []
+  for r in records:
+    if r.get('status') != 'ok':
+      continue
+    lines.append(f"{r['name']} B={r['batch']} P={r['prefix']}: step {1e3 * r['step_s']:.2f} ms, "
+                 f"program {r.get('program_bytes', 0) / 2**30:.1f} GiB, "
+                 f"attn/floor {r.get('attention_over_floor') or 0:.2f}, "
+                 f"matched/floor {r.get('attention_kernel_matched_over_floor') or 0:.2f}")
+    lines += [f'  {us:9.0f} us x{n:<4d} {name[:90]}'
+              for name, us, n in r.get('top_kernels', [])[:kernels]]
+  return lines

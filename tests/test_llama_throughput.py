@@ -140,8 +140,6 @@ def test_derived_numbers():
 
 
 def test_summary_lists_measured_points_and_their_costliest_kernels():
-  from experiments.throughput import summary_lines
-
   records = [
       dict(status='ok', name='tree_mosaic_gpu', batch=1024, prefix=1024, step_s=0.02512,
            program_bytes=3 * 2**30, attention_over_floor=1.97,
@@ -149,7 +147,7 @@ def test_summary_lists_measured_points_and_their_costliest_kernels():
            top_kernels=[['gemm', 4222.4, 64], ['private', 2703.0, 32], ['merge', 10.0, 1]]),
       dict(status='does_not_fit', name='paged_xla', batch=1024, prefix=1024),
   ]
-  assert summary_lines(records, kernels=2) == [
+  assert db.summary_lines(records, kernels=2) == [
       'tree_mosaic_gpu B=1024 P=1024: step 25.12 ms, program 3.0 GiB, attn/floor 1.97, '
       'matched/floor 0.00',
       '       4222 us x64   gemm',
