@@ -183,6 +183,10 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  # The runs, one after another, share their compiled programs (one writer at a time): a later
+  # run loads what an earlier one compiled (the model, its prefill, the points kept).
+  env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'programs'),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   base = [sys.executable, '-m', 'experiments.throughput', '--preset=tiny_mha']
   run = lambda *args: subprocess.run(base + list(args), cwd=root, env=env, capture_output=True,
                                      text=True, timeout=600)

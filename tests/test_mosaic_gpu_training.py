@@ -200,9 +200,11 @@ class TestTrainingKernels:
     Q and dO buffers (a RefUnion); rounded, it is bitwise the bf16 dQ. segments_backward's
     dq_init: dQ is it plus the segment's (fused kernel and dQ kernel)."""
     rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
-    # GQA 4:1, H = 128 (the compiled fused kernel's), 2-3 query tiles a row, a row with 32 keys
-    # before its queries.
-    case = CausalCase((8, 2), 256, 288, (288, 256), h=128)
+    # GQA 4:1, a row with 32 keys before its queries. Compiled: H = 128 (the fused kernel's at
+    # two warpgroups), 2 query tiles of 128 a row. Interpret (one warpgroup, fused at H = 64,
+    # time about linear in H): 3 tiles of 64 a row, so a paired program and a lone tile.
+    case = (CausalCase((8, 2), 192, 224, (224, 192)) if self.interpret else
+            CausalCase((8, 2), 256, 288, (288, 256), h=128))
     q, k, v, (w_out, _) = _causal_inputs(case, int(rng.integers(1 << 30)))
     lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
     out, lse = ta.causal_forward_reference(q, k, v, lengths, scale=scale)
@@ -210,6 +212,7 @@ class TestTrainingKernels:
     args = (q, k, v, w_out.astype(BF16), lse, delta, lengths)
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
     config = dataclasses.replace(default, pair_causal_tiles=paired)
+    assert ta._paired_dq(config, case.t, case.h, BF16) == paired
     kw = dict(scale=scale, interpret=self.interpret, config=config)
     dq16 = ta.causal_backward(*args, **kw)[0]
     dq32 = ta.causal_backward(*args, **kw, dq_dtype=jnp.float32)[0]
@@ -229,6 +232,7 @@ class TestTrainingKernels:
                                               dq_dtype=jnp.float32)[0]
     for fused in (True, False):
       cfg = dataclasses.replace(config, fused_dq=fused)
+      assert ta._fused_dq(cfg, None, case.h) == fused
       dq = ta.segments_backward(*seg, scale=scale, interpret=self.interpret, config=cfg,
                                 dq_init=rows(dq32), dq_dtype=jnp.float32)[0]
       _close(f'dq onto dq_init, fused={fused}', dq, expected)
@@ -238,7 +242,9 @@ class TestTrainingKernels:
     """The fused dK/dV kernel split over query rows (`row_parts`): every part's float32 dK / dV
     summed after, dQ reduce-added as before; the reference's gradients."""
     seed = zlib.crc32(request.node.name.encode())
-    case = Case((8, 2), 500, 200, 130, h=128)  # 512 padded rows: 8 query blocks of 64
+    # 512 padded rows: 8 query blocks of 64. H = 128: the fused kernel's at two warpgroups;
+    # interpret mode (one warpgroup) fuses at H = 64, in about half the time.
+    case = Case((8, 2), 500, 200, 130, h=64 if self.interpret else 128)
     q, k, v, (w_out, w_lse) = _inputs(case, seed)
     scale = case.h**-0.5
     out, lse = ta.segment_forward_reference(q, k, v, case.kv_length, scale=scale)
@@ -247,6 +253,7 @@ class TestTrainingKernels:
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
     config = dataclasses.replace(default, row_parts=parts)
     assert ta._row_parts(config, case.s, case.heads[1], 512, self.interpret) == parts
+    assert ta._fused_dq(config, None, case.h)
     grads = ta.segment_backward(*args, scale=scale, interpret=self.interpret, config=config)
     for name, a, r in zip(('dq', 'dk', 'dv'), grads, ta.segment_backward_reference(*args,
                                                                                  scale=scale)):
@@ -263,7 +270,9 @@ class TestTrainingKernels:
     default = ta.INTERPRET_CONFIG if self.interpret else ta.TrainingKernelConfig()
     configs = [dataclasses.replace(default, fused_dq=False, mask_all_steps=m,
                                    mask_all_steps_dkv=m) for m in (False, True)]
-    case = CAUSAL_CASES[0]
+    # Interpret mode: half the query heads (GQA 2:1), half the time; the masks are per block.
+    heads = lambda case: dataclasses.replace(case, heads=(4, 2)) if self.interpret else case
+    case = heads(CAUSAL_CASES[0])
     q, k, v, (w_out, _) = _causal_inputs(case, 11)
     lengths, scale = jnp.asarray(case.lengths), case.h**-0.5
     causal = [ta.causal_forward(q, k, v, lengths, scale=scale, interpret=self.interpret,
@@ -272,7 +281,7 @@ class TestTrainingKernels:
     delta = jnp.sum(w_out * out.astype(jnp.float32), -1)
     causal += [ta.causal_backward(q, k, v, w_out.astype(BF16), lse, delta, lengths, scale=scale,
                                   interpret=self.interpret, config=c) for c in configs]
-    case = CASES[0]
+    case = heads(CASES[0])
     q, k, v, (w_out, _) = _inputs(case, 12)
     segment = [ta.segment_forward(q, k, v, case.kv_length, scale=scale,
                                   interpret=self.interpret, config=c) for c in configs]
@@ -417,12 +426,14 @@ class TestTrainingKernels:
         q, k, v, layout, impl='mosaic_gpu', interpret=self.interpret)
     xla = lambda q, k, v: tree_attention_differentiable(q, k, v, layout)
     oracle = lambda q, k, v: hj.naive_tree_attention(q, k, v, plan)
-    state = ours(q, k, v)
-    assert_states_close(state, xla(q, k, v))
-    assert_states_close(state, oracle(q, k, v))
-    actual = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    # Jitted (here and below): op by op, each op compiles on its own.
+    state = jax.jit(ours)(q, k, v)
+    assert_states_close(state, jax.jit(xla)(q, k, v))
+    assert_states_close(state, jax.jit(oracle)(q, k, v))
+    grad = lambda impl: jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2)))
+    actual = grad(ours)(q, k, v)
     for other in (xla, oracle):
-      expected = jax.grad(loss(other), argnums=(0, 1, 2))(q, k, v)
+      expected = grad(other)(q, k, v)
       for name, a, e in zip(('dq', 'dk', 'dv'), actual, expected):
         _close(name, a, e)
 
@@ -482,10 +493,10 @@ class TestTrainingKernels:
     w_c, w_p = (jax.random.normal(key, x.shape) for key, x in zip(keys, (q_c, q_p)))
     w_lc, w_lp = (jax.random.normal(key, x.shape[:-1]) for key, x in zip(keys[2:], (q_c, q_p)))
 
-    def states(impl):
+    def states(impl):  # jitted: op by op, each op compiles on its own
       kernel = dict(kernel_config=config) if impl == 'mosaic_gpu' else {}
-      return lambda *a: pl.prefill_attention(*a, layout, impl=impl, interpret=self.interpret,
-                                             **kernel)
+      return jax.jit(lambda *a: pl.prefill_attention(*a, layout, impl=impl,
+                                                     interpret=self.interpret, **kernel))
 
     def loss(impl):
       def f(*a):
@@ -501,8 +512,8 @@ class TestTrainingKernels:
     assert prepare('mosaic_gpu').on_slices and not prepare('xla').on_slices  # `prefill_vjp`
     for actual, expected in zip(states('mosaic_gpu')(*args), states('xla')(*args)):
       assert_states_close(actual, expected)
-    actual = jax.grad(loss('mosaic_gpu'), argnums=(0, 1, 2, 3))(*args)
-    expected = jax.grad(loss('xla'), argnums=(0, 1, 2, 3))(*args)
+    actual = jax.jit(jax.grad(loss('mosaic_gpu'), argnums=(0, 1, 2, 3)))(*args)
+    expected = jax.jit(jax.grad(loss('xla'), argnums=(0, 1, 2, 3)))(*args)
     for name, a, e in zip(('dq_prompt', 'dq_completion', 'dk', 'dv'), actual, expected):
       _close(name, a, e)
 
@@ -568,8 +579,10 @@ class TestTrainingKernels:
         ref_logp=f32(base + 0.3 * rng.standard_normal((b, t))))
     graphdef, params = nnx.split(Llama(config, rngs=nnx.Rngs(4), dtype=BF16))
     cfg = grpo.GrpoConfig()
-    run = lambda impl: grpo.loss_and_grads(graphdef, params, batch, layout, cfg, impl=impl,
-                                           interpret=self.interpret)
+    # Jitted: run op by op, each of the model's hundreds of ops compiles on its own (about
+    # half the interpret test's time).
+    run = lambda impl: jax.jit(lambda params: grpo.loss_and_grads(
+        graphdef, params, batch, layout, cfg, impl=impl, interpret=self.interpret))(params)
     (loss_k, _), grads_k = run('mosaic_gpu')
     (loss_x, _), grads_x = run('xla')
     _close_grads((loss_k, grads_k), (loss_x, grads_x))

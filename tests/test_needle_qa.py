@@ -59,18 +59,22 @@ def test_smoke_run(tmp_path):
 
 
 def test_resume_keeps_the_points_that_ran(tmp_path):
+  # The runs, one after another, share their compiled programs (one writer at a time): a later
+  # run loads what an earlier one compiled.
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'programs'),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+
   def run(*flags):
     out = subprocess.run(
         [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--doc_tokens=400',
-         '--new_tokens=4', '--modes=tree,no_sharing', f'--workdir={tmp_path}', *flags],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-        timeout=600)
+         '--new_tokens=4', '--modes=tree,no_sharing', f'--workdir={tmp_path / "work"}', *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return {(r['mode'], r['questions']): r
-            for r in map(json.loads, open(tmp_path / 'results.jsonl'))}, out.stderr
+            for r in map(json.loads, open(tmp_path / 'work' / 'results.jsonl'))}, out.stderr
 
   first, _ = run('--questions=1')
-  assert (tmp_path / 'answers' / 'tree_q1.npy').exists()
+  assert (tmp_path / 'work' / 'answers' / 'tree_q1.npy').exists()
   second, log = run('--questions=1,2', '--resume')
   assert 'resuming: 2 points kept, 2 to run' in log
   assert set(second) == {(m, q) for m in ('tree', 'no_sharing') for q in (1, 2)}
