@@ -197,7 +197,8 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   assert names <= set(os.listdir(tmp_path / 'a'))
   with open(tmp_path / 'a' / 'throughput.jsonl') as f:
     records = [json.loads(line) for line in f]
-  assert [(r['name'], r['status']) for r in records] == [('no_attention', 'ok'), ('tree_xla', 'ok')]
+  assert [(r['name'], r['status'], r['fuse_qkv']) for r in records] == [
+      ('no_attention', 'ok', True), ('tree_xla', 'ok', True)]  # one q/k/v weight by default
   assert records[1]['attention_s'] == pytest.approx(records[1]['step_s'] - records[0]['step_s'])
   # The rebuild takes the model from the records (tiny_mha), not from --preset's default.
   out = subprocess.run(base[:-1] + [f'--rebuild={tmp_path / "a" / "raw.jsonl"}',
@@ -209,13 +210,13 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   assert table('a') == table('b') and len(table('a')) == 3
   remat_on = '{"xla_disable_hlo_passes": ""}'  # XLA's default passes (a CPU has no remat pass)
   out = run('--batches=2', '--prefixes=16', '--new_tokens=4', '--modes=tree', '--impls=xla',
-            '--page_size=8', '--max_decode_s=0.05', '--fuse_qkv', f'--compiler_options={remat_on}',
+            '--page_size=8', '--max_decode_s=0.05', '--nofuse_qkv', f'--compiler_options={remat_on}',
             f'--workdir={tmp_path / "c"}')
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / 'c' / 'raw.jsonl') as f:
-    fused = [json.loads(line) for line in f]
-  assert [(r['status'], r['fuse_qkv'], r['compiler_options']) for r in fused] == [
-      ('ok', True, remat_on)]
+    apart = [json.loads(line) for line in f]
+  assert [(r['status'], r['fuse_qkv'], r['compiler_options']) for r in apart] == [
+      ('ok', False, remat_on)]
   out = run('--batches=2', '--prefixes=16', '--compiler_options=[1]', f'--workdir={tmp_path / "d"}')
   assert out.returncode != 0 and '--compiler_options must be a JSON object' in out.stderr
   # --resume keeps the points that ran and runs the new one (a second batch size).
