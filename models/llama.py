@@ -291,17 +291,17 @@ class Llama(nnx.Module):
     S the mesh's tp, 1 without one), in place; returns the model.
 
     For inference (`load_hf_checkpoint` and `restore_params` call it by default where tp
-    divides the kv heads): the q, k and v projections are then one GEMM over a weight that exists.
-    Left apart, XLA merges the two products of one input into one GEMM anyway and concatenates
-    wq and wkv for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at B=1024 on an
-    H200). At tp = 1 the fused weight is that concatenation, made once. On an H100
-    (`experiments/results/throughput/s52`) the step got 11-17% faster at B=256-512 (cuBLAS
-    runs the product; apart, a Triton GEMM with the copy fused in), 4-8% at B=1024 (16 layers,
-    `mosaic_gpu_check/s53`), 2.5% at B=128, about 1% slower at B=32; untimed on the H200. (Session 24's layout grouped by kv head, [D, K, G + 2,
-    H], got a slower Triton GEMM there.) Under tensor parallelism the kv heads are split
-    over tp, so tp must divide them (kv heads fewer than tp stay apart: ValueError). One layer
-    at a time, so memory grows by one layer's q/k/v weights at most. `save_params` writes wq
-    and wkv again.
+    divides the kv heads): the q, k and v projections are then one GEMM over a weight that
+    exists. Left apart, XLA merges the two products of one input into one GEMM anyway and
+    concatenates wq and wkv for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at
+    B=1024 on an H200). At tp = 1 the fused weight is that concatenation, made once. On an
+    H100 (`experiments/results/throughput/s52`) the step got 11-17% faster at B=256-512
+    (cuBLAS runs the product; apart, a Triton GEMM with the copy fused in), 4-8% at B=1024 (16
+    layers, `mosaic_gpu_check/s53`), 2.5% at B=128, about 1% slower at B=32; untimed on the
+    H200. (Session 24's layout grouped by kv head, [D, K, G + 2, H], got a slower Triton GEMM
+    there.) Under tensor parallelism the kv heads are split over tp, so tp must divide them
+    (kv heads fewer than tp stay apart: ValueError). One layer at a time, so memory grows by
+    one layer's q/k/v weights at most. `save_params` writes wq and wkv again.
     """
     c, mesh = self.config, self.mesh
     if self.qkv_fused:
