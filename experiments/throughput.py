@@ -202,8 +202,8 @@ def main(argv):
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                         tp_micro_batches=FLAGS.tp_micro_batches,
                         attention_config=_mosaic_gpu_config())
-  if FLAGS.fuse_qkv and model.can_fuse_qkv:
-    model.fuse_qkv()
+  if FLAGS.fuse_qkv:
+    model.fuse_qkv(required=False)
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s on mesh %s: initialised in %.1f s', config.name, FLAGS.mesh or 'none',
                time.perf_counter() - start)

@@ -356,9 +356,7 @@ def _check_fuse_qkv(fuse_qkv) -> None:
 
 def _with_qkv(model: Llama, fuse_qkv: bool | None) -> Llama:
   """The loaded model with its q/k/v weights as `fuse_qkv` asks (see `load_hf_checkpoint`)."""
-  if fuse_qkv or (fuse_qkv is None and model.can_fuse_qkv):
-    model.fuse_qkv()  # True where tp does not divide the kv heads: its ValueError
-  return model
+  return model if fuse_qkv is False else model.fuse_qkv(required=bool(fuse_qkv))
 
 
 def _stored_dtype(path) -> str:

@@ -286,9 +286,10 @@ class Llama(nnx.Module):
     c = self.config
     return sr.kv_replication(c.num_heads, c.num_kv_heads, self.mesh) == 1
 
-  def fuse_qkv(self) -> 'Llama':
+  def fuse_qkv(self, *, required: bool = True) -> 'Llama':
     """Each layer's wq and wkv become one weight `wqkv` [D, S, (N + 2K) / S, H] (`fused_qkv`,
-    S the mesh's tp, 1 without one), in place; returns the model.
+    S the mesh's tp, 1 without one), in place; returns the model. `required=False`: only where
+    it can (`can_fuse_qkv`), else the model stays as it is.
 
     For inference (`load_hf_checkpoint` and `restore_params` call it by default where tp
     divides the kv heads): the q, k and v projections are then one GEMM over a weight that
@@ -300,11 +301,12 @@ class Llama(nnx.Module):
     layers, `mosaic_gpu_check/s53`), 2.5% at B=128, about 1% slower at B=32; untimed on the
     H200. (Session 24's layout grouped by kv head, [D, K, G + 2, H], got a slower Triton GEMM
     there.) Under tensor parallelism the kv heads are split over tp, so tp must divide them
-    (kv heads fewer than tp stay apart: ValueError). One layer at a time, so memory grows by
-    one layer's q/k/v weights at most. `save_params` writes wq and wkv again.
+    (kv heads fewer than tp: ValueError, or apart with `required=False`). One layer at a time,
+    so memory grows by one layer's q/k/v weights at most. `save_params` writes wq and wkv
+    again.
     """
     c, mesh = self.config, self.mesh
-    if self.qkv_fused:
+    if self.qkv_fused or not (required or self.can_fuse_qkv):
       return self
     if not self.can_fuse_qkv:
       raise ValueError(f'fuse_qkv needs the kv heads K={c.num_kv_heads} split over '

@@ -365,3 +365,4 @@ def test_fused_qkv_needs_tp_to_divide_the_kv_heads():
   with pytest.raises(ValueError, match=r'kv heads K=1 split over tp=8 \(tp must divide K\)'):
     model.fuse_qkv()
   assert not model.qkv_fused
+  assert model.fuse_qkv(required=False) is model and not model.qkv_fused  # apart, no error
