@@ -36,7 +36,9 @@ class Nvml:
       self.lib.nvmlInit_v2()
       self.handle = ctypes.c_void_p()
       self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
-    except OSError:
+      self.reasons = (getattr(self.lib, 'nvmlDeviceGetCurrentClocksEventReasons', None)
+                      or self.lib.nvmlDeviceGetCurrentClocksThrottleReasons)
+    except (OSError, AttributeError):
       self.lib = None
 
   def read(self):
@@ -44,7 +46,7 @@ class Nvml:
       return None, None
     clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
     self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
-    self.lib.nvmlDeviceGetCurrentClocksEventReasons(self.handle, ctypes.byref(reasons))
+    self.reasons(self.handle, ctypes.byref(reasons))
     return clock.value, reasons.value
 
 
