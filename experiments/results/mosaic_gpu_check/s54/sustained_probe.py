@@ -3,14 +3,18 @@ for seconds (the SM clock under the GPU's power limit)? A probe for issue 10, no
 
 In the 7B step at B=1024, P=16K the shared kernel takes about 8% longer a layer than alone
 (H100: 450 against 417 µs), and nvidia-smi read 1,725-1,890 MHz with the power cap active
-during the step's tree decode against 1,980 when idle. This probe times, for the floor's bf16
-matmul (8192^3) and for the attention call of the step's shape (check_on_device shape 6:
-B=1024, P=16K, 9 private tokens, 32/32 heads, 128-token pages):
-  burst: CUPTI kernel time of one call after a second idle (the floor's rate and the
-         kernels-alone table are measured in a few calls like this one);
-  window: back-to-back calls for --seconds, in ~100 ms windows, wall time a call, with the SM
-          clock and the clock-event reasons read through NVML while each window runs;
-  hot: CUPTI kernel time of calls right after the windows (no idle).
+during the step's tree decode against 1,980 when idle. Two cases: the floor's bf16 matmul
+(8192^3, as `check_on_device.ceilings` measures the rate) and the attention call of the step's
+shape (check_on_device shape 6: B=1024, P=16K, 9 private tokens, 32/32 heads, 128-token pages).
+Each case is one jitted program of N distinct calls (~20-30 ms of GPU work, one dispatch, so the
+GPU never waits on the host; distinct operands, so XLA merges none). Per case:
+  burst: CUPTI kernel time a call of a program of 1 call after a second idle, the way the
+         floor's rate and the kernels-alone tables are measured;
+  burst_n: CUPTI a call of the N-call program after a second idle;
+  window: the N-call program back to back for --seconds, windows of --window_s, wall time a
+          call, with the SM clock (min of 3 reads), power and clock-event reasons read through
+          NVML while each window runs;
+  hot_n: CUPTI a call of the N-call program right after the windows.
 
   PYTHONPATH=. python3 experiments/results/mosaic_gpu_check/s54/sustained_probe.py --out $OUT/p
 """
@@ -19,6 +23,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import time
 
 import jax
@@ -28,7 +33,7 @@ from pallas_kernels.mosaic_gpu import check_on_device as cod
 
 
 class Nvml:
-  """The SM clock (MHz) and active clock-event reasons of GPU 0, or None without NVML."""
+  """SM clock (MHz), power (W) and active clock-event reasons of GPU 0; Nones without NVML."""
 
   def __init__(self):
     try:
@@ -43,62 +48,78 @@ class Nvml:
 
   def read(self):
     if self.lib is None:
-      return None, None
-    clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+      return None, None, None
+    clock, milliwatts, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
     self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
+    self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(milliwatts))
     self.reasons(self.handle, ctypes.byref(reasons))
-    return clock.value, reasons.value
+    return clock.value, milliwatts.value / 1e3, reasons.value
 
 
-def windows(fn, args, seconds, calls_per_window, nvml):
+def windows(program, arg_sets, seconds, window_s, nvml):
+  """Wall µs a call of `program` (len(arg_sets) calls) run back to back, per window."""
+  per_run = len(arg_sets)
+  t_run = time.perf_counter()
+  jax.block_until_ready(program(arg_sets))
+  runs = max(1, round(window_s / (time.perf_counter() - t_run)))
   rows, start = [], time.perf_counter()
   while time.perf_counter() - start < seconds:
     t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls_per_window)]
+    outs = [program(arg_sets) for _ in range(runs)]
     reads = []
-    for _ in range(3):  # while the queued calls run
+    for _ in range(3):  # while the queued programs run
+      time.sleep(window_s / 4)
       reads.append(nvml.read())
-      time.sleep(0.02)
     jax.block_until_ready(outs)
     t1 = time.perf_counter()
-    clocks = [c for c, _ in reads if c is not None]
-    rows.append({'at_s': round(t0 - start, 3), 'us': (t1 - t0) * 1e6 / calls_per_window,
-                 'sm_mhz': min(clocks) if clocks else None,
-                 'reasons': [hex(r) for _, r in reads if r is not None]})
+    known = [r for r in reads if r[0] is not None]
+    rows.append({'at_s': round(t0 - start, 3), 'us': (t1 - t0) * 1e6 / (runs * per_run),
+                 'sm_mhz': min(r[0] for r in known) if known else None,
+                 'power_w': max(r[1] for r in known) if known else None,
+                 'reasons': sorted({hex(r[2]) for r in known})})
   return rows
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--out', required=True)
-  parser.add_argument('--seconds', type=float, default=4.0)
+  parser.add_argument('--seconds', type=float, default=5.0)
+  parser.add_argument('--window_s', type=float, default=0.1)
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   nvml = Nvml()
-  # Four argument sets a case: calls in one measured program must differ (XLA merges equal ones).
   mats = [jax.random.normal(jax.random.key(i), (8192, 8192), jnp.bfloat16) for i in range(5)]
-  matmul = jax.jit(lambda x, y: x @ y)
+  matmul = lambda x, y: x @ y
   cod.CAPACITY = 128
   _, layout, q, kc, vc = cod.problem(1024, 16384, 9, 32, 32)
   attend, prepared = cod.attend_fn(q, kc, layout, cod.VARIANTS[0])
   cases = {
-      'matmul_8192': (matmul, [(m, mats[4]) for m in mats[:4]], 2 * 8192**3, 70),
+      'matmul_8192': (matmul, [(a, b) for a in mats for b in mats if a is not b],
+                      2 * 8192**3),
       'attend_b1024_p16k_s9_32_32': (
-          attend, [(q * (1 + 0.01 * i), kc, vc, prepared, jnp.int32(0)) for i in range(4)],
-          4 * 1024 * 32 * (16384 + 9) * 128, 200),
+          attend, [(q * (1 + 0.001 * i), kc, vc, prepared, jnp.int32(0)) for i in range(40)],
+          4 * 1024 * 32 * (16384 + 9) * 128),
   }
   records = []
-  for name, (fn, arg_sets, flops, per_window) in cases.items():
-    jax.block_until_ready(fn(*arg_sets[0]))  # compile
-    cod.cupti_us(fn, arg_sets, iterations=1)  # compile the measured program
+  for name, (fn, arg_sets, flops) in cases.items():
+    program = jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets])
+    cod.cupti_us(fn, arg_sets[:1], iterations=1)  # compile both measured programs
+    cod.cupti_us(fn, arg_sets, iterations=1)
     time.sleep(1.0)
     burst, _ = cod.cupti_us(fn, arg_sets[:1], iterations=1)
-    rows = windows(fn, arg_sets[0], args.seconds, per_window, nvml)
-    hot, _ = cod.cupti_us(fn, arg_sets, iterations=3)
-    rec = {'case': name, 'burst_us': burst, 'hot_us': hot, 'tflops_burst': flops / burst / 1e6,
-           'tflops_hot': flops / hot / 1e6, 'first_window_us': rows[0]['us'],
-           'last_window_us': rows[-1]['us'], 'window_sm_mhz': [r['sm_mhz'] for r in rows],
-           'windows': rows}
+    time.sleep(1.0)
+    burst_n, _ = cod.cupti_us(fn, arg_sets, iterations=1)
+    rows = windows(program, arg_sets, args.seconds, args.window_s, nvml)
+    hot_n, kernels = cod.cupti_us(fn, arg_sets, iterations=3)
+    sustained = statistics.median(r['us'] for r in rows[len(rows) // 2:])
+    rec = {'case': name, 'calls_a_program': len(arg_sets), 'burst_us': burst,
+           'burst_n_us': burst_n, 'hot_n_us': hot_n, 'sustained_us': sustained,
+           'tflops': {k: flops / v / 1e6 for k, v in
+                      (('burst', burst), ('burst_n', burst_n), ('sustained', sustained),
+                       ('hot_n', hot_n))},
+           'hot_kernels_us': kernels,
+           'window_sm_mhz': [r['sm_mhz'] for r in rows],
+           'window_power_w': [r['power_w'] for r in rows], 'windows': rows}
     records.append(rec)
     print(json.dumps({k: v for k, v in rec.items() if k != 'windows'}), flush=True)
     time.sleep(1.0)
