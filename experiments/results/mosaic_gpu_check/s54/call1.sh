@@ -3,6 +3,8 @@
 # bash call1.sh <commit> [seconds, 560] [layers, 32] [prefixes, 1024,16384] [shapes, 6,8] [apart, 1024].
 # With the SM clock, power and throttle reasons sampled every 100 ms throughout (smi.csv;
 # phases.txt marks each phase's start and end):
+#   probe: sustained_probe.py (the floor's matmul and the P=16K attention call, burst against
+#          seconds back to back; about 50 s);
 #   grid1: the CodeLlama-7B decode step at B=1024, the default (fused q/k/v; XLA's
 #          rematerialization pass off over a cache), P=1K and 16K, every kernel of a step
 #          profiled: issue 10's targets;
@@ -31,7 +33,11 @@ grid() {  # name, seconds, prefixes, extra flags
   echo "$1 [${*:4}] rc=$?"; mark end $1
   python3 -m experiments.throughput --summary=$R/$1/throughput.jsonl --summary_kernels=5
 }
-grid grid1 $((T * 9 / 20)) $P
+mark start probe
+timeout 90 python3 experiments/results/mosaic_gpu_check/s54/sustained_probe.py --out $R/probe \
+  > $R/probe.log 2>&1
+echo "probe rc=$?"; mark end probe; grep '^{' $R/probe.log | cut -c1-600
+grid grid1 $(((T - SECONDS) / 2)) $P
 mark start alone
 timeout $(((T - SECONDS) / 2)) python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $R/alone \
   --attend_only --shapes $SHAPES --capacity=128 --deep_layer=31 > $R/alone.log 2>&1
