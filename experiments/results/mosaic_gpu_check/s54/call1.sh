@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 54, one nvidia-h200 (`needs_h200`: the 32-layer B=1024 step takes 77 GiB), OUT set:
-# bash call1.sh <commit> [seconds, 560] [layers, 32] [prefixes, 1024,16384] [shapes, 6,8] [apart, 1024].
+# bash call1.sh <commit> [seconds, 560] [layers, 32] [prefixes, 1024,16384] [shapes, 6,8] [apart, 1024]
+# [probe, yes].
 # With the SM clock, power and throttle reasons sampled every 100 ms throughout (smi.csv;
 # phases.txt marks each phase's start and end):
 #   probe: sustained_probe.py (the floor's matmul and the P=16K attention call, burst against
@@ -13,10 +14,11 @@
 #          (434-452 µs a layer, s50) than alone (~400-415) because the clock drops under the
 #          step's sustained load?
 #   grid2: wq and wkv apart (`--fuse_qkv=false`), P=1K: fused against apart on the H200.
-# On an H100 pass layers=16 (the 32-layer program does not fit); apart=none skips grid2.
+# On an H100 pass layers=16 (the 32-layer program does not fit); shapes=none skips alone,
+# apart=none grid2, probe=no the probe.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. PYTHONUNBUFFERED=1 HYDRAJAX_GIT_COMMIT=$1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
-T=${2:-560}; L=${3:-32}; P=${4:-1024,16384}; SHAPES=${5:-6,8}; APART=${6:-1024}
+T=${2:-560}; L=${3:-32}; P=${4:-1024,16384}; SHAPES=${5:-6,8}; APART=${6:-1024}; PROBE=${7:-yes}
 R=$OUT/call1; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee $R/gpu.txt
 Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
@@ -33,16 +35,21 @@ grid() {  # name, seconds, prefixes, extra flags
   echo "$1 [${*:4}] rc=$?"; mark end $1
   python3 -m experiments.throughput --summary=$R/$1/throughput.jsonl --summary_kernels=5
 }
-mark start probe
-timeout 90 python3 experiments/results/mosaic_gpu_check/s54/sustained_probe.py --out $R/probe \
-  > $R/probe.log 2>&1
-echo "probe rc=$?"; mark end probe; grep '^{' $R/probe.log | cut -c1-600
-grid grid1 $(((T - SECONDS) / 2)) $P
-mark start alone
-timeout $(((T - SECONDS) / 2)) python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $R/alone \
-  --attend_only --shapes $SHAPES --capacity=128 --deep_layer=31 > $R/alone.log 2>&1
-echo "alone rc=$?"; mark end alone
-grep -E 'attend|shared|private|floor' $R/alone.log | tail -12
+if [ $PROBE = yes ]; then
+  mark start probe
+  timeout 90 python3 experiments/results/mosaic_gpu_check/s54/sustained_probe.py --out $R/probe \
+    > $R/probe.log 2>&1
+  echo "probe rc=$?"; mark end probe; grep '^{' $R/probe.log | cut -c1-600
+fi
+SHARE=2; [ $SHAPES = none ] && [ $APART = none ] && SHARE=1
+grid grid1 $(((T - SECONDS) / SHARE - 10)) $P
+if [ $SHAPES != none ]; then
+  mark start alone
+  timeout $(((T - SECONDS) / 2)) python3 pallas_kernels/mosaic_gpu/check_on_device.py \
+    --out $R/alone --attend_only --shapes $SHAPES --capacity=128 --deep_layer=31 > $R/alone.log 2>&1
+  echo "alone rc=$?"; mark end alone
+  grep -E '^\|' $R/alone.log
+fi
 [ $APART = none ] || grid grid2 $((T - SECONDS - 5)) $APART --fuse_qkv=false
 kill $SMI; wait $SMI 2>/dev/null
 python3 experiments/results/mosaic_gpu_check/s54/clock_summary.py $R
