@@ -249,15 +249,22 @@ def dirty_layer(plan, mask, cache):
 DEEP_BUFFER_BYTES = 48 << 30  # the deep buffers' budget (32 MHA layers at B=1024 are 69 GB)
 
 
+def deep_buffer_bytes() -> int:
+  """DEEP_BUFFER_BYTES, or half the device's memory where that is less: on an H100 the 48 GB
+  beside the rotated input sets ran out of memory (s54, shape 6)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return min(DEEP_BUFFER_BYTES, int(0.5 * stats.get('bytes_limit', 2 * DEEP_BUFFER_BYTES)))
+
+
 def deep_layer_time(fn_a, prepared, plan, sets, layer):
   """CUPTI time of attend on each set's K/V placed at `layer` of a (layer + 1)-layer buffer.
 
-  The layer is lowered to fit DEEP_BUFFER_BYTES; returns (us, kernels, layer used).
+  The layer is lowered to fit `deep_buffer_bytes()`; returns (us, kernels, layer used).
   """
   stride = -(-plan.kv_tokens // plan.page_size) * plan.page_size
   k0 = sets[0][1]
   per_layer = 2 * len(sets) * stride * math.prod(k0.shape[1:]) * k0.dtype.itemsize
-  layer = max(0, min(layer, DEEP_BUFFER_BYTES // per_layer - 1))
+  layer = max(0, min(layer, deep_buffer_bytes() // per_layer - 1))
   deep = []
   for q_, k_, v_, _ in sets:
     place = lambda x: jnp.zeros(((layer + 1) * stride,) + x.shape[1:], x.dtype).at[
