@@ -307,6 +307,8 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       ('predicted tok/s', 'predicted_tokens_per_s'), ('matmul eff', 'matmul_efficiency'),
       ('program GiB', _gb('program_bytes')), ('cache GiB', _gb('cache_bytes')),
       ('steps timed', 'steps_timed'), ('compile s', 'compile_s'), ('ran as', 'resolved_impl'),
+      ('SM MHz min', 'sm_mhz_min'), ('SM MHz median', 'sm_mhz_median'),
+      ('power cap', 'power_cap_fraction'),
   ]
   rows = sorted(records, key=lambda r: (r['prefix'], r['batch'], r['name']))
   head = [
@@ -326,7 +328,9 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
       '(same name and launches: the projections\' GEMMs, whose run-to-run drift was -1.1 to '
       '+0.9 ms a step at B=1024); impl kernels = the attention implementation\'s own kernels in that '
       'step (Mosaic GPU); all three over the floor at the profiled step\'s private tokens (one '
-      'step after the timed ones).\n',
+      'step after the timed ones). SM MHz and power cap: the SM clock and the fraction of NVML '
+      'samples with the software power cap set while the timed steps ran (NVIDIA GPUs; the '
+      'ceilings are measured in short bursts, at the full clock).\n',
   ]
   reasons = [f'- {r["name"]} B={r["batch"]} P={r["prefix"]}: {r["status"]}: {r.get("reason", "")}'
              for r in rows if r.get('status') not in ('ok',)]

@@ -37,7 +37,7 @@ from flax import nnx
 
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
-from hydrajax.benchmarking import timing
+from hydrajax.benchmarking import gpu_clock, timing
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
@@ -321,7 +321,10 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
   left = case.new_tokens - int(state.step)
   first_step = int(state.step)
   steps = max(1, min(left, int(max_decode_s / max(one, 1e-6))))
-  state, elapsed = timed(state, steps)
+  # The SM clock the timed steps ran at (NVIDIA GPUs; ceilings are measured at the full clock).
+  with gpu_clock.ClockSampler.for_backend(jax.default_backend()) as clock:
+    state, elapsed = timed(state, steps)
+  record.update(clock.summary())
   steps = int(state.step) - first_step
   # The step time is the slope: a call's fixed cost (dispatch, argument checks, the final
   # sync) is paid once per call, i.e. once per generation, not once per token.
@@ -460,7 +463,10 @@ def summary_lines(records, kernels: int = 6) -> list[str]:
     lines.append(f"{r['name']} B={r['batch']} P={r['prefix']}: step {1e3 * r['step_s']:.2f} ms, "
                  f"program {r.get('program_bytes', 0) / 2**30:.1f} GiB, "
                  f"attn/floor {r.get('attention_over_floor') or 0:.2f}, "
-                 f"matched/floor {r.get('attention_kernel_matched_over_floor') or 0:.2f}")
+                 f"matched/floor {r.get('attention_kernel_matched_over_floor') or 0:.2f}"
+                 + (f", SM clock {r['sm_mhz_min']:.0f}-{r['sm_mhz_median']:.0f} MHz (min-median),"
+                    f" power cap {r['power_cap_fraction']:.0%} of samples"
+                    if 'sm_mhz_median' in r else ''))
     lines += [f'  {us:9.0f} us x{n:<4d} {name[:90]}'
               for name, us, n in r.get('top_kernels', [])[:kernels]]
   return lines

@@ -146,12 +146,18 @@ def test_summary_lists_measured_points_and_their_costliest_kernels():
            attention_kernel_matched_over_floor=None,
            top_kernels=[['gemm', 4222.4, 64], ['private', 2703.0, 32], ['merge', 10.0, 1]]),
       dict(status='does_not_fit', name='paged_xla', batch=1024, prefix=1024),
+      # A GPU run's record: the clock its timed steps ran at (`gpu_clock.ClockSampler`).
+      {'status': 'ok', 'name': 'no_attention', 'batch': 1024, 'prefix': 1024, 'step_s': 0.011,
+       'program_bytes': 2 * 2**30, 'attention_over_floor': 0.0, 'sm_mhz_min': 1725.0,
+       'sm_mhz_median': 1860.0, 'power_cap_fraction': 0.25},
   ]
   assert db.summary_lines(records, kernels=2) == [
       'tree_mosaic_gpu B=1024 P=1024: step 25.12 ms, program 3.0 GiB, attn/floor 1.97, '
       'matched/floor 0.00',
       '       4222 us x64   gemm',
       '       2703 us x32   private',
+      ('no_attention B=1024 P=1024: step 11.00 ms, program 2.0 GiB, attn/floor 0.00, '
+       'matched/floor 0.00, SM clock 1725-1860 MHz (min-median), power cap 25% of samples'),
   ]
 
 

@@ -4,6 +4,7 @@
   roofline   measure_ceilings, floor, shared_prefix_cost, per_sequence_cost, Cost, Ceilings
   workloads  Shape, named grids (hydragen, chunkattention, targets, smoke), make_problem
   report     JsonlWriter (JSONL with run metadata), markdown_table, plot_sweeps, plot_bars, progress
+  gpu_clock  ClockSampler: the SM clock and power cap while a timed region runs (NVML)
 """
 
 from hydrajax.benchmarking.report import (
