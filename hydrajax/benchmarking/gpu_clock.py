@@ -6,12 +6,13 @@ measured with runs at 808 TFLOP/s one call after idle and at 706 back to back, t
 1,170-1,440 MHz instead of 1,980 (`experiments/results/mosaic_gpu_check/s54`). A decode step's
 time therefore depends on the clock it ran at, and a benchmark record should say which.
 
-`ClockSampler.for_backend(jax.default_backend())` is a context manager: a thread reads every
-visible GPU's SM clock, power and clock-event reasons every `interval_s` while the block runs;
-`summary()` gives the lowest and median clock over GPUs and samples, the highest power, and the
-fraction of samples with the software power cap set. Without NVML (no NVIDIA driver) or off a
-GPU backend it reads nothing and `summary()` is empty. NVML's calls release the GIL (ctypes), so
-the thread does not hold up the timed program's dispatch.
+`ClockSampler.for_backend(jax.default_backend())` is a context manager: a thread reads the SM
+clock, power and clock-event reasons of every GPU of the host (NVML does not follow
+CUDA_VISIBLE_DEVICES) every `interval_s` while the block runs; `summary()` gives the lowest and
+median clock over GPUs and samples, the highest power, and the fraction of samples with the
+software power cap set. Without NVML (no NVIDIA driver) or off a GPU backend it reads nothing
+and `summary()` is empty. NVML's calls release the GIL (ctypes), so the thread does not hold up
+the timed program's dispatch.
 """
 
 import ctypes
@@ -31,7 +32,7 @@ class Reading(NamedTuple):
 
 
 class Nvml:
-  """Readings of every GPU NVML sees, or None where NVML cannot be loaded or initialised."""
+  """Readings of every GPU of the host, or None where NVML cannot be loaded or initialised."""
 
   def __init__(self):
     self._lib = None
