@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hydrajax
-from hydrajax.benchmarking import report, roofline, sweep, timing, workloads
+from hydrajax.benchmarking import gpu_clock, report, roofline, sweep, timing, workloads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -214,6 +214,28 @@ def test_run_point_reports_wrong_without_timing():
   records.append(dict(records[1], impl='slow', time_us=40.0))
   sweep.add_speedups(records, ours=('right',))
   assert by['right']['speedup_vs_slow'] == pytest.approx(4.0)
+
+
+def test_run_point_records_the_clock_its_timing_ran_at(monkeypatch):
+  """A timed implementation's record carries the sampler's summary; an untimed one none."""
+  shape = workloads.Shape(2, 16, 1, 2, 1, head_dim=8, dtype='float32')
+  fake_gpu = lambda backend, interval_s=0.01: gpu_clock.ClockSampler(
+      lambda: [gpu_clock.Reading(1755, 690.0, gpu_clock.POWER_CAP)], 1e-3)
+  monkeypatch.setattr(gpu_clock.ClockSampler, 'for_backend', staticmethod(fake_gpu))
+
+  def build(wrong):
+    def candidate(problem, options):
+      out = np.asarray(hydrajax.tree_attention_xla(
+          problem.q, problem.k_cache, problem.v_cache, problem.layout).out, np.float32)
+      t = timing.Timing(4e-6, (4e-6,), 3, 'fake', 0)
+      return sweep.Candidate(run=lambda: out * (0 if wrong else 1), time=lambda: t)
+    return candidate
+
+  records = sweep.run_point(shape, {'right': build(False), 'wrong': build(True)}, None,
+                            roofline.Ceilings(1e9, 1e9))
+  by = {r['impl']: r for r in records}
+  assert by['right']['sm_mhz_median'] == 1755 and by['right']['power_cap_fraction'] == 1.0
+  assert by['wrong']['status'] == 'wrong' and 'sm_mhz_median' not in by['wrong']
 
 
 def test_run_point_reports_a_non_positive_time_as_untimeable():
