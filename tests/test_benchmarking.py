@@ -216,18 +216,31 @@ def test_run_point_reports_wrong_without_timing():
   assert by['right']['speedup_vs_slow'] == pytest.approx(4.0)
 
 
-def test_run_point_records_the_clock_its_timing_ran_at(monkeypatch):
-  """A timed implementation's record carries the sampler's summary; an untimed one none."""
-  shape = workloads.Shape(2, 16, 1, 2, 1, head_dim=8, dtype='float32')
-  fake_gpu = lambda backend, interval_s=0.01: gpu_clock.ClockSampler(
-      lambda: [gpu_clock.Reading(1755, 690.0, gpu_clock.POWER_CAP)], 1e-3)
+def test_device_time_samples_the_clock_of_its_repeats(monkeypatch):
+  """`Timing.clock` is the sampler's summary over the timed repeats (every read in it)."""
+  reads = []
+
+  def read():
+    reads.append(1)
+    return [gpu_clock.Reading(1755, 690.0, gpu_clock.POWER_CAP)]
+
+  fake_gpu = lambda backend, interval_s=0.01: gpu_clock.ClockSampler(read, 1e-3)
   monkeypatch.setattr(gpu_clock.ClockSampler, 'for_backend', staticmethod(fake_gpu))
+  t = timing.device_time(lambda x: x * 2, jnp.ones(8), repeats=2, target_s=1e-4)
+  assert t.clock['sm_mhz_median'] == 1755 and t.clock['power_cap_fraction'] == 1.0
+  assert t.clock['clock_samples'] == len(reads) >= 1
+
+
+def test_run_point_records_the_clock_its_timing_ran_at():
+  """A timed implementation's record carries its `Timing.clock`; an untimed one none."""
+  shape = workloads.Shape(2, 16, 1, 2, 1, head_dim=8, dtype='float32')
+  clock = {'sm_mhz_min': 1500, 'sm_mhz_median': 1755, 'power_cap_fraction': 1.0}
 
   def build(wrong):
     def candidate(problem, options):
       out = np.asarray(hydrajax.tree_attention_xla(
           problem.q, problem.k_cache, problem.v_cache, problem.layout).out, np.float32)
-      t = timing.Timing(4e-6, (4e-6,), 3, 'fake', 0)
+      t = timing.Timing(4e-6, (4e-6,), 3, 'fake', 0, clock)
       return sweep.Candidate(run=lambda: out * (0 if wrong else 1), time=lambda: t)
     return candidate
 

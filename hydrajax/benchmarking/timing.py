@@ -30,10 +30,13 @@ kernel) produces may be copied into the loop carry (output bytes only, e.g.
 import dataclasses
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from hydrajax.benchmarking import gpu_clock
 
 # H100/H200 have 50-60 MB of L2: twice the larger, as the method above asks.
 GPU_FLUSH_BYTES = 128 * 2**20
@@ -50,6 +53,8 @@ class Timing:
     iterations: calls per repeat (the loop count n).
     method: how it was measured.
     flush_bytes: bytes read between calls to flush the cache.
+    clock: the SM clock and power cap while the timed repeats ran (`gpu_clock`'s summary;
+      empty off NVIDIA GPUs). Ceilings are measured in short bursts at the full clock.
   """
 
   median_s: float
@@ -57,6 +62,7 @@ class Timing:
   iterations: int
   method: str
   flush_bytes: int
+  clock: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def median_us(self) -> float:
@@ -143,16 +149,18 @@ def device_time(
   loop_cost = _wall(without_fn, n0, flush, args) / min_iters
   n = int(min(max_iters, max(min_iters, target_s / (per_call + loop_cost))))
   samples = []
-  for _ in range(repeats):
-    t_fn = _wall(with_fn, jnp.int32(n), flush, args)
-    t_empty = _wall(without_fn, jnp.int32(n), flush, args)
-    samples.append((t_fn - t_empty) / n)
+  with gpu_clock.ClockSampler.for_backend(jax.default_backend()) as clock:  # not the compiles
+    for _ in range(repeats):
+      t_fn = _wall(with_fn, jnp.int32(n), flush, args)
+      t_empty = _wall(without_fn, jnp.int32(n), flush, args)
+      samples.append((t_fn - t_empty) / n)
   return Timing(
       median_s=statistics.median(samples),
       samples_s=tuple(samples),
       iterations=n,
       method='fori_loop minus empty loop, L2 flushed by a read each call',
       flush_bytes=flush_bytes,
+      clock=clock.summary(),
   )
 
 

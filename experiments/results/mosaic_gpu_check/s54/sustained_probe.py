@@ -17,10 +17,12 @@ GPU never waits on the host; distinct operands, so XLA merges none). Per case:
   hot_n: CUPTI a call of the N-call program right after the windows.
 
   PYTHONPATH=. python3 experiments/results/mosaic_gpu_check/s54/sustained_probe.py --out $OUT/p
+
+Calls 3-5 ran earlier versions (README: commits); since, NVML is read through
+`hydrajax.benchmarking.gpu_clock.Nvml` instead of a copy of it here.
 """
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -29,31 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hydrajax.benchmarking.gpu_clock import Nvml
 from pallas_kernels.mosaic_gpu import check_on_device as cod
-
-
-class Nvml:
-  """SM clock (MHz), power (W) and active clock-event reasons of GPU 0; Nones without NVML."""
-
-  def __init__(self):
-    try:
-      self.lib = ctypes.CDLL('libnvidia-ml.so.1')
-      self.lib.nvmlInit_v2()
-      self.handle = ctypes.c_void_p()
-      self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
-      self.reasons = (getattr(self.lib, 'nvmlDeviceGetCurrentClocksEventReasons', None)
-                      or self.lib.nvmlDeviceGetCurrentClocksThrottleReasons)
-    except (OSError, AttributeError):
-      self.lib = None
-
-  def read(self):
-    if self.lib is None:
-      return None, None, None
-    clock, milliwatts, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-    self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
-    self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(milliwatts))
-    self.reasons(self.handle, ctypes.byref(reasons))
-    return clock.value, milliwatts.value / 1e3, reasons.value
 
 
 def windows(program, arg_sets, seconds, window_s, nvml):
@@ -69,17 +48,16 @@ def windows(program, arg_sets, seconds, window_s, nvml):
   while time.perf_counter() - start < seconds:
     t0 = time.perf_counter()
     outs = [program(arg_sets) for _ in range(runs)]
-    reads = []
+    known = []
     for _ in range(3):  # while the queued programs run
       time.sleep(window_s / 4)
-      reads.append(nvml.read())
+      known += nvml.read() or []  # every GPU of the host (one on the lent machines)
     jax.block_until_ready(outs)
     t1 = time.perf_counter()
-    known = [r for r in reads if r[0] is not None]
     rows.append({'at_s': round(t0 - start, 3), 'us': (t1 - t0) * 1e6 / (runs * per_run),
-                 'sm_mhz': min(r[0] for r in known) if known else None,
-                 'power_w': max(r[1] for r in known) if known else None,
-                 'reasons': sorted({hex(r[2]) for r in known})})
+                 'sm_mhz': min(r.sm_mhz for r in known) if known else None,
+                 'power_w': max(r.power_w for r in known) if known else None,
+                 'reasons': sorted({hex(r.reasons) for r in known})})
   return rows
 
 
