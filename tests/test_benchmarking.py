@@ -216,7 +216,12 @@ def test_run_point_reports_wrong_without_timing():
   assert by['right']['speedup_vs_slow'] == pytest.approx(4.0)
 
 
-def test_device_time_samples_the_clock_of_its_repeats(monkeypatch):
+@pytest.mark.parametrize('timer', [
+    lambda: timing.device_time(lambda x: x * 2, jnp.ones(8), repeats=2, target_s=1e-4),
+    lambda: timing.host_time(lambda: jnp.ones(8) * 2, sync=jax.block_until_ready, repeats=2,
+                             warmup=1),
+], ids=['device_time', 'host_time'])
+def test_timers_sample_the_clock_of_their_repeats(monkeypatch, timer):
   """`Timing.clock` is the sampler's summary over the timed repeats (every read in it)."""
   reads = []
 
@@ -226,7 +231,7 @@ def test_device_time_samples_the_clock_of_its_repeats(monkeypatch):
 
   fake_gpu = lambda backend, interval_s=0.01: gpu_clock.ClockSampler(read, 1e-3)
   monkeypatch.setattr(gpu_clock.ClockSampler, 'for_backend', staticmethod(fake_gpu))
-  t = timing.device_time(lambda x: x * 2, jnp.ones(8), repeats=2, target_s=1e-4)
+  t = timer()
   assert t.clock['sm_mhz_median'] == 1755 and t.clock['power_cap_fraction'] == 1.0
   assert t.clock['clock_samples'] == len(reads) >= 1
 

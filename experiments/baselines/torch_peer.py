@@ -8,7 +8,8 @@
 
 Inputs come from the JAX arrays through DLPack (no host copy) and are laid out
 once, outside the timed region. Timed with CUDA events around each call, the
-L2 flushed by zeroing a 256 MiB buffer before each call.
+L2 flushed by zeroing a 256 MiB buffer before each call; the SM clock is
+sampled while they run (`Timing.clock`), as `device_time` does.
 """
 
 import statistics
@@ -18,6 +19,7 @@ import numpy as np
 from experiments.baselines.common import (
     Candidate, Options, Unsupported, check_copy_budget, require_decode,
 )
+from hydrajax.benchmarking import gpu_clock
 from hydrajax.benchmarking.timing import Timing
 from hydrajax.benchmarking.workloads import Problem
 
@@ -46,16 +48,18 @@ def _event_time(torch, run, options: Options) -> Timing:
   torch.cuda.synchronize()
   starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
   ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-  for s, e in zip(starts, ends):
-    flush.zero_()
-    s.record()
-    run()
-    e.record()
-  torch.cuda.synchronize()
+  with gpu_clock.ClockSampler.for_backend('gpu') as clock:
+    for s, e in zip(starts, ends):
+      flush.zero_()
+      s.record()
+      run()
+      e.record()
+    torch.cuda.synchronize()
   samples = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
   return Timing(
       median_s=statistics.median(samples), samples_s=tuple(samples), iterations=1,
       method='CUDA events per call, L2 flushed by zeroing a buffer', flush_bytes=_FLUSH_BYTES,
+      clock=clock.summary(),
   )
 
 

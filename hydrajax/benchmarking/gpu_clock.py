@@ -23,6 +23,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
+# NVML's clock-event reason bits (nvml.h: nvmlClocksEventReason*), as nvidia-smi reports them.
+REASON_NAMES = {0x1: 'idle', 0x2: 'app_clocks', POWER_CAP: 'sw_power_cap', 0x8: 'hw_slowdown',
+                0x20: 'sync_boost', 0x40: 'sw_thermal', 0x80: 'hw_thermal',
+                0x100: 'hw_power_brake'}
 _CLOCK_SM = 1  # NVML_CLOCK_SM
 
 

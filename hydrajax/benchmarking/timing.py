@@ -180,18 +180,20 @@ def host_time(
   for _ in range(warmup):
     sync(run())
   samples = []
-  for _ in range(repeats):
-    if flush is not None:
-      sync(flush())
-    start = time.perf_counter()
-    sync(run())
-    samples.append(time.perf_counter() - start)
+  with gpu_clock.ClockSampler.for_backend(jax.default_backend()) as clock:
+    for _ in range(repeats):
+      if flush is not None:
+        sync(flush())
+      start = time.perf_counter()
+      sync(run())
+      samples.append(time.perf_counter() - start)
   return Timing(
       median_s=statistics.median(samples),
       samples_s=tuple(samples),
       iterations=1,
       method='host wall clock per call',
       flush_bytes=0,
+      clock=clock.summary(),
   )
 
 

@@ -12,9 +12,8 @@ import pathlib
 import statistics
 import sys
 
-# nvidia-smi's clock-event bits (nvml.h: nvmlClocksEventReason*).
-REASONS = {0x1: 'idle', 0x2: 'app_clocks', 0x4: 'sw_power_cap', 0x8: 'hw_slowdown',
-           0x20: 'sync_boost', 0x40: 'sw_thermal', 0x80: 'hw_thermal', 0x100: 'hw_power_brake'}
+from hydrajax.benchmarking.gpu_clock import REASON_NAMES as REASONS
+
 FIELDS = ('time', 'sm_mhz', 'mem_mhz', 'power_w', 'temp_c', 'util', 'reasons')
 
 
