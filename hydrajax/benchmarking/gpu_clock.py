@@ -12,8 +12,9 @@ CUDA_VISIBLE_DEVICES) every `interval_s` while the block runs; `summary()` gives
 median clock over GPUs and samples, the highest power, and the fraction of samples with the
 software power cap set. Without NVML (no NVIDIA driver) or off a GPU backend it reads nothing
 and `summary()` is empty. NVML's calls release the GIL (ctypes), so the thread does not hold up
-the timed program's dispatch. `timing.device_time` (its timed repeats, in `Timing.clock`, which
-the sweeps' records carry) and `experiments.throughput` (its timed decode steps) sample this way.
+the timed program's dispatch. `timing.device_time` and `timing.host_time` (their timed repeats,
+in `Timing.clock`, which the sweeps' records carry), the PyTorch peer's CUDA-event timer and
+`experiments.throughput` (its timed decode steps) sample this way.
 """
 
 import ctypes
