@@ -68,12 +68,14 @@ def test_only_a_gpu_backend_reads(monkeypatch):
       return [Reading(1980, 100.0, 0)]
 
   monkeypatch.setattr(gpu_clock, 'Nvml', FakeNvml)
+  gpu_clock.host_nvml.cache_clear()  # made anew from FakeNvml (and cleared again below)
   with ClockSampler.for_backend('cpu') as cpu:
     pass
   assert cpu.summary() == {}
   with ClockSampler.for_backend('gpu', interval_s=1e-3) as gpu:
     pass
   assert gpu.summary()['sm_mhz_median'] == 1980  # the first read happens before the stop
+  gpu_clock.host_nvml.cache_clear()
 
 
 def test_interval_must_be_positive():

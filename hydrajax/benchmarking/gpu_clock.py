@@ -18,6 +18,7 @@ in `Timing.clock`, which the sweeps' records carry), the PyTorch peer's CUDA-eve
 """
 
 import ctypes
+import functools
 import statistics
 import threading
 from collections.abc import Callable
@@ -77,14 +78,20 @@ class Nvml:
     return readings
 
 
+@functools.cache
+def host_nvml() -> Nvml:
+  """The process's one `Nvml` (NVML is loaded and its handles found once, not per timing)."""
+  return Nvml()
+
+
 class ClockSampler:
-  """Samples `read` (default: NVML's every GPU) every `interval_s` inside a `with` block."""
+  """Samples `read` (default: `host_nvml()`, every GPU) every `interval_s` inside a `with` block."""
 
   def __init__(self, read: Callable[[], list[Reading] | None] | None = None,
                interval_s: float = 0.01):
     if interval_s <= 0:
       raise ValueError(f'interval_s must be > 0, got {interval_s}')
-    self._read = read if read is not None else Nvml().read
+    self._read = read if read is not None else host_nvml().read
     self._interval_s = interval_s
     self._readings: list[Reading] = []
     self._stop = threading.Event()
