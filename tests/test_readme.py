@@ -1,10 +1,9 @@
-"""Every ```python block of README.md runs as written (CPU, the README's own small settings).
+"""Every ```python block of README.md runs as written, on its own (CPU, the README's small settings).
 
-The blocks run top to bottom in one namespace, as a reader pasting them into one Python session
-would: a block may use what an earlier block defined (the engine block uses the Llama block's
-`model`), and nothing else. Each block is compiled under the name `README.md:<line>`, so a failure
-points at the README line. One test runs them all: blocks depend on each other, so they are not
-split into items that pytest-xdist could send to different processes.
+The README promises that each block can be pasted alone into a fresh Python session, so each block
+is its own test item and runs in a fresh namespace: a block that used a name an earlier block
+defined fails here. Each block is compiled under the name `README.md:<line>`, so a failure points
+at the README line, and what its comments claim is checked on the names it leaves behind.
 """
 
 import contextlib
@@ -14,6 +13,7 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 README = pathlib.Path(__file__).parent.parent / 'README.md'
 _FENCE = re.compile(r'^```(\w*)[^\n]*\n(.*?)^```[ \t]*$', re.MULTILINE | re.DOTALL)
@@ -25,39 +25,35 @@ def code_blocks(text: str, language: str) -> list[tuple[int, str]]:
           for m in _FENCE.finditer(text) if m.group(1) == language]
 
 
-def run_blocks(blocks: list[tuple[int, str]], name: str, checks=None) -> dict:
-  """Executes the blocks in order in one fresh namespace; returns that namespace.
-
-  `checks`: {text: fn(namespace)}; fn runs right after the block whose code holds text (a
-  later block may rebind the names it reads), and every text must name some block.
-  """
+def run_block(line: int, code: str, name: str) -> tuple[dict, str]:
+  """Executes one block in a fresh namespace; returns (namespace, what it printed)."""
   namespace = {'__name__': '__readme__'}
-  unmatched = dict(checks or {})
-  for line, code in blocks:
-    # Blank lines first, so the compiled code's line numbers are the README's.
-    source = '\n' * (line - 1) + code
-    with contextlib.redirect_stdout(io.StringIO()):
-      exec(compile(source, name, 'exec'), namespace)  # noqa: S102 (the README is the test)
-    for text in [t for t in unmatched if t in code]:
-      unmatched.pop(text)(namespace)
-  assert not unmatched, f'no README block holds {sorted(unmatched)}'
-  return namespace
+  # Blank lines first, so the compiled code's line numbers are the README's.
+  source = '\n' * (line - 1) + code
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    exec(compile(source, name, 'exec'), namespace)  # noqa: S102 (the README is the test)
+  return namespace, printed.getvalue()
 
 
 def _max_diff(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
+def _check_quick_start(ns):  # "float rounding only"
+  assert _max_diff(ns['out'], ns['expected'].out) < 1e-4
+
+
 def _check_prepared_attention(ns):  # "# 0.0"
-  assert _max_diff(ns['out'], ns['expected'].out) == 0.0
+  assert _max_diff(ns['outs'][2], ns['expected'].out) == 0.0
 
 
 def _check_generation(ns):  # "[7 sequences, 16]"
   assert ns['out'].tokens.shape == (7, 16)
 
 
-def _check_engine(ns):  # "8 samples of 32 tokens"
-  assert [len(o) for o in ns['outputs'].values()] == [32] * 8
+def _check_engine(ns):  # "4 samples of 16 tokens"
+  assert [len(o) for o in ns['outputs'].values()] == [16] * 4
 
 
 def _check_policy(ns):  # the demoted segments, and "the same attention, up to float rounding"
@@ -68,15 +64,18 @@ def _check_policy(ns):  # the demoted segments, and "the same attention, up to f
 
 
 def _check_sharded(ns):  # "the same attention as on one device"
-  assert _max_diff(ns['out'], ns['shared'].out) < 1e-5
+  assert _max_diff(ns['out'], ns['one_device'].out) < 1e-5
 
 
 def _check_training(ns):  # a step that ran: finite metrics
   assert all(np.all(np.isfinite(np.asarray(v))) for v in ns['metrics'].values())
 
 
+# {text that identifies a block: check of its namespace}; every block must have one, so a block
+# added to the README without a check of what it claims fails `test_every_block_is_checked`.
 README_CLAIMS = {
-    'expected = hj.tree_attention': _check_prepared_attention,
+    'expected = hj.naive_tree_attention': _check_quick_start,
+    'hj.attend(': _check_prepared_attention,
     'print(out.tokens.shape)': _check_generation,
     'engine.samples(rid)': _check_engine,
     'per_row = hj.SharingPolicy': _check_policy,
@@ -85,20 +84,40 @@ README_CLAIMS = {
 }
 
 
+def _check_of(code: str):
+  matches = [check for text, check in README_CLAIMS.items() if text in code]
+  assert len(matches) <= 1, 'a README block matches several claims'
+  return matches[0] if matches else None
+
+
+_BLOCKS = code_blocks(README.read_text(), 'python')
+
+
 def test_code_blocks_finds_blocks_and_their_lines():
   text = 'a\n```python\nx = 1\n```\n```bash\nls\n```\n\n```python\ny = x + 1\n```\n'
   assert code_blocks(text, 'python') == [(3, 'x = 1\n'), (10, 'y = x + 1\n')]
   assert code_blocks(text, 'bash') == [(6, 'ls\n')]
-  seen = []
-  assert run_blocks(code_blocks(text, 'python'), 'text', {'y =': lambda ns: seen.append(ns['y'])}
-                    )['y'] == 2
-  assert seen == [2]
+  namespace, printed = run_block(3, 'x = 1\nprint(x)\n', 'text')
+  assert namespace['x'] == 1 and printed == '1\n'
+  with pytest.raises(NameError):  # a block alone does not see another block's names
+    run_block(10, 'y = x + 1\n', 'text')
 
 
-def test_readme_python_blocks_run_in_order():
-  blocks = code_blocks(README.read_text(), 'python')
-  assert len(blocks) >= 3, 'README.md should hold its quick start, Llama and engine examples'
-  run_blocks(blocks, str(README), checks=README_CLAIMS)  # what the blocks' comments claim
+def test_every_block_is_checked():
+  assert len(_BLOCKS) >= 3, 'README.md should hold its tour of Python examples'
+  unchecked = [line for line, code in _BLOCKS if _check_of(code) is None]
+  assert not unchecked, f'README.md blocks at lines {unchecked} have no check in README_CLAIMS'
+  used = {text for text in README_CLAIMS for _, code in _BLOCKS if text in code}
+  assert used == set(README_CLAIMS), f'no README block holds {sorted(set(README_CLAIMS) - used)}'
+
+
+@pytest.mark.parametrize('line, code', _BLOCKS, ids=[f'line{line}' for line, _ in _BLOCKS])
+def test_readme_python_block_runs_alone(line, code):
+  namespace, printed = run_block(line, code, f'{README}:{line}')
+  assert printed.strip(), f'README.md:{line}: the block prints nothing'
+  check = _check_of(code)
+  if check is not None:
+    check(namespace)
 
 
 def test_readme_commands_name_modules_that_exist():
