@@ -15,10 +15,21 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
+from models.chat_template import SMOLLM2_TEMPLATE
 from models.checkpoint import checkpoint_config, load_checkpoint
 from models.config import load_hf_config
 from models.gguf_loading import gguf_config, gguf_name, load_gguf
+from models.gguf_to_hf import convert
+from models.gguf_tokenizer import tokenizer_from_gguf
 from models.hf_loading import CheckpointError, load_hf_checkpoint, safetensors_files
+from models.tokenizer import Tokenizer
+
+def _gpt2_byte(b: int) -> str:
+  """GPT-2's printable spelling of byte b (`bytes_to_unicode`)."""
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  if b in printable:
+    return chr(b)
+  return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 
@@ -37,10 +48,29 @@ def _hf_tensors(folder: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def write_gguf(path, folder: str, *, dtype=np.float32, drop: str = '', poison: str = ''):
-  """The HF folder as a GGUF file (`drop`: leave that HF tensor out; `poison`: NaN in it)."""
+def _byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
+  """`size` byte-level tokens (bytes 32.. as GPT-2 spells them, one merge 'a b', 3 specials)."""
+  tokens = [_gpt2_byte(b) for b in range(32, 32 + size - 4)] + ['ab']
+  return tokens + ['<|endoftext|>', '<|im_start|>', '<|im_end|>'], ['a b']
+
+
+def write_gguf(path, folder: str, *, dtype=np.float32, drop: str = '', poison: str = '',
+               tokenizer: bool = False):
+  """The HF folder as a GGUF file (`drop`: leave that HF tensor out; `poison`: NaN in it;
+  `tokenizer`: with a byte-level tokenizer and SmolLM2's chat template)."""
   c = load_hf_config(folder)
   w = gguf.GGUFWriter(os.fspath(path), 'llama')
+  if tokenizer:
+    tokens, merges = _byte_level_vocab(c.vocab_size)
+    w.add_tokenizer_model('gpt2')
+    w.add_tokenizer_pre('smollm')
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(SMOLLM2_TEMPLATE)
   w.add_block_count(c.num_layers)
   w.add_context_length(c.max_position_embeddings)
   w.add_embedding_length(c.dim)
@@ -129,3 +159,20 @@ def test_bad_files_name_the_file_and_tensor(tmp_path):
     load_gguf(truncated)
   with pytest.raises(ValueError, match='dtype must be'):
     load_gguf(good, dtype=jnp.int8)
+
+
+def test_gguf_to_hf_round_trips(tmp_path):
+  """The converted folder loads (weights and tokenizer) as the GGUF file does."""
+  folder = os.path.join(FIXTURES, 'hf_tiny_gqa')
+  path = write_gguf(tmp_path / 'tiny.gguf', folder, tokenizer=True)
+  convert(path, tmp_path / 'hf')
+  np.testing.assert_equal(
+      jax_tree_numpy(_params(load_hf_checkpoint(tmp_path / 'hf', dtype=jnp.float32,
+                                                fuse_qkv=False))),
+      jax_tree_numpy(_params(load_gguf(path, fuse_qkv=False))))
+  ours, converted = tokenizer_from_gguf(path), Tokenizer.from_file(tmp_path / 'hf')
+  text = '<|im_start|>abc d 123!<|im_end|>'
+  assert converted.encode(text) == ours.encode(text) == [95, 93, 67, 0, 68, 0, 17, 18, 19, 1, 96]
+  assert converted.bos_id is None and converted.eos_ids == ours.eos_ids == (96,)
+  messages = [{'role': 'user', 'content': 'hi'}]
+  assert converted.apply_chat_template(messages) == ours.apply_chat_template(messages)
