@@ -60,7 +60,8 @@ flags.DEFINE_enum('model', 'random', ['tiny_coder', 'random', 'hf'],
                   'tiny_coder: the small trained byte model; random: --preset with random weights; '
                   'hf: --checkpoint')
 flags.DEFINE_string('tiny_checkpoint', os.path.join(aw.DATA, 'tiny_coder'), 'the tiny model')
-flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (with its tokenizer)')
+flags.DEFINE_string('checkpoint', '', 'a .gguf file or a local HF Llama folder (with its '
+                    'tokenizer)')
 flags.DEFINE_string('preset', 'llama2_7b', 'model shape for --model=random')
 flags.DEFINE_enum('dtype', None, ['bfloat16', 'float32'],
                   'weights and KV (default: float32 for tiny_coder, bfloat16 otherwise; the '
@@ -97,9 +98,11 @@ def _load_model():
                                      FLAGS.checkpoint else 'bfloat16'))
   suffix = f',dtype={dtype.name}' if FLAGS.dtype else ''
   if FLAGS.model == 'hf' or FLAGS.checkpoint:
+    from models.checkpoint import load_checkpoint
     from models.tokenizer import Tokenizer
-    return (hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=dtype),
-            Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint + suffix)
+    model, tokenizer = load_checkpoint(FLAGS.checkpoint, dtype=dtype)
+    return (model, tokenizer or Tokenizer.from_file(FLAGS.checkpoint),
+            'hf:' + FLAGS.checkpoint + suffix)
   if FLAGS.model == 'tiny_coder':
     return (hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=dtype), ByteTokenizer(),
             'tiny_coder' + suffix)
