@@ -1,4 +1,4 @@
-r"""APPS evaluation with hierarchical prompt sharing (Hydragen section 4.4, figure 7), issue 12.
+r"""APPS evaluation with hierarchical prompt sharing (Hydragen section 4.4, figure 7).
 
 Every sequence's prompt is [few-shot examples][problem statement]; each problem is sampled n
 times. Three sharing modes of the same work run in one invocation (experiments/apps_workload.py):
@@ -15,7 +15,7 @@ Default (CPU, minutes): the tiny byte-level Llama trained on the embedded proble
 (experiments/train_tiny_coder.py; it memorised their solutions, so pass@k measures the path,
 not a model):
 
-  python -m experiments.apps_eval --workdir=/tmp/hydrajax/apps_eval
+  python -m experiments.apps_eval            # writes workdir/apps_eval
 
 Validate the harness on a dataset's own solutions (as the APPS authors did):
 
@@ -34,7 +34,7 @@ each setting is timed and the total extrapolated, --time_batches):
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
   python -m experiments.apps_eval --model=random --preset=codellama_7b --num_problems=120 \
       --samples=128 --new_tokens=512 --fewshot_tokens=2400 --problem_tokens=400 \
-      --time_batches=1 --impl=auto --workdir=$OUT/apps_eval
+      --time_batches=1 --impl=auto --workdir=workdir/apps_eval_h200
 """
 
 import dataclasses
@@ -47,6 +47,8 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
+from experiments import cli
+from hydrajax import AttentionImpl
 from hydrajax.benchmarking import (
     JsonlWriter, markdown_table, plot_bars, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import (
@@ -83,7 +85,7 @@ flags.DEFINE_float('temperature', 0.8, 'sampling temperature')
 flags.DEFINE_float('top_p', 0.95, 'nucleus sampling')
 flags.DEFINE_integer('seed', 0, 'sampling seed')
 flags.DEFINE_list('modes', list(aw.MODES), 'sharing modes to run')
-flags.DEFINE_string('impl', 'auto', 'decode attention: auto, xla, mosaic_gpu, mosaic_tpu')
+flags.DEFINE_enum('impl', 'auto', [i.value for i in AttentionImpl], 'decode attention')
 flags.DEFINE_float('memory_budget_gb', 0.0, 'KV memory budget (0: the device\'s memory minus the '
                    'weights, less 15%; 0.03 GiB on CPU)')
 flags.DEFINE_integer('max_batch_problems', 0, 'cap on problems per batch (0: none)')
@@ -97,9 +99,25 @@ flags.DEFINE_float('test_timeout_s', 4.0, 'per-test timeout of the checker (APPS
 flags.DEFINE_integer('check_workers', 2, 'programs checked at once')
 flags.DEFINE_list('k', ['1', '2', '4', '8'], 'pass@k values reported (k <= samples)')
 flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per node per model call')
-flags.DEFINE_string('workdir', '/tmp/hydrajax/apps_eval', 'output folder')
+WORKDIR = cli.workdir_flag('apps_eval')
 flags.DEFINE_bool('resume', False, 'keep the settings of --workdir/results.jsonl that ran with '
                   'these flags (and their saved samples) and run the rest; the check runs again')
+cli.at_least(1, 'samples', 'new_tokens', 'prefill_chunk', 'check_workers')
+cli.at_least(0, 'fewshot_examples', 'num_problems', 'fewshot_tokens', 'problem_tokens',
+             'temperature', 'memory_budget_gb', 'max_batch_problems', 'time_batches')
+cli.at_least(0.001, 'test_timeout_s')
+cli.int_list('k', 1)
+cli.choices('modes', aw.MODES)
+flags.register_validator('top_p', lambda v: 0 < v <= 1, message='must be in (0, 1]')
+flags.register_validator('problems', os.path.exists, message='no such file or folder')
+flags.register_validator('fewshot', os.path.exists, message='no such file')
+cli.check_flags(['model', 'checkpoint', 'tiny_checkpoint'], lambda f: (
+    '--model=hf needs --checkpoint' if f['model'] == 'hf' and not f['checkpoint'] else
+    f'--checkpoint={f["checkpoint"]} does not exist'
+    if f['checkpoint'] and not os.path.exists(f['checkpoint']) else
+    f'--tiny_checkpoint={f["tiny_checkpoint"]} does not exist: run python -m '
+    'experiments.train_tiny_coder first' if f['model'] == 'tiny_coder' and not f['checkpoint']
+    and not os.path.exists(f['tiny_checkpoint']) else None))
 
 
 def _load_model():
@@ -439,4 +457,4 @@ def _write_readme(title, meta, body):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=WORKDIR)

@@ -51,6 +51,7 @@ from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from models import engine as engine_lib
 from models import sharding_rules
 from models.config import get_config
+from experiments import cli
 
 _BATCH = flags.DEFINE_integer('batch', 256, 'live sequences')
 _SYSTEMS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
@@ -65,10 +66,10 @@ _MODEL_CALL = flags.DEFINE_enum(
     "the engine's model call: 'stub' returns zeros in Python (no dispatch); 'jitted_stub' is a "
     'jitted call that takes every argument and returns zeros (the dispatch: arguments, uploads; '
     "no model); 'model' the tiny model's step (on CPU its compute runs partly in the dispatch)")
-_WORKDIR = flags.DEFINE_string('workdir', '/tmp/hydrajax/host_overhead',
-                               'output folder (results.jsonl, README.md)')
+_WORKDIR = cli.workdir_flag('host_overhead', 'output folder (results.jsonl, README.md)')
 _MESH = flags.DEFINE_string('mesh', None, "the engine's model mesh, e.g. 'dp:2' (default: one "
                             'device); --batch rows in all, split over the dp shards')
+cli.at_least(1, 'batch', 'system_prompts', 'system_len', 'user_len', 'new_tokens', 'chunk_size', 'steps', 'kv_piece')
 
 WARMUP_STEPS = 20  # untimed first steps of the cache measurements (numpy/JAX caches warm up)
 
@@ -307,4 +308,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

@@ -22,7 +22,7 @@ kept.
 
 CPU smoke run (the tiny model, a 2K-token document, Q = 1..8; --smoke is the default on CPU):
 
-  python -m experiments.needle_qa --workdir=/tmp/hydrajax/needle_qa
+  python -m experiments.needle_qa --workdir=workdir/needle_qa
 
 Paper scale on one H200 (random weights of Yi-6B's shape: Llama-2-7B with 4 KV heads and a 64K
 vocabulary; a 20K-token document; Q = 1..1024; no sharing up to Q = 64):
@@ -30,7 +30,7 @@ vocabulary; a 20K-token document; Q = 1..1024; no sharing up to Q = 64):
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
   python -m experiments.needle_qa --nosmoke --model=random --preset=llama2_7b \
       --num_kv_heads=4 --vocab_size=64000 --doc_tokens=20000 --questions=1,4,16,64,256,1024 \
-      --new_tokens=32 --no_sharing_max_questions=64 --impl=auto --workdir=$OUT/needle_qa
+      --new_tokens=32 --no_sharing_max_questions=64 --impl=auto --workdir=workdir/needle_qa
 """
 
 import os
@@ -75,7 +75,7 @@ flags.DEFINE_integer('no_sharing_max_questions', 0, 'run no_sharing only up to t
                      'it fits); its prefill of Q document copies is slow')
 flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per model call, over all its rows')
 flags.DEFINE_integer('seed', 0, 'document seed')
-flags.DEFINE_string('workdir', '/tmp/hydrajax/needle_qa', 'output folder')
+flags.DEFINE_string('workdir', 'workdir/needle_qa', 'output folder')
 flags.DEFINE_bool('resume', False, 'keep the points of --workdir/results.jsonl (same model and '
                   'document) and run only the others')
 

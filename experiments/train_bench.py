@@ -25,7 +25,7 @@ Per point (G completions of T tokens sharing one P-token prompt):
 
 CPU smoke (the default, seconds to minutes on a laptop):
 
-  PYTHONPATH=. python -m experiments.train_bench --workdir=/tmp/train_bench
+  PYTHONPATH=. python -m experiments.train_bench --workdir=workdir/train_bench
 
 The H200 command (one GPU, sized to finish in under 5 minutes):
 
@@ -73,6 +73,7 @@ from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
 from models.training.forward import per_sequence_forward, shared_forward
+from experiments import cli
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 grid')
 _POINTS = flags.DEFINE_list('points', None, 'attention points G:P:T (default by --smoke)')
@@ -95,7 +96,9 @@ _MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0,
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
 _TARGET_MS = flags.DEFINE_float('target_ms', 50.0, 'length of one timed loop, ms')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_bench', 'output folder')
+_WORKDIR = cli.workdir_flag('train_bench')
+cli.at_least(1, 'step_layers', 'kv_block', 'repeats')
+cli.at_least(0.001, 'max_scores_gb', 'target_ms')
 
 SMOKE = dict(points=['2:32:16', '4:64:32'], step_points=['4:32:16'], heads='4:2', head_dim=16,
              step_preset='tiny_gqa', step_vocab=None, dtype=jnp.float32)
@@ -356,4 +359,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)
