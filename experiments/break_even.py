@@ -66,10 +66,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 import hydrajax as hj
 from hydrajax.benchmarking import report, sweep, timing, workloads
 from hydrajax.sharing_policy import FORMAT_V2
-from experiments import cli
 
 _LENGTHS = flags.DEFINE_list('lengths', ['64', '256', '1024', '4096', '16384'],
                              'shared segment lengths n')

@@ -6,15 +6,19 @@
   value stops the command with `FATAL Flags parsing error: flag --NAME=VALUE: why` and exit status
   1 (`at_least`, `int_list`, `choices`, `check_flags`).
 - `--help` (`-?`, `--helpshort`, `--helpfull`) prints the flags and exits 0 (absl exits 1).
+- orbax's INFO lines (a dozen per checkpoint restored) stay out of the terminal; its warnings
+  and errors still show.
 
 This module defines no flag when imported; an experiment calls `workdir_flag` at its top.
 """
 
+import logging
 import os
 import sys
 from typing import Callable, Iterable
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 _HELP_FLAGS = ('--help', '-?', '--helpshort', '--helpfull', '-h')
 
@@ -76,8 +80,15 @@ def check_flags(names: list[str], check: Callable[[dict], str | None]) -> None:
   flags.register_multi_flags_validator(names, ok)
 
 
+def _not_orbax_info(record: logging.LogRecord) -> bool:
+  return record.levelno > logging.INFO or f'{os.sep}orbax{os.sep}' not in record.pathname
+
+
 def run(main: Callable, *, workdir: flags.FlagHolder | None = None) -> None:
-  """`app.run(main)`, with `--help` exiting 0 and the output folder printed at the end."""
+  """`app.run(main)`, with `--help` exiting 0, orbax's INFO lines dropped and the output folder
+  printed at the end."""
+  absl_logging.get_absl_logger().addFilter(_not_orbax_info)
+
   def main_then_say_where(argv):
     result = main(argv)
     if workdir is not None and os.path.isdir(workdir.value):

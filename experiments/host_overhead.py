@@ -45,13 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from hydrajax import parallel
 from hydrajax.benchmarking import progress, report
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from models import engine as engine_lib
 from models import sharding_rules
 from models.config import get_config
-from experiments import cli
 
 _BATCH = flags.DEFINE_integer('batch', 256, 'live sequences')
 _SYSTEMS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
@@ -69,7 +69,8 @@ _MODEL_CALL = flags.DEFINE_enum(
 _WORKDIR = cli.workdir_flag('host_overhead', 'output folder (results.jsonl, README.md)')
 _MESH = flags.DEFINE_string('mesh', None, "the engine's model mesh, e.g. 'dp:2' (default: one "
                             'device); --batch rows in all, split over the dp shards')
-cli.at_least(1, 'batch', 'system_prompts', 'system_len', 'user_len', 'new_tokens', 'chunk_size', 'steps', 'kv_piece')
+cli.at_least(1, 'batch', 'system_prompts', 'system_len', 'user_len', 'new_tokens', 'chunk_size',
+             'steps', 'kv_piece')
 
 WARMUP_STEPS = 20  # untimed first steps of the cache measurements (numpy/JAX caches warm up)
 

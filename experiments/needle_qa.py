@@ -122,7 +122,10 @@ def _load_model():
     return (hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=dtype),
             Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint + suffix)
   if FLAGS.model == 'smollm2':
-    model, tokenizer = pretrained.load_smollm2(dtype=dtype)
+    try:
+      model, tokenizer = pretrained.load_smollm2(dtype=dtype)
+    except pretrained.ModelUnavailableError as e:
+      raise SystemExit(f'error: {e}') from None
     return model, tokenizer, 'smollm2' + suffix
   if FLAGS.model == 'tiny_coder':
     return (hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=dtype), ByteTokenizer(),
@@ -288,8 +291,8 @@ def _finish(records, meta, model_name, smoke):
 
 def accuracy_note(model_name: str, records) -> str:
   """Why the accuracy is what it is: the model, the chance level, what the check holds."""
-  scores = [r['accuracy'] for r in records if r.get('status') == 'ok' and r['mode'] != 'no_attention'
-            and 'accuracy' in r]
+  scores = [r['accuracy'] for r in records
+            if r.get('status') == 'ok' and r['mode'] != 'no_attention' and 'accuracy' in r]
   got = f'accuracy {min(scores):.0%} to {max(scores):.0%}' if scores else 'no accuracy measured'
   chance = f'chance is {1 / len(needle.COLORS):.0%} (one of {len(needle.COLORS)} colours)'
   if model_name.startswith('smollm2'):

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import cli
 import hydrajax as hj
 from experiments.serving_engine import (
     make_engine, make_workload, profile_decode, reset, resolved_impl, serve, warm_up,
@@ -61,7 +62,6 @@ from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import SamplingParams
-from experiments import cli
 
 _MODEL = flags.DEFINE_string('model', 'llama2_7b', 'model preset (random weights)')
 _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel engine; '' "
@@ -107,7 +107,8 @@ _RESUME = flags.DEFINE_boolean(
 _SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
 _WORKDIR = cli.workdir_flag('serving')
 _SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
-cli.at_least(1, 'num_requests', 'new_tokens', 'num_samples', 'system_prompts', 'chunk_size', 'max_batch', 'kv_piece', 'min_segments', 'profile_steps')
+cli.at_least(1, 'num_requests', 'new_tokens', 'num_samples', 'system_prompts', 'chunk_size',
+             'max_batch', 'kv_piece', 'min_segments', 'profile_steps')
 cli.at_least(0.001, 'kv_gib', 'deadline_s')
 cli.int_list('prompt_lens')
 cli.number_list('shared_fracs', 0.0, strict=False)

@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments import cli
 from hydrajax.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, progress, read_jsonl,
     resume_records, write_workdir_readme,
@@ -73,7 +74,6 @@ from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
 from models import sharding_rules as sr
 from models.config import get_config
-from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
@@ -125,7 +125,7 @@ cli.at_least(0.001, 'max_decode_s')
 
 
 def _prefixes_fit(f: dict) -> str | None:
-  """What is wrong with --preset or the longest of --prefixes (past the preset's maximum position)."""
+  """What is wrong with --preset or the longest --prefixes (past the preset's maximum position)."""
   if f['rebuild'] or f['summary']:
     return None
   try:

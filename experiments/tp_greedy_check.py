@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import cli
 from hydrajax.benchmarking import markdown_table, report
 from hydrajax.parallel import parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.generate import generate, prompt_node
 from models.sampling import SamplingParams
-from experiments import cli
 
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (models.config.PRESETS)')
 _LAYERS = flags.DEFINE_integer('num_layers', 0, 'override the layer count (0: keep)')

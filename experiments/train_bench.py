@@ -63,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from experiments import cli
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.benchmarking import report, roofline, timing
 from hydrajax.dispatch import AttentionImpl
@@ -73,7 +74,6 @@ from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
 from models.training.forward import per_sequence_forward, shared_forward
-from experiments import cli
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 grid')
 _POINTS = flags.DEFINE_list('points', None, 'attention points G:P:T (default by --smoke)')

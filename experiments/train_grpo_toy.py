@@ -37,12 +37,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments import cli
 from experiments.grpo_toy import dp_mesh, group_rollouts, tree_rollouts
 from hydrajax.benchmarking import report
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo, rollout
-from experiments import cli
 
 _STEPS = flags.DEFINE_integer('steps', 800, 'GRPO steps')
 _PROMPTS = flags.DEFINE_integer('prompts', 16, 'prompts per step (Bp)')

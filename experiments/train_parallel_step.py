@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments import cli
 from hydrajax.benchmarking import report
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import plan_prefill
@@ -48,7 +49,6 @@ from models import sharding_rules as sr
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
-from experiments import cli
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 point')
 _POINTS = flags.DEFINE_list('points', None, 'points G:P:T (default by --smoke)')

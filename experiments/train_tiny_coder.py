@@ -26,13 +26,13 @@ import optax
 from flax import nnx
 
 from experiments import apps_workload as aw
+from experiments import cli
 from hydrajax.benchmarking import JsonlWriter, progress
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models.config import LlamaConfig
 from models.hf_loading import save_params
 from models.llama import Llama
 from models.training.forward import causal_logits
-from experiments import cli
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 

@@ -39,13 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from experiments import rollout_report
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.benchmarking import timing
 from hydrajax.training import costs
 from hydrajax.training import prefill_layout as pl
 from hydrajax.training import tree_prefill as tp
-from experiments import cli
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 points')
 _POINTS = flags.DEFINE_list('points', None, 'points P:B:L:G:T (default by --smoke)')

@@ -47,6 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments import rollout_report  # noqa: E402
 from hydrajax.attention_plan import AttentionShapes  # noqa: E402
 from hydrajax.training import costs  # noqa: E402
@@ -56,7 +57,6 @@ from models.config import get_config  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from models.training import grpo  # noqa: E402
 from models.training.forward import (  # noqa: E402
-from experiments import cli  # noqa: E402
     per_sequence_forward, shared_forward, tree_forward,
 )
 

@@ -31,8 +31,8 @@ import time
 
 from absl import app, flags, logging
 
-from hydrajax.benchmarking.hlo_launches import step_launches, summarize
 from experiments import cli
+from hydrajax.benchmarking.hlo_launches import step_launches, summarize
 
 os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # no GPU, no driver to check
 
