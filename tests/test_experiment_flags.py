@@ -16,7 +16,7 @@ _NO_SUCH = '/no/such/path'
 # experiment -> [(flags, words the error must hold)]
 BAD = {
     'apps_eval': [(['--samples=-2'], 'flag --samples=-2: must be >= 1'),
-                  (['--impl=flash'], 'flag --impl: value should be one of'),
+                  (['--impl=flash'], 'flag --impl=flash: value should be one of'),
                   (['--modes=two_level,both'], 'flag --modes'),
                   (['--k=0'], 'flag --k'),
                   ([f'--problems={_NO_SUCH}'], f'flag --problems={_NO_SUCH}: no such file'),
