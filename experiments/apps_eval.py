@@ -11,9 +11,10 @@ attention-only gain, as the paper separates it). Generated programs are checked 
 README.md to --workdir, and each setting's samples (samples/<setting>.npy): with --resume a run
 with the same flags keeps the settings that ran there and runs the rest.
 
-Default (CPU, minutes): the tiny byte-level Llama trained on the embedded problems
+Default (CPU, a few minutes): the tiny byte-level Llama trained on the embedded problems
 (experiments/train_tiny_coder.py; it memorised their solutions, so pass@k measures the path,
-not a model):
+not a model); the first batch of each setting runs and the total is extrapolated (two_level holds
+every problem in one batch: its samples are checked); --time_batches=0 runs every batch:
 
   python -m experiments.apps_eval            # writes workdir/apps_eval
 
@@ -90,8 +91,9 @@ flags.DEFINE_enum('impl', 'auto', [i.value for i in AttentionImpl], 'decode atte
 flags.DEFINE_float('memory_budget_gb', 0.0, 'KV memory budget (0: the device\'s memory minus the '
                    'weights, less 15%; 0.03 GiB on CPU)')
 flags.DEFINE_integer('max_batch_problems', 0, 'cap on problems per batch (0: none)')
-flags.DEFINE_integer('time_batches', 0, 'batches timed per setting (0: all); the total is '
-                     'extrapolated from them')
+flags.DEFINE_integer('time_batches', 1, 'batches run per setting (0: all); the total is '
+                     'extrapolated from them (each batch of a new shape compiles: most of a CPU '
+                     'run\'s time); pass@k needs a setting whose batches all ran')
 flags.DEFINE_enum('check', 'auto', ['auto', 'true', 'false'],
                   'check generated programs (auto: unless --model=random)')
 flags.DEFINE_bool('check_solutions', False, 'check each record\'s own solutions instead of '
@@ -292,6 +294,9 @@ def main(argv):
     writer.append(r)
   check = FLAGS.check == 'true' or (FLAGS.check == 'auto' and FLAGS.model != 'random')
   summary = {}
+  if check and samples_for_check is None:
+    logging.warning('no setting ran all its batches (--time_batches=%d): programs not checked, '
+                    'no pass@k; --time_batches=0 runs them all', FLAGS.time_batches)
   if check and samples_for_check is not None:
     summary = _check(problems, samples_for_check, tokenizer, ks, writer)
   _finish(records, summary, writer.meta, model_name)
