@@ -21,7 +21,7 @@ time limit goes on where it stopped; the token-identity check then also compares
 kept.
 
 CPU default (--smoke, the default on a CPU): SmolLM2-135M-Instruct, the real model fetched once by
-`make model` (models.pretrained), in float32 on a 1K-token document, Q = 1, 2, 4; a few minutes.
+`make model` (models.pretrained), in float32 on a 1K-token document, Q = 1 and 8; a few minutes.
 Its accuracy is printed with what it means (chance is 1 in 10: ten colours):
 
   python -m experiments.needle_qa                # writes workdir/needle_qa
@@ -100,7 +100,7 @@ cli.check_flags(['model', 'checkpoint', 'tiny_checkpoint'], lambda f: (
     f'--checkpoint={f["checkpoint"]} does not exist'
     if f['checkpoint'] and not os.path.exists(f['checkpoint']) else None))
 
-_SMOKE = dict(doc_tokens=1024, questions=['1', '2', '4'], new_tokens=4, model='smollm2')
+_SMOKE = dict(doc_tokens=1024, questions=['1', '8'], new_tokens=4, model='smollm2')
 
 
 def _apply_smoke():
