@@ -77,7 +77,8 @@ flags.DEFINE_enum('model', 'tiny_coder', ['tiny_coder', 'random', 'hf'],
                   '(timing only); hf: --checkpoint')
 flags.DEFINE_string('tiny_checkpoint', os.path.join(DATA, 'tiny_coder'),
                     'the tiny model (experiments/train_tiny_coder.py)')
-flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (implies --model=hf)')
+flags.DEFINE_string('checkpoint', '', 'a .gguf file or a local HF Llama folder (implies '
+                    '--model=hf)')
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape for --model=random')
 flags.DEFINE_integer('fewshot_tokens', 0, 'pad/cut the few-shot prompt to this many tokens '
                      '(0: as written); timing runs use the paper\'s ~2400')
@@ -126,11 +127,12 @@ cli.check_flags(['model', 'checkpoint', 'tiny_checkpoint'], lambda f: (
 def _load_model():
   from models import hf_loading
   if FLAGS.checkpoint or FLAGS.model == 'hf':
+    from models.checkpoint import load_checkpoint
     from models.tokenizer import Tokenizer
     if not FLAGS.checkpoint:
       raise app.UsageError('--model=hf needs --checkpoint')
-    model = hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16)
-    return model, Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint
+    model, tokenizer = load_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16)
+    return model, tokenizer or Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint
   if FLAGS.model == 'tiny_coder':
     if not os.path.exists(FLAGS.tiny_checkpoint):
       raise app.UsageError(f'no tiny model at {FLAGS.tiny_checkpoint}: run '

@@ -67,7 +67,8 @@ flags.DEFINE_enum('model', 'random', ['smollm2', 'tiny_coder', 'random', 'hf'],
                   'byte model trained on code; random: --preset with random weights; '
                   'hf: --checkpoint')
 flags.DEFINE_string('tiny_checkpoint', os.path.join(aw.DATA, 'tiny_coder'), 'the tiny model')
-flags.DEFINE_string('checkpoint', '', 'local HF Llama folder (with its tokenizer)')
+flags.DEFINE_string('checkpoint', '', 'a .gguf file or a local HF Llama folder (with its '
+                    'tokenizer)')
 flags.DEFINE_string('preset', 'llama2_7b', 'model shape for --model=random')
 flags.DEFINE_enum('dtype', None, ['bfloat16', 'float32'],
                   'weights and KV (default: float32 for smollm2 and tiny_coder, bfloat16 '
@@ -118,9 +119,11 @@ def _load_model():
                                      not FLAGS.checkpoint else 'bfloat16'))
   suffix = f',dtype={dtype.name}' if FLAGS.dtype else ''
   if FLAGS.model == 'hf' or FLAGS.checkpoint:
+    from models.checkpoint import load_checkpoint
     from models.tokenizer import Tokenizer
-    return (hf_loading.load_hf_checkpoint(FLAGS.checkpoint, dtype=dtype),
-            Tokenizer.from_file(FLAGS.checkpoint), 'hf:' + FLAGS.checkpoint + suffix)
+    model, tokenizer = load_checkpoint(FLAGS.checkpoint, dtype=dtype)
+    return (model, tokenizer or Tokenizer.from_file(FLAGS.checkpoint),
+            'hf:' + FLAGS.checkpoint + suffix)
   if FLAGS.model == 'smollm2':
     try:
       model, tokenizer = pretrained.load_smollm2(dtype=dtype)

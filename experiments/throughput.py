@@ -1,6 +1,7 @@
 r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4).
 
-Random bf16 weights of a Llama shape; B sequences share one P-token prompt and
+Random bf16 weights of a Llama shape (or a checkpoint's own: --checkpoint=FILE.gguf or a HF
+folder); B sequences share one P-token prompt and
 generate M tokens each. Modes: no_sharing, paged (vLLM-like), tree (Hydragen;
 xla and mosaic_gpu), no_attention (ceiling); see `models.decode_benchmark`.
 Writes raw.jsonl (as it goes), throughput.jsonl (with floors, attention
@@ -73,10 +74,13 @@ from hydrajax import AttentionImpl
 from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
 from models import sharding_rules as sr
+from models.checkpoint import checkpoint_config, load_checkpoint
 from models.config import get_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
+flags.DEFINE_string('checkpoint', '', 'a .gguf file or a HF Llama folder: its trained weights '
+                    'and shape instead of --preset\'s random ones')
 flags.DEFINE_integer('num_layers', 0, 'override the preset layer count (0: keep)')
 flags.DEFINE_list('batches', ['1024', '32', '256'], 'batch sizes B (run in this order)')
 flags.DEFINE_list('prefixes', ['16384', '1024'], 'shared prefix lengths P (run in this order)')
@@ -125,17 +129,19 @@ cli.at_least(0.001, 'max_decode_s')
 
 
 def _prefixes_fit(f: dict) -> str | None:
-  """What is wrong with --preset or the longest --prefixes (past the preset's maximum position)."""
+  """What is wrong with --preset (or --checkpoint) or the longest --prefixes (past the model's
+  maximum position)."""
   if f['rebuild'] or f['summary']:
     return None
   try:
-    get_config(f['preset']).check_prompt_length(max(int(p) for p in f['prefixes']), '--prefixes')
+    config = checkpoint_config(f['checkpoint']) if f['checkpoint'] else get_config(f['preset'])
+    config.check_prompt_length(max(int(p) for p in f['prefixes']), '--prefixes')
   except ValueError as e:
     return str(e)
   return None
 
 
-cli.check_flags(['preset', 'prefixes', 'rebuild', 'summary'], _prefixes_fit)
+cli.check_flags(['preset', 'checkpoint', 'prefixes', 'rebuild', 'summary'], _prefixes_fit)
 
 
 def _mosaic_gpu_config():
@@ -199,7 +205,8 @@ def main(argv):
   started = time.perf_counter()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   overrides = {'num_layers': FLAGS.num_layers} if FLAGS.num_layers else {}
-  config = get_config(FLAGS.preset, **overrides)
+  config = (checkpoint_config(FLAGS.checkpoint) if FLAGS.checkpoint else
+            get_config(FLAGS.preset, **overrides))
   initialize_distributed(FLAGS.distributed)
   mesh = parse_mesh(FLAGS.mesh)  # errors before any work: unknown axes, too many devices
   if mesh is not None and mesh.shape.get('dp', 1) > 1:
@@ -221,10 +228,16 @@ def main(argv):
   logging.info('ceilings: %.0f GB/s copy, %.1f TFLOP/s bf16 matmul',
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
   start = time.perf_counter()
-  model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
-                        tp_reduce_dtype=FLAGS.tp_reduce_dtype,
-                        tp_micro_batches=FLAGS.tp_micro_batches,
-                        attention_config=_mosaic_gpu_config())
+  if FLAGS.checkpoint:  # trained weights, each tensor read straight into its shards
+    model, _ = load_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16, mesh=mesh, fuse_qkv=False)
+    model.tp_reduce_dtype = jnp.dtype(FLAGS.tp_reduce_dtype)
+    model.tp_micro_batches = FLAGS.tp_micro_batches
+    model.attention_config = _mosaic_gpu_config()
+  else:
+    model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
+                          tp_reduce_dtype=FLAGS.tp_reduce_dtype,
+                          tp_micro_batches=FLAGS.tp_micro_batches,
+                          attention_config=_mosaic_gpu_config())
   if FLAGS.fuse_qkv:
     model.fuse_qkv(required=False)
   jax.block_until_ready(nnx.state(model))

@@ -8,9 +8,10 @@ import os
 
 import jax.numpy as jnp
 
-from models.gguf_loading import load_gguf
+from models.config import LlamaConfig
+from models.gguf_loading import gguf_config, load_gguf
 from models.gguf_tokenizer import tokenizer_from_gguf
-from models.hf_loading import CheckpointError, load_hf_checkpoint
+from models.hf_loading import CheckpointError, load_hf_checkpoint, load_hf_folder_config
 from models.llama import Llama
 from models.tokenizer import Tokenizer
 
@@ -18,6 +19,16 @@ from models.tokenizer import Tokenizer
 def is_gguf(path: str | os.PathLike) -> bool:
   """Whether `path` names a GGUF file (by its `.gguf` suffix)."""
   return os.fspath(path).lower().endswith('.gguf')
+
+
+def checkpoint_config(path: str | os.PathLike) -> LlamaConfig:
+  """The config of a `.gguf` file (its metadata) or a HF folder (config.json); no weights read."""
+  path = os.fspath(path)
+  if is_gguf(path):
+    return gguf_config(path)
+  if not os.path.isdir(path):
+    raise CheckpointError(f'{path}: not a .gguf file or a HF checkpoint folder')
+  return load_hf_folder_config(path)
 
 
 def load_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,

@@ -1,10 +1,11 @@
-"""Generation from a local HF Llama checkpoint, from the command line.
+"""Generation from a local checkpoint (a GGUF file or a HF Llama folder), from the command line.
 
-  python -m models.generate_cli --checkpoint=<HF folder> --prompt="Once upon a time" \\
+  python -m models.generate_cli --checkpoint=<HF folder or FILE.gguf> --prompt="Once upon a time" \\
       [--prompt="..."] [--max_new_tokens=32] [--temperature=0.8] [--top_p=0.95] \\
       [--num_samples=2] [--seed=0] [--dtype=float32] [--json]
 
-Prompts are text (encoded with the folder's tokenizer.json, or --tokenizer) or token ids
+Prompts are text (encoded with the GGUF file's tokenizer or the folder's tokenizer.json, or
+--tokenizer) or token ids
 (--prompt_ids=1,2,3, repeatable; for a folder without a tokenizer). Several prompts share their
 common prefix: it is prefilled once (`models.generate.generate`). Generation stops at the
 tokenizer's EOS ids (else the config's `eos_token_id`) or after --max_new_tokens. Prints each
@@ -48,17 +49,19 @@ def run(checkpoint: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[Se
   """Loads the checkpoint and generates; samples ordered by (prompt, sample)."""
   import jax.numpy as jnp
 
+  from models.checkpoint import is_gguf, load_checkpoint
   from models.generate import generate
-  from models.hf_loading import load_hf_checkpoint
   from models.sampling import SamplingConfig
 
   if bool(prompts) == bool(prompt_ids):
     raise ValueError('give prompts as text (--prompt) or as token ids (--prompt_ids), not both')
   tok = None
-  if tokenizer or prompts:
+  if tokenizer or (prompts and not is_gguf(checkpoint)):
     tok = Tokenizer.from_file(tokenizer or checkpoint)  # ValueError naming the missing file
+  model, own_tokenizer = load_checkpoint(checkpoint, dtype=jnp.dtype(dtype))
+  if tok is None and is_gguf(checkpoint):
+    tok = own_tokenizer  # a GGUF file carries its tokenizer
   ids = [tok.encode(p) for p in prompts] if prompts else [list(p) for p in prompt_ids]
-  model = load_hf_checkpoint(checkpoint, dtype=jnp.dtype(dtype))
   vocab = model.config.vocab_size
   for i, p in enumerate(ids):
     if not p or min(p) < 0 or max(p) >= vocab:
@@ -103,7 +106,8 @@ def _run_from_flags() -> list[Sample]:
 if __name__ == '__main__':
   from absl import app, flags
 
-  _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'HF Llama folder', required=True)
+  _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'a .gguf file or a HF Llama folder',
+                                    required=True)
   _PROMPT = flags.DEFINE_multi_string('prompt', None, 'a text prompt (repeat for several)')
   _PROMPT_IDS = flags.DEFINE_multi_string('prompt_ids', None, 'a prompt as ids: 1,2,3 (repeat)')
   _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json or its folder (default: '

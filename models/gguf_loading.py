@@ -156,7 +156,7 @@ def gguf_config(path: str | os.PathLike) -> LlamaConfig:
   return config_from_reader(open_gguf(path))
 
 
-def _tensor_reader(reader: gguf.GGUFReader, config: LlamaConfig) -> Callable[[str], np.ndarray]:
+def hf_tensor_reader(reader: gguf.GGUFReader, config: LlamaConfig) -> Callable[[str], np.ndarray]:
   """get(HF name) -> float32 [out, in] array, checked, with the rope rows in HF order."""
   file = reader.data.filename
   by_hf = {}
@@ -228,7 +228,7 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None,
   reader = open_gguf(path)
   config = config or config_from_reader(reader)
   sr.check_mesh(config, mesh)
-  get = _tensor_reader(reader, config)
+  get = hf_tensor_reader(reader, config)
   logging.info('load_gguf: %s (%s) as %s', path, config.name, jnp.dtype(dtype).name)
   params = convert_hf_tensors(get, config, dtype, place=param_placer(config, dtype, mesh))
   return with_qkv(model_from_params(config, params, dtype, mesh), fuse_qkv)

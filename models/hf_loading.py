@@ -291,7 +291,7 @@ def model_from_params(config: LlamaConfig, params: dict, dtype, mesh=None) -> Ll
   return nnx.merge(graphdef, state)
 
 
-def _load_config(path) -> LlamaConfig:
+def load_hf_folder_config(path) -> LlamaConfig:
   """config.json, with errors that name the file (bad JSON, missing or bad fields)."""
   path = os.fspath(path)
   file = os.path.join(path, 'config.json') if os.path.isdir(path) else path
@@ -335,7 +335,7 @@ def load_hf_checkpoint(
   """
   check_param_dtype(dtype)
   check_fuse_qkv(fuse_qkv)
-  config = config or _load_config(path)
+  config = config or load_hf_folder_config(path)
   sr.check_mesh(config, mesh)
   files = safetensors_files(path)
   logging.info('load_hf_checkpoint: %s as %s (checkpoint stored as %s); pass dtype=float32 for '
