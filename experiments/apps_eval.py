@@ -1,4 +1,4 @@
-r"""APPS evaluation with hierarchical prompt sharing (Hydragen section 4.4, figure 7), issue 12.
+r"""APPS evaluation with hierarchical prompt sharing (Hydragen section 4.4, figure 7).
 
 Every sequence's prompt is [few-shot examples][problem statement]; each problem is sampled n
 times. Three sharing modes of the same work run in one invocation (experiments/apps_workload.py):
@@ -11,11 +11,12 @@ attention-only gain, as the paper separates it). Generated programs are checked 
 README.md to --workdir, and each setting's samples (samples/<setting>.npy): with --resume a run
 with the same flags keeps the settings that ran there and runs the rest.
 
-Default (CPU, minutes): the tiny byte-level Llama trained on the embedded problems
+Default (CPU, a few minutes): the tiny byte-level Llama trained on the embedded problems
 (experiments/train_tiny_coder.py; it memorised their solutions, so pass@k measures the path,
-not a model):
+not a model); the first batch of each setting runs and the total is extrapolated (two_level holds
+every problem in one batch: its samples are checked); --time_batches=0 runs every batch:
 
-  python -m experiments.apps_eval --workdir=/tmp/hydrajax/apps_eval
+  python -m experiments.apps_eval            # writes workdir/apps_eval
 
 Validate the harness on a dataset's own solutions (as the APPS authors did):
 
@@ -34,11 +35,12 @@ each setting is timed and the total extrapolated, --time_batches):
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
   python -m experiments.apps_eval --model=random --preset=codellama_7b --num_problems=120 \
       --samples=128 --new_tokens=512 --fewshot_tokens=2400 --problem_tokens=400 \
-      --time_batches=1 --impl=auto --workdir=$OUT/apps_eval
+      --time_batches=1 --impl=auto --workdir=workdir/apps_eval_h200
 """
 
 import dataclasses
 import os
+import time
 
 from absl import app, flags, logging
 import jax
@@ -47,8 +49,10 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
+from experiments import cli
+from hydrajax import AttentionImpl
 from hydrajax.benchmarking import (
-    JsonlWriter, markdown_table, plot_bars, progress, resume_records, write_workdir_readme)
+    JsonlWriter, markdown_table, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
     mean_pass_at_k,
@@ -84,12 +88,13 @@ flags.DEFINE_float('temperature', 0.8, 'sampling temperature')
 flags.DEFINE_float('top_p', 0.95, 'nucleus sampling')
 flags.DEFINE_integer('seed', 0, 'sampling seed')
 flags.DEFINE_list('modes', list(aw.MODES), 'sharing modes to run')
-flags.DEFINE_string('impl', 'auto', 'decode attention: auto, xla, mosaic_gpu, mosaic_tpu')
+flags.DEFINE_enum('impl', 'auto', [i.value for i in AttentionImpl], 'decode attention')
 flags.DEFINE_float('memory_budget_gb', 0.0, 'KV memory budget (0: the device\'s memory minus the '
                    'weights, less 15%; 0.03 GiB on CPU)')
 flags.DEFINE_integer('max_batch_problems', 0, 'cap on problems per batch (0: none)')
-flags.DEFINE_integer('time_batches', 0, 'batches timed per setting (0: all); the total is '
-                     'extrapolated from them')
+flags.DEFINE_integer('time_batches', 1, 'batches run per setting (0: all); the total is '
+                     'extrapolated from them (each batch of a new shape compiles: most of a CPU '
+                     'run\'s time); pass@k needs a setting whose batches all ran')
 flags.DEFINE_enum('check', 'auto', ['auto', 'true', 'false'],
                   'check generated programs (auto: unless --model=random)')
 flags.DEFINE_bool('check_solutions', False, 'check each record\'s own solutions instead of '
@@ -98,9 +103,25 @@ flags.DEFINE_float('test_timeout_s', 4.0, 'per-test timeout of the checker (APPS
 flags.DEFINE_integer('check_workers', 2, 'programs checked at once')
 flags.DEFINE_list('k', ['1', '2', '4', '8'], 'pass@k values reported (k <= samples)')
 flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per node per model call')
-flags.DEFINE_string('workdir', '/tmp/hydrajax/apps_eval', 'output folder')
+WORKDIR = cli.workdir_flag('apps_eval')
 flags.DEFINE_bool('resume', False, 'keep the settings of --workdir/results.jsonl that ran with '
                   'these flags (and their saved samples) and run the rest; the check runs again')
+cli.at_least(1, 'samples', 'new_tokens', 'prefill_chunk', 'check_workers')
+cli.at_least(0, 'fewshot_examples', 'num_problems', 'fewshot_tokens', 'problem_tokens',
+             'temperature', 'memory_budget_gb', 'max_batch_problems', 'time_batches')
+cli.at_least(0.001, 'test_timeout_s')
+cli.int_list('k', 1)
+cli.choices('modes', aw.MODES)
+flags.register_validator('top_p', lambda v: 0 < v <= 1, message='must be in (0, 1]')
+flags.register_validator('problems', os.path.exists, message='no such file or folder')
+flags.register_validator('fewshot', os.path.exists, message='no such file')
+cli.check_flags(['model', 'checkpoint', 'tiny_checkpoint'], lambda f: (
+    '--model=hf needs --checkpoint' if f['model'] == 'hf' and not f['checkpoint'] else
+    f'--checkpoint={f["checkpoint"]} does not exist'
+    if f['checkpoint'] and not os.path.exists(f['checkpoint']) else
+    f'--tiny_checkpoint={f["tiny_checkpoint"]} does not exist: run python -m '
+    'experiments.train_tiny_coder first' if f['model'] == 'tiny_coder' and not f['checkpoint']
+    and not os.path.exists(f['tiny_checkpoint']) else None))
 
 
 def _load_model():
@@ -275,6 +296,9 @@ def main(argv):
     writer.append(r)
   check = FLAGS.check == 'true' or (FLAGS.check == 'auto' and FLAGS.model != 'random')
   summary = {}
+  if check and samples_for_check is None:
+    logging.warning('no setting ran all its batches (--time_batches=%d): programs not checked, '
+                    'no pass@k; --time_batches=0 runs them all', FLAGS.time_batches)
   if check and samples_for_check is not None:
     summary = _check(problems, samples_for_check, tokenizer, ks, writer)
   _finish(records, summary, writer.meta, model_name)
@@ -314,10 +338,12 @@ def _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops, 
                         prefill_chunk=FLAGS.prefill_chunk, warm_prefill=start == timed[0])
 
   runs, outputs = [], []
+  began = time.perf_counter()
   for start in progress(timed, total=len(timed), desc=f'generate {mode} x{batch}'):
     run = one(start)
     runs.append(run)
     outputs.append(run.tokens)
+  wall_s = time.perf_counter() - began
   scale = len(starts) / len(timed)
   prefill_s = sum(r.prefill_s for r in runs)
   decode_s = sum(r.decode_s for r in runs)
@@ -327,12 +353,14 @@ def _run_setting(model, mode, batch, fewshot_ids, problem_ids, sampling, stops, 
   record = dict(
       status='ok', batches=len(starts), batches_timed=len(timed),
       total_s=(prefill_s + decode_s) * scale, decode_s_total=decode_s * scale,
-      prefill_s_total=prefill_s * scale, decode_tokens_per_s=generated / decode_s,
+      prefill_s_total=prefill_s * scale, compile_s=sum(r.compile_s for r in runs),
+      wall_s=wall_s, decode_tokens_per_s=generated / decode_s,
       generated_tokens_timed=generated, peak_kv_bytes=peak_kv,
       rows_per_batch=batch * FLAGS.samples,
       device_peak_bytes=stats.get('peak_bytes_in_use'), extrapolated=scale != 1.0)
-  logging.info('%s x%d: total %.2f s (%s), decode %.0f tok/s, peak KV %.3f GiB', mode, batch,
-               record['total_s'], 'extrapolated' if scale != 1 else 'measured',
+  logging.info('%s x%d: %.2f s steady (%s), %.2f s compiling, decode %.0f tok/s, peak KV '
+               '%.3f GiB', mode, batch, record['total_s'],
+               'extrapolated' if scale != 1 else 'measured', record['compile_s'],
                record['decode_tokens_per_s'], peak_kv / 2**30)
   tokens = np.concatenate(outputs) if scale == 1.0 else None
   return record, tokens
@@ -368,8 +396,9 @@ def _finish(records, summary, meta, model_name):
   columns = [
       ('setting', 'setting'), ('problems/batch', 'batch_problems'),
       ('max problems (budget)', 'max_batch_problems'), ('rows/batch', 'rows_per_batch'),
-      ('status', 'status'), ('total s', 'total_s'), ('decode s', 'decode_s_total'),
-      ('prefill s', 'prefill_s_total'), ('decode tok/s', 'decode_tokens_per_s'),
+      ('status', 'status'), ('total s (steady)', 'total_s'), ('decode s', 'decode_s_total'),
+      ('prefill s', 'prefill_s_total'), ('compile s (apart)', 'compile_s'),
+      ('wall s', 'wall_s'), ('decode tok/s', 'decode_tokens_per_s'),
       ('peak KV GiB', lambda r: r.get('peak_kv_bytes') and r['peak_kv_bytes'] / 2**30),
       ('batches (timed)', lambda r: r.get('batches') and f'{r["batches"]} ({r["batches_timed"]})'),
       ('extrapolated', 'extrapolated'),
@@ -380,11 +409,13 @@ def _finish(records, summary, meta, model_name):
     one, two = ok['one_level']['total_s'], ok['two_level']['total_s']
     d1, d2 = ok['one_level']['decode_s_total'], ok['two_level']['decode_s_total']
     lines.append(f'two_level vs one_level (each at its max batch): {100 * (1 - two / one):.1f}% '
-                 f'less total time, {100 * (1 - d2 / d1):.1f}% less decode time (paper: 55%)')
+                 f'less steady-state time, {100 * (1 - d2 / d1):.1f}% less decode time (paper: '
+                 '55%); compiling, apart: '
+                 + ', '.join(f'{n} {r["compile_s"]:.1f} s' for n, r in ok.items()))
     if 'two_level_matched' in ok:
       m = ok['two_level_matched']['total_s']
       dm = ok['two_level_matched']['decode_s_total']
-      lines.append(f'two_level at one_level\'s batch: {100 * (1 - m / one):.1f}% less total '
+      lines.append(f'two_level at one_level\'s batch: {100 * (1 - m / one):.1f}% less steady '
                    f'time, {100 * (1 - dm / d1):.1f}% less decode time (paper: 18%)')
   first = records[0]
   head = (f'model {model_name}; {first["problems"]} problems x {first["samples"]} samples x '
@@ -408,18 +439,67 @@ def _finish(records, summary, meta, model_name):
                                ('compile error', 'compile_error')]))
   with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
     f.write(text)
-  names = [r['setting'] for r in records]
-  plot_bars(names, {'total s': [r.get('total_s') for r in records],
-                    'decode s': [r.get('decode_s_total') for r in records]},
-            path=os.path.join(FLAGS.workdir, 'time.png'), ylabel='seconds (whole problem set)',
-            title='APPS evaluation time by sharing mode', logy=False)
-  plot_bars(names, {'peak KV GiB': [r.get('peak_kv_bytes') and r['peak_kv_bytes'] / 2**30
-                                    for r in records]},
-            path=os.path.join(FLAGS.workdir, 'kv.png'), ylabel='GiB',
-            title='peak KV memory per batch', logy=False,
-            hline=first['budget_bytes'] / 2**30)
+  _plot_time(records, os.path.join(FLAGS.workdir, 'time.png'))
+  _plot_kv(records, first['budget_bytes'], os.path.join(FLAGS.workdir, 'kv.png'))
   _write_readme('APPS evaluation with hierarchical prompt sharing', meta, text)
   print(text)
+
+
+def _plot_time(records, path):
+  """Stacked bars a setting: steady-state prefill and decode, then the compile time apart."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  ok = [r for r in records if r.get('status') == 'ok']
+  names = [r['setting'] for r in ok]
+  prefill = np.array([r['prefill_s_total'] for r in ok])
+  decode = np.array([r['decode_s_total'] for r in ok])
+  compile_s = np.array([r.get('compile_s', 0.0) for r in ok])
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  ax.bar(names, prefill, label='prefill (steady)', color='tab:blue')
+  ax.bar(names, decode, bottom=prefill, label='decode (steady)', color='tab:orange')
+  ax.bar(names, compile_s, bottom=prefill + decode, label='compiling (apart)', color='lightgrey',
+         hatch='//', edgecolor='grey')
+  for x, steady in enumerate(prefill + decode):
+    ax.annotate(f'{steady:.1f} s', (x, steady), ha='center', va='bottom', fontsize=8)
+  ax.set_ylabel('seconds, whole problem set')
+  ax.set_title('APPS evaluation time by sharing mode (labels: steady state)')
+  ax.legend(fontsize=8)
+  ax.grid(True, axis='y', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _plot_kv(records, budget_bytes, path):
+  """Left: problems a batch holds under the KV budget. Right: a batch's peak KV against the
+  budget (labelled): every mode fills it, sharing fits more problems into it."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  names = [r['setting'] for r in records]
+  per_batch = [r.get('batch_problems', 0) for r in records]
+  peak = [(r.get('peak_kv_bytes') or 0) / 2**30 for r in records]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5))
+  left.bar(names, per_batch, color='tab:green')
+  for x, n in enumerate(per_batch):
+    left.annotate(str(n), (x, n), ha='center', va='bottom', fontsize=8)
+  left.set_ylabel('problems per batch')
+  left.set_title('problems that fit the KV budget')
+  right.bar(names, peak, color='tab:purple', label='peak KV of a batch')
+  right.axhline(budget_bytes / 2**30, color='k', ls='--', lw=1,
+                label=f'KV budget ({budget_bytes / 2**30:.3g} GiB)')
+  right.set_ylabel('GiB')
+  right.set_title('peak KV per batch')
+  right.legend(fontsize=8, loc='lower right')
+  for ax in (left, right):
+    ax.tick_params(axis='x', labelrotation=30, labelsize=8)
+    ax.grid(True, axis='y', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def _write_readme(title, meta, body):
@@ -432,13 +512,15 @@ def _write_readme(title, meta, body):
   if FLAGS.time_batches:
     notes += (f'\nOnly the first {FLAGS.time_batches} batch(es) of each setting ran; totals are '
               'that time times the number of batches.\n')
-  about = ('Time is prefill + decode of every batch. Compiles are left out where they can be: the '
-           'first batch of a setting prefills once untimed, decode runs one untimed step first '
-           '(the rest is scaled to every step); a later batch of a new prompt shape (natural '
-           'problem lengths) compiles inside its prefill time. Files: results.jsonl (one record '
-           'per setting, then per-problem checks and pass@k), table.md, time.png, kv.png.\n')
+  about = ('Steady-state time is prefill + decode of every batch, compiles taken out: JAX\'s '
+           'compile events inside the timed windows are subtracted (a later batch of a new prompt '
+           'shape compiles its prefill), decode runs one untimed step first. Compile time is '
+           'reported apart (compile s), and wall s is the whole setting as it ran. Files: '
+           'results.jsonl (one record per setting, then per-problem checks and pass@k), table.md, '
+           'time.png (steady prefill and decode, compiling stacked apart), kv.png (problems per '
+           'batch under the budget; peak KV against the labelled budget).\n')
   write_workdir_readme(FLAGS.workdir, title, about + notes + '\n' + body, meta=meta)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=WORKDIR)

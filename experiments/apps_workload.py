@@ -173,12 +173,40 @@ def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int
   return gen.run_prefill(model, calls, tp.row_node, cache, impl=impl)
 
 
+_COMPILE_EVENTS = frozenset({
+    '/jax/core/compile/jaxpr_trace_duration',
+    '/jax/core/compile/jaxpr_to_mlir_module_duration',
+    '/jax/core/compile/backend_compile_duration',
+})
+
+
+class CompileClock:
+  """Seconds JAX spends tracing, lowering and compiling while it is open (jax.monitoring's
+  compile events, recorded in the thread that compiles): a timed window's compile share."""
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+      self.seconds += duration
+
+  def __enter__(self) -> 'CompileClock':
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchRun:
   """One batch generated: tokens [rows, M] by (problem, sample), times, and its KV size.
 
-  prefill_s includes compiling the prefill for a new shape; decode_s does not (one decode step
-  runs untimed first and compiles the loop), it is the rest of the loop scaled to all its steps.
+  prefill_s and decode_s are steady-state times: the compiles inside their windows are taken out
+  (a new prompt shape compiles its prefill; one decode step runs untimed first and compiles the
+  loop, the rest is scaled to all its steps). compile_s: every compile of the batch, the untimed
+  warm-ups' included.
   """
 
   tokens: np.ndarray
@@ -187,6 +215,7 @@ class BatchRun:
   decode_s: float
   kv_tokens: int
   rows: int
+  compile_s: float = 0.0
 
 
 def _root_segment(forest, tp: gen.TreePrompts) -> int | None:
@@ -221,37 +250,38 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
                   else AttentionImpl.AUTO)
   prefill = functools.partial(lean_prefill, model, tp, impl=prefill_impl, chunk=prefill_chunk,
                               call_tokens=prefill_call_tokens)
-  if warm_prefill:
-    jax.block_until_ready(prefill(KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)))
-  start = time.perf_counter()
-  cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
-  node = None if root_kv is None else _root_segment(forest, tp)
-  n = len(forest[0].tokens)
-  written = frozenset()
-  if node is not None and 'kv' in root_kv:
-    k, v = root_kv['kv']
-    cache = KVCache(cache.k.at[:, :n].set(k), cache.v.at[:, :n].set(v))
-    written = frozenset({node})
-  first, cache = prefill(cache, written=written)
-  if node is not None and 'kv' not in root_kv:
-    root_kv['kv'] = (cache.k[:, :n], cache.v[:, :n])
-  jax.block_until_ready(first)
-  prefill_s = time.perf_counter() - start
-  rows = gen.tree_rows(tp)
-  layout = tp.plan.to_device()
-  state = gen.start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
-                           sampling=sampling)
-  state = gen.decode(graphdef, params, state, layout, rows, key, stops, jnp.int32(1),
-                     sampling=sampling, impl=impl)  # compiles; untimed
-  warm_steps = int(state.step)
-  start = time.perf_counter()
-  state = gen.decode(graphdef, params, state, layout, rows, key, stops,
-                     jnp.int32(max_new_tokens), sampling=sampling, impl=impl)
-  tokens = np.asarray(state.tokens)
-  decode_s = time.perf_counter() - start
+  with CompileClock() as clock:  # compiles inside the timed windows are taken out
+    if warm_prefill:
+      jax.block_until_ready(prefill(KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)))
+    start, compiled = time.perf_counter(), clock.seconds
+    cache = KVCache.zeros(model.config, tp.plan.kv_tokens, dtype)
+    node = None if root_kv is None else _root_segment(forest, tp)
+    n = len(forest[0].tokens)
+    written = frozenset()
+    if node is not None and 'kv' in root_kv:
+      k, v = root_kv['kv']
+      cache = KVCache(cache.k.at[:, :n].set(k), cache.v.at[:, :n].set(v))
+      written = frozenset({node})
+    first, cache = prefill(cache, written=written)
+    if node is not None and 'kv' not in root_kv:
+      root_kv['kv'] = (cache.k[:, :n], cache.v[:, :n])
+    jax.block_until_ready(first)
+    prefill_s = time.perf_counter() - start - (clock.seconds - compiled)
+    rows = gen.tree_rows(tp)
+    layout = tp.plan.to_device()
+    state = gen.start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
+                             sampling=sampling)
+    state = gen.decode(graphdef, params, state, layout, rows, key, stops, jnp.int32(1),
+                       sampling=sampling, impl=impl)  # compiles; untimed
+    warm_steps = int(state.step)
+    start, compiled = time.perf_counter(), clock.seconds
+    state = gen.decode(graphdef, params, state, layout, rows, key, stops,
+                       jnp.int32(max_new_tokens), sampling=sampling, impl=impl)
+    tokens = np.asarray(state.tokens)
+    decode_s = time.perf_counter() - start - (clock.seconds - compiled)
   steps = int(state.step)
   if steps > warm_steps:
     decode_s *= steps / (steps - warm_steps)
   order = np.lexsort((tp.sample_ids, tp.prompt_ids))
   return BatchRun(tokens[order], np.asarray(state.lengths)[order], prefill_s, decode_s,
-                  tp.plan.kv_tokens, tp.num_rows)
+                  tp.plan.kv_tokens, tp.num_rows, clock.seconds)

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 import hydrajax as hj
 from hydrajax.benchmarking import report, sweep, timing, workloads
 from hydrajax.sharing_policy import FORMAT_V2
@@ -94,12 +95,18 @@ _BUDGET_S = flags.DEFINE_float('budget_s', 0.0, 'start no point after this many 
 _MAX_KV_GIB = flags.DEFINE_float('max_kv_gib', 24.0, 'skip points whose K+V buffers exceed this')
 _SLACK = flags.DEFINE_float('slack', 0.03, 'batched counts as not slower at ratio <= 1 + slack')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'workdir/break_even', 'output folder (scratch)')
+_WORKDIR = cli.workdir_flag('break_even')
 _RESUME = flags.DEFINE_bool('resume', False, 'keep --workdir/results.jsonl and replay its points '
                             'of the same workload: a sweep cut by --budget_s goes on')
 _WRITE_THRESHOLDS = flags.DEFINE_string(
     'write_thresholds', '', 'also write the derived thresholds JSON here (SharingPolicy.load)'
 )
+cli.at_least(1, 'head_dim', 'query_len', 'suffix', 'page_size', 'repeats', 'rows_checked')
+cli.at_least(0, 'budget_s', 'slack')
+cli.at_least(0.001, 'target_ms', 'max_kv_gib')
+cli.int_list('lengths')
+cli.int_list('rows')
+cli.int_list('batches')
 
 VARIANTS = ('batched', 'per_sequence')
 # Statuses of a measured point at which batched counts as lost (an exception, a wrong result,
@@ -646,4 +653,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

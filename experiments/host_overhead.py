@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from hydrajax import parallel
 from hydrajax.benchmarking import progress, report
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
@@ -65,10 +66,11 @@ _MODEL_CALL = flags.DEFINE_enum(
     "the engine's model call: 'stub' returns zeros in Python (no dispatch); 'jitted_stub' is a "
     'jitted call that takes every argument and returns zeros (the dispatch: arguments, uploads; '
     "no model); 'model' the tiny model's step (on CPU its compute runs partly in the dispatch)")
-_WORKDIR = flags.DEFINE_string('workdir', '/tmp/hydrajax/host_overhead',
-                               'output folder (results.jsonl, README.md)')
+_WORKDIR = cli.workdir_flag('host_overhead', 'output folder (results.jsonl, README.md)')
 _MESH = flags.DEFINE_string('mesh', None, "the engine's model mesh, e.g. 'dp:2' (default: one "
                             'device); --batch rows in all, split over the dp shards')
+cli.at_least(1, 'batch', 'system_prompts', 'system_len', 'user_len', 'new_tokens', 'chunk_size',
+             'steps', 'kv_piece')
 
 WARMUP_STEPS = 20  # untimed first steps of the cache measurements (numpy/JAX caches warm up)
 
@@ -307,4 +309,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

@@ -1,7 +1,7 @@
 r"""Shared-prefix attention microbenchmark: hydrajax against its baselines, with the floor.
 
 The command for experiments/results/microbench/ (one H200, about 2-3 minutes; on
-the lent machine write to $OUT/microbench and copy the files back):
+a GPU machine write to workdir/microbench and copy the files back):
 
   PYTHONPATH=. python3 -m experiments.microbench --grid=targets \
       --workdir=experiments/results/microbench
@@ -25,12 +25,13 @@ os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.7')
 
 from absl import app, flags, logging  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments import baselines  # noqa: E402
 from hydrajax.benchmarking import report, roofline, sweep, workloads  # noqa: E402
 
 _GRID = flags.DEFINE_list('grid', ['hydragen', 'chunkattention'], f'grids: {sorted(workloads.GRIDS)}')
 _IMPLS = flags.DEFINE_list('impls', list(baselines.IMPLEMENTATIONS), 'implementations to run')
-_WORKDIR = flags.DEFINE_string('workdir', 'workdir/microbench', 'output folder')
+_WORKDIR = cli.workdir_flag('microbench')
 _MAX_COPY_GB = flags.DEFINE_float('max_copy_gb', 24.0, 'cap on per-sequence KV copies (K+V), GB')
 _PAGE_SIZE = flags.DEFINE_integer('page_size', 16, 'tokens per page of the paged baselines')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'timed repeats per implementation (median '
@@ -42,6 +43,8 @@ _COPY_GB = flags.DEFINE_float('copy_gb', 2.0, 'size of the copy that measures ba
 _MATMUL_SIZE = flags.DEFINE_integer('matmul_size', 8192, 'size of the matmul that measures the '
                                     'rate (smoke: 256)')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
+cli.at_least(1, 'page_size', 'repeats', 'rows_checked', 'matmul_size')
+cli.at_least(0.001, 'max_copy_gb', 'target_ms', 'copy_gb')
 
 # What `--grid=smoke` uses for each of these flags that the command line does not give: the
 # defaults above size the ceilings for an H200 (a 2 GB copy, an 8192 matmul: minutes on a CPU).
@@ -112,4 +115,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

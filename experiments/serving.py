@@ -22,7 +22,7 @@ the `rate_at_bound` records of results.jsonl and the last tables of table.md
 (computed in experiments/serving_report.py).
 
 The H200 runs are in experiments/results/serving/ (its README). The main one
-(2K prompts, 100% shared; on the lent machine with --workdir=$OUT/f/sweep):
+(2K prompts, 100% shared; on a GPU machine with --workdir=workdir/f/sweep):
 
   PYTHONPATH=. python3 -m experiments.serving --model=llama2_7b --prompt_lens=2048 \
       --shared_fracs=1,0.5 --rates=6,12,24,48 --num_requests=96 --new_tokens=512 \
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import cli
 import hydrajax as hj
 from experiments.serving_engine import (
     make_engine, make_workload, profile_decode, reset, resolved_impl, serve, warm_up,
@@ -104,8 +105,14 @@ _RESUME = flags.DEFINE_boolean(
     'resume', False, 'keep the points of --workdir/results.jsonl that ran to the end and run '
     'only the missing ones (a long sweep over several device calls)')
 _SMOKE = flags.DEFINE_boolean('smoke', False, 'tiny model on CPU, seconds')
-_WORKDIR = flags.DEFINE_string('workdir', 'workdir/serving', 'output folder')
+_WORKDIR = cli.workdir_flag('serving')
 _SEED = flags.DEFINE_integer('seed', 0, 'workload seed')
+cli.at_least(1, 'num_requests', 'new_tokens', 'num_samples', 'system_prompts', 'chunk_size',
+             'max_batch', 'kv_piece', 'min_segments', 'profile_steps')
+cli.at_least(0.001, 'kv_gib', 'deadline_s')
+cli.int_list('prompt_lens')
+cli.number_list('shared_fracs', 0.0, strict=False)
+cli.choices('sharing', ['on', 'off'])
 
 
 def attention_bench(config, impls: list[str], writer) -> list[dict]:
@@ -354,4 +361,4 @@ def _readme(meta) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

@@ -1,4 +1,4 @@
-r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4), issue 5.
+r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4).
 
 Random bf16 weights of a Llama shape (or a checkpoint's own: --checkpoint=FILE.gguf or a HF
 folder); B sequences share one P-token prompt and
@@ -12,14 +12,14 @@ The H200 run in experiments/results/throughput/ (a reduced grid, 127 s; see its 
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
   PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m experiments.throughput --preset=codellama_7b \
       --batches=1024,32,256 --prefixes=16384,1024 --new_tokens=128 --max_decode_s=1.0 \
-      --deadline_s=120 --workdir=$OUT/throughput
+      --deadline_s=120 --workdir=workdir/throughput
 
 A CPU smoke run:
 
   python -m experiments.throughput --preset=tiny_gqa --batches=4,2 --prefixes=128,64 \
-      --new_tokens=8 --page_size=16 --workdir=/tmp/throughput
+      --new_tokens=8 --page_size=16 --workdir=workdir/throughput
 
-Tensor parallel (issue 11): the same code path with `--mesh=tp:2` (the model's heads, MLP
+Tensor parallel: the same code path with `--mesh=tp:2` (the model's heads, MLP
 and vocab split over two devices; see hydrajax/PARALLELISM.md); `--mesh=none` is one device,
 `--mesh=tp:1` the mesh path on one device. The TP plan on nvidia-h200-x2 (each run < 5 min;
 NVLink multicast stays off):
@@ -29,15 +29,15 @@ NVLink multicast stays off):
       --batches=1024,32,256 --prefixes=16384,1024 --new_tokens=128 \
       --modes=no_attention,tree,paged --impls=mosaic_gpu --max_decode_s=0.5 \
       --profile_kernels=20 --deadline_s=200 "$@"; }
-  run --preset=codellama_7b --mesh=tp:1 --workdir=$OUT/tp/7b_tp1
-  run --preset=codellama_7b --mesh=tp:2 --workdir=$OUT/tp/7b_tp2
-  run --preset=codellama_13b --mesh=tp:1 --workdir=$OUT/tp/13b_tp1
-  run --preset=codellama_13b --mesh=tp:2 --workdir=$OUT/tp/13b_tp2
+  run --preset=codellama_7b --mesh=tp:1 --workdir=workdir/tp/7b_tp1
+  run --preset=codellama_7b --mesh=tp:2 --workdir=workdir/tp/7b_tp2
+  run --preset=codellama_13b --mesh=tp:1 --workdir=workdir/tp/13b_tp1
+  run --preset=codellama_13b --mesh=tp:2 --workdir=workdir/tp/13b_tp2
   run --preset=codellama_13b --mesh=tp:2 --tp_reduce_dtype=bfloat16 --batches=1024,32 \
-      --workdir=$OUT/tp/13b_tp2_bf16reduce
+      --workdir=workdir/tp/13b_tp2_bf16reduce
   run --preset=codellama_7b --mesh=none --batches=1024,32 --modes=no_attention,tree \
-      --workdir=$OUT/tp/7b_unsharded   # against 7b_tp1: the one-device mesh path's cost
-  run --preset=codellama_34b --mesh=tp:2 --batches=256,32 --workdir=$OUT/tp/34b_tp2
+      --workdir=workdir/tp/7b_unsharded   # against 7b_tp1: the one-device mesh path's cost
+  run --preset=codellama_34b --mesh=tp:2 --batches=256,32 --workdir=workdir/tp/34b_tp2
 
 TP scaling efficiency = TP=2 tok/s / (2 x TP=1 tok/s) at the same (mode, B, P); the
 collectives' share of a step: the all-reduce kernels in each point's `top_kernels`.
@@ -45,7 +45,7 @@ collectives' share of a step: the all-reduce kernels in each point's `top_kernel
 Rebuild the tables and plots from a run's raw records:
 
   python -m experiments.throughput --rebuild=experiments/results/throughput/raw.jsonl \
-      --workdir=/tmp/throughput
+      --workdir=workdir/throughput
 
 A few lines a point, with the costliest kernels of its profiled step (what a device script prints
 after each grid):
@@ -65,10 +65,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments import cli
 from hydrajax.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, progress, read_jsonl,
     resume_records, write_workdir_readme,
 )
+from hydrajax import AttentionImpl
 from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
 from models import sharding_rules as sr
@@ -90,7 +92,7 @@ flags.DEFINE_integer('prefill_chunk', 2048, 'prefill tokens per model call')
 flags.DEFINE_float('max_decode_s', 1.5, 'time at most about this long per point (fewer steps)')
 flags.DEFINE_float('deadline_s', 0.0, 'start no new point after this many seconds (0: none)')
 flags.DEFINE_float('memory_limit_gb', 0.0, 'device memory (0: the device says; 8 on CPU)')
-flags.DEFINE_string('workdir', '/tmp/throughput', 'output folder')
+_WORKDIR = cli.workdir_flag('throughput')
 flags.DEFINE_integer('profile_kernels', 0, 'record the N costliest kernels of one step (GPU)')
 flags.DEFINE_string('rebuild', '', 'rebuild the outputs from this raw.jsonl without running')
 flags.DEFINE_string('summary', '', 'print a line a point and its costliest kernels from this '
@@ -109,7 +111,7 @@ flags.DEFINE_integer('tp_micro_batches', 1, 'with tp > 1: the rows of the output
                      'beside the next block\'s matmuls (models.llama.Llama)')
 flags.DEFINE_bool('fuse_qkv', True, 'one q/k/v weight per layer (models.llama.Llama.fuse_qkv) '
                   'where tp divides the kv heads, as a loaded checkpoint has by default: no '
-                  'per-step concatenation of wq and wkv; false: apart (records before session 53)')
+                  'per-step concatenation of wq and wkv; false: apart (as older records ran)')
 flags.DEFINE_list('mosaic_gpu_knobs', [], 'MosaicGpuConfig fields for the model\'s Mosaic GPU '
                   'attention, e.g. private_lane_table=true,max_splits=4 (default: its defaults)')
 flags.DEFINE_string('compiler_options', '', 'XLA compile options of the decode programs over the '
@@ -117,6 +119,29 @@ flags.DEFINE_string('compiler_options', '', 'XLA compile options of the decode p
                     'rematerialization pass on again: models.kv_cache.CACHE_PROGRAM_OPTIONS)')
 flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' (TPU pod slice, SLURM) or "
                     "'HOST:PORT,NUM_PROCESSES,PROCESS_ID' (see hydrajax/PARALLELISM.md)")
+cli.int_list('batches')
+cli.int_list('prefixes')
+cli.choices('modes', db.MODES)
+cli.choices('impls', [i.value for i in AttentionImpl])
+cli.at_least(1, 'new_tokens', 'page_size', 'prefill_chunk', 'summary_kernels', 'tp_micro_batches')
+cli.at_least(0, 'num_layers', 'deadline_s', 'memory_limit_gb', 'profile_kernels')
+cli.at_least(0.001, 'max_decode_s')
+
+
+def _prefixes_fit(f: dict) -> str | None:
+  """What is wrong with --preset (or --checkpoint) or the longest --prefixes (past the model's
+  maximum position)."""
+  if f['rebuild'] or f['summary']:
+    return None
+  try:
+    config = checkpoint_config(f['checkpoint']) if f['checkpoint'] else get_config(f['preset'])
+    config.check_prompt_length(max(int(p) for p in f['prefixes']), '--prefixes')
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+cli.check_flags(['preset', 'checkpoint', 'prefixes', 'rebuild', 'summary'], _prefixes_fit)
 
 
 def _mosaic_gpu_config():
@@ -362,4 +387,4 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

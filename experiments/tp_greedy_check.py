@@ -1,15 +1,15 @@
-r"""Greedy tokens under tensor and data parallelism equal one device's (issue 11), on any backend.
+r"""Greedy tokens under tensor and data parallelism equal one device's, on any backend.
 
 Generates greedily from `--groups` shared-prefix prompt trees (independent sharing groups) with
 the same random model on each mesh of `--meshes` and checks that every mesh gives the tokens of
 the first. On two H200s:
 
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
-      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$OUT/tp_greedy
+      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=workdir/tp_greedy
   PYTHONPATH=. python -m experiments.tp_greedy_check --preset=codellama_7b --num_layers=4 \
-      --groups=3 --meshes='none;dp:2;dp:2,tp:2' --impl=mosaic_gpu --workdir=$OUT/dp_greedy
+      --groups=3 --meshes='none;dp:2;dp:2,tp:2' --impl=mosaic_gpu --workdir=workdir/dp_greedy
   PYTHONPATH=. python -m experiments.tp_greedy_check --checkpoint=experiments/data/tiny_coder_h64 \
-      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=$OUT/tp_greedy_trained
+      --meshes='none;tp:2' --impl=mosaic_gpu --workdir=workdir/tp_greedy_trained
 
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import cli
 from hydrajax.benchmarking import markdown_table, report
 from hydrajax.parallel import parse_mesh
 from models import sharding_rules as sr
@@ -50,13 +51,15 @@ _PREFIX = flags.DEFINE_integer('prefix_tokens', 1000, 'shared prompt length')
 _SAMPLES = flags.DEFINE_integer('samples', 8, 'rows under each of the two problems')
 _GROUPS = flags.DEFINE_integer('groups', 1, 'independent sharing groups (split over dp)')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'greedy tokens per row')
-_WORKDIR = flags.DEFINE_string('workdir', '/tmp/tp_greedy', 'output folder')
+_WORKDIR = cli.workdir_flag('tp_greedy_check')
 _REDUCE = flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
                             'dtype of the all-reduces after wo and w_down with tp > 1')
 _CHECKPOINT = flags.DEFINE_string(
     'checkpoint', '', 'a trained model written by models.hf_loading.save_params (e.g. '
     'experiments/data/tiny_coder); prompts are then the APPS problems it learned and --preset, '
     '--num_layers and --prefix_tokens are ignored (default: random weights of --preset)')
+cli.at_least(0, 'num_layers')
+cli.at_least(1, 'prefix_tokens', 'samples', 'groups', 'new_tokens')
 
 
 def first_differences(tokens, reference, top_logprobs, top_tokens):
@@ -148,4 +151,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

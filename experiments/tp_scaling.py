@@ -1,4 +1,4 @@
-r"""Tensor-parallel scaling from two `experiments.throughput` runs (issue 11).
+r"""Tensor-parallel scaling from two `experiments.throughput` runs.
 
 Reads the `throughput.jsonl` of a TP=1 and a TP=2 run of the same grid and writes, per
 (mode, B, P): tok/s at each, the speedup, the scaling efficiency (TP=2 tok/s / (2 x TP=1
@@ -14,11 +14,12 @@ import os
 
 from absl import app, flags
 
+from experiments import cli
 from hydrajax.benchmarking import markdown_table, read_jsonl, report
 
 _TP1 = flags.DEFINE_string('tp1', None, 'folder of the TP=1 throughput run', required=True)
 _TP2 = flags.DEFINE_string('tp2', None, 'folder of the TP=2 throughput run', required=True)
-_WORKDIR = flags.DEFINE_string('workdir', '/tmp/tp_scaling', 'output folder')
+_WORKDIR = cli.workdir_flag('tp_scaling')
 
 
 def collective_share(record: dict) -> float | None:
@@ -89,4 +90,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

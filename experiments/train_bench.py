@@ -25,7 +25,7 @@ Per point (G completions of T tokens sharing one P-token prompt):
 
 CPU smoke (the default, seconds to minutes on a laptop):
 
-  PYTHONPATH=. python -m experiments.train_bench --workdir=/tmp/train_bench
+  PYTHONPATH=. python -m experiments.train_bench --workdir=workdir/train_bench
 
 The H200 command (one GPU, sized to finish in under 5 minutes):
 
@@ -63,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from experiments import cli
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.benchmarking import report, roofline, timing
 from hydrajax.dispatch import AttentionImpl
@@ -95,7 +96,9 @@ _MAX_SCORES_GB = flags.DEFINE_float('max_scores_gb', 24.0,
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
 _TARGET_MS = flags.DEFINE_float('target_ms', 50.0, 'length of one timed loop, ms')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_bench', 'output folder')
+_WORKDIR = cli.workdir_flag('train_bench')
+cli.at_least(1, 'step_layers', 'kv_block', 'repeats')
+cli.at_least(0.001, 'max_scores_gb', 'target_ms')
 
 SMOKE = dict(points=['2:32:16', '4:64:32'], step_points=['4:32:16'], heads='4:2', head_dim=16,
              step_preset='tiny_gqa', step_vocab=None, dtype=jnp.float32)
@@ -356,4 +359,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

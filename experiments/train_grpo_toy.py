@@ -21,7 +21,7 @@ layers once, each branch token weighted by the samples below it).
 prompts; the rollouts stay on one device), e.g. on XLA's fake CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
-      python -m experiments.train_grpo_toy --dp=2 --workdir=/tmp/train_grpo_toy_dp
+      python -m experiments.train_grpo_toy --dp=2 --workdir=workdir/train_grpo_toy_dp
 
 Writes, into --workdir: metrics.jsonl (one record per step), reward.png, README.md.
 """
@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments import cli
 from experiments.grpo_toy import dp_mesh, group_rollouts, tree_rollouts
 from hydrajax.benchmarking import report
 from models.config import get_config
@@ -56,7 +57,10 @@ _BRANCHES = flags.DEFINE_integer(
 _BRANCH_LENGTH = flags.DEFINE_integer('branch_length', 1, 'tokens a branch (with --branches)')
 _DP = flags.DEFINE_integer('dp', 1, 'devices the step is data parallel over (divides --prompts)')
 _SEED = flags.DEFINE_integer('seed', 0, 'seed of the model, prompts and sampling')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_grpo_toy', 'output folder')
+_WORKDIR = cli.workdir_flag('train_grpo_toy')
+cli.at_least(1, 'steps', 'prompts', 'group_size', 'max_operand', 'branch_length', 'dp')
+cli.at_least(0, 'branches', 'kl_coef', 'clip_eps')
+cli.at_least(1e-12, 'learning_rate')
 
 
 def main(argv):
@@ -160,4 +164,4 @@ every step: metrics.jsonl.
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

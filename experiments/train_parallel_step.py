@@ -18,10 +18,10 @@ device's (the same batch and parameters).
 CPU smoke (the default; the meshes need two devices, e.g. XLA's fake CPU devices):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
-      python -m experiments.train_parallel_step --workdir=/tmp/train_parallel_step
+      python -m experiments.train_parallel_step --workdir=workdir/train_parallel_step
 
 The H200 command (two H200s of one host; llama3_8b's shapes at 2 layers, a 32K vocabulary, bf16,
-the Mosaic GPU kernels; issue 15's step point, G = 32 samples of an 8K prompt, 1K tokens each):
+the Mosaic GPU kernels; step point, G = 32 samples of an 8K prompt, 1K tokens each):
 
   PYTHONPATH=. python -m experiments.train_parallel_step --nosmoke \
       --workdir=experiments/results/train_parallel_step
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments import cli
 from hydrajax.benchmarking import report
 from hydrajax.dispatch import AttentionImpl
 from hydrajax.training import plan_prefill
@@ -63,8 +64,9 @@ _IMPL = flags.DEFINE_enum('impl', None, ['xla', 'mosaic_gpu'],
 _STEPS = flags.DEFINE_integer('steps', 5, 'steps a timed loop')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed loops (median reported)')
 _SEED = flags.DEFINE_integer('seed', 0, 'input and parameter seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_parallel_step',
-                               'output folder')
+_WORKDIR = cli.workdir_flag('train_parallel_step')
+cli.at_least(1, 'prompts_per_device', 'layers', 'steps', 'repeats')
+cli.at_least(2, 'devices')
 
 SMOKE = dict(points=['4:32:16'], preset='tiny_gqa', vocab=None, impl='xla', dtype=jnp.float32)
 H200 = dict(points=['32:8192:1024'], preset='llama3_8b', vocab=32_000, impl='mosaic_gpu',
@@ -213,4 +215,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

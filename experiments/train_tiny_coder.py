@@ -1,4 +1,4 @@
-r"""Trains a tiny byte-level Llama on the embedded APPS problems' own solutions (issue 12).
+r"""Trains a tiny byte-level Llama on the embedded APPS problems' own solutions.
 
 With random weights pass@k is 0, which proves nothing about the evaluation path. This model is
 trained (optax AdamW, a few CPU minutes) on exactly the sequences `experiments.apps_eval` will
@@ -12,7 +12,7 @@ The checkpoint (orbax, saved in bfloat16 by `models.hf_loading.save_params`, abo
 --out; the loss curve, JSONL log and a README to --workdir.
 
   python -m experiments.train_tiny_coder --out=experiments/data/tiny_coder \
-      --workdir=/tmp/hydrajax/train_tiny_coder
+      --workdir=workdir/train_tiny_coder
 """
 
 import os
@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from experiments import apps_workload as aw
+from experiments import cli
 from hydrajax.benchmarking import JsonlWriter, progress
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models.config import LlamaConfig
@@ -50,7 +51,12 @@ flags.DEFINE_integer('layers', 2, 'decoder layers')
 flags.DEFINE_integer('mlp_dim', 192, 'MLP hidden width F')
 flags.DEFINE_integer('head_dim', 0, 'head dim (0: D / 4; the Mosaic GPU kernels take 64 or 128)')
 flags.DEFINE_string('out', os.path.join(DATA, 'tiny_coder'), 'checkpoint folder (orbax)')
-flags.DEFINE_string('workdir', '/tmp/hydrajax/train_tiny_coder', 'log, loss plot and README')
+_WORKDIR = cli.workdir_flag('train_tiny_coder', 'log, loss plot and README')
+cli.at_least(1, 'steps', 'batch', 'dim', 'layers', 'mlp_dim')
+cli.at_least(0, 'fewshot_examples', 'max_minutes', 'head_dim')
+cli.at_least(1e-12, 'learning_rate')
+flags.register_validator('problems', os.path.exists, message='no such file or folder')
+flags.register_validator('fewshot', os.path.exists, message='no such file')
 
 ALIGN = 64  # sequence lengths are padded to a multiple of this (few compiles)
 
@@ -167,4 +173,4 @@ def _report(losses, full, seconds, meta, config):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

@@ -21,7 +21,7 @@ over the tree's.
 
 CPU smoke (the default, a minute):
 
-  PYTHONPATH=. python -m experiments.train_tree_bench --workdir=/tmp/train_tree_bench
+  PYTHONPATH=. python -m experiments.train_tree_bench --workdir=workdir/train_tree_bench
 
 The H200 command (32/8 heads, d=128, bf16):
 
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from experiments import rollout_report
 from hydrajax.attention_plan import AttentionShapes
 from hydrajax.benchmarking import timing
@@ -54,8 +55,9 @@ _IMPLS = flags.DEFINE_list('impls', None, 'variants, baselines first (default by
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
 _TARGET_MS = flags.DEFINE_float('target_ms', 50.0, 'length of one timed loop, ms')
 _SEED = flags.DEFINE_integer('seed', 0, 'input seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_tree_bench',
-                               'output folder')
+_WORKDIR = cli.workdir_flag('train_tree_bench')
+cli.at_least(1, 'repeats')
+cli.at_least(0.001, 'target_ms')
 
 SMOKE = dict(points=['24:2:8:4:8', '40:2:12:6:16'], heads='4:2', head_dim=16,
              impls=['per_seq_xla', 'prefill_xla', 'tree_xla'], dtype=jnp.float32)
@@ -168,4 +170,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

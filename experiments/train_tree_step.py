@@ -18,9 +18,9 @@ layers over its tokens, the output head over its scored tokens, attention:
 
 CPU smoke (the default, about a minute):
 
-  PYTHONPATH=. python -m experiments.train_tree_step --workdir=/tmp/train_tree_step
+  PYTHONPATH=. python -m experiments.train_tree_step --workdir=workdir/train_tree_step
 
-The H200 command (llama3_8b's shapes at 2 layers, a 32K vocabulary, bf16; issue 15's step point,
+The H200 command (llama3_8b's shapes at 2 layers, a 32K vocabulary, bf16; step point,
 G = 32 samples of an 8K prompt with 1K completion tokens, branching 4 ways after 512):
 
   PYTHONPATH=. python -m experiments.train_tree_step --nosmoke \
@@ -47,6 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments import rollout_report  # noqa: E402
 from hydrajax.attention_plan import AttentionShapes  # noqa: E402
 from hydrajax.training import costs  # noqa: E402
@@ -68,7 +69,9 @@ _IMPLS = flags.DEFINE_list('impls', None, 'variants, baselines first (default by
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'timed repeats (median reported)')
 _TARGET_MS = flags.DEFINE_float('target_ms', 200.0, 'length of one timed loop, ms')
 _SEED = flags.DEFINE_integer('seed', 0, 'input and parameter seed')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/train_tree_step', 'output folder')
+_WORKDIR = cli.workdir_flag('train_tree_step')
+cli.at_least(1, 'layers', 'repeats')
+cli.at_least(0.001, 'target_ms')
 
 SMOKE = dict(points=['24:2:8:4:8'], preset='tiny_gqa', vocab=None,
              impls=['per_seq_xla', 'prompt_shared_xla', 'tree_xla'], dtype=jnp.float32)
@@ -201,4 +204,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

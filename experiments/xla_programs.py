@@ -16,7 +16,7 @@ the compile reads the target config, not a device):
   pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 CUDA_VISIBLE_DEVICES=-1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
       PYTHONPATH=. python -m experiments.xla_programs --preset=codellama_7b --batch=1024 \
-      --prefixes=1024,16384 --remat=both --workdir=/tmp/xla_programs
+      --prefixes=1024,16384 --remat=both --workdir=workdir/xla_programs
 
 `--remat=on` compiles with XLA's rematerialization pass on (XLA's default), `off` as the
 library's cache programs do (`models.kv_cache.CACHE_PROGRAM_OPTIONS`), `both` each.
@@ -31,6 +31,7 @@ import time
 
 from absl import app, flags, logging
 
+from experiments import cli
 from hydrajax.benchmarking.hlo_launches import step_launches, summarize
 
 os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # no GPU, no driver to check
@@ -46,13 +47,15 @@ flags.DEFINE_enum('target', 'h200', ['h100', 'h200'], 'the GPU the program is co
 flags.DEFINE_enum('remat', 'both', ['on', 'off', 'both'], "XLA's rematerialization pass")
 flags.DEFINE_bool('fuse_qkv', True, 'one q/k/v weight per layer (as experiments.throughput runs '
                   'by default); false: wq and wkv apart')
-flags.DEFINE_string('workdir', '/tmp/xla_programs', 'output folder')
+_WORKDIR = cli.workdir_flag('xla_programs')
 flags.register_validator('modes', lambda v: bool(v) and set(v) <= {'tree', 'no_attention'},
                          '--modes must list tree and/or no_attention')
 flags.register_validator('prefixes', lambda v: bool(v) and all(p.isdigit() and int(p) > 0
                                                                 for p in v),
                          '--prefixes must list positive integers (tokens)')
 flags.register_validator('batch', lambda v: v > 0, '--batch must be >= 1')
+cli.at_least(1, 'new_tokens')
+cli.at_least(0, 'layers')
 
 # XLA:GPU target configs (`GpuTargetConfigProto` text): what a deviceless compile reads in place
 # of a device. Sizes from the two GPUs' specifications.
@@ -215,4 +218,4 @@ def _plot(records) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, workdir=_WORKDIR)

@@ -46,7 +46,8 @@ class LlamaConfig:
     rope_theta: RoPE base wavelength.
     rope_scaling: Llama 3.1 frequency scaling, or None.
     tie_embeddings: the output projection reuses the input embedding.
-    max_position_embeddings: longest context the checkpoint was made for (informational).
+    max_position_embeddings: longest context the checkpoint was made for; a longer prompt is
+      refused (`check_prompt_length`): past it a trained model's output is not to be trusted.
     name: preset or checkpoint name, for logs.
   """
 
@@ -91,6 +92,15 @@ class LlamaConfig:
     per_layer = attn + mlp + 2 * d
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+  def check_prompt_length(self, tokens: int, argument: str = 'prompts') -> None:
+    """Raises ValueError naming `argument` when a prompt of `tokens` tokens is longer than
+    `max_position_embeddings` (the generated tokens may go past it)."""
+    if tokens > self.max_position_embeddings:
+      raise ValueError(
+          f'{argument}: a prompt of {tokens} tokens is longer than the model\'s maximum position '
+          f'({self.max_position_embeddings} tokens, max_position_embeddings of '
+          f'{self.name or "the model"}); use shorter prompts')
 
   def kv_bytes_per_token(self, itemsize: int = 2) -> int:
     """Bytes of K and V one token takes over all layers."""

@@ -665,7 +665,8 @@ def generate(
     prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
       `num_samples`), or a list of token-id lists (shared prefixes found
       automatically, `num_samples` each). Ids are integers in [0, vocab_size), checked
-      as the engine checks a prompt (`check_prompt`).
+      as the engine checks a prompt (`check_prompt`); none longer than the model's
+      `max_position_embeddings`.
     max_new_tokens: tokens generated per sequence (fewer after a stop token).
     num_samples: samples per token list.
     sampling: a `SamplingParams` (`SamplingConfig` is the same class): greedy (default),
@@ -717,6 +718,7 @@ def generate(
     tp = data_parallel.plan_shards(forest, dp, max_new_tokens)
   else:
     tp = plan_forest(forest, max_new_tokens)
+  model.config.check_prompt_length(int(tp.prompt_lengths.max()), 'prompts')
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
   graphdef, params = nnx.split(model)

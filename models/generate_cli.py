@@ -80,19 +80,27 @@ def run(checkpoint: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[Se
 
 def main(argv):
   if len(argv) > 1:
-    raise ValueError(f'unexpected arguments {argv[1:]}; prompts go in --prompt or --prompt_ids')
-  samples = run(
-      _CHECKPOINT.value, prompts=_PROMPT.value or (),
-      prompt_ids=[[int(t) for t in p.split(',')] for p in _PROMPT_IDS.value or ()],
-      tokenizer=_TOKENIZER.value or None, max_new_tokens=_MAX_NEW_TOKENS.value,
-      temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-      num_samples=_NUM_SAMPLES.value, seed=_SEED.value, dtype=_DTYPE.value, impl=_IMPL.value)
+    raise SystemExit(f'error: unexpected arguments {argv[1:]}; prompts go in --prompt or '
+                     '--prompt_ids')
+  try:
+    samples = _run_from_flags()
+  except ValueError as e:  # bad arguments: their message, not a traceback
+    raise SystemExit(f'error: {e}') from None
   for s in samples:
     if _JSON.value:
       print(json.dumps(dataclasses.asdict(s)))
     else:
       shown = s.text if s.text is not None else ' '.join(map(str, s.tokens))
       print(f'--- prompt {s.prompt}, sample {s.sample}:\n{shown}')
+
+
+def _run_from_flags() -> list[Sample]:
+  return run(
+      _CHECKPOINT.value, prompts=_PROMPT.value or (),
+      prompt_ids=[[int(t) for t in p.split(',')] for p in _PROMPT_IDS.value or ()],
+      tokenizer=_TOKENIZER.value or None, max_new_tokens=_MAX_NEW_TOKENS.value,
+      temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+      num_samples=_NUM_SAMPLES.value, seed=_SEED.value, dtype=_DTYPE.value, impl=_IMPL.value)
 
 
 if __name__ == '__main__':
@@ -114,4 +122,13 @@ if __name__ == '__main__':
                              'parameter dtype')
   _IMPL = flags.DEFINE_string('impl', 'auto', 'attention implementation (auto, xla, ...)')
   _JSON = flags.DEFINE_boolean('json', False, 'one JSON object per sample')
+  flags.register_validator('checkpoint', lambda p: p is None or os.path.exists(p),
+                           message='does not exist')
+  flags.register_validator('tokenizer', lambda p: not p or os.path.exists(p),
+                           message='no such file or folder')
+  flags.register_validator(
+      'prompt_ids', lambda ps: all(t.strip().isdigit() for p in ps or () for t in p.split(',')),
+      message='each must be comma-separated token ids >= 0, e.g. 1,2,3')
+  for name in ('max_new_tokens', 'num_samples'):
+    flags.register_validator(name, lambda v: v >= 1, message='must be >= 1')
   app.run(main)

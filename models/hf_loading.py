@@ -437,6 +437,9 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None,
 
   check_fuse_qkv(fuse_qkv)
   directory = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(directory):
+    raise ValueError(f'{directory} does not exist (or is not a folder): restore_params takes the '
+                     'folder save_params wrote')
   config_file = os.path.join(directory, _CONFIG_FILE)
   if not os.path.exists(config_file):
     raise ValueError(f'no {_CONFIG_FILE} in {directory}: not written by save_params')

@@ -1,8 +1,8 @@
 """Every notebook under colab/ runs top to bottom on CPU, its install cell skipped.
 
-Each notebook starts with an "Open in Colab" badge, a note on picking a runtime and an install
-cell (tagged `install`) that pip-installs this repository on a fresh Colab runtime; the tests run
-from the checkout instead.
+Each notebook starts with a note on the runtime and on installing, then an install cell (tagged
+`install`) that pip-installs what `HYDRAJAX_SOURCE` names (the wheel `make wheel` builds, a
+checkout, a git URL) with the runtime's accelerator extra; the tests run from the checkout instead.
 """
 
 import json
@@ -30,13 +30,30 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_starts_with_badge_runtime_note_and_install_cell(path):
-  cells = json.loads(path.read_text())['cells']
+def test_notebook_starts_with_runtime_note_and_install_cell(path):
+  notebook = json.loads(path.read_text())
+  cells = notebook['cells']
   intro = ''.join(cells[0]['source'])
-  assert 'colab-badge.svg' in intro and 'Runtime' in intro
+  assert 'Runtime' in intro and 'make wheel' in intro and 'HYDRAJAX_SOURCE' in intro
+  assert 'OWNER' not in path.read_text()  # no placeholder links
   install = cells[1]
   assert install['cell_type'] == 'code' and 'install' in install['metadata'].get('tags', [])
-  assert 'REPO_URL' in ''.join(install['source']) and 'pip install' in ''.join(install['source'])
+  source = ''.join(install['source'])
+  assert "HYDRAJAX_SOURCE = ''" in source and 'pip' in source
+  assert "'[cuda12]'" in source and "'[tpu]'" in source
+  accelerator = 'TPU' if path.stem == 'tpu' else 'GPU'
+  assert notebook['metadata']['accelerator'] == accelerator
+  assert notebook['metadata']['colab']['gpuType'] == ('V28' if accelerator == 'TPU' else 'T4')
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
+def test_install_cell_says_what_to_set_before_installing_anything(path):
+  source = ''.join(json.loads(path.read_text())['cells'][1]['source'])
+  with pytest.raises(ValueError, match='HYDRAJAX_SOURCE is not set.*make wheel'):
+    exec(compile(source, 'install', 'exec'), {})
+  missing = source.replace("HYDRAJAX_SOURCE = ''", "HYDRAJAX_SOURCE = '/no/such/hydrajax.whl'")
+  with pytest.raises(FileNotFoundError, match='does not exist on this runtime'):
+    exec(compile(missing, 'install', 'exec'), {})
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)

@@ -22,6 +22,18 @@ def _experiment_imports(path: pathlib.Path) -> set[str]:
   return names
 
 
+def _defines_flags_on_import(path: pathlib.Path) -> bool:
+  """Whether the module's top level calls a flag-defining function (`flags.DEFINE_x(...)` or
+  `cli.workdir_flag(...)`); a function that defines flags when called does not count."""
+  for node in ast.parse(path.read_text()).body:
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+      name = getattr(call.func, 'attr', getattr(call.func, 'id', ''))
+      if name.startswith('DEFINE') or name == 'workdir_flag':
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+          return True
+  return False
+
+
 def test_tests_import_at_most_one_flag_defining_experiment():
   seen, todo = set(), set()
   for path in (ROOT / 'tests').glob('*.py'):
@@ -33,7 +45,6 @@ def test_tests_import_at_most_one_flag_defining_experiment():
       continue
     seen.add(name)
     todo |= _experiment_imports(source)
-  defining = sorted(n for n in seen if 'flags.DEFINE' in (ROOT / 'experiments' / f'{n}.py')
-                    .read_text())
+  defining = sorted(n for n in seen if _defines_flags_on_import(ROOT / 'experiments' / f'{n}.py'))
   assert len(seen) > 3, seen  # the walk found the imports
   assert len(defining) <= 1, f'imported in-process by tests, each defining absl flags: {defining}'

@@ -78,3 +78,16 @@ def test_python_m_entry_prints_json(greedy):
   assert proc.returncode == 0, proc.stderr[-2000:]
   (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{')]
   assert line['tokens'] == greedy['greedy'][0] and line['prompt'] == 0
+
+
+@pytest.mark.parametrize('flags, words', [
+    (['--checkpoint=/no/such/folder', '--prompt=hi'], '--checkpoint=/no/such/folder: does not'),
+    ([f'--checkpoint={FIXTURES}/hf_tiny_gqa', '--prompt=hi'], 'error: no tokenizer.json'),
+    ([f'--checkpoint={FIXTURES}/hf_tiny_gqa', '--prompt_ids=1,x'], 'comma-separated token ids'),
+])
+def test_bad_paths_and_ids_give_one_line_not_a_traceback(flags, words):
+  proc = subprocess.run([sys.executable, '-m', 'models.generate_cli', *flags], cwd=ROOT,
+                        env={**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'},
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode != 0 and words in proc.stderr, proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr

@@ -1,5 +1,6 @@
 """Generation: tree attention is token-identical to the naive path and to HF greedy; sampling."""
 
+import dataclasses
 import json
 import os
 
@@ -239,6 +240,18 @@ def test_generate_rejects_bad_prompts():
     gen.generate(model, [[1]], max_new_tokens=0)
   with pytest.raises(ValueError, match='tokens has 2 ids but length is 3'):
     PromptNode(3, tokens=(1, 2))
+
+
+def test_generate_refuses_a_prompt_past_the_models_maximum_position():
+  config = dataclasses.replace(get_config('tiny_gqa'), max_position_embeddings=16)
+  model = abstract_model(config, jnp.float32)  # nothing runs: the check comes first
+  tree = gen.prompt_node(list(range(1, 11)), [gen.prompt_node(list(range(1, 8)))])
+  with pytest.raises(ValueError, match=r"prompts: a prompt of 17 tokens is longer than the "
+                                       r"model's maximum position \(16 tokens"):
+    gen.generate(model, [tree], max_new_tokens=4)
+  with pytest.raises(ValueError, match='of 20 tokens'):
+    gen.generate(model, [[1] * 20, [2]], max_new_tokens=4)
+  config.check_prompt_length(16)  # as long as the maximum: fine (generated tokens may go past)
 
 
 @pytest.mark.parametrize('kwargs,name', [

@@ -155,6 +155,8 @@ def test_orbax_round_trip(tmp_path):
   np.testing.assert_array_equal(as_bf16.layers[1].w_down.get_value(), w.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match='not written by save_params'):
     hf_loading.restore_params(tmp_path)
+  with pytest.raises(ValueError, match='does not exist'):
+    hf_loading.restore_params(tmp_path / 'missing')
 
 
 def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):

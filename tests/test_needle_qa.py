@@ -44,8 +44,8 @@ def test_document_tokens_keep_the_fewshot_tail():
 
 def test_smoke_run(tmp_path):
   out = subprocess.run(
-      [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--doc_tokens=400',
-       '--questions=1,3', '--new_tokens=4', f'--workdir={tmp_path}'],
+      [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--model=tiny_coder',
+       '--doc_tokens=400', '--questions=1,3', '--new_tokens=4', f'--workdir={tmp_path}'],
       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   records = [json.loads(l) for l in open(tmp_path / 'results.jsonl')]
@@ -66,8 +66,9 @@ def test_resume_keeps_the_points_that_ran(tmp_path):
 
   def run(*flags):
     out = subprocess.run(
-        [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--doc_tokens=400',
-         '--new_tokens=4', '--modes=tree,no_sharing', f'--workdir={tmp_path / "work"}', *flags],
+        [sys.executable, '-m', 'experiments.needle_qa', '--smoke', '--model=tiny_coder',
+         '--doc_tokens=400', '--new_tokens=4', '--modes=tree,no_sharing',
+         f'--workdir={tmp_path / "work"}', *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return {(r['mode'], r['questions']): r
