@@ -7,7 +7,7 @@ import math
 import numbers
 import time
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +115,14 @@ class Engine(Prefill, DecodeLoop):
 
   def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
              on_token: Callable[[TokenEvent], None] | None = None,
-             arrival: float | None = None) -> int:
+             arrival: float | None = None, client: Hashable = None) -> int:
     """Queues a request; returns its id. Raises ValueError (naming the argument) if it is
     malformed or can never fit; a refused request changes nothing.
 
     With `params.n` = k > 1 it queues k requests of the prompt (its samples),
     with ids `rid .. rid + k - 1` (rid is returned; `samples(rid)` lists them),
-    one callback `on_token` for all of them (events carry each one's id).
+    one callback `on_token` for all of them (events carry each one's id). Prompts queue
+    round-robin over `client`s (any hashable: a server passes the peer's address).
     """
     c = self.config
     if not isinstance(params, SamplingParams):
@@ -150,7 +151,7 @@ class Engine(Prefill, DecodeLoop):
       )
     rid = self._next_id
     arrival = self.clock() if arrival is None else float(arrival)
-    group = [Request(rid + i, prompt, params, on_token, arrival, rid, i)
+    group = [Request(rid + i, prompt, params, on_token, arrival, rid, i, client=client)
              for i in range(params.n)]
     self._next_id = rid + params.n
     for req in group:
@@ -250,23 +251,40 @@ class Engine(Prefill, DecodeLoop):
 
   def warmup(self) -> None:
     """Compiles every shape of the budget now (model steps on empty rows, KV copies)."""
+    for _ in self.warmup_steps():
+      pass
+
+  def warmup_steps(self) -> Iterator[tuple[int, int]]:
+    """`warmup` one shape at a time, smallest first (what a lone short request runs comes
+    early): yields (shapes done, shapes in all) after each, so a caller can serve between."""
+    budget = self._budget
+    shapes = sorted([(b, 0, ('decode', b, j)) for b, j in budget.decode]
+                    + [(t * b, 1, ('prefill', t, b, j)) for t, b, j in budget.prefill]
+                    + [(size, 2, ('copy', size)) for size in budget.copies])
+    for done, (_, _, shape) in enumerate(shapes, 1):
+      self._warm_shape(shape)
+      yield done, len(shapes)
+    jax.block_until_ready(self.kv)
+
+  def _warm_shape(self, shape: tuple) -> None:
     c, dp = self.config, self.num_shards
-    s = dp * c.prefill_sample_rows()
-    for b, j in self._budget.decode:
+    if shape[0] == 'decode':
+      _, b, j = shape
       layout = self._prepare_plan(self._empty_layout(b, j, self.caches[0].config.layout), c.impl)
       if dp > 1:  # as a decode step passes it: private lengths swapped in from the host
         layout = layout.with_private_lengths(np.zeros(dp * b, np.int32))
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       rows = None if dp == 1 else np.zeros(dp * b, np.int32)  # dp: decode samples by row index
-      self._warm(('decode', b, j), np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl,
-                 rows, feed)
-    for t, b, j in self._budget.prefill:
+      self._warm(shape, np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl, rows, feed)
+    elif shape[0] == 'prefill':
+      _, t, b, j = shape
+      s = dp * c.prefill_sample_rows()
       layout = self._prepare_plan(self._empty_layout(b, j, self._prefill_policy), c.prefill_impl, t)
-      self._warm(('prefill', t, b, j), np.zeros((dp * b, t), np.int32), layout, s,
-                 c.prefill_impl, np.zeros(s, np.int32), None)
-    for size in self._budget.copies:
+      self._warm(shape, np.zeros((dp * b, t), np.int32), layout, s, c.prefill_impl,
+                 np.zeros(s, np.int32), None)
+    else:
+      size = shape[1]
       self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
-    jax.block_until_ready(self.kv)
 
   # ---- the iteration ----------------------------------------------------------------------
 
