@@ -724,7 +724,7 @@ def _engine_sizes() -> dict[str, int]:
 
 def _warmup_logger(start: float):
   def log(done: int, total: int, seconds: float) -> None:
-    print(f'warm-up: {done}/{total} shapes compiled ({seconds:.0f} s compiling, '
+    print(f'warm-up: {done}/{total} programs compiled ({seconds:.0f} s compiling, '
           f'{time.monotonic() - start:.0f} s since start){"; warm" if done == total else ""}',
           flush=True)
   return log

@@ -13,7 +13,7 @@ have left it inconsistent: the loop then stops, every job in flight and every
 later `submit` fails with 503, and `stats` says why (`/v1/health` shows it).
 
 Warm-up: an engine with a fixed shape set (`Engine.warmup_steps`) compiles it one shape at
-a time while it has no requests (`warmup=True`), smallest shapes first; a request that comes
+a program at a time while it has no requests (`warmup=True`), smallest shapes first; a request that comes
 meanwhile is served at once (compiling what it needs on first use) and the warm-up goes on
 when the engine is idle again. `stats['warmup']` says how far it got, and `on_warmup`
 (called from the engine thread) hears of every step.
@@ -80,7 +80,7 @@ class EngineLoop:
     self._warm_progress: tuple[int, int] | None = None
     if self._warmup is not None:
       shapes = engine.compiled_shape_budget()
-      self._warm_progress = (0, shapes.num_steps + len(shapes.copies))
+      self._warm_progress = (0, shapes.num_programs + len(shapes.copies))
     self._warm_seconds = 0.0
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._jobs: dict[int, Job] = {}  # live sample id -> its job
@@ -259,7 +259,7 @@ class EngineLoop:
 
   def _warmup_stats(self) -> dict[str, Any]:
     done, total = self._warm_progress
-    return {'shapes_compiled': done, 'shapes': total, 'done': self._warmup is None,
+    return {'programs_compiled': done, 'programs': total, 'done': self._warmup is None,
             'seconds': round(self._warm_seconds, 1)}
 
 

@@ -255,18 +255,27 @@ class Engine(Prefill, DecodeLoop):
       pass
 
   def warmup_steps(self) -> Iterator[tuple[int, int]]:
-    """`warmup` one shape at a time, smallest first (what a lone short request runs comes
-    early): yields (shapes done, shapes in all) after each, so a caller can serve between."""
+    """`warmup` one compiled program at a time, yielding (programs done, programs in all)
+    after each, so a caller can serve between them. What a lone short request runs comes
+    first: fewest rows, then fewest segment slots, greedy before sampling, shortest prefill."""
     budget = self._budget
-    shapes = sorted([(b, 0, ('decode', b, j)) for b, j in budget.decode]
-                    + [(t * b, 1, ('prefill', t, b, j)) for t, b, j in budget.prefill]
-                    + [(size, 2, ('copy', size)) for size in budget.copies])
-    for done, (_, _, shape) in enumerate(shapes, 1):
-      self._warm_shape(shape)
-      yield done, len(shapes)
+    modes = {m: i for i, m in enumerate((SamplingMode.GREEDY, SamplingMode.DRAW,
+                                         SamplingMode.FILTER))}
+    steps = [('decode', b, j) for b, j in budget.decode] + [
+        ('prefill', t, b, j) for t, b, j in budget.prefill]
+    programs = sorted(
+        ((shape[-2], shape[-1], modes[mode], shape[1] if shape[0] == 'prefill' else 1), shape,
+         mode) for shape in steps for mode in {step_sampling_mode(shape, m) for m in SamplingMode})
+    total = len(programs) + len(budget.copies)
+    for done, (_, shape, mode) in enumerate(programs, 1):
+      self._warm_shape(shape, mode)
+      yield done, total
+    for done, size in enumerate(budget.copies, len(programs) + 1):
+      self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
+      yield done, total
     jax.block_until_ready(self.kv)
 
-  def _warm_shape(self, shape: tuple) -> None:
+  def _warm_shape(self, shape: tuple, mode: SamplingMode) -> None:
     c, dp = self.config, self.num_shards
     if shape[0] == 'decode':
       _, b, j = shape
@@ -275,16 +284,13 @@ class Engine(Prefill, DecodeLoop):
         layout = layout.with_private_lengths(np.zeros(dp * b, np.int32))
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       rows = None if dp == 1 else np.zeros(dp * b, np.int32)  # dp: decode samples by row index
-      self._warm(shape, np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl, rows, feed)
-    elif shape[0] == 'prefill':
+      self._warm(np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl, rows, feed, mode)
+    else:
       _, t, b, j = shape
       s = dp * c.prefill_sample_rows()
       layout = self._prepare_plan(self._empty_layout(b, j, self._prefill_policy), c.prefill_impl, t)
-      self._warm(shape, np.zeros((dp * b, t), np.int32), layout, s, c.prefill_impl,
-                 np.zeros(s, np.int32), None)
-    else:
-      size = shape[1]
-      self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
+      self._warm(np.zeros((dp * b, t), np.int32), layout, s, c.prefill_impl,
+                 np.zeros(s, np.int32), None, mode)
 
   # ---- the iteration ----------------------------------------------------------------------
 
@@ -378,19 +384,18 @@ class Engine(Prefill, DecodeLoop):
                                     max_private_pages=c.max_pages, upload=False)
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
-  def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
-    """Compiles one shape in each sampling mode its steps run (each is a program of its own)."""
+  def _warm(self, tokens, layout, s, impl, sample_rows, feed, mode) -> None:
+    """Compiles one shape in one sampling mode (each is a program of its own)."""
     b, t = tokens.shape
     slots = np.full((b, t), self._drop_slot, np.int32)  # writes nothing
     seeds, streams, index, greedy_rows = self._sampling_inputs([], s)
-    for mode in sorted({step_sampling_mode(shape, m) for m in SamplingMode}, key=str):
-      rows = dataclasses.replace(greedy_rows, mode=mode)
-      out, self.kv = self._model_step(
-          self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
-          streams, index, rows, sample_rows, feed=feed, impl=impl,
-          top_logprobs=self.config.max_top_logprobs)
-      jax.block_until_ready(out)
-      self._seen_shapes.add(_shape_key(tokens, s, feed, layout, rows))
+    rows = dataclasses.replace(greedy_rows, mode=mode)
+    out, self.kv = self._model_step(
+        self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
+        streams, index, rows, sample_rows, feed=feed, impl=impl,
+        top_logprobs=self.config.max_top_logprobs)
+    jax.block_until_ready(out)
+    self._seen_shapes.add(_shape_key(tokens, s, feed, layout, rows))
 
   # ---- handing out tokens -----------------------------------------------------------------
 
