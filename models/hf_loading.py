@@ -255,7 +255,7 @@ def param_shardings(config: LlamaConfig, dtype, mesh) -> dict:
   return nnx.to_pure_dict(sr.param_shardings(state, sr.auto_mesh(mesh)))
 
 
-def _placer(config: LlamaConfig, dtype, mesh):
+def param_placer(config: LlamaConfig, dtype, mesh):
   """place(path, numpy array) -> the array in its shards (or on the default device)."""
   if mesh is None:
     return lambda path, x: jnp.asarray(x)
@@ -333,10 +333,8 @@ def load_hf_checkpoint(
       True: fused (ValueError where tp does not divide them); False: apart (`save_params`
       writes them apart either way).
   """
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
-                              jnp.dtype(jnp.float16)):
-    raise ValueError(f'dtype must be bfloat16, float16 or float32, got {dtype}')
-  _check_fuse_qkv(fuse_qkv)
+  check_param_dtype(dtype)
+  check_fuse_qkv(fuse_qkv)
   config = config or _load_config(path)
   sr.check_mesh(config, mesh)
   files = safetensors_files(path)
@@ -345,16 +343,22 @@ def load_hf_checkpoint(
                _stored_dtype(path))
   with _open_all(files) as (get, shape_of):
     _check_names_and_shapes(files, shape_of, config)
-    params = convert_hf_tensors(get, config, dtype, place=_placer(config, dtype, mesh))
-  return _with_qkv(model_from_params(config, params, dtype, mesh), fuse_qkv)
+    params = convert_hf_tensors(get, config, dtype, place=param_placer(config, dtype, mesh))
+  return with_qkv(model_from_params(config, params, dtype, mesh), fuse_qkv)
 
 
-def _check_fuse_qkv(fuse_qkv) -> None:
+def check_param_dtype(dtype) -> None:
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                              jnp.dtype(jnp.float16)):
+    raise ValueError(f'dtype must be bfloat16, float16 or float32, got {dtype}')
+
+
+def check_fuse_qkv(fuse_qkv) -> None:
   if fuse_qkv not in (None, True, False):
     raise ValueError(f'fuse_qkv must be None, True or False, got {fuse_qkv!r}')
 
 
-def _with_qkv(model: Llama, fuse_qkv: bool | None) -> Llama:
+def with_qkv(model: Llama, fuse_qkv: bool | None) -> Llama:
   """The loaded model with its q/k/v weights as `fuse_qkv` asks (see `load_hf_checkpoint`)."""
   return model if fuse_qkv is False else model.fuse_qkv(required=bool(fuse_qkv))
 
@@ -431,7 +435,7 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None,
   """
   import orbax.checkpoint as ocp
 
-  _check_fuse_qkv(fuse_qkv)
+  check_fuse_qkv(fuse_qkv)
   directory = os.path.abspath(os.fspath(directory))
   config_file = os.path.join(directory, _CONFIG_FILE)
   if not os.path.exists(config_file):
@@ -455,4 +459,4 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None,
   restored['layers'] = {i: fuse_kv(layer) for i, layer in restored['layers'].items()}
   dtype = saved_dtype if dtype is None else jnp.dtype(dtype)
   restored = jax.tree.map(lambda x: x.astype(dtype), restored)  # keeps the sharding
-  return _with_qkv(model_from_params(config, restored, dtype, mesh), fuse_qkv)
+  return with_qkv(model_from_params(config, restored, dtype, mesh), fuse_qkv)

@@ -8,9 +8,11 @@ vocabulary holds them.
 
 import json
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import tokenizers
+
+from models.chat_template import apply_chat_template
 
 _BOS_NAMES = ('<s>', '<|begin_of_text|>')
 _EOS_NAMES = ('</s>', '<|end_of_text|>', '<|eot_id|>')
@@ -26,10 +28,11 @@ class Tokenizer:
   """Encode/decode with optional BOS, and the stop ids generation should use."""
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_id: int | None = None,
-               eos_ids: Sequence[int] = ()):
+               eos_ids: Sequence[int] = (), chat_template: str | None = None):
     self.tokenizer = tokenizer
     self.bos_id = bos_id
     self.eos_ids = tuple(int(i) for i in eos_ids)
+    self.chat_template = chat_template
 
   @classmethod
   def from_file(cls, path: str | os.PathLike) -> 'Tokenizer':
@@ -41,7 +44,7 @@ class Tokenizer:
       raise ValueError(f'no tokenizer.json at {file}')
     tok = tokenizers.Tokenizer.from_file(file)
     bos, eos = _special_ids(folder, tok)
-    return cls(tok, bos_id=bos, eos_ids=eos)
+    return cls(tok, bos_id=bos, eos_ids=eos, chat_template=_chat_template(folder))
 
   @property
   def vocab_size(self) -> int:
@@ -59,6 +62,20 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
     ids = [int(i) for i in ids if int(i) >= 0]  # generation pads finished rows with -1
     return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *,
+                          add_generation_prompt: bool = True) -> str:
+    """The prompt text of chat `messages` ({"role", "content"} each) under the model's template.
+
+    Encode the result with `add_bos=False`: chat templates write their own special tokens.
+    """
+    if self.chat_template is None:
+      raise ValueError('this tokenizer has no chat template (its checkpoint ships none)')
+    bos = None if self.bos_id is None else self.tokenizer.id_to_token(self.bos_id)
+    eos = None if not self.eos_ids else self.tokenizer.id_to_token(self.eos_ids[0])
+    return apply_chat_template(self.chat_template, messages,
+                               add_generation_prompt=add_generation_prompt, bos_token=bos,
+                               eos_token=eos)
 
 
 def _special_ids(folder: str, tok: tokenizers.Tokenizer) -> tuple[int | None, tuple[int, ...]]:
@@ -84,3 +101,18 @@ def _special_ids(folder: str, tok: tokenizers.Tokenizer) -> tuple[int | None, tu
   if not eos:
     eos = [tok.token_to_id(n) for n in _EOS_NAMES if tok.token_to_id(n) is not None]
   return bos, tuple(eos)
+
+
+def _chat_template(folder: str) -> str | None:
+  """tokenizer_config.json's `chat_template` (or chat_template.jinja), when the folder has one."""
+  jinja = os.path.join(folder, 'chat_template.jinja')
+  if os.path.exists(jinja):
+    with open(jinja) as f:
+      return f.read()
+  tok_config = os.path.join(folder, 'tokenizer_config.json')
+  if os.path.exists(tok_config):
+    with open(tok_config) as f:
+      template = json.load(f).get('chat_template')
+    if isinstance(template, str):
+      return template
+  return None
