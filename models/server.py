@@ -18,18 +18,43 @@ Endpoints (JSON in, JSON out):
   ids or a list of them, `n`, `max_tokens`, `temperature`, `top_p`, `stop`,
   `logprobs`, `seed`, `stream` as server-sent events ending `data: [DONE]`).
   Choices carry `token_ids` too (the only output without a tokenizer).
+* `POST /v1/chat/completions`: OpenAI's chat API (`messages` of `role` system / user /
+  assistant and `content`, under the model's chat template; the completions fields but
+  `logprobs`), with `choices[].message`, or `delta`s when streamed.
 * `GET /v1/models`, and `GET /v1/health`: 200 `{"status": "ok", "running": ...,
-  "queued": ..., "kv_bytes_in_use": ...}`, or 503 with `"error"` if the engine stopped.
+  "queued": ..., "kv_bytes_in_use": ..., "warmup": {"programs_compiled", "programs", "done",
+  "seconds"}}`, or 503 with `"error"` if the engine stopped.
 
 Every error is a JSON body with a 4xx/5xx status naming the field at fault
 (`{"error": "...", "field": ...}`; OpenAI's `{"error": {"message", "param", ...}}`
-on /v1/completions), transport errors included (a bad `Content-Length`, a body
+on the OpenAI routes), transport errors included (a bad `Content-Length`, a body
 over the limit or too slow, too many connections). A client that leaves,
-before or during its answer, streamed or not, cancels its request. If the
-engine stops, health says so and requests fail at once with 503.
+before or during its answer, streamed or not, cancels its request; one that only
+half-closes after its request is answered. If the engine stops, health says so and
+requests fail at once with 503.
 
-Run: `python -m models.server --model=tiny_gqa --port=8000` (random weights),
-or with `--checkpoint=<HF folder>` (and its tokenizer, for text).
+Many clients, some greedy or hostile (`ServerConfig` holds the limits):
+* what a request carries costs time linear in its size, within documented limits
+  (`server_api.Limits`, `server_text`); sizes are checked before parsing work, and
+  parsing and tokenizing run on worker threads, never on the event loop;
+* a request holds at most `max_request_samples` samples and `max_request_tokens`
+  tokens (400 above); the engine's queue takes turns between client addresses;
+* connections are capped in all and per client address (503 above);
+* `api_keys` (`--api_key`, or $HYDRAJAX_API_KEY) makes every route but /v1/health
+  ask for `Authorization: Bearer <key>` (401 otherwise); `rate_limit` caps requests a
+  second per client address (429 with Retry-After); serving beyond loopback without a
+  key logs a warning;
+* `model`, where given, must name the served model (404 otherwise); answers name the
+  served model, never echo the request's.
+
+Warm-up: the engine compiles its fixed set of programs in the background while idle,
+smallest first, and serves meanwhile (a request compiles what it needs on first use);
+the log and /v1/health say how far it got. On a CPU the engine is sized smaller (a
+smaller batch, one prompt per prefill call) so that the set stays small.
+
+Run: `python -m models.server` (SmolLM2-135M-Instruct, fetched on first use), or
+`--checkpoint=<.gguf file or HF folder>`, or `--model=tiny_gqa` (random weights, no
+tokenizer: token ids only).
 """
 
 import asyncio
@@ -58,8 +83,8 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H
 
 from models.engine import Engine
 from models.server_api import (
-    BadRequest, Choice, Limits, Work, finite, openai_error, parse_completion, parse_generate,
-    plain_error,
+    BadRequest, Choice, Limits, Work, finite, openai_error, parse_chat, parse_completion,
+    parse_generate, plain_error,
 )
 from models.server_engine import EngineDown, EngineLoop, Job, JobDone, JobFailed
 from models.server_limits import API_KEY_ENV, ApiKeys, RateLimiter, exposure_warning
@@ -481,6 +506,18 @@ def make_app(loop: EngineLoop, *, tokenizer: Tokenizer | None = None, model_name
     return _Answer(loop, work, lambda pending, send: _completion(pending, send, tokenizer),
                    openai=True, client=_client(request))
 
+  async def chat(request: Request) -> Response:
+    try:
+      work = await parse(request, parse_chat, openai=True)
+    except ClientDisconnect:
+      return Response(status_code=499)
+    if isinstance(work, Response):
+      return work
+    work = dataclasses.replace(work, model=model_name)
+    return _Answer(loop, work, lambda pending, send: _completion(pending, send, tokenizer,
+                                                                 chat=True),
+                   openai=True, client=_client(request))
+
   async def health(request: Request) -> Response:
     stats = dict(loop.stats)
     if not loop.alive:
@@ -509,6 +546,7 @@ def make_app(loop: EngineLoop, *, tokenizer: Tokenizer | None = None, model_name
   return Starlette(routes=[
       Route('/v1/generate', generate, methods=['POST']),
       Route('/v1/completions', completions, methods=['POST']),
+      Route('/v1/chat/completions', chat, methods=['POST']),
       Route('/v1/health', health, methods=['GET']),
       Route('/v1/models', models, methods=['GET']),
   ], exception_handlers={HTTPException: http_error, Exception: server_error})
@@ -583,17 +621,30 @@ async def _stream_generate(pending: _Pending, send) -> None:
 # ---- /v1/completions --------------------------------------------------------------------------
 
 
-async def _completion(pending: _Pending, send, tokenizer: Tokenizer | None) -> None:
+async def _completion(pending: _Pending, send, tokenizer: Tokenizer | None, *,
+                      chat: bool = False) -> None:
+  """OpenAI's completions answer, or with `chat` its chat completions answer."""
   work = pending.work
   n = work.params.n
   choices = [Choice(tokenizer, stop_texts=work.stop_texts, stop_ids=work.stop_ids)
              for _ in range(n * len(work.prompts))]
-  head = {'id': f'cmpl-{uuid.uuid4().hex}', 'object': 'text_completion',
+  head = {'id': f'{"chatcmpl" if chat else "cmpl"}-{uuid.uuid4().hex}',
+          'object': 'chat.completion.chunk' if chat and work.stream else
+                    'chat.completion' if chat else 'text_completion',
           'created': int(time.time()), 'model': work.model}
   offsets = [0] * len(choices)
   started = False
+  greeted = [False] * len(choices)  # chat: the first delta of a choice names the role
 
   def choice_json(k, text, start, end, reason):
+    if chat:
+      if not work.stream:
+        return {'index': k, 'message': {'role': 'assistant', 'content': text},
+                'logprobs': None, 'finish_reason': reason}
+      delta = {'content': text} if text else {}
+      if not greeted[k]:
+        delta, greeted[k] = {'role': 'assistant', **delta}, True
+      return {'index': k, 'delta': delta, 'logprobs': None, 'finish_reason': reason}
     logprobs = None
     if work.top_logprobs is not None:
       logprobs = choices[k].logprobs_json(start, end, offset=offsets[k], top=work.top_logprobs)
@@ -709,6 +760,9 @@ def make_server(engine: Engine, *, host: str = '127.0.0.1', port: int = 8000,
   return Server(engine, host=host, port=port, tokenizer=tokenizer, **kwargs)
 
 
+DEFAULT_MODEL_NAME = 'SmolLM2-135M-Instruct'
+
+
 def _engine_sizes() -> dict[str, int]:
   """Engine sizes: the flags where given, else sized for the backend. On a CPU a smaller
   batch and one prompt per prefill call keep the shape set (and its warm-up) small."""
@@ -740,9 +794,13 @@ def main(argv):
   from hydrajax.parallel import initialize_distributed, parse_mesh
   from models import sharding_rules as sr
   from models.config import get_config
+  from models.checkpoint import load_checkpoint
   from models.engine import EngineConfig
-  from models.hf_loading import load_hf_checkpoint
+  from models.pretrained import load_smollm2
 
+  if _COMPILATION_CACHE.value:  # a later start loads the programs this one compiled
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
   initialize_distributed(_DISTRIBUTED.value)
   mesh = parse_mesh(_MESH.value)  # errors before any work: unknown axes, too many devices
   if mesh is not None and mesh.shape.get('dp', 1) > 1 and _OVERLAP.value:
@@ -754,36 +812,39 @@ def main(argv):
                         api_keys=keys, rate_limit=_RATE_LIMIT.value)  # checked before work
   dtype = jnp.dtype(_DTYPE.value)
   if _CHECKPOINT.value:
-    model = load_hf_checkpoint(_CHECKPOINT.value, dtype=dtype, mesh=mesh)
-  else:  # made straight into its shards with a mesh
+    model, tokenizer = load_checkpoint(_CHECKPOINT.value, dtype=dtype, mesh=mesh)
+    name = os.path.basename(_CHECKPOINT.value.rstrip('/'))
+    name = name[:-len('.gguf')] if name.lower().endswith('.gguf') else name
+  elif _MODEL.value:  # random weights, made straight into their shards with a mesh
     model = sr.init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
-  tokenizer = None
-  if _TOKENIZER.value or _CHECKPOINT.value:
-    try:
-      tokenizer = Tokenizer.from_file(_TOKENIZER.value or _CHECKPOINT.value)
-    except ValueError:
-      if _TOKENIZER.value:
-        raise
+    tokenizer, name = None, _MODEL.value
+  else:
+    model, tokenizer = load_smollm2(dtype=dtype, mesh=mesh)
+    name = DEFAULT_MODEL_NAME
+  if _TOKENIZER.value:
+    tokenizer = Tokenizer.from_file(_TOKENIZER.value)
+  print(f'loaded {name} ({time.monotonic() - start:.0f} s after start)', flush=True)
   engine = Engine(model, EngineConfig(chunk_size=_CHUNK.value, overlap_decode=_OVERLAP.value,
                                       **_engine_sizes()))
-  name = _CHECKPOINT.value.rstrip('/').split('/')[-1] if _CHECKPOINT.value else _MODEL.value
   if _WARMUP.value:
     print(f'warm-up: compiling {engine.compiled_shape_budget()} while idle, serving meanwhile '
           f'(a request compiles what it needs on first use)', flush=True)
   server = make_server(engine, host=_HOST.value, port=_PORT.value, tokenizer=tokenizer,
                        model_name=name, config=config, warmup=_WARMUP.value,
                        on_warmup=_warmup_logger(start))
-  print(f'serving {name} on http://{server.host}:{server.port} (POST /v1/generate, '
-        f'POST /v1/completions, GET /v1/health) {time.monotonic() - start:.0f} s after start',
-        flush=True)
+  print(f'serving {name} on http://{server.host}:{server.port} (POST /v1/chat/completions, '
+        f'POST /v1/completions, POST /v1/generate, GET /v1/health, GET /v1/models) '
+        f'{time.monotonic() - start:.0f} s after start', flush=True)
   server.serve_forever()
 
 
 if __name__ == '__main__':
   from absl import app, flags
 
-  _MODEL = flags.DEFINE_string('model', 'tiny_gqa', 'model preset (random weights)')
-  _CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'HF Llama folder (overrides --model)')
+  _MODEL = flags.DEFINE_string('model', '', 'a model preset with random weights, e.g. tiny_gqa '
+                               '(default: SmolLM2-135M-Instruct, fetched on first use)')
+  _CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'a .gguf file or a HF Llama folder '
+                                    '(overrides --model)')
   _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json or its folder (for text)')
   _DTYPE = flags.DEFINE_string('dtype', 'float32', 'parameter dtype')
   _HOST = flags.DEFINE_string('host', '127.0.0.1', 'address to listen on (beyond loopback, '
@@ -811,6 +872,10 @@ if __name__ == '__main__':
                                    'may send on average (bursts of 32); 0: no limit')
   _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape in the background '
                                  'while idle (requests are served meanwhile)')
+  _COMPILATION_CACHE = flags.DEFINE_string(
+      'compilation_cache', os.path.join(os.environ.get('HYDRAJAX_CACHE') or '~/.cache/hydrajax',
+                                        'jax'),
+      "where compiled programs are kept for later starts ('' : nowhere)")
   _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' or 'dp:2,tp:4' (tensor and "
                               "data parallel over the local devices; '' or 'none': one device); "
                               'see hydrajax/PARALLELISM.md')

@@ -11,6 +11,14 @@ the engine only when it is well formed.
 UTF-8 character), stops that the server applies (OpenAI `stop` strings and
 token sequences), log-probs, and the finish reason.
 
+Limits, each checked before the work it bounds (so what a request carries costs time
+linear in its size, and the size is bounded): prompts of at most `max_sequence_length`
+token ids, text prompts of at most `Limits.max_text_chars` characters (checked before
+tokenizing), `max_prompts` prompts, `max_samples` samples (prompts x n) and `max_tokens`
+tokens (each prompt plus n x its most new tokens) per request; `MAX_STOP_STRINGS` stops of
+at most `MAX_STOP_CHARS` characters or `MAX_STOP_IDS` ids, `_MAX_STOP_TOKENS` stop tokens;
+`MAX_MESSAGES` chat messages; a `model` that is not the served model's name is refused.
+
 Sampling fields map onto `SamplingParams` (see INTERFACES B). A field the
 installed `SamplingParams` does not have yet is refused with a 400 naming it
 when a request sets it to anything but its default.
@@ -302,15 +310,23 @@ def parse_completion(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -
   model = check_model(req.get('model'), limits)
   if 'prompt' not in req:
     raise BadRequest('prompt', '"prompt" is required: text, token ids, or a list of either')
+  work = _sampled_work(req, lambda: _completion_prompts(req['prompt'], tokenizer, limits),
+                       tokenizer, limits, prompt_field='prompt', length_field='max_tokens')
+  return dataclasses.replace(work, model=model)
+
+
+def _sampled_work(req, prompts, tokenizer, limits, *, prompt_field, length_field) -> Work:
+  """The OpenAI sampling fields of `req` (completions and chat) around `prompts()`, called
+  after the cheap checks."""
   n = _integer(req, 'n', 1, 1, limits.max_batch)
   if 'best_of' in req and _integer(req, 'best_of', n, n, n) != n:
     raise BadRequest('best_of', '"best_of" must equal "n"')
   stop_texts, stop_ids = _completion_stops(req.get('stop', []), tokenizer, limits)
-  prompts = _completion_prompts(req['prompt'], tokenizer, limits)  # after the cheap checks
-  room = _check_room(prompts, limits, 'prompt')
-  max_tokens = _integer(req, 'max_tokens', 16, 1, room)
-  _check_fits(prompts, max_tokens, n, limits, length_field='max_tokens', n_field='n',
-              prompt_field='prompt')
+  prompts = prompts()
+  room = _check_room(prompts, limits, prompt_field)
+  max_tokens = _integer(req, length_field, 16, 1, room)
+  _check_fits(prompts, max_tokens, n, limits, length_field=length_field, n_field='n',
+              prompt_field=prompt_field)
   seed = req.get('seed')
   if seed is not None:
     seed = _integer(req, 'seed', None, -2**63, 2**63 - 1) % _SEED_MODULUS
@@ -326,7 +342,7 @@ def parse_completion(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -
                        '{"include_usage": bool}')
     include_usage = _boolean(options, 'include_usage', False)
   params = make_params(
-      {'max_new_tokens': 'max_tokens', 'top_logprobs': 'logprobs', 'logprobs': 'logprobs'},
+      {'max_new_tokens': length_field, 'top_logprobs': 'logprobs', 'logprobs': 'logprobs'},
       max_new_tokens=max_tokens, n=n,
       temperature=_number(req, 'temperature', 1.0, 0, 1e6),
       top_p=_number(req, 'top_p', 1.0, 0, 1, open_low=True),
@@ -336,7 +352,63 @@ def parse_completion(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -
       # The server applies `stop` itself (`Choice`); the engine also stops early where it can.
       **({'stop_sequences': stop_ids} if 'stop_sequences' in supported_params() else {}))
   return Work(prompts=prompts, params=params, stream=stream, stop_texts=stop_texts,
-              stop_ids=stop_ids, top_logprobs=top, include_usage=include_usage, model=model)
+              stop_ids=stop_ids, top_logprobs=top, include_usage=include_usage)
+
+
+CHAT_FIELDS = frozenset({
+    'model', 'messages', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k',
+    'min_p', 'n', 'stream', 'stream_options', 'stop', 'seed', 'logprobs', 'presence_penalty',
+    'frequency_penalty', 'logit_bias', 'user'})
+_CHAT_ROLES = ('system', 'user', 'assistant')
+MAX_MESSAGES = 256
+
+
+def parse_chat(body: bytes, tokenizer: Tokenizer | None, limits: Limits) -> Work:
+  """An OpenAI /v1/chat/completions body -> Work (the messages under the model's chat
+  template); raises BadRequest naming the field."""
+  req = load_json_object(body)
+  unknown = sorted(set(req) - CHAT_FIELDS)
+  if unknown:
+    raise BadRequest(unknown[0], f'unknown field "{unknown[0]}" (of {unknown}); this server '
+                     f'takes {sorted(CHAT_FIELDS)}')
+  req = {k: v for k, v in req.items() if v is not None}
+  for name, default in (*_UNSUPPORTED.items(), ('logprobs', False)):
+    if name in req and req[name] != default:
+      raise BadRequest(name, f'"{name}" is not supported here (only {json.dumps(default)})')
+  req.pop('logprobs', None)
+  req['model'] = check_model(req.get('model'), limits)
+  if 'max_completion_tokens' in req:
+    req['max_tokens'] = req.pop('max_completion_tokens')
+  messages = req.get('messages')
+  if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+    raise BadRequest('messages', f'"messages" must be a list of 1 to {MAX_MESSAGES} '
+                     '{"role", "content"} objects')
+  for i, m in enumerate(messages):
+    if (not isinstance(m, dict) or set(m) - {'role', 'content', 'name'}
+        or m.get('role') not in _CHAT_ROLES or not isinstance(m.get('content'), str)):
+      raise BadRequest('messages', f'"messages"[{i}] must be {{"role": one of {_CHAT_ROLES}, '
+                       f'"content": text}}')
+  if sum(len(m['content']) for m in messages) > limits.max_text_chars:
+    raise BadRequest('messages', f'the messages are over {limits.max_text_chars} characters')
+  if tokenizer is None or getattr(tokenizer, 'chat_template', None) is None:
+    raise BadRequest('messages', 'chat needs a server whose tokenizer has a chat template; use '
+                     '/v1/completions')
+
+  def prompt():
+    try:
+      text = tokenizer.apply_chat_template(
+          [{'role': m['role'], 'content': m['content']} for m in messages])
+    except ValueError as e:
+      raise BadRequest('messages', f'the chat template refused the messages: {e}') from None
+    ids = tuple(tokenizer.encode(text, add_bos=False))
+    if max(ids) >= limits.vocab_size:
+      raise BadRequest('messages', 'the messages encode to token ids outside the model\'s '
+                       f'vocabulary [0, {limits.vocab_size})')
+    return (ids,)
+
+  work = _sampled_work(req, prompt, tokenizer, limits, prompt_field='messages',
+                       length_field='max_tokens')
+  return dataclasses.replace(work, model=req.get('model'))
 
 
 def check_model(model, limits: Limits) -> str | None:

@@ -21,7 +21,7 @@ from models.engine import Engine, EngineConfig, SamplingParams
 from models.engine.requests import Request
 from models.engine.scheduler import Scheduler
 from models.server import ServerConfig
-from models.server_api import BadRequest, Choice, Limits, parse_completion, parse_generate
+from models.server_api import BadRequest, Choice, parse_completion, parse_generate
 from models.server_limits import ApiKeys, RateLimiter, exposure_warning
 from models.server_text import (
     MAX_STOP_CHARS, MAX_STOP_STRINGS, HoldBack, IncrementalText, StopFinder,
