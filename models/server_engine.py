@@ -12,6 +12,12 @@ An exception from `Engine.step()` is the engine's, not a request's, and may
 have left it inconsistent: the loop then stops, every job in flight and every
 later `submit` fails with 503, and `stats` says why (`/v1/health` shows it).
 
+Warm-up: an engine with a fixed shape set (`Engine.warmup_steps`) compiles it one shape at
+a program at a time while it has no requests (`warmup=True`), smallest shapes first; a request that comes
+meanwhile is served at once (compiling what it needs on first use) and the warm-up goes on
+when the engine is idle again. `stats['warmup']` says how far it got, and `on_warmup`
+(called from the engine thread) hears of every step.
+
 Finished requests are dropped from `engine.requests` (the engine keeps every
 request it ever saw; a server runs for days), keeping the last `keep_finished`
 in `recent` for inspection.
@@ -21,6 +27,7 @@ import collections
 import dataclasses
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -58,13 +65,23 @@ class Job:
   first_id: int | None = None  # sample 0's request id, once submitted
   live: set = dataclasses.field(default_factory=set)  # sample ids not finished yet
   shared_tokens: int = 0  # prompt tokens shared with other requests at admission
+  client: Any = None  # who asked: the engine's queue takes turns between clients
 
 
 class EngineLoop:
   """Owns an `Engine` in one thread (see the module doc)."""
 
-  def __init__(self, engine: Engine, *, keep_finished: int = 256):
+  def __init__(self, engine: Engine, *, keep_finished: int = 256, warmup: bool = False,
+               on_warmup: Callable[[int, int, float], None] | None = None):
     self.engine = engine
+    steps = getattr(engine, 'warmup_steps', None)
+    self._warmup = steps() if warmup and steps is not None else None
+    self._on_warmup = on_warmup
+    self._warm_progress: tuple[int, int] | None = None
+    if self._warmup is not None:
+      shapes = engine.compiled_shape_budget()
+      self._warm_progress = (0, shapes.num_programs + len(shapes.copies))
+    self._warm_seconds = 0.0
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._jobs: dict[int, Job] = {}  # live sample id -> its job
     self._lock = threading.Lock()  # orders submit against the loop's stop
@@ -118,7 +135,7 @@ class EngineLoop:
   def _loop(self) -> None:
     engine = self.engine
     while True:
-      block = not engine.has_work
+      block = not engine.has_work and self._warmup is None
       while True:  # take every message; wait for one only when idle
         try:
           item = self._inbox.get(block=block)
@@ -129,6 +146,8 @@ class EngineLoop:
           return
         self._take(*item)
       if not engine.has_work:
+        if self._warmup is not None:
+          self._warm_one()
         continue
       try:
         events = engine.step()
@@ -145,7 +164,7 @@ class EngineLoop:
         self.engine.cancel(rid)
       return
     try:
-      first = self.engine.submit(job.prompt, job.params)
+      first = self.engine.submit(job.prompt, job.params, client=job.client)
     except (ValueError, TypeError, OverflowError) as e:  # a request the engine refuses
       return self._send(job, JobFailed(400, 'prompt', str(e)))
     except Exception as e:  # anything else still ends only this request
@@ -208,6 +227,21 @@ class EngineLoop:
       self._send(job, JobFailed(503, 'engine', self.error))
     self.stats = self._stats()
 
+  def _warm_one(self) -> None:
+    """Compiles one more shape of the warm-up (engine thread, while idle)."""
+    start = time.perf_counter()
+    try:
+      progress = next(self._warmup)
+    except StopIteration:
+      self._warmup = None
+      self.stats = self._stats()
+      return
+    self._warm_seconds += time.perf_counter() - start
+    self._warm_progress = progress
+    self.stats = self._stats()
+    if self._on_warmup is not None:
+      self._on_warmup(*progress, self._warm_seconds)
+
   def _stats(self) -> dict[str, Any]:
     engine = self.engine
     return {
@@ -218,8 +252,15 @@ class EngineLoop:
         'iterations': engine.stats.iterations,
         'distinct_step_shapes': len(engine.stats.shapes),
         **({'step_shape_budget': self._budget} if self._budget is not None else {}),
+        **({'warmup': self._warmup_stats()} if self._warm_progress is not None else {}),
         **({'error': self.error} if self.error is not None else {}),
     }
+
+
+  def _warmup_stats(self) -> dict[str, Any]:
+    done, total = self._warm_progress
+    return {'programs_compiled': done, 'programs': total, 'done': self._warmup is None,
+            'seconds': round(self._warm_seconds, 1)}
 
 
 def _discard(item) -> None:

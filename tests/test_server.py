@@ -21,11 +21,13 @@ pytest.importorskip('starlette', reason='the server needs the serve extra: pip i
 from hydrajax.chunk_cache import LayoutPolicy
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
+from models.chat_template import SMOLLM2_TEMPLATE
 from models.llama import Llama
 from models.server import ServerConfig, make_server
 from models.server_api import (
     BadRequest, Limits, parse_completion, parse_generate,
 )
+from models.tokenizer import Tokenizer
 from tests.test_engine import assert_no_leak
 from tests.test_generate_cli import char_tokenizer
 
@@ -68,6 +70,7 @@ class Served:
 
   def __init__(self, engine, **kwargs):
     self.engine = engine
+    kwargs.setdefault('model_name', 'tiny')  # what the tests' requests name
     self.server = make_server(engine, port=0, **kwargs).start()
     self.port = self.server.port
 
@@ -629,3 +632,35 @@ def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
   one = Engine(model, EngineConfig(num_chunks=32, chunk_size=16, max_batch=4,
                                    max_sequence_length=128))
   assert reply['outputs'] == one.generate([prompt], SamplingParams(max_new_tokens=6))
+
+
+def test_chat_completions_under_the_chat_template(long_engine, tmp_path):
+  openai = pytest.importorskip('openai')
+  chars = char_tokenizer(tmp_path)
+  tok = Tokenizer(chars.tokenizer, bos_id=chars.bos_id, eos_ids=chars.eos_ids,
+                  chat_template=SMOLLM2_TEMPLATE)
+  s = Served(long_engine, tokenizer=tok)
+  try:
+    client = openai.OpenAI(base_url=f'http://127.0.0.1:{s.port}/v1', api_key='unused',
+                           max_retries=0, timeout=HANG_GUARD_S)
+    messages = [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'hi'}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    want = s.post('/v1/completions', {'prompt': ids, 'max_tokens': 6, 'temperature': 0})
+    want = json.loads(want[1])['choices'][0]['text']
+    reply = client.chat.completions.create(model='tiny', messages=messages, max_tokens=6,
+                                           temperature=0)
+    assert reply.object == 'chat.completion' and reply.model == 'tiny'
+    assert reply.choices[0].message.role == 'assistant'
+    assert reply.choices[0].message.content == want
+    assert reply.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model='tiny', messages=messages, max_tokens=6,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == 'length'
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model='tiny', messages=[{'role': 'robot', 'content': 'x'}])
+    assert e.value.body['param'] == 'messages'
+  finally:
+    s.close()

@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from hydrajax import AttentionImpl, SharingPolicy
 from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
 from hydrajax.layout import as_int
@@ -193,6 +195,19 @@ class EngineConfig:
                        f'{buckets!r}')
     object.__setattr__(self, 'decode_buckets', tuple(
         as_int(b, f'EngineConfig.decode_buckets[{i}]') for i, b in enumerate(buckets)))
+    for name in ('impl', 'prefill_impl'):
+      try:
+        AttentionImpl(getattr(self, name))
+      except ValueError as e:
+        raise ValueError(f'EngineConfig.{name}: {e}') from None
+    if self.cache_dtype is not None:
+      try:
+        floating = jnp.issubdtype(jnp.dtype(self.cache_dtype), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        raise ValueError(f'EngineConfig.cache_dtype must be None (the model\'s) or a floating '
+                         f'dtype such as "bfloat16", got {self.cache_dtype!r}')
     if not isinstance(self.command_buffers, bool):
       raise ValueError(f'EngineConfig.command_buffers must be a bool, got '
                        f'{self.command_buffers!r}')

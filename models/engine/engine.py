@@ -7,7 +7,7 @@ import math
 import numbers
 import time
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +115,14 @@ class Engine(Prefill, DecodeLoop):
 
   def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), *,
              on_token: Callable[[TokenEvent], None] | None = None,
-             arrival: float | None = None) -> int:
+             arrival: float | None = None, client: Hashable = None) -> int:
     """Queues a request; returns its id. Raises ValueError (naming the argument) if it is
     malformed or can never fit; a refused request changes nothing.
 
     With `params.n` = k > 1 it queues k requests of the prompt (its samples),
     with ids `rid .. rid + k - 1` (rid is returned; `samples(rid)` lists them),
-    one callback `on_token` for all of them (events carry each one's id).
+    one callback `on_token` for all of them (events carry each one's id). Prompts queue
+    round-robin over `client`s (any hashable: a server passes the peer's address).
     """
     c = self.config
     if not isinstance(params, SamplingParams):
@@ -150,7 +151,7 @@ class Engine(Prefill, DecodeLoop):
       )
     rid = self._next_id
     arrival = self.clock() if arrival is None else float(arrival)
-    group = [Request(rid + i, prompt, params, on_token, arrival, rid, i)
+    group = [Request(rid + i, prompt, params, on_token, arrival, rid, i, client=client)
              for i in range(params.n)]
     self._next_id = rid + params.n
     for req in group:
@@ -250,23 +251,46 @@ class Engine(Prefill, DecodeLoop):
 
   def warmup(self) -> None:
     """Compiles every shape of the budget now (model steps on empty rows, KV copies)."""
+    for _ in self.warmup_steps():
+      pass
+
+  def warmup_steps(self) -> Iterator[tuple[int, int]]:
+    """`warmup` one compiled program at a time, yielding (programs done, programs in all)
+    after each, so a caller can serve between them. What a lone short request runs comes
+    first: fewest rows, then fewest segment slots, greedy before sampling, shortest prefill."""
+    budget = self._budget
+    modes = {m: i for i, m in enumerate((SamplingMode.GREEDY, SamplingMode.DRAW,
+                                         SamplingMode.FILTER))}
+    steps = [('decode', b, j) for b, j in budget.decode] + [
+        ('prefill', t, b, j) for t, b, j in budget.prefill]
+    programs = sorted(
+        ((shape[-2], shape[-1], modes[mode], shape[1] if shape[0] == 'prefill' else 1), shape,
+         mode) for shape in steps for mode in {step_sampling_mode(shape, m) for m in SamplingMode})
+    total = len(programs) + len(budget.copies)
+    for done, (_, shape, mode) in enumerate(programs, 1):
+      self._warm_shape(shape, mode)
+      yield done, total
+    for done, size in enumerate(budget.copies, len(programs) + 1):
+      self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
+      yield done, total
+    jax.block_until_ready(self.kv)
+
+  def _warm_shape(self, shape: tuple, mode: SamplingMode) -> None:
     c, dp = self.config, self.num_shards
-    s = dp * c.prefill_sample_rows()
-    for b, j in self._budget.decode:
+    if shape[0] == 'decode':
+      _, b, j = shape
       layout = self._prepare_plan(self._empty_layout(b, j, self.caches[0].config.layout), c.impl)
       if dp > 1:  # as a decode step passes it: private lengths swapped in from the host
         layout = layout.with_private_lengths(np.zeros(dp * b, np.int32))
       feed = (np.zeros(b, np.int32), np.full(b, -1, np.int32)) if c.overlap_decode else None
       rows = None if dp == 1 else np.zeros(dp * b, np.int32)  # dp: decode samples by row index
-      self._warm(('decode', b, j), np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl,
-                 rows, feed)
-    for t, b, j in self._budget.prefill:
+      self._warm(np.zeros((dp * b, 1), np.int32), layout, dp * b, c.impl, rows, feed, mode)
+    else:
+      _, t, b, j = shape
+      s = dp * c.prefill_sample_rows()
       layout = self._prepare_plan(self._empty_layout(b, j, self._prefill_policy), c.prefill_impl, t)
-      self._warm(('prefill', t, b, j), np.zeros((dp * b, t), np.int32), layout, s,
-                 c.prefill_impl, np.zeros(s, np.int32), None)
-    for size in self._budget.copies:
-      self._copy_padded(np.zeros(size, np.int32), np.full(size, self._drop_slot, np.int32))
-    jax.block_until_ready(self.kv)
+      self._warm(np.zeros((dp * b, t), np.int32), layout, s, c.prefill_impl,
+                 np.zeros(s, np.int32), None, mode)
 
   # ---- the iteration ----------------------------------------------------------------------
 
@@ -360,19 +384,18 @@ class Engine(Prefill, DecodeLoop):
                                     max_private_pages=c.max_pages, upload=False)
     return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
 
-  def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
-    """Compiles one shape in each sampling mode its steps run (each is a program of its own)."""
+  def _warm(self, tokens, layout, s, impl, sample_rows, feed, mode) -> None:
+    """Compiles one shape in one sampling mode (each is a program of its own)."""
     b, t = tokens.shape
     slots = np.full((b, t), self._drop_slot, np.int32)  # writes nothing
     seeds, streams, index, greedy_rows = self._sampling_inputs([], s)
-    for mode in sorted({step_sampling_mode(shape, m) for m in SamplingMode}, key=str):
-      rows = dataclasses.replace(greedy_rows, mode=mode)
-      out, self.kv = self._model_step(
-          self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
-          streams, index, rows, sample_rows, feed=feed, impl=impl,
-          top_logprobs=self.config.max_top_logprobs)
-      jax.block_until_ready(out)
-      self._seen_shapes.add(_shape_key(tokens, s, feed, layout, rows))
+    rows = dataclasses.replace(greedy_rows, mode=mode)
+    out, self.kv = self._model_step(
+        self._params, self.kv, tokens, np.zeros((b, t), np.int32), slots, layout, seeds,
+        streams, index, rows, sample_rows, feed=feed, impl=impl,
+        top_logprobs=self.config.max_top_logprobs)
+    jax.block_until_ready(out)
+    self._seen_shapes.add(_shape_key(tokens, s, feed, layout, rows))
 
   # ---- handing out tokens -----------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Requests, their events, and the checks a prompt passes before it is queued."""
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 import numpy as np
 
@@ -59,6 +59,7 @@ class Request:
   prefilled_tokens: int = 0
   cancel_requested: bool = False
   error: str | None = None
+  client: Hashable = None  # who asked (the queue takes turns between clients)
 
 
 def check_prompt(prompt, vocab_size: int) -> np.ndarray:

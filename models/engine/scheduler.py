@@ -10,7 +10,7 @@ from models.engine.stats import EngineStats
 
 
 class Scheduler:
-  """The queue (a prompt's samples together), first come first served, and admission.
+  """The queue (a prompt's samples together), round-robin over clients, and admission.
 
   A prompt is admitted while the batch has room (`max_batch`, counting every
   sample), the iteration's prefill budget allows, and the chunk pool can hold
@@ -40,7 +40,18 @@ class Scheduler:
     return sum(len(g) for g in self.queue)
 
   def add(self, group: list[Request]) -> None:
-    self.queue.append(group)
+    """Queues a prompt's samples, interleaving clients: a client's k-th queued prompt goes
+    after every other client's k-th (round-robin), so one client's many prompts never hold
+    back another's first."""
+    client = group[0].client
+    ahead = sum(1 for g in self.queue if g[0].client == client)  # this one's round
+    seen: collections.Counter = collections.Counter()
+    at = 0
+    for i, g in enumerate(self.queue):
+      seen[g[0].client] += 1
+      if seen[g[0].client] <= ahead + 1:
+        at = i + 1  # a group of this round or an earlier one
+    self.queue.insert(at, group)
 
   def take_cancelled(self) -> list[Request]:
     """Removes and returns the queued requests whose cancellation was asked for."""
