@@ -28,16 +28,11 @@ import numpy as np
 
 import hydrajax as hj
 from experiments import cli
+from experiments.qa_prompts import FEWSHOT
 from models import generate as gen
 from models import pretrained
 from models.llama import ModelMode
 
-FEWSHOT = (
-    'Answer each question in a few words.\n\n'
-    'Question: What is the capital of France?\nAnswer: Paris.\n\n'
-    'Question: How many legs does a spider have?\nAnswer: Eight.\n\n'
-    'Question: What is the chemical symbol for gold?\nAnswer: Au.\n\n'
-)
 QUESTIONS = (
     'What is the largest planet in the solar system?',
     'Who wrote the play Romeo and Juliet?',

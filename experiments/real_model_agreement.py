@@ -1,0 +1,158 @@
+"""Greedy agreement of a real model in bf16 with its float32 reference, and why they part.
+
+    python -m experiments.real_model_agreement                       # SmolLM2, CPU: XLA only
+    python -m experiments.real_model_agreement --impls=mosaic_gpu,xla --questions=64 \
+        --new_tokens=64                                              # a Hopper GPU
+
+Every question shares one few-shot prompt (a prompt tree: the prompt once, the questions below
+it). The reference decodes greedily in float32 with per-sequence dense caches and records the
+top-2 log-probs of every position. Each implementation then decodes the same tree in bf16 (and,
+as an exactness check, in float32). Where a bf16 sequence first differs from the reference, the
+reference's margin there (top-1 minus top-2 log-prob) says how close the float32 model itself
+was to a tie: bf16 rounding may flip a near tie, never a clear choice. The target is no
+divergence where the margin exceeds `--margin` (0.1).
+
+Writes agreement.jsonl (a record an implementation and dtype), divergences.jsonl (one a first
+divergence), table.md and margins.png to --workdir.
+"""
+
+import json
+import os
+import time
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hydrajax as hj
+from experiments import cli
+from experiments.qa_prompts import FEWSHOT, QUESTIONS
+from models import generate as gen
+from models import pretrained
+from models.checkpoint import load_checkpoint
+from models.llama import ModelMode
+
+_CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'a .gguf file or an HF folder (default: '
+                                  'SmolLM2-135M-Instruct, fetched by `make model`)')
+_QUESTIONS = flags.DEFINE_integer('questions', 16, f'questions (1 to {len(QUESTIONS)})',
+                                  lower_bound=1, upper_bound=len(QUESTIONS))
+_NEW_TOKENS = flags.DEFINE_integer('new_tokens', 32, 'tokens decoded per question (no stop)',
+                                   lower_bound=1)
+_IMPLS = flags.DEFINE_list('impls', ['xla'], 'tree attention implementations compared')
+_MARGIN = flags.DEFINE_float('margin', 0.1, 'a divergence where the float32 top-2 margin is '
+                             'above this counts against the target', lower_bound=0.0)
+_WORKDIR = cli.workdir_flag('real_model_agreement')
+cli.choices('impls', [i.value for i in hj.AttentionImpl])
+
+
+def _load(dtype):
+  if _CHECKPOINT.value:
+    model, tokenizer = load_checkpoint(_CHECKPOINT.value, dtype=dtype)
+    if tokenizer is None:
+      raise SystemExit(f'--checkpoint={_CHECKPOINT.value} has no tokenizer')
+    return model, tokenizer
+  return pretrained.load_smollm2(dtype=dtype)
+
+
+def first_divergences(tokens: np.ndarray, reference: np.ndarray) -> np.ndarray:
+  """[R] the first position where a row differs from the reference, or -1."""
+  differs = tokens != reference
+  return np.where(differs.any(axis=1), differs.argmax(axis=1), -1)
+
+
+def _decode(model, forest, new, impl, *, top: int = 0):
+  sampling = gen.SamplingParams(top_logprobs=top) if top else gen.SamplingParams()
+  run = lambda: gen.generate(model, forest, max_new_tokens=new, impl=impl, sampling=sampling)
+  start = time.perf_counter()
+  run()  # compiles
+  compiled = time.perf_counter() - start
+  start = time.perf_counter()
+  out = run()
+  return out, compiled, time.perf_counter() - start
+
+
+def _plot(margins: dict[str, list[float]], threshold: float, path: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name, values in margins.items():
+    if values:
+      ax.hist(values, bins=30, alpha=0.6, label=f'{name} ({len(values)} divergences)')
+  ax.axvline(threshold, color='k', ls='--', label=f'target: none above {threshold:g}')
+  ax.set_xlabel('float32 top-1 minus top-2 log-prob at the first divergence')
+  ax.set_ylabel('sequences')
+  ax.set_title('Where bf16 greedy decoding first leaves the float32 reference')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  questions = QUESTIONS[:_QUESTIONS.value]
+  new = _NEW_TOKENS.value
+  f32_model, tokenizer = _load(jnp.float32)
+  shared = tokenizer.encode(FEWSHOT)
+  own = [tokenizer.encode(f'Question: {q}\nAnswer:', add_bos=False) for q in questions]
+  forest = [gen.prompt_node(shared, [gen.prompt_node(ids) for ids in own])]
+  print(f'{len(questions)} questions after a {len(shared)}-token shared prompt, {new} tokens '
+        f'each; backend {jax.default_backend()}', flush=True)
+
+  print('reference: float32, dense per-sequence caches ...', flush=True)
+  ref, _, _ = _decode(f32_model, forest, new, ModelMode.DENSE, top=2)
+  margin = ref.top_logprobs[..., 0] - ref.top_logprobs[..., 1]  # [R, M]
+
+  records, divergences, margins = [], [], {}
+  models = {'float32': f32_model}
+  for dtype in ('float32', 'bfloat16'):
+    if dtype not in models:
+      models[dtype] = _load(jnp.dtype(dtype))[0]
+    for impl in _IMPLS.value:
+      name = f'{impl} {dtype}'
+      print(f'{name} ...', flush=True)
+      out, compile_s, decode_s = _decode(models[dtype], forest, new, impl)
+      first = first_divergences(out.tokens, ref.tokens)
+      at = [(r, int(i)) for r, i in enumerate(first) if i >= 0]
+      margin_at = [float(margin[r, i]) for r, i in at]
+      margins[name] = margin_at
+      over = sum(m > _MARGIN.value for m in margin_at)
+      records.append(dict(impl=impl, dtype=dtype, sequences=len(first), tokens=new,
+                          identical=int((first < 0).sum()), divergences=len(at),
+                          over_margin=over, margin=_MARGIN.value,
+                          max_margin_at_divergence=max(margin_at, default=None),
+                          compile_s=compile_s, decode_s=decode_s,
+                          backend=jax.default_backend(), device=str(jax.devices()[0])))
+      for (r, i), m in zip(at, margin_at):
+        divergences.append(dict(impl=impl, dtype=dtype, question=questions[r], position=i,
+                                margin=m, reference=tokenizer.decode(ref.tokens[r, :i + 1]),
+                                got=tokenizer.decode(out.tokens[r, :i + 1])))
+      print(f'  {records[-1]["identical"]}/{len(first)} identical; {len(at)} diverge, '
+            f'{over} where the float32 margin > {_MARGIN.value:g}', flush=True)
+
+  with open(os.path.join(_WORKDIR.value, 'agreement.jsonl'), 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in records)
+  with open(os.path.join(_WORKDIR.value, 'divergences.jsonl'), 'w') as f:
+    f.writelines(json.dumps(d) + '\n' for d in divergences)
+  lines = ['| impl | dtype | identical | diverge | margin > target | largest margin at a divergence |',
+           '| --- | --- | --- | --- | --- | --- |']
+  for r in records:
+    largest = r['max_margin_at_divergence']
+    lines.append(f"| {r['impl']} | {r['dtype']} | {r['identical']}/{r['sequences']} | "
+                 f"{r['divergences']} | {r['over_margin']} | "
+                 f"{'-' if largest is None else f'{largest:.3f}'} |")
+  table = '\n'.join(lines) + '\n'
+  with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
+    f.write(table)
+  _plot({k: v for k, v in margins.items() if 'bfloat16' in k}, _MARGIN.value,
+        os.path.join(_WORKDIR.value, 'margins.png'))
+  print('\n' + table)
+  print('A greedy choice can flip only where the float32 model was near a tie: the margin at each '
+        'first divergence says how near.')
+
+
+if __name__ == '__main__':
+  cli.run(main, workdir=_WORKDIR)
