@@ -46,7 +46,9 @@ import os
 import pathlib
 import resource
 import selectors
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -190,13 +192,37 @@ def isolation(python: str | None = None, use_namespaces: bool = True) -> Isolati
       reason = (f'namespaces do not work here ({probe.setup_error or probe.stderr[-300:]!r}, '
                 f'exit {probe.returncode})')
   if reason:
-    iso = Isolation('weak', python, root and sys.platform.startswith('linux'), reason)
+    unique_uid = root and sys.platform.startswith('linux')
+    if unique_uid and not _world_executable(python):
+      other = next((p for p in (shutil.which('python3'), '/usr/bin/python3', '/usr/local/bin/python3')
+                    if p and _world_executable(p)), None)
+      if other is None:
+        unique_uid = False
+        reason += f'; no interpreter another uid may run ({python} is not): programs run as root'
+      else:
+        reason += f'; programs run on {other} ({python} is not executable by other uids)'
+        python = other
+    iso = Isolation('weak', python, unique_uid, reason)
     message = (f'sandbox in weak mode: {reason}. Programs can read the host\'s files, see its '
                'processes and reach its network; see hydrajax.evaluation.sandbox')
     warnings.warn(message, RuntimeWarning, stacklevel=2)
     logging.warning(message)
     return iso
   return Isolation('full', python, True)
+
+
+def _world_executable(path: str) -> bool:
+  """Whether any uid may run `path` (others' x bit on the file and on every parent directory)."""
+  path = os.path.realpath(path)
+  try:
+    while True:
+      if not os.stat(path).st_mode & stat.S_IXOTH:
+        return False
+      if path == os.path.dirname(path):
+        return True
+      path = os.path.dirname(path)
+  except OSError:
+    return False
 
 
 class _UidLease:

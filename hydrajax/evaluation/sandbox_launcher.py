@@ -26,6 +26,7 @@ import base64
 import ctypes
 import json
 import os
+import resource
 import select
 import signal
 import sys
@@ -152,7 +153,6 @@ def exec_program(cfg, fd0):
       os.setresgid(uid, uid, uid)
       os.setresuid(uid, uid, uid)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    import resource
     for kind, soft, hard in cfg['rlimits']:
       resource.setrlimit(kind, (soft, hard))
     os.execve(cfg['python'], [cfg['python'], *cfg['argv']], cfg['env'])
