@@ -27,9 +27,10 @@ Full mode (Linux, root, namespaces work; the mode of the project's machines and 
 
 Weak mode (no namespaces: macOS, no root, a kernel or container that refuses them; `isolation()`
 warns once): the program runs under the rlimits in a scratch dir of the host (removed with
-`rm -rf`), as a leased uid when root, with its stdout as the only channel back. The host's files
-readable by others, /proc, the network (blocked only by a Python preamble in the APPS runner) and
-/tmp are then reachable, memory is capped per process only and disk per file only.
+`rm -rf`), as a leased uid when root (whose leftover processes are killed after the run; without
+root, a process that left the run's process group may outlive it). The host's files readable by
+others, /proc, the network (blocked only by a Python preamble in the APPS runner) and /tmp are
+then reachable, memory is capped per process only and disk per file only.
 
 Results come back only through pipes this process holds: stdout (capped at `max_output_bytes`
 unless a sink takes it chunk by chunk), the tail of stderr, and the launcher's status pipe, which
