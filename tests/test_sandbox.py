@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
+import time
 
 import pytest
 
@@ -207,6 +207,32 @@ def test_two_checker_processes_never_share_a_uid():
   assert len(set(uids)) == 2 and all(u >= LIMITS.base_uid for u in uids), uids
 
 
+def test_a_killed_checker_takes_its_programs_down():
+  full_mode()
+  path = os.path.join(os.path.dirname(sandbox.__file__), 'sandbox.py')
+  child = textwrap.dedent(f'''
+      import importlib.util, sys
+      spec = importlib.util.spec_from_file_location('sandbox_copy', {path!r})
+      sb = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(sb)
+      def show(chunk):
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        return True
+      sb.run(['-I', '-c', 'import os, time; print(os.getuid(), flush=True); time.sleep(100)'],
+             limits=sb.SandboxLimits(wall_s=100), stdout_sink=show)
+  ''')
+  checker_process = subprocess.Popen([sys.executable, '-I', '-c', child], stdout=subprocess.PIPE)
+  uid = int(checker_process.stdout.readline())
+  checker_process.kill()
+  checker_process.wait()
+  for _ in range(50):
+    if uid not in sandbox._live_uids():
+      break
+    time.sleep(0.1)
+  assert uid not in sandbox._live_uids()
+
+
 def test_the_network_and_host_sockets_are_unreachable(tmp_path):
   full_mode()
   os.chmod(tmp_path, 0o755)
@@ -354,3 +380,13 @@ def test_values_round_trip_the_runner_codec():
   for bad in ({'q': []}, {'t': 1}, {'d': [[1]]}, {'t': [], 'd': []}):
     with pytest.raises(ValueError):
       apps_runner.decode_value(bad)
+
+
+def test_another_interpreter_can_be_chosen():
+  other = '/usr/bin/python3'
+  if not os.path.exists(other) or os.path.realpath(other) == os.path.realpath(sys.executable):
+    pytest.skip(f'no second interpreter at {other}')
+  config = dataclasses.replace(CONFIG, python=other)
+  probe = (f'import sys\nassert sys.executable == {other!r}, sys.executable\n'
+           'a, b = map(int, input().split())\nprint(a + b)\n')
+  assert statuses(ADD, [probe], config) == [Status.PASSED]

@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import pathlib
+import pwd
 import resource
 import selectors
 import shutil
@@ -226,15 +227,39 @@ def _world_executable(path: str) -> bool:
     return False
 
 
+def _live_uids() -> set[int]:
+  """The uids of the host's processes (by /proc/<pid>'s owner)."""
+  uids = set()
+  for name in os.listdir('/proc') if os.path.isdir('/proc') else ():
+    if name.isdigit():
+      try:
+        uids.add(os.stat(f'/proc/{name}').st_uid)
+      except OSError:
+        pass
+  return uids
+
+
+def _has_account(uid: int) -> bool:
+  try:
+    pwd.getpwuid(uid)
+    return True
+  except KeyError:
+    return False
+
+
 class _UidLease:
-  """A uid no other run on this host holds: an flock on UID_LOCK_DIR/<uid> for the run."""
+  """A uid no other process on this host has: no account, no live process, and an flock on
+  UID_LOCK_DIR/<uid> held for the run (so no other run, in any process, takes it meanwhile)."""
 
   def __init__(self, base_uid: int):
     os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
     info = os.stat(UID_LOCK_DIR)
     if info.st_uid != 0 or info.st_mode & 0o077:
       raise RuntimeError(f'{UID_LOCK_DIR} must be root-only (0700), it is not')
+    taken = _live_uids()
     for uid in range(base_uid, base_uid + UID_RANGE):
+      if uid in taken or _has_account(uid):
+        continue
       fd = os.open(os.path.join(UID_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -299,7 +324,8 @@ def _launch(argv, files, stdin, limits, iso, uid, stdout_sink=None) -> SandboxRe
       rlimits.append((resource.RLIMIT_NPROC, nproc, nproc))
     home = '/sandbox' if iso.full else scratch
     config = dict(
-        namespaces=iso.full, status_fd=status_w, uid=uid, python=iso.python, argv=list(argv),
+        namespaces=iso.full, status_fd=status_w, parent_pid=os.getpid(),
+        wall_s=limits.wall_s + 5.0, uid=uid, python=iso.python, argv=list(argv),
         binds=_binds(iso.python) if iso.full else [], disk_bytes=limits.disk_bytes,
         inodes=INODES, memory_bytes=limits.memory_bytes, poll_s=POLL_S, rlimits=rlimits,
         env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': home},

@@ -15,6 +15,9 @@ stdin and a status pipe as fd 3. The launcher
    `poll_s` and kills them all when the sum passes `memory_bytes`; it ends when the program's
    first process does, and the kernel then kills whatever is left in the PID namespace.
 
+The launcher, init and the program's first process die with their parent (PR_SET_PDEATHSIG), so
+a checker that is killed takes its runs down; init also kills the program past `wall_s`.
+
 Without namespaces (`namespaces` false) steps 1-2 and the memory watch are skipped: the program
 runs in the directory the caller made, with the uid drop (when root) and the rlimits only.
 
@@ -152,6 +155,7 @@ def exec_program(cfg, fd0):
       os.setgroups([])
       os.setresgid(uid, uid, uid)
       os.setresuid(uid, uid, uid)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setresuid, which clears it
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     for kind, soft, hard in cfg['rlimits']:
       resource.setrlimit(kind, (soft, hard))
@@ -179,7 +183,10 @@ def watch(cfg, child):
   """Init's loop: reap, watch the memory, return the program's wait status."""
   pidfd = os.pidfd_open(child) if hasattr(os, 'pidfd_open') else None
   me = os.getpid()
+  deadline = time.monotonic() + cfg['wall_s']  # a backstop: the caller enforces the wall limit
   while True:
+    if time.monotonic() > deadline:
+      os.kill(child, signal.SIGKILL)
     while True:
       try:
         pid, wstatus = os.waitpid(-1, os.WNOHANG)
@@ -241,6 +248,9 @@ def main():
   os.umask(0o022)
   cfg = json.loads(sys.stdin.buffer.read())
   STATUS_FD = cfg['status_fd']
+  libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the caller gone: so is the run
+  if os.getppid() != cfg['parent_pid']:
+    os._exit(125)
   os.dup2(os.open('/dev/null', os.O_RDONLY), 0)
   if not cfg['namespaces']:
     init(cfg)
