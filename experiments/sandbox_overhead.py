@@ -84,7 +84,8 @@ def main(argv):
         dict(kind='program', way='plain', **_timed(lambda: _plain_runner(folder), n, bar)),
         dict(kind='program', way='sandboxed', **_timed(_sandboxed, n, bar)),
         dict(kind='python -c pass', way='plain', **_timed(
-            lambda: subprocess.run([sys.executable, '-I', '-S', '-c', 'pass'], check=True), n, bar)),
+            lambda: subprocess.run([sys.executable, '-I', '-S', '-c', 'pass'], check=True), n,
+            bar)),
         dict(kind='python -c pass', way='sandboxed', **_timed(
             lambda: sandbox.run(['-I', '-S', '-c', 'pass']), n, bar)),
     ]

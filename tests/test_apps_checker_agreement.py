@@ -133,7 +133,8 @@ TWICE = apps.Problem('twice', 'Pair.', ([1], [5]), ([[1, 1]], [[5, 5]]), fn_name
 KEYS = apps.Problem('keys', 'Sorted keys.', ([{'2': 'b', '1': 'a'}],), ([[1, 2]],), fn_name='keys')
 LOOKUP = apps.Problem('lookup', 'd[k].', ([{'x': 1, 'y': 2}, 'y'],), ([2],), fn_name='lookup')
 INVERT = apps.Problem('invert', 'Invert.', ([{'a': 1}],), ({'1': 'a'},), fn_name='invert')
-ZIPPED = apps.Problem('zipped', 'Zip.', ([[1, 2], [3, 4]],), ([[[1, 3], [2, 4]]],), fn_name='zipped')
+ZIPPED = apps.Problem('zipped', 'Zip.', ([[1, 2], [3, 4]],), ([[[1, 3], [2, 4]]],),
+                      fn_name='zipped')
 CALL_CASES = [
     (TWICE, 'class Solution:\n  def twice(self, x):\n    return (x, x)\n'),
     (TWICE, 'def twice(x):\n  return [x, x]\n'),

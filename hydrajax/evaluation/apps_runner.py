@@ -177,7 +177,8 @@ def _memfile(name, data=b''):
     import tempfile
     fd, path = tempfile.mkstemp()
     os.unlink(path)
-  high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)  # never 0 or 1, even if the program closed them
+  # A descriptor >= 10: never 0 or 1, even where the program closed them.
+  high = fcntl.fcntl(fd, getattr(fcntl, 'F_DUPFD_CLOEXEC', fcntl.F_DUPFD), 10)
   os.close(fd)
   os.write(high, data)
   os.lseek(high, 0, os.SEEK_SET)

@@ -196,8 +196,8 @@ def isolation(python: str | None = None, use_namespaces: bool = True) -> Isolati
   if reason:
     unique_uid = root and sys.platform.startswith('linux')
     if unique_uid and not _world_executable(python):
-      other = next((p for p in (shutil.which('python3'), '/usr/bin/python3', '/usr/local/bin/python3')
-                    if p and _world_executable(p)), None)
+      candidates = (shutil.which('python3'), '/usr/bin/python3', '/usr/local/bin/python3')
+      other = next((p for p in candidates if p and _world_executable(p)), None)
       if other is None:
         unique_uid = False
         reason += f'; no interpreter another uid may run ({python} is not): programs run as root'
@@ -425,7 +425,8 @@ def _result(launcher_rc, streams, wall) -> SandboxResult:
   if returncode is None and not setup and not streams['timed_out'] and launcher_rc not in (
       None, -signal.SIGKILL):
     setup = f'the sandbox launcher ended with exit {launcher_rc} and no status'
-  timed_out = streams['timed_out'] or returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not memory
+  killed = returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not memory  # the CPU limit
+  timed_out = streams['timed_out'] or killed
   return SandboxResult(returncode, timed_out, streams['too_large'], memory, setup,
                        bytes(streams['stdout']), bytes(streams['stderr']), wall)
 

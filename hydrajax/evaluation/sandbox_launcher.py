@@ -57,6 +57,12 @@ def status(line):
     pass
 
 
+def prctl(option, value):
+  """prctl(2) where there is one (Linux); a no-op elsewhere (the weak mode of macOS)."""
+  if hasattr(libc, 'prctl'):
+    libc.prctl(option, value, 0, 0, 0)
+
+
 def check(rc, what):
   if rc != 0:
     err = ctypes.get_errno()
@@ -155,8 +161,8 @@ def exec_program(cfg, fd0):
       os.setgroups([])
       os.setresgid(uid, uid, uid)
       os.setresuid(uid, uid, uid)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setresuid, which clears it
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
     for kind, soft, hard in cfg['rlimits']:
       resource.setrlimit(kind, (soft, hard))
     os.execve(cfg['python'], [cfg['python'], *cfg['argv']], cfg['env'])
@@ -216,7 +222,7 @@ def init(cfg):
   """The PID namespace's first process (or, without namespaces, the program's parent)."""
   try:
     if cfg['namespaces']:
-      libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+      prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
       stage = build_root(cfg)
       folder = os.path.join(stage, 'sandbox')
     else:
@@ -248,7 +254,7 @@ def main():
   os.umask(0o022)
   cfg = json.loads(sys.stdin.buffer.read())
   STATUS_FD = cfg['status_fd']
-  libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the caller gone: so is the run
+  prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller gone: so is the run
   if os.getppid() != cfg['parent_pid']:
     os._exit(125)
   os.dup2(os.open('/dev/null', os.O_RDONLY), 0)
