@@ -407,7 +407,9 @@ def _finish(records, summary, meta, model_name):
                                ('correct', 'correct'), ('of', 'samples'),
                                ('failed', 'failed'), ('timed out', 'timed_out'),
                                ('runtime error', 'runtime_error'),
-                               ('compile error', 'compile_error')]))
+                               ('compile error', 'compile_error'),
+                               ('output too large', 'output_too_large'),
+                               ('not judged', 'error')]))
   with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
     f.write(text)
   names = [r['setting'] for r in records]
