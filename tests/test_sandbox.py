@@ -209,6 +209,21 @@ def test_two_checker_processes_never_share_a_uid():
   assert len(set(uids)) == 2 and all(u >= LIMITS.base_uid for u in uids), uids
 
 
+def test_daemons_die_with_their_run():
+  full_mode()
+  result = run('''
+      import os, time
+      print(os.getuid(), flush=True)
+      if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+          time.sleep(100)
+        os._exit(0)
+  ''')
+  uid = int(result.stdout)
+  assert uid not in sandbox._live_uids()
+
+
 def test_a_killed_checker_takes_its_programs_down():
   full_mode()
   path = os.path.join(os.path.dirname(sandbox.__file__), 'sandbox.py')
