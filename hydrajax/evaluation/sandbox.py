@@ -165,14 +165,18 @@ def _interpreter_dirs(python: str) -> list[str]:
   return [d for d in dirs if os.path.isabs(d) and os.path.realpath(d) != '/']
 
 
-def _binds(python: str) -> list[str]:
-  wanted = sorted({os.path.realpath(d) for d in ['/usr', *_interpreter_dirs(python)]}
-                  | {os.path.abspath(d) for d in _interpreter_dirs(python)})
+@functools.cache
+def _binds(python: str) -> tuple[str, ...]:
+  """What full mode shows the program (read-only): /usr and the interpreter's directories, each
+  at its own path and at its real path (a venv's symlinks then resolve inside the sandbox)."""
+  dirs = _interpreter_dirs(python)
+  wanted = sorted({os.path.realpath(d) for d in ['/usr', *dirs]}
+                  | {os.path.abspath(d) for d in dirs})
   out = []
   for d in wanted:  # sorted: a directory comes before those under it
     if not any(d == o or d.startswith(o + '/') for o in out):
       out.append(d)
-  return out
+  return tuple(out)
 
 
 @functools.cache
@@ -326,7 +330,7 @@ def _launch(argv, files, stdin, limits, iso, uid, stdout_sink=None) -> SandboxRe
     config = dict(
         namespaces=iso.full, status_fd=status_w, parent_pid=os.getpid(),
         wall_s=limits.wall_s + 5.0, uid=uid, python=iso.python, argv=list(argv),
-        binds=_binds(iso.python) if iso.full else [], disk_bytes=limits.disk_bytes,
+        binds=list(_binds(iso.python)) if iso.full else [], disk_bytes=limits.disk_bytes,
         inodes=INODES, memory_bytes=limits.memory_bytes, poll_s=POLL_S, rlimits=rlimits,
         env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8', 'HOME': home},
         files={k: base64.b64encode(v.encode() if isinstance(v, str) else v).decode()
