@@ -381,7 +381,8 @@ def test_call_based_values_arrive_as_python_objects():
   assert statuses(pairs, ['class Solution:\n  def names(self, d):\n'
                           '    assert all(type(k) is int for k in d)\n    return dict(d)\n']) == [
                               Status.PASSED]
-  assert statuses(several, ['def get(d, k):\n  return d[k]\n']) == [Status.PASSED]
+  assert statuses(several, ['def get(d, k):\n  print("debug", d)\n  return d[k]\n']) == [
+      Status.PASSED]
   assert statuses(tuples, ['def zipped(a, b):\n  return list(zip(a, b))\n',
                            'def zipped(a, b):\n  return [(1, 3), (2, 5)]\n']) == [Status.PASSED,
                                                                                  Status.FAILED]

@@ -231,6 +231,8 @@ def main():
     sys.set_int_max_str_digits(0)
   channel = os.dup(1)
   runner_pid = os.getpid()
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what a call-based program prints is dropped
+  sys.stdout = open(1, 'w', encoding='utf-8', closefd=False)
 
   def send(kind, payload=b''):
     if os.getpid() != runner_pid:  # a child the program forked came back here: it ends

@@ -9,10 +9,10 @@ program at the first test that does not pass.
 Verdict of a program: COMPILE_ERROR if it does not compile; else the first test (in order) that
 does not pass decides: RUNTIME_ERROR (exception, the process died, or the total-memory budget),
 TIMED_OUT (test timeout, wall or CPU limit), OUTPUT_TOO_LARGE (one test's output, stdout or
-encoded return value, past `CheckConfig.max_output_bytes`), FAILED (wrong output); PASSED when every
-test passes. ERROR when the program could not be judged (the sandbox could not be built, the
-result stream was not the runner's format, any failure of this process while judging it): the
-reason is in `detail`, and the other programs are checked as usual.
+encoded return value, past `CheckConfig.max_output_bytes`, 32 MiB by default), FAILED (wrong
+output); PASSED when every test passes. ERROR when the program could not be judged (the sandbox
+could not be built, the result stream was not the runner's format, any failure of this process
+while judging it): the reason is in `detail`, and the other programs are checked as usual.
 """
 
 import concurrent.futures
