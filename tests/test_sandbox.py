@@ -158,9 +158,13 @@ def test_host_files_are_not_visible(tmp_path):
       print(sorted(p for p in paths if os.path.exists(p)))
       print(sorted(os.listdir("/")))
       print(os.access(sys.prefix, os.W_OK), os.access("/usr/bin", os.W_OK))
+      import importlib.util
+      print(importlib.util.find_spec("hydrajax"))
   ''')
-  seen, top, writable = result.stdout.decode().splitlines()
+  seen, top, writable, project = result.stdout.decode().splitlines()
   assert seen == '[]'
+  if not os.path.realpath(apps.__file__).startswith(os.path.realpath(sys.prefix)):
+    assert project == 'None'  # the project's source (an editable install) is not there
   interpreter_tops = {p.strip('/').split('/')[0] for p in (sys.prefix, sys.base_prefix)}
   assert set(ast.literal_eval(top)) <= {'bin', 'dev', 'lib', 'lib32', 'lib64', 'libx32', 'proc',
                                         'sandbox', 'sbin', 'tmp', 'usr', 'var'} | interpreter_tops
