@@ -323,6 +323,22 @@ def test_memory_budget_is_total():
   assert result.memory_exceeded and b'all held' not in result.stdout, result
 
 
+def test_memory_files_count_in_the_memory_budget():
+  full_mode()
+  result = run('''
+      import os, time
+      held = []
+      for i in range(10):
+        fd = os.memfd_create(f"m{i}")
+        for _ in range(30):
+          os.write(fd, b"x" * (1 << 20))
+        held.append(fd)
+      time.sleep(3)
+      print("all held")
+  ''', dataclasses.replace(LIMITS, memory_bytes=256 << 20))
+  assert result.memory_exceeded and b'all held' not in result.stdout, result
+
+
 def test_fork_bomb_is_capped_and_the_run_goes_on():
   if not sandbox.isolation().unique_uid:
     pytest.skip('RLIMIT_NPROC is a total only for a uid of its own (root): no fork bomb without it')

@@ -11,8 +11,8 @@ stdin and a status pipe as fd 3. The launcher
    in the new IPC namespace, writes the files, and chroots into it;
 3. init forks the program: no groups, the run's own uid (`setresuid`, which drops every
    capability), no new privileges, the rlimits, then exec of the interpreter;
-4. init reaps every process, sums the resident memory of the sandbox's processes every
-   `poll_s` and kills them all when the sum passes `memory_bytes`; it ends when the program's
+4. init reaps every process, sums the memory of the sandbox's processes (resident pages, and
+   memfds they hold or map) every `poll_s` and kills them all when the sum passes `memory_bytes`; it ends when the program's
    first process does, and the kernel then kills whatever is left in the PID namespace.
 
 The launcher, init and the program's first process die with their parent (PR_SET_PDEATHSIG), so
@@ -174,15 +174,41 @@ def exec_program(cfg, fd0):
 
 
 def resident_bytes(exclude):
-  total = 0
+  """Memory of the sandbox's processes: resident pages, and the pages of memfds they hold open or
+  map (memory outside the tmpfs's size cap that resident pages do not show)."""
+  total, memfds = 0, set()
   for name in os.listdir('/proc'):
     if name.isdigit() and int(name) not in exclude:
       try:
         with open(f'/proc/{name}/statm') as f:
-          total += int(f.read().split()[1])
+          total += int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
       except (OSError, IndexError, ValueError):
-        pass
-  return total * os.sysconf('SC_PAGE_SIZE')
+        continue
+      total += memfd_bytes(name, memfds)
+  return total
+
+
+def memfd_bytes(pid, seen):
+  """Bytes of the memfds process `pid` has open or mapped that are not in `seen` (then added)."""
+  paths = []
+  try:
+    for fd in os.listdir(f'/proc/{pid}/fd'):
+      if os.readlink(f'/proc/{pid}/fd/{fd}').startswith('/memfd:'):
+        paths.append(f'/proc/{pid}/fd/{fd}')
+    with open(f'/proc/{pid}/maps') as f:
+      paths += [f'/proc/{pid}/map_files/{line.split()[0]}' for line in f if '/memfd:' in line]
+  except OSError:
+    pass
+  total = 0
+  for path in paths:
+    try:
+      info = os.stat(path)
+    except OSError:
+      continue
+    if (info.st_dev, info.st_ino) not in seen:
+      seen.add((info.st_dev, info.st_ino))
+      total += info.st_blocks * 512
+  return total
 
 
 def watch(cfg, child):
