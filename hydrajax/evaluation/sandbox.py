@@ -19,9 +19,10 @@ Full mode (Linux, root, namespaces work; the mode of the project's machines and 
   `/run/hydrajax-sandbox-uids` that is held for the whole run (so two checker processes never
   share one); RLIMIT_NPROC of that uid is then a total process budget;
 * total memory: the namespace's first process sums the memory of every sandbox process (resident
-  pages, and memfds held or mapped) every `POLL_S` and kills them all past `memory_bytes` (cgroup v2 is not delegated on these
-  machines: /sys/fs/cgroup is cgroup v1 with only hugetlb on the unified hierarchy; the poll may
-  overshoot by what a program allocates within one period); RLIMIT_AS caps each process as well;
+  pages, and memfds held or mapped) every `POLL_S` and kills them all past `memory_bytes`; the
+  poll may overshoot by what a program allocates within one period. (A cgroup would be exact, but
+  cgroup v2 is not delegated on these machines: /sys/fs/cgroup is cgroup v1, with only hugetlb on
+  the unified hierarchy.) RLIMIT_AS caps each process as well;
 * RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_CORE 0, no new privileges, no supplementary groups, an
   environment of PATH, LANG and HOME only.
 
