@@ -12,8 +12,9 @@ stdin and a status pipe as fd 3. The launcher
 3. init forks the program: no groups, the run's own uid (`setresuid`, which drops every
    capability), no new privileges, the rlimits, then exec of the interpreter;
 4. init reaps every process, sums the memory of the sandbox's processes (resident pages, and
-   memfds they hold or map) every `poll_s` and kills them all when the sum passes `memory_bytes`; it ends when the program's
-   first process does, and the kernel then kills whatever is left in the PID namespace.
+   memfds they hold or map) every `poll_s` and kills them all when the sum passes
+   `memory_bytes`; it ends when the program's first process does, and the kernel then kills
+   whatever is left in the PID namespace.
 
 The launcher, init and the program's first process die with their parent (PR_SET_PDEATHSIG), so
 a checker that is killed takes its runs down; init also kills the program past `wall_s`.
