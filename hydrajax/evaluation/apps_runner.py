@@ -200,6 +200,7 @@ def _run_stdin_test(code, preamble, text, timeout, cap):
     except SystemExit:
       pass
     finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
       try:
         sys.stdout.flush()
       except Exception:  # noqa: BLE001 - a closed or broken stdout: what reached fd 1 counts
