@@ -175,6 +175,7 @@ def check_solutions_main():
   if FLAGS.num_problems:
     problems = problems[:FLAGS.num_problems]
   config = _check_config()
+  logging.info('sandbox: %s', isolation())
   writer = JsonlWriter(os.path.join(FLAGS.workdir, 'solutions.jsonl'))
   rows = []
   total = sum(len(p.solutions) for p in problems)
@@ -188,11 +189,14 @@ def check_solutions_main():
   all_pass = sum(r['passed'] == r['solutions'] for r in with_solutions)
   summary = (f'{len(problems)} problems, {sum(r["solutions"] for r in rows)} solutions, '
              f'{sum(r["passed"] for r in rows)} pass; {all_pass}/{len(with_solutions)} problems '
-             'with every solution passing')
+             f'with every solution passing; {sum(r["error"] for r in rows)} programs could not be '
+             'judged (error)')
   table = markdown_table(rows, [('problem', 'problem_id'), ('solutions', 'solutions'),
                                 ('passed', 'passed'), ('failed', 'failed'),
                                 ('timed out', 'timed_out'), ('runtime error', 'runtime_error'),
-                                ('compile error', 'compile_error')])
+                                ('compile error', 'compile_error'),
+                                ('output too large', 'output_too_large'),
+                                ('not judged', 'error')])
   _write_readme('APPS harness check on the records\' own solutions', writer.meta,
                 summary + '\n\n' + table)
   with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
@@ -436,7 +440,9 @@ def _finish(records, summary, meta, model_name):
                                ('correct', 'correct'), ('of', 'samples'),
                                ('failed', 'failed'), ('timed out', 'timed_out'),
                                ('runtime error', 'runtime_error'),
-                               ('compile error', 'compile_error')]))
+                               ('compile error', 'compile_error'),
+                               ('output too large', 'output_too_large'),
+                               ('not judged', 'error')]))
   with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
     f.write(text)
   _plot_time(records, os.path.join(FLAGS.workdir, 'time.png'))

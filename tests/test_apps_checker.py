@@ -163,7 +163,8 @@ def test_verdicts_of_each_kind():
   assert 'ZeroDivisionError' in report.results[2].detail
   assert report.num_correct == 1
   assert report.pass_at_k(1) == pytest.approx(1 / 6)
-  assert report.counts() == dict(passed=1, failed=2, timed_out=1, runtime_error=1, compile_error=1)
+  assert report.counts() == dict(passed=1, failed=2, timed_out=1, runtime_error=1, compile_error=1,
+                                output_too_large=0, error=0)
 
 
 def test_call_based_class_and_function():

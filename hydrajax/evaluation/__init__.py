@@ -2,7 +2,10 @@
 
   apps       Problem (an APPS record), load_problems (JSONL file or release folder), the APPS
              harness' output comparison rules
-  sandbox    run untrusted Python in a limited subprocess (rlimits, namespaces, scratch dir)
+  sandbox    run untrusted Python in a sandbox (namespaces, private tmpfs root, leased uid,
+             budgets; a weaker mode with a warning where those are unavailable)
+  sandbox_launcher  the script that builds the sandbox (run by `sandbox`, never imported)
+  apps_runner       runs a program on a problem's tests inside the sandbox; its value codec
   checker    check_programs(problem, programs) -> CheckReport (per-program Status, pass@k)
   metrics    pass_at_k, the unbiased estimator of Chen et al. (2021)
   tokenizer  ByteTokenizer: a byte-level tokenizer for the tiny models trained here

@@ -25,11 +25,12 @@ stdin/stdout (the program's stdout is split into lines):
   4. APPS' lenient set rule: the set of per-line token sets equals the expected one (order of
      lines and of tokens within a line is ignored, and repeated lines collapse, as in APPS);
   5. the same with every token rounded to 3 decimals.
-call-based:
-  1. the return value (tuples as lists, JSON round-tripped) equals the expected output, or
+call-based (the return value as the Python object it was; a top-level tuple becomes a list):
+  1. it equals the expected output, or
   2. equals expected[0] when the expected output is a non-empty list (APPS wraps results), or
-  3. a list of tuples equals expected[0] after turning the tuples into lists.
-Dict inputs/outputs get int keys back (JSON made them strings), as APPS does for singleton dicts.
+  3. its items are tuples and, as lists, they equal expected[0].
+A first argument / expected output that is a dict gets int keys back (JSON made them strings)
+as APPS does: `call_inputs`, `call_expected`.
 """
 
 import dataclasses
@@ -178,35 +179,52 @@ def _from_folders(root: str) -> list[Problem]:
 # Output comparison (APPS rules; see the module docstring)
 
 
-def int_keys(value):
-  """APPS' undo of JSON's string dict keys: a dict, or a list holding one dict first."""
-  def convert(d):
-    try:
-      return {int(k): v for k, v in d.items()}
-    except (TypeError, ValueError):
-      return d
-
-  if isinstance(value, dict):
-    return [convert(value)]
-  if isinstance(value, list) and value and isinstance(value[0], dict):
-    return [convert(value[0])]
-  return value
+def _int_keyed(d: dict) -> dict:
+  return {int(k): v for k, v in d.items()}
 
 
 def call_inputs(inputs):
-  """The positional arguments of one call-based test (singleton dict keys made ints)."""
-  if isinstance(inputs, list) and inputs and isinstance(inputs[0], dict):
-    return int_keys(inputs)
+  """The positional arguments of one call-based test, as APPS passes them.
+
+  APPS undoes JSON's string keys for a first argument that is a dict: when every key converts
+  with int(), the arguments become [that dict, int-keyed] (any others are dropped, as in APPS);
+  when one does not, the arguments are left as they are.
+  """
+  try:
+    if isinstance(inputs[0], dict):
+      return [_int_keyed(inputs[0])]
+  except (TypeError, ValueError, KeyError, IndexError):
+    pass
   return inputs
 
 
+def call_expected(expected):
+  """A call-based test's expected output, as APPS compares it: a dict, or a list whose first item
+  is a dict, becomes [that dict, int-keyed] when every key converts with int()."""
+  for candidate in (lambda: expected, lambda: expected[0]):
+    try:
+      value = candidate()
+      if isinstance(value, dict):
+        return [_int_keyed(value)]
+    except (TypeError, ValueError, KeyError, IndexError):
+      pass
+  return expected
+
+
 def call_output_matches(output: Any, expected: Any) -> bool:
-  """Call-based rule: `output` is the JSON round trip of the return value (tuples are lists)."""
-  expected = int_keys(expected)
+  """Call-based rule on the program's return value, a Python object (tuples, int keys kept)."""
+  expected = call_expected(expected)
+  if isinstance(output, tuple):
+    output = list(output)
   if output == expected:
     return True
   if isinstance(expected, list) and expected and output == expected[0]:
     return True
+  try:  # a sequence of tuples against lists
+    if isinstance(output[0], tuple) and [list(x) for x in output] == expected[0]:
+      return True
+  except (TypeError, KeyError, IndexError):
+    pass
   return False
 
 

@@ -1,17 +1,18 @@
 """Checking generated programs against an APPS problem: per-program verdicts and pass@k.
 
-Each program runs in its own sandboxed subprocess (`hydrajax.evaluation.sandbox`) with a small
-runner script that, like the APPS harness, runs every test inside that one process: stdin
-problems `exec` the program once per test with `sys.stdin`/`sys.stdout` replaced (SystemExit ends
-a test normally); call-based problems `exec` the program once, then call `Solution().fn_name(*args)`
-(or the function `fn_name` when there is no class Solution) per test. Each test has its own
-timeout (SIGALRM in the runner); the whole run has the sandbox's wall and CPU limits as a
-backstop. Expected outputs never enter the sandbox: the runner returns what the program printed or
-returned, and this process compares (`apps.stdout_matches`, `apps.call_output_matches`).
+Each program runs in its own sandbox (`sandbox`) under `apps_runner`, which runs every test in
+that one process, as APPS' harness does. Expected outputs never enter the sandbox: the runner
+streams back what the program printed or returned, and this process compares
+(`apps.stdout_matches`, `apps.call_output_matches`) as each test's output arrives, stopping the
+program at the first test that does not pass.
 
-Verdict of a program: COMPILE_ERROR if it does not compile, else the first test (in order) that
-does not pass decides: RUNTIME_ERROR (exception, or the process died), TIMED_OUT (test timeout,
-wall or CPU limit), FAILED (wrong output); PASSED when every test passes.
+Verdict of a program: COMPILE_ERROR if it does not compile; else the first test (in order) that
+does not pass decides: RUNTIME_ERROR (exception, the process died, or the total-memory budget),
+TIMED_OUT (test timeout, wall or CPU limit), OUTPUT_TOO_LARGE (one test's output, stdout or
+encoded return value, past `CheckConfig.max_output_bytes`, 32 MiB by default), FAILED (wrong
+output); PASSED when every test passes. ERROR when the program could not be judged (the sandbox
+could not be built, the result stream was not the runner's format, any failure of this process
+while judging it): the reason is in `detail`, and the other programs are checked as usual.
 """
 
 import concurrent.futures
@@ -19,9 +20,13 @@ import dataclasses
 import enum
 import json
 import os
+import pathlib
+import signal
 from typing import Any, Sequence
 
-from hydrajax.evaluation import apps, metrics, sandbox
+from hydrajax.evaluation import apps, apps_runner, metrics, sandbox
+
+RUNNER = pathlib.Path(apps_runner.__file__).read_text()
 
 
 class Status(enum.Enum):
@@ -30,6 +35,8 @@ class Status(enum.Enum):
   TIMED_OUT = 'timed_out'
   RUNTIME_ERROR = 'runtime_error'
   COMPILE_ERROR = 'compile_error'
+  OUTPUT_TOO_LARGE = 'output_too_large'
+  ERROR = 'error'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +47,7 @@ class ProgramResult:
     status: the verdict.
     tests_passed: tests passed (before the first that did not; all when PASSED).
     num_tests: tests of the problem.
-    detail: why it did not pass (the exception, the mismatch), '' when it passed.
+    detail: why it did not pass (the exception, the mismatch, why it could not be judged).
     wall_s: seconds its sandbox ran.
   """
 
@@ -82,113 +89,26 @@ class CheckConfig:
 
   Attributes:
     test_timeout_s: per-test timeout (APPS uses 4 s).
-    limits: the sandbox's limits; its wall_s / cpu_s are raised to cover every test's timeout.
-    workers: programs checked at once (threads, each driving one subprocess).
+    limits: the sandbox's limits; its wall_s / cpu_s are raised to cover every test's timeout, its
+      file_bytes to hold one test's output.
+    workers: programs checked at once (threads, each driving one sandbox).
+    max_output_bytes: largest output of one test (stdout bytes, or the encoded return value).
+    python: the interpreter that runs programs (default: this process's own).
   """
 
   test_timeout_s: float = 4.0
   limits: sandbox.SandboxLimits = sandbox.SandboxLimits()
   workers: int = 2
+  max_output_bytes: int = 32 << 20
+  python: str | None = None
 
   def __post_init__(self):
     if not self.test_timeout_s > 0:
       raise ValueError(f'test_timeout_s must be > 0, got {self.test_timeout_s}')
     if self.workers < 1:
       raise ValueError(f'workers must be >= 1, got {self.workers}')
-
-
-CPU_LIMIT_EXIT = 152  # the runner's exit status on SIGXCPU
-
-# The runner: stdlib only, Python >= 3.8 (the sandbox may use the system's python3).
-RUNNER = r'''
-import builtins, io, json, signal, sys
-
-class _TestTimeout(BaseException):
-  pass
-
-def _alarm(signum, frame):
-  raise _TestTimeout()
-
-def _xcpu(signum, frame):  # as PID 1 of a PID namespace the default action would be ignored
-  sys.stderr.write('cpu limit\n'); sys.stderr.flush()
-  import os; os._exit(152)  # CPU_LIMIT_EXIT
-
-def _block_network():
-  import socket
-  def blocked(*a, **k):
-    raise OSError('network access is disabled in the sandbox')
-  socket.socket = blocked
-  socket.create_connection = blocked
-  socket.socketpair = blocked
-  socket.getaddrinfo = blocked
-
-def _jsonable(x):
-  try:
-    return json.loads(json.dumps(x))
-  except (TypeError, ValueError, OverflowError, RecursionError):
-    return {'__unserializable__': repr(x)[:200]}
-
-def main():
-  with open('spec.json') as f:
-    spec = json.load(f)
-  out = open('results.jsonl', 'w', buffering=1)
-  def emit(**record):
-    out.write(json.dumps(record) + '\n')
-  with open('program.py') as f:
-    source = f.read()
-  try:
-    code = compile(source, 'program.py', 'exec')
-  except BaseException as e:
-    emit(compile_error=type(e).__name__ + ': ' + str(e)[:500]); return
-  emit(compiled=True)
-  signal.signal(signal.SIGALRM, _alarm)
-  signal.signal(signal.SIGXCPU, _xcpu)
-  if spec['block_network']:
-    _block_network()
-  timeout = spec['timeout_s']
-  real_stdin, real_stdout = sys.stdin, sys.stdout
-  if spec['fn_name'] is not None:
-    scope = {'__name__': 'program', '__builtins__': builtins}
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-      exec(code, scope)
-      target = scope.get('Solution')
-      fn = getattr(target(), spec['fn_name']) if target is not None else scope[spec['fn_name']]
-    except _TestTimeout:
-      emit(test=0, status='timeout', error='timeout while loading'); return
-    except BaseException as e:
-      emit(test=0, status='error', error=type(e).__name__ + ': ' + str(e)[:500]); return
-    finally:
-      signal.setitimer(signal.ITIMER_REAL, 0)
-  for i, args in enumerate(spec['inputs']):
-    captured = io.TextIOWrapper(io.BytesIO(), encoding='utf-8', write_through=True)
-    try:
-      signal.setitimer(signal.ITIMER_REAL, timeout)
-      if spec['fn_name'] is not None:
-        value = fn(*args)
-        result = _jsonable(list(value) if isinstance(value, tuple) else value)
-      else:
-        sys.stdin = io.TextIOWrapper(io.BytesIO(args.encode()), encoding='utf-8')
-        sys.stdout = captured
-        try:
-          exec(code, {'__name__': '__main__', '__builtins__': builtins})
-        except SystemExit:
-          pass
-        sys.stdout.flush()
-        result = captured.buffer.getvalue().decode('utf-8', 'replace')
-      signal.setitimer(signal.ITIMER_REAL, 0)
-    except _TestTimeout:
-      sys.stdin, sys.stdout = real_stdin, real_stdout
-      emit(test=i, status='timeout', error='test timeout'); return
-    except BaseException as e:
-      signal.setitimer(signal.ITIMER_REAL, 0)
-      sys.stdin, sys.stdout = real_stdin, real_stdout
-      emit(test=i, status='error', error=type(e).__name__ + ': ' + str(e)[:500]); return
-    sys.stdin, sys.stdout = real_stdin, real_stdout
-    emit(test=i, status='ok', output=result)
-
-main()
-'''
+    if self.max_output_bytes < 1:
+      raise ValueError(f'max_output_bytes must be >= 1, got {self.max_output_bytes}')
 
 
 def _limits_for(problem: apps.Problem, config: CheckConfig) -> sandbox.SandboxLimits:
@@ -198,62 +118,143 @@ def _limits_for(problem: apps.Problem, config: CheckConfig) -> sandbox.SandboxLi
       config.limits,
       wall_s=max(config.limits.wall_s, budget + 2.0),
       cpu_s=max(config.limits.cpu_s, int(budget) + 1),
+      file_bytes=max(config.limits.file_bytes, config.max_output_bytes + 1),
   )
+
+
+class _Judge:
+  """Parses the runner's frames as they arrive and compares each test's output at once."""
+
+  def __init__(self, problem: apps.Problem, tests, max_output_bytes: int):
+    self.problem, self.tests = problem, tests
+    self.frame_cap = max_output_bytes + 4096
+    self.buffer = bytearray()
+    self.started = False
+    self.passed = 0
+    self.verdict: tuple[Status, str] | None = None
+
+  def feed(self, chunk: bytes) -> bool:
+    """Takes stdout bytes; False once the verdict is known (the sandbox may stop)."""
+    self.buffer += chunk
+    header = apps_runner.HEADER
+    while self.verdict is None and len(self.buffer) >= header.size:
+      kind, length = header.unpack_from(self.buffer)
+      if length > self.frame_cap:
+        self.verdict = (Status.OUTPUT_TOO_LARGE,
+                        f'test {self.passed}: a result frame of {length} bytes')
+        break
+      if len(self.buffer) < header.size + length:
+        break
+      payload = bytes(self.buffer[header.size:header.size + length])
+      del self.buffer[:header.size + length]
+      self._frame(kind, payload)
+    return self.verdict is None
+
+  def _frame(self, kind: bytes, payload: bytes) -> None:
+    text = payload.decode('utf-8', 'replace')
+    i = self.passed
+    if not self.started:
+      if kind == apps_runner.STARTED:
+        self.started = True
+      elif kind == apps_runner.COMPILE_ERROR:
+        self.verdict = (Status.COMPILE_ERROR, text)
+      elif kind == apps_runner.LOAD_ERROR:
+        self.verdict = (Status.RUNTIME_ERROR, f'loading the program: {text}')
+      elif kind == apps_runner.TIMEOUT:
+        self.verdict = (Status.TIMED_OUT, 'timeout while loading the program')
+      else:
+        self.verdict = (Status.ERROR, f'result stream: {kind!r} before the start frame')
+    elif i >= len(self.tests):
+      self.verdict = (Status.ERROR, f'result stream: a frame past the last test ({kind!r})')
+    elif kind == apps_runner.RAISED:
+      self.verdict = (Status.RUNTIME_ERROR, f'test {i}: {text}')
+    elif kind == apps_runner.TIMEOUT:
+      self.verdict = (Status.TIMED_OUT, f'test {i}: test timeout')
+    elif kind == apps_runner.TOO_LARGE:
+      self.verdict = (Status.OUTPUT_TOO_LARGE, f'test {i}: {text[:40]} bytes of output')
+    elif kind == apps_runner.OUTPUT:
+      self._compare(payload)
+    else:
+      self.verdict = (Status.ERROR, f'result stream: unknown frame kind {kind!r}')
+
+  def _compare(self, payload: bytes) -> None:
+    i = self.passed
+    expected = self.tests[i][1]
+    if self.problem.call_based:
+      try:
+        output = apps_runner.decode_value(json.loads(payload))
+      except (ValueError, TypeError, RecursionError) as e:
+        self.verdict = (Status.ERROR, f'test {i}: return value not in the runner\'s format: {e}')
+        return
+      ok = apps.call_output_matches(output, expected)
+    else:
+      output = payload.decode('utf-8', 'replace')
+      ok = apps.stdout_matches(output, expected)
+    if ok:
+      self.passed += 1
+    else:
+      self.verdict = (Status.FAILED, f'test {i}: got {_short(output)}, expected {_short(expected)}')
+
+
+def _short(value: Any) -> str:
+  try:
+    text = repr(value)
+  except Exception:  # noqa: BLE001 - a value's repr is only for the message
+    text = '<no repr>'
+  return text if len(text) <= 200 else text[:200] + '...'
 
 
 def check_program(problem: apps.Problem, program: str,
                   config: CheckConfig = CheckConfig()) -> ProgramResult:
-  """Runs one program on every test of `problem` in a sandbox; returns its verdict."""
+  """Runs one program on every test of `problem` in a sandbox; returns its verdict.
+
+  Never raises for the program's sake: a failure to judge it is its ERROR verdict.
+  """
+  n = len(problem.inputs)
+  try:
+    return _check(problem, program, config)
+  except Exception as e:  # noqa: BLE001 - one program that cannot be judged must not stop a run
+    return ProgramResult(Status.ERROR, 0, n, f'{type(e).__name__}: {e}'[:1000], 0.0)
+
+
+def _check(problem, program, config) -> ProgramResult:
   tests = list(apps.iter_tests(problem))
-  inputs = [apps.call_inputs(i) for i, _ in tests] if problem.call_based else [i for i, _ in tests]
+  if problem.call_based:
+    inputs = [apps_runner.encode_value(apps.call_inputs(i)) for i, _ in tests]
+  else:
+    inputs = [i if isinstance(i, str) else str(i) for i, _ in tests]
   limits = _limits_for(problem, config)
-  iso = sandbox.isolation(limits.use_namespaces, limits.base_uid)
+  iso = sandbox.isolation(config.python, limits.use_namespaces)
   spec = dict(inputs=inputs, fn_name=problem.fn_name, timeout_s=config.test_timeout_s,
-              block_network=iso.network != 'namespace')
-  run = sandbox.run(['runner.py'], files={'runner.py': RUNNER, 'program.py': program,
-                                          'spec.json': json.dumps(spec)},
-                    limits=limits, read_back=['results.jsonl'])
-  return _verdict(problem, tests, run)
-
-
-def _verdict(problem, tests, run: sandbox.SandboxResult) -> ProgramResult:
+              max_output_bytes=config.max_output_bytes, block_network=not iso.full)
+  judge = _Judge(problem, tests, config.max_output_bytes)
+  run = sandbox.run(['-I', 'runner.py'], files={'runner.py': RUNNER, 'program.py': program,
+                                                'spec.json': json.dumps(spec)},
+                    limits=limits, python=config.python, stdout_sink=judge.feed)
   n = len(tests)
-  records = []
-  for line in run.files.get('results.jsonl', b'').decode('utf-8', 'replace').splitlines():
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      break  # a line cut by a limit, or written by the program itself: stop trusting the file
 
-  def result(status, passed, detail):
-    return ProgramResult(status, passed, n, detail[:1000], run.wall_s)
+  def result(status, detail):
+    return ProgramResult(status, n if status is Status.PASSED else judge.passed, n,
+                         detail[:1000], run.wall_s)
 
-  if records and 'compile_error' in records[0]:
-    return result(Status.COMPILE_ERROR, 0, records[0]['compile_error'])
-  passed = 0
-  for r in records[1:]:
-    if r.get('test') != passed:
-      break
-    if r.get('status') == 'timeout':
-      return result(Status.TIMED_OUT, passed, r.get('error', ''))
-    if r.get('status') == 'error':
-      return result(Status.RUNTIME_ERROR, passed, r.get('error', ''))
-    expected = tests[passed][1]
-    output = r.get('output')
-    ok = (apps.call_output_matches(output, expected) if problem.call_based
-          else isinstance(output, str) and apps.stdout_matches(output, expected))
-    if not ok:
-      return result(Status.FAILED, passed,
-                    f'test {passed}: got {str(output)[:200]!r}, expected {str(expected)[:200]!r}')
-    passed += 1
-  if passed == n:
-    return result(Status.PASSED, n, '')
+  if judge.verdict is not None:
+    return result(*judge.verdict)
+  if judge.passed == n:
+    return result(Status.PASSED, '')
   stderr = run.stderr.decode('utf-8', 'replace')[-300:]
-  if run.timed_out or run.returncode == CPU_LIMIT_EXIT:
-    return result(Status.TIMED_OUT, passed, f'sandbox limit (wall or CPU); {stderr}')
-  if not records:
-    return result(Status.RUNTIME_ERROR, 0, f'runner did not start (exit {run.returncode}): {stderr}')
-  return result(Status.RUNTIME_ERROR, passed, f'process ended (exit {run.returncode}): {stderr}')
+  if run.setup_error:
+    return result(Status.ERROR, f'sandbox: {run.setup_error}')
+  if run.memory_exceeded:
+    return result(Status.RUNTIME_ERROR, f'test {judge.passed}: total memory past '
+                  f'{limits.memory_bytes} bytes (all processes killed)')
+  if run.timed_out or run.returncode == -signal.SIGXCPU:
+    return result(Status.TIMED_OUT, f'test {judge.passed}: sandbox limit (wall or CPU); {stderr}')
+  if judge.buffer:
+    return result(Status.ERROR, f'result stream cut inside a frame (exit {run.returncode})')
+  if not judge.started and run.returncode == 127:
+    return result(Status.ERROR, f'the runner did not start: {stderr}')
+  return result(Status.RUNTIME_ERROR,
+                f'test {judge.passed}: process ended (exit {run.returncode}): {stderr}')
 
 
 def check_programs(problem: apps.Problem | dict[str, Any], programs: Sequence[str],
