@@ -208,6 +208,7 @@ def _protocol_class(config: ServerConfig) -> type:
   """uvicorn's h11 protocol with JSON transport errors, a header deadline, connection caps
   (in all and per client address), lingering closes and answers to half-closed clients."""
   per_client: collections.Counter = collections.Counter()  # open connections by address
+  refused = [0]  # refused connections still draining: they count against no cap in all
 
   class Protocol(H11Protocol):
 
@@ -227,7 +228,7 @@ def _protocol_class(config: ServerConfig) -> type:
       peer = transport.get_extra_info('peername')
       self._address = peer[0] if isinstance(peer, tuple) and peer else None
       per_client[self._address] += 1
-      if len(self.connections) > config.max_connections:
+      if len(self.connections) - refused[0] > config.max_connections:
         self._refuse(f'over {config.max_connections} open connections; retry later')
       elif per_client[self._address] > config.max_connections_per_client:
         self._refuse(f'over {config.max_connections_per_client} open connections from '
@@ -239,6 +240,7 @@ def _protocol_class(config: ServerConfig) -> type:
       # Answer at once, then drain what the client still sends for a moment: closing with
       # unread data would reset the connection and lose the answer.
       self.refused = True
+      refused[0] += 1
       self.transport.write(_raw_response(503, 'Service Unavailable', {
           'error': message, 'field': 'connection'}))
       self.transport.close()
@@ -270,6 +272,8 @@ def _protocol_class(config: ServerConfig) -> type:
       per_client[self._address] -= 1
       if per_client[self._address] <= 0:
         del per_client[self._address]
+      if self.refused:
+        refused[0] -= 1
       super().connection_lost(exc)
 
     def on_response_complete(self):

@@ -12,11 +12,12 @@ An exception from `Engine.step()` is the engine's, not a request's, and may
 have left it inconsistent: the loop then stops, every job in flight and every
 later `submit` fails with 503, and `stats` says why (`/v1/health` shows it).
 
-Warm-up: an engine with a fixed shape set (`Engine.warmup_steps`) compiles it one shape at
-a program at a time while it has no requests (`warmup=True`), smallest shapes first; a request that comes
-meanwhile is served at once (compiling what it needs on first use) and the warm-up goes on
-when the engine is idle again. `stats['warmup']` says how far it got, and `on_warmup`
-(called from the engine thread) hears of every step.
+Warm-up: an engine with a fixed shape set (`Engine.warmup_steps`) compiles it one program
+at a time while it has no requests (`warmup=True`), what a lone short request runs first; a
+request that comes meanwhile waits at most for the program being compiled, is then served
+(compiling what it needs on first use), and the warm-up goes on when the engine is idle
+again. `stats['warmup']` says how far it got, and `on_warmup` (called from the engine
+thread) hears of every step. A warm-up that fails stops (saying why), serving goes on.
 
 Finished requests are dropped from `engine.requests` (the engine keeps every
 request it ever saw; a server runs for days), keeping the last `keep_finished`
@@ -82,6 +83,7 @@ class EngineLoop:
       shapes = engine.compiled_shape_budget()
       self._warm_progress = (0, shapes.num_programs + len(shapes.copies))
     self._warm_seconds = 0.0
+    self._warm_error: str | None = None
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._jobs: dict[int, Job] = {}  # live sample id -> its job
     self._lock = threading.Lock()  # orders submit against the loop's stop
@@ -228,12 +230,17 @@ class EngineLoop:
     self.stats = self._stats()
 
   def _warm_one(self) -> None:
-    """Compiles one more shape of the warm-up (engine thread, while idle)."""
+    """Compiles one more program of the warm-up (engine thread, while idle)."""
     start = time.perf_counter()
     try:
       progress = next(self._warmup)
     except StopIteration:
       self._warmup = None
+      self.stats = self._stats()
+      return
+    except Exception as e:  # noqa: BLE001 - requests still compile what they need on first use
+      traceback.print_exc()
+      self._warmup, self._warm_error = None, f'{type(e).__name__}: {e}'
       self.stats = self._stats()
       return
     self._warm_seconds += time.perf_counter() - start
@@ -256,11 +263,11 @@ class EngineLoop:
         **({'error': self.error} if self.error is not None else {}),
     }
 
-
   def _warmup_stats(self) -> dict[str, Any]:
     done, total = self._warm_progress
     return {'programs_compiled': done, 'programs': total, 'done': self._warmup is None,
-            'seconds': round(self._warm_seconds, 1)}
+            'seconds': round(self._warm_seconds, 1),
+            **({'error': self._warm_error} if self._warm_error else {})}
 
 
 def _discard(item) -> None:

@@ -601,7 +601,8 @@ def test_command_line_server_on_a_mesh_answers_as_one_device(tmp_path, mesh):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu',
              PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   args = [sys.executable, '-m', 'models.server', '--model=tiny_gqa', '--num_chunks=32',
-          '--chunk_size=16', '--max_batch=4', '--max_sequence_length=128', '--nowarmup']
+          '--chunk_size=16', '--max_batch=4', '--max_sequence_length=128', '--nowarmup',
+          '--compilation_cache=']
   if mesh.startswith('dp'):
     refused = subprocess.run(args + [f'--mesh={mesh}', '--overlap_decode'], env=env,
                              capture_output=True, text=True, timeout=HANG_GUARD_S * 4)
