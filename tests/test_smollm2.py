@@ -20,15 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import hydrajax
+from hydrajax.chunk_cache import LayoutPolicy
 from models.checkpoint import load_checkpoint
-from models.engine import Engine, EngineConfig, LayoutPolicy, SamplingParams
+from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate, prompt_node
 from models.gguf_loading import gguf_config, load_gguf, unpermute_rope_rows
-from models.gguf_tokenizer import tokenizer_from_gguf
-from models.hf_loading import CheckpointError
+from models.hf_loading import CheckpointError, model_from_params
 from models.kv_cache import KVCache
+from models.llama import split_qkv
 from models.pretrained import ModelUnavailableError, smollm2_gguf
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'smollm2'
@@ -48,13 +50,18 @@ def path():
 
 
 @pytest.fixture(scope='module')
-def model(path):
-  return load_gguf(path, dtype=jnp.float32)
+def loaded(path):
+  return load_checkpoint(path, dtype=jnp.float32)  # the model and the tokenizer the file carries
 
 
 @pytest.fixture(scope='module')
-def tokenizer(path):
-  return tokenizer_from_gguf(path)
+def model(loaded):
+  return loaded[0]
+
+
+@pytest.fixture(scope='module')
+def tokenizer(loaded):
+  return loaded[1]
 
 
 def test_config_from_metadata(path):
@@ -134,37 +141,52 @@ def test_engine_greedy_equals_transformers(model):
   assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)) == EXPECTED
 
 
+def _unfused_params(model) -> dict:
+  """The model's parameters as a freshly built `Llama` holds them (wq and wkv apart)."""
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for layer in params['layers'].values():
+    if 'wqkv' in layer:
+      layer['wq'], layer['wkv'] = split_qkv(layer.pop('wqkv'), model.config.num_heads)
+  return params
+
+
 @pytest.mark.parametrize('mesh_shape', [(1, 3), (2, 3)], ids=['tp3', 'dp2_tp3'])
 def test_tensor_parallel_greedy_equals_one_device(path, model, mesh_shape):
+  """tp 3 (the model's 3 kv heads, 9 query heads, vocab 49152 split in 3) and dp 2 x tp 3.
+
+  The one-device model's greedy tokens are transformers' (the tests above); the sharded
+  model's must be the same.
+  """
   if jax.device_count() < 6:
     pytest.skip('needs 6 devices (tests/conftest.py asks XLA for 8 fake CPU devices)')
   dp, tp = mesh_shape
-  mesh = (jax.make_mesh((tp,), ('tp',)) if dp == 1 else jax.make_mesh((dp, tp), ('dp', 'tp')))
-  sharded = load_gguf(path, dtype=jnp.float32, mesh=mesh)  # each tensor into its shards
+  if dp == 1:  # straight from the file, each tensor into its shards
+    sharded = load_gguf(path, dtype=jnp.float32, mesh=jax.make_mesh((tp,), ('tp',)))
+  else:  # the one-device parameters resharded (one more file read adds nothing)
+    mesh = jax.make_mesh((dp, tp), ('dp', 'tp'))
+    sharded = model_from_params(model.config, _unfused_params(model), jnp.float32, mesh)
   prompts = PROMPTS[:4]
-  one = generate(model, prompts, max_new_tokens=8).tokens.tolist()
-  assert generate(sharded, prompts, max_new_tokens=8).tokens.tolist() == one
-  assert one == [e[:8] for e in EXPECTED[:4]]
-
-
-def test_load_checkpoint_takes_the_gguf_file(path):
-  model, tok = load_checkpoint(path, dtype=jnp.bfloat16)
-  assert model.dtype == jnp.bfloat16 and tok is not None and tok.eos_ids == (2,)
+  out = generate(sharded, prompts, max_new_tokens=8).tokens.tolist()
+  assert out == [e[:8] for e in EXPECTED[:4]]
 
 
 def test_tokenizer_equals_transformers(tokenizer):
-  """encode and decode on a few hundred strings: unicode, whitespace, code, special tokens."""
+  """encode and decode on a few hundred strings: unicode, whitespace, code, special tokens.
+
+  transformers' GGUF converter ignores `tokenizer.ggml.pre` and keeps runs of digits
+  together; SmolLM2 (and llama.cpp) split them (test_digits_are_split_one_by_one), so
+  strings with digits compare decode only.
+  """
   split_digits = _transformers_splits_digits()
-  checked = 0
+  encoded = 0
   for case in TOKENIZER['strings']:
     text = case['text']
-    if not split_digits and any(c.isdigit() for c in text):
-      continue  # see test_digits_are_split_one_by_one
-    assert tokenizer.encode(text, add_bos=False) == case['ids'], text
     assert tokenizer.decode(case['ids'], skip_special_tokens=False) == case['decoded'], text
     assert tokenizer.decode(case['ids']) == case['decoded_skip_special'], text
-    checked += 1
-  assert checked >= 200
+    if split_digits or not any(c.isdigit() for c in text):
+      assert tokenizer.encode(text, add_bos=False) == case['ids'], text
+      encoded += 1
+  assert len(TOKENIZER['strings']) > 250 and encoded >= 190
 
 
 def _transformers_splits_digits() -> bool:
