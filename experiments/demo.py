@@ -32,17 +32,24 @@ from models import generate as gen
 from models import pretrained
 from models.llama import ModelMode
 
-FEWSHOT = (
+FEWSHOT = (  # long enough that storing it once saves more KV than the tree's private pages cost
     'Answer each question in a few words.\n\n'
     'Question: What is the capital of France?\nAnswer: Paris.\n\n'
     'Question: How many legs does a spider have?\nAnswer: Eight.\n\n'
     'Question: What is the chemical symbol for gold?\nAnswer: Au.\n\n'
+    'Question: Who painted the Mona Lisa?\nAnswer: Leonardo da Vinci.\n\n'
+    'Question: What is the tallest mountain on Earth?\nAnswer: Mount Everest.\n\n'
+    'Question: How many continents are there?\nAnswer: Seven.\n\n'
+    'Question: What language is spoken in Brazil?\nAnswer: Portuguese.\n\n'
+    'Question: Which animal is known as the king of the jungle?\nAnswer: The lion.\n\n'
+    'Question: What is the freezing point of water in degrees Celsius?\nAnswer: Zero degrees.\n\n'
+    'Question: Who was the first person to walk on the Moon?\nAnswer: Neil Armstrong.\n\n'
 )
 QUESTIONS = (
     'What is the largest planet in the solar system?',
     'Who wrote the play Romeo and Juliet?',
-    'What is the boiling point of water in degrees Celsius?',
     'Which ocean is the largest?',
+    'What is the capital of Italy?',
     'What gas do plants take in from the air?',
     'How many days are there in a week?',
 )
