@@ -53,11 +53,11 @@ _LAYER_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(name: str) -> str | None:
   """The HF tensor name of a GGUF Llama tensor (None for a name this loader does not know)."""
-  if gguf_name in _GLOBAL_NAMES:
-    return _GLOBAL_NAMES[gguf_name]
-  parts = gguf_name.split('.', 2)
+  if name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[name]
+  parts = name.split('.', 2)
   if len(parts) == 3 and parts[0] == 'blk' and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
     return f'model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}'
   return None
@@ -169,7 +169,7 @@ def hf_tensor_reader(reader: gguf.GGUFReader, config: LlamaConfig) -> Callable[[
   missing = sorted(set(expected) - set(by_hf))
   if missing:
     raise CheckpointError(f'{file}: {len(missing)} tensors are missing, e.g. '
-                          f'{[_gguf_name(n) for n in missing[:4]]}')
+                          f'{[gguf_name(n) for n in missing[:4]]}')
   for name, want in expected.items():
     got = tuple(int(d) for d in reversed(by_hf[name].shape))  # ggml lists dims innermost first
     if got != want:
@@ -197,7 +197,8 @@ def hf_tensor_reader(reader: gguf.GGUFReader, config: LlamaConfig) -> Callable[[
   return get
 
 
-def _gguf_name(hf: str) -> str:
+def gguf_name(hf: str) -> str:
+  """The GGUF name of a HF Llama tensor name (the inverse of `hf_name`)."""
   inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
   if hf in inverse:
     return inverse[hf]

@@ -3,7 +3,9 @@
 BOS/EOS ids come from the folder's `config.json` (`bos_token_id`,
 `eos_token_id`) or `tokenizer_config.json` (`bos_token`, `eos_token`), else
 from the tokens `<s>`, `</s>`, `<|begin_of_text|>`, `<|end_of_text|>` when the
-vocabulary holds them.
+vocabulary holds them. The chat template (`apply_chat_template`) comes from
+`chat_template.jinja` or tokenizer_config.json's `chat_template`; a GGUF file's
+tokenizer (`models.gguf_tokenizer`) carries its own.
 """
 
 import json
