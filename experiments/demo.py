@@ -36,8 +36,8 @@ from models.llama import ModelMode
 QUESTIONS = (
     'What is the largest planet in the solar system?',
     'Who wrote the play Romeo and Juliet?',
-    'What is the boiling point of water in degrees Celsius?',
     'Which ocean is the largest?',
+    'What is the capital of Italy?',
     'What gas do plants take in from the air?',
     'How many days are there in a week?',
 )

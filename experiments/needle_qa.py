@@ -21,7 +21,8 @@ time limit goes on where it stopped; the token-identity check then also compares
 kept.
 
 CPU default (--smoke, the default on a CPU): SmolLM2-135M-Instruct, the real model fetched once by
-`make model` (models.pretrained), in float32 on a 1K-token document, Q = 1 and 8; a few minutes.
+`make model` (models.pretrained), in float32 on a 1K-token document, Q = 1 and 8 (several
+minutes: each point compiles the 30-layer model's programs).
 Its accuracy is printed with what it means (chance is 1 in 10: ten colours):
 
   python -m experiments.needle_qa                # writes workdir/needle_qa
@@ -293,26 +294,33 @@ def _finish(records, meta, model_name, smoke):
 
 
 def accuracy_note(model_name: str, records) -> str:
-  """Why the accuracy is what it is: the model, the chance level, what the check holds."""
+  """Why the accuracy is what it is: the model, the chance level, what the token check found."""
   scores = [r['accuracy'] for r in records
             if r.get('status') == 'ok' and r['mode'] != 'no_attention' and 'accuracy' in r]
-  got = f'accuracy {min(scores):.0%} to {max(scores):.0%}' if scores else 'no accuracy measured'
-  chance = f'chance is {1 / len(needle.COLORS):.0%} (one of {len(needle.COLORS)} colours)'
+  low, high = (min(scores), max(scores)) if scores else (None, None)
+  got = ('no accuracy measured' if not scores else f'accuracy {low:.0%}' if low == high else
+         f'accuracy {low:.0%} to {high:.0%}')
+  chance = f'chance: {1 / len(needle.COLORS):.0%}, one of {len(needle.COLORS)} colours'
   if model_name.startswith('smollm2'):
-    why = ('SmolLM2-135M-Instruct, a small trained model, reads the planted sentence "The dog '
-           'named X has fur that is C." back from the document after the few-shot examples; '
-           'a 135M-parameter model misses some of them')
+    why = ('SmolLM2-135M-Instruct, a small trained model, has to find the sentence "The dog '
+           'named X has fur that is C." in the document and answer with C, as the few-shot '
+           'examples at its end do; ' + ('it finds every one here' if low == 1 else
+                                         'a model of 135M parameters misses some'))
   elif model_name.startswith('random'):
     why = 'random weights answer nothing: the timing is the point, the accuracy means nothing'
   elif model_name.startswith('tiny_coder'):
     why = ('the tiny model was trained on code, not on this task: its accuracy is about 0, '
            'whatever the attention')
   else:
-    why = 'a checkpoint of your own: its accuracy is the model\'s'
+    why = 'a checkpoint of your own: the accuracy is the model\'s'
+  checked = [r['identical_to_tree'] for r in records if 'identical_to_tree' in r]
+  same = ('tree and no_sharing gave the same greedy tokens at every Q: sharing the document '
+          'changes the time, not the answers' if checked and all(checked) else
+          f'tree and no_sharing gave the same greedy tokens at {sum(checked)} of {len(checked)} '
+          'values of Q (where they differ, a near-tie broke the other way)' if checked else
+          'no_sharing did not run: no token check')
   return (f'{got} ({chance}): {why}. Accuracy is the share of questions whose first answer word '
-          'is the planted colour. Whatever the weights, tree and no_sharing give the same '
-          'greedy tokens (the "same tokens as tree" column): sharing the document changes the '
-          'time, not the answers.')
+          f'is the planted colour. {same}.')
 
 
 if __name__ == '__main__':

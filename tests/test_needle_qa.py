@@ -56,6 +56,10 @@ def test_smoke_run(tmp_path):
   assert [r['identical_to_tree'] for r in records if r['mode'] == 'no_sharing'] == [True, True]
   for name in ('table.md', 'README.md', 'time_vs_questions.png'):
     assert (tmp_path / name).exists()
+  # The terminal says why the accuracy is what it is, and where the results went.
+  assert 'chance: 10%' in out.stdout and 'trained on code, not on this task' in out.stdout
+  assert 'same greedy tokens at every Q' in out.stdout
+  assert f'results in {tmp_path}' in out.stdout
 
 
 def test_resume_keeps_the_points_that_ran(tmp_path):
