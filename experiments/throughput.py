@@ -72,6 +72,7 @@ from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import decode_benchmark as db
 from models import sharding_rules as sr
 from models.config import get_config
+from models.llama import init_model
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
@@ -198,7 +199,7 @@ def main(argv):
   logging.info('ceilings: %.0f GB/s copy, %.1f TFLOP/s bf16 matmul',
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
   start = time.perf_counter()
-  model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
+  model = init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                         tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                         tp_micro_batches=FLAGS.tp_micro_batches,
                         attention_config=_mosaic_gpu_config())

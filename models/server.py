@@ -42,7 +42,9 @@ import uuid
 from typing import Any
 
 import h11
+import jax.numpy as jnp
 import uvicorn
+from absl import app, flags
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -50,7 +52,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
-from models.engine import Engine
+from hydrajax.parallel import initialize_distributed, parse_mesh
+from models.config import get_config
+from models.engine import Engine, EngineConfig
+from models.hf_loading import load_hf_checkpoint
+from models.llama import init_model
 from models.server_api import (
     BadRequest, Choice, Limits, Work, finite, openai_error, parse_completion, parse_generate,
     plain_error,
@@ -571,16 +577,6 @@ def make_server(engine: Engine, *, host: str = '127.0.0.1', port: int = 8000,
 
 def main(argv):
   del argv
-  import jax.numpy as jnp
-
-  from absl import app
-
-  from hydrajax.parallel import initialize_distributed, parse_mesh
-  from models import sharding_rules as sr
-  from models.config import get_config
-  from models.engine import EngineConfig
-  from models.hf_loading import load_hf_checkpoint
-
   initialize_distributed(_DISTRIBUTED.value)
   mesh = parse_mesh(_MESH.value)  # errors before any work: unknown axes, too many devices
   if mesh is not None and mesh.shape.get('dp', 1) > 1 and _OVERLAP.value:
@@ -590,7 +586,7 @@ def main(argv):
   if _CHECKPOINT.value:
     model = load_hf_checkpoint(_CHECKPOINT.value, dtype=dtype, mesh=mesh)
   else:  # made straight into its shards with a mesh
-    model = sr.init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
+    model = init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
   tokenizer = None
   if _TOKENIZER.value or _CHECKPOINT.value:
     try:
@@ -614,8 +610,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app, flags
-
   _MODEL = flags.DEFINE_string('model', 'tiny_gqa', 'model preset (random weights)')
   _CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'HF Llama folder (overrides --model)')
   _TOKENIZER = flags.DEFINE_string('tokenizer', '', 'tokenizer.json or its folder (for text)')
@@ -628,7 +622,7 @@ if __name__ == '__main__':
   _MAX_LEN = flags.DEFINE_integer('max_sequence_length', 4096, 'longest prompt + generation')
   _OVERLAP = flags.DEFINE_boolean(
       'overlap_decode', False, 'dispatch decode step k+1 before reading step k (recommended without '
-      'dp: on an H200 a step then takes its device time; see EngineConfig.overlap_decode)')
+      'dp: a step then takes its device time; see EngineConfig.overlap_decode)')
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _BACKLOG = flags.DEFINE_integer('backlog', 2048, 'listen backlog')
   _WARMUP = flags.DEFINE_boolean('warmup', True, 'compile every engine shape before serving')
