@@ -57,7 +57,7 @@ from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
     mean_pass_at_k,
 )
-from models.sampling import SamplingConfig
+from models.sampling import SamplingParams
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
 
@@ -258,7 +258,7 @@ def main(argv):
   logging.info('model %s, %d problems x %d samples, few-shot %d tokens, problems %d-%d tokens; '
                'KV budget %.2f GiB -> max problems per batch %s', model_name, len(problems),
                FLAGS.samples, len(fewshot_ids), min(lens), max(lens), budget / 2**30, max_batch)
-  sampling = SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p)
+  sampling = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p)
   stops = () if FLAGS.model == 'random' and not FLAGS.checkpoint else tokenizer.eos_ids
   impl = FLAGS.impl
   path = os.path.join(FLAGS.workdir, 'results.jsonl')

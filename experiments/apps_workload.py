@@ -31,8 +31,9 @@ from flax import nnx
 from hydrajax import AttentionImpl, Segment, SharingPlan
 from hydrajax.evaluation import apps
 from models import generate as gen
+from models import prompt_plan as pp
 from models.kv_cache import KVCache
-from models.sampling import SamplingConfig
+from models.sampling import SamplingParams
 
 MODES = ('no_sharing', 'one_level', 'two_level')
 # The embedded problem set, few-shot examples and tiny model (package data).
@@ -71,11 +72,11 @@ def prompt_forest(fewshot: Sequence[int], problems: Sequence[Sequence[int]], sam
                   mode: str) -> list:
   """The `PromptNode` forest of one batch of problems in a sharing mode (see the module doc)."""
   if mode == 'two_level':
-    return [gen.prompt_node(fewshot, [gen.prompt_node(p, num_samples=samples) for p in problems])]
+    return [pp.prompt_node(fewshot, [pp.prompt_node(p, num_samples=samples) for p in problems])]
   if mode == 'one_level':
-    return [gen.prompt_node(fewshot, [gen.prompt_node(p) for p in problems for _ in range(samples)])]
+    return [pp.prompt_node(fewshot, [pp.prompt_node(p) for p in problems for _ in range(samples)])]
   if mode == 'no_sharing':
-    return [gen.prompt_node(list(fewshot) + list(p)) for p in problems for _ in range(samples)]
+    return [pp.prompt_node(list(fewshot) + list(p)) for p in problems for _ in range(samples)]
   raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
 
 
@@ -84,7 +85,7 @@ def kv_tokens(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples:
   """KV tokens one batch stores in `mode`: the length of generate's plan of it (`plan_prompts`
   of the mode's forest, token values left out: they do not change the layout)."""
   forest = prompt_forest([0] * fewshot_len, [[0] * n for n in problem_lens], samples, mode)
-  return gen.plan_prompts(forest, max_new_tokens=new_tokens).kv_tokens
+  return pp.plan_prompts(forest, max_new_tokens=new_tokens).kv_tokens
 
 
 def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], samples: int,
@@ -99,8 +100,8 @@ def max_problems(mode: str, fewshot_len: int, problem_lens: Sequence[int], sampl
   return best
 
 
-def lean_prefill_calls(tp: gen.TreePrompts, chunk: int,
-                      call_tokens: int | None = None) -> list[gen.PrefillCall]:
+def lean_prefill_calls(tp: pp.TreePrompts, chunk: int,
+                      call_tokens: int | None = None) -> list[pp.PrefillCall]:
   """`models.generate.prefill_calls` without its padding: fewer, smaller model calls.
 
   generate pads every round to the largest round's rows and every row to the longest node's
@@ -121,7 +122,7 @@ def lean_prefill_calls(tp: gen.TreePrompts, chunk: int,
     raise ValueError(f'call_tokens must be >= 1, got {call_tokens}')
   out = []
   length = tp.plan.kv_tokens
-  for call in gen.prefill_calls(tp, chunk):
+  for call in pp.prefill_calls(tp, chunk):
     live = np.flatnonzero(call.segment_ids >= 0)
     need = (call.write_slots < length).sum(axis=1)
     page = call.plan.page_size  # columns and starts are whole pages
@@ -151,13 +152,13 @@ def lean_prefill_calls(tp: gen.TreePrompts, chunk: int,
                     + (0,) * (width - len(call.plan.private_pages[r][:width])) for r in rows)
       plan = SharingPlan(len(rows), tuple(segments), page, pages,
                          tuple(starts[r] + c for r in rows), length)
-      out.append(gen.PrefillCall(call.tokens[rows, :c], call.positions[rows, :c],
+      out.append(pp.PrefillCall(call.tokens[rows, :c], call.positions[rows, :c],
                                  call.write_slots[rows, :c], plan, width,
                                  call.last_index[rows], call.segment_ids[rows]))
   return out
 
 
-def lean_prefill(model, tp: gen.TreePrompts, cache: KVCache, *, impl, chunk: int,
+def lean_prefill(model, tp: pp.TreePrompts, cache: KVCache, *, impl, chunk: int,
                  call_tokens: int | None = None, written: frozenset[int] = frozenset()):
   """Writes every node's KV once (see `lean_prefill_calls`); returns (first logits, cache).
 
@@ -218,7 +219,7 @@ class BatchRun:
   compile_s: float = 0.0
 
 
-def _root_segment(forest, tp: gen.TreePrompts) -> int | None:
+def _root_segment(forest, tp: pp.TreePrompts) -> int | None:
   """The segment holding the forest's one root at tokens [0, n) of the plan when the root has
   children (a document above its questions), else None."""
   seg = tp.plan.segments[0] if tp.plan.segments else None
@@ -227,7 +228,7 @@ def _root_segment(forest, tp: gen.TreePrompts) -> int | None:
   return 0 if (seg.kv_start, seg.kv_length) == (0, len(forest[0].tokens)) else None
 
 
-def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingParams, seed: int,
               stop_tokens: Sequence[int], impl, prefill_chunk: int = 512,
               prefill_call_tokens: int | None = None, cache_dtype=None,
               warm_prefill: bool = False, root_kv: dict | None = None) -> BatchRun:
@@ -240,7 +241,7 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
   its KV there, later ones copy it in instead of prefilling it again (bitwise the same KV:
   the root's prefill does not depend on its children).
   """
-  tp = gen.plan_prompts(forest, max_new_tokens=max_new_tokens)
+  tp = pp.plan_prompts(forest, max_new_tokens=max_new_tokens)
   dtype = cache_dtype or model.dtype
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
@@ -267,7 +268,7 @@ def run_batch(model, forest, *, max_new_tokens: int, sampling: SamplingConfig, s
       root_kv['kv'] = (cache.k[:, :n], cache.v[:, :n])
     jax.block_until_ready(first)
     prefill_s = time.perf_counter() - start - (clock.seconds - compiled)
-    rows = gen.tree_rows(tp)
+    rows = pp.tree_rows(tp)
     layout = tp.plan.to_device()
     state = gen.start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                              sampling=sampling)

@@ -30,6 +30,7 @@ import hydrajax as hj
 from experiments import cli
 from experiments.qa_prompts import FEWSHOT
 from models import generate as gen
+from models import prompt_plan as pp
 from models import pretrained
 from models.llama import ModelMode
 
@@ -79,7 +80,7 @@ def main(argv):
   stops = tuple(tokenizer.eos_ids) + (tuple(newline) if len(newline) == 1 else ())
   shared = tokenizer.encode(FEWSHOT)
   own = [tokenizer.encode(f'Question: {q}\nAnswer:', add_bos=False) for q in questions]
-  forest = [gen.prompt_node(shared, [gen.prompt_node(ids) for ids in own])]
+  forest = [pp.prompt_node(shared, [pp.prompt_node(ids) for ids in own])]
   new = _NEW_TOKENS.value
   print(f'{len(questions)} questions after a shared {len(shared)}-token few-shot prompt; '
         f'questions {min(map(len, own))}-{max(map(len, own))} tokens; up to {new} new tokens; '
@@ -99,7 +100,7 @@ def main(argv):
   for q, a, s in zip(questions, answers, same):
     print(f'Q: {q}\nA: {a}' + ('' if s else '   (per sequence differs)'))
   per_token = model.config.kv_bytes_per_token(jnp.dtype(_DTYPE.value).itemsize)
-  plan = gen.plan_prompts(forest, max_new_tokens=new).plan
+  plan = pp.plan_prompts(forest, max_new_tokens=new).plan
   dense_tokens = len(questions) * (len(shared) + max(map(len, own)) + new)
   kv = {'tree': plan.kv_tokens * per_token, 'per sequence': dense_tokens * per_token}
   print(f'\n{"":14}{"compile s":>10}{"run s":>10}{"KV MiB":>9}')

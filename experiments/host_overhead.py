@@ -50,8 +50,8 @@ from hydrajax import parallel
 from hydrajax.benchmarking import progress, report
 from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
 from models import engine as engine_lib
-from models import sharding_rules
 from models.config import get_config
+from models.llama import init_model
 
 _BATCH = flags.DEFINE_integer('batch', 256, 'live sequences')
 _SYSTEMS = flags.DEFINE_integer('system_prompts', 4, 'distinct system prompts')
@@ -203,7 +203,7 @@ def _stub_model(engine) -> None:
   def fake(params, cache, tokens, positions, slots, layout, key, request_ids, *args, **kwargs):
     return jnp.zeros(request_ids.shape[0], jnp.int32), cache
 
-  engine._model_step = fake
+  engine.runner.model_step = fake
 
 
 def _jitted_stub(engine) -> None:
@@ -217,14 +217,14 @@ def _jitted_stub(engine) -> None:
     del params, tokens, positions, slots, layout, seeds, args, impl, top_logprobs, kwargs
     return jnp.zeros(streams.shape[0], jnp.int32), cache
 
-  engine._model_step = fake
+  engine.runner.model_step = fake
 
 
 def measure_engine() -> dict:
   """Engine steps at batch `--batch` with the model stubbed: decode host ms and iteration ms."""
   b, c, new = _BATCH.value, _CHUNK.value, _NEW.value
   mesh = parallel.parse_mesh(_MESH.value)
-  model = sharding_rules.init_model(get_config('tiny_gqa'), mesh=mesh)
+  model = init_model(get_config('tiny_gqa'), mesh=mesh)
   dp = 1 if mesh is None else mesh.shape.get('dp', 1)
   per_shard = b // dp  # the pool, max_batch and buckets are per dp shard
   vocab = model.config.vocab_size

@@ -50,10 +50,10 @@ from hydrajax import AttentionImpl
 from hydrajax.benchmarking import (
     JsonlWriter, markdown_table, plot_sweeps, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import ByteTokenizer, needle
-from models import generate as gen
 from models import pretrained
-from models.llama import NO_ATTENTION
-from models.sampling import SamplingConfig
+from models import prompt_plan as pp
+from models.llama import ModelMode
+from models.sampling import SamplingParams
 
 FLAGS = flags.FLAGS
 MODES = ('tree', 'no_sharing', 'no_attention')
@@ -159,7 +159,7 @@ def timed_decode(model, forest, *, new_tokens: int, impl, document=None):
 
   document: a dict reused across calls that keeps the document's KV (`run_batch`'s `root_kv`).
   """
-  run = aw.run_batch(model, forest, max_new_tokens=new_tokens, sampling=SamplingConfig(), seed=0,
+  run = aw.run_batch(model, forest, max_new_tokens=new_tokens, sampling=SamplingParams(), seed=0,
                      stop_tokens=(), impl=impl, prefill_chunk=FLAGS.prefill_chunk,
                      prefill_call_tokens=FLAGS.prefill_chunk, root_kv=document)
   return run.tokens, run.prefill_s, run.decode_s, run.kv_tokens
@@ -178,7 +178,7 @@ def main(argv):
   questions = [tokenizer.encode(q, add_bos=False) for q in task.questions]
   per_token = model.config.kv_bytes_per_token(jnp.dtype(model.dtype).itemsize)
   budget = _budget(model)
-  private = -(-FLAGS.new_tokens // gen.PRIVATE_ALIGN) * gen.PRIVATE_ALIGN
+  private = -(-FLAGS.new_tokens // pp.PRIVATE_ALIGN) * pp.PRIVATE_ALIGN
   logging.info('model %s; document %d tokens; Q %s; KV budget %.2f GiB', model_name, len(doc), qs,
                budget / 2**30)
   path = os.path.join(FLAGS.workdir, 'results.jsonl')
@@ -202,10 +202,10 @@ def main(argv):
         records.append(r)
         writer.append(r)
         continue
-      forest = [gen.prompt_node(doc + x) for x in qids]
+      forest = [pp.prompt_node(doc + x) for x in qids]
     else:
-      forest = [gen.prompt_node(doc, [gen.prompt_node(x) for x in qids])]
-    impl = NO_ATTENTION if mode == 'no_attention' else FLAGS.impl
+      forest = [pp.prompt_node(doc, [pp.prompt_node(x) for x in qids])]
+    impl = ModelMode.NO_ATTENTION if mode == 'no_attention' else FLAGS.impl
     try:
       tokens, prefill_s, decode_s, kv = timed_decode(model, forest, new_tokens=FLAGS.new_tokens,
                                                      impl=impl, document=document)

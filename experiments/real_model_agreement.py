@@ -29,9 +29,11 @@ import hydrajax as hj
 from experiments import cli
 from experiments.qa_prompts import FEWSHOT, QUESTIONS
 from models import generate as gen
+from models import prompt_plan as pp
 from models import pretrained
 from models.checkpoint import load_checkpoint
 from models.llama import ModelMode
+from models.sampling import SamplingParams
 
 _CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'a .gguf file or an HF folder (default: '
                                   'SmolLM2-135M-Instruct, fetched by `make model`)')
@@ -62,7 +64,7 @@ def first_divergences(tokens: np.ndarray, reference: np.ndarray) -> np.ndarray:
 
 
 def _decode(model, forest, new, impl, *, top: int = 0):
-  sampling = gen.SamplingParams(top_logprobs=top) if top else gen.SamplingParams()
+  sampling = SamplingParams(top_logprobs=top) if top else SamplingParams()
   run = lambda: gen.generate(model, forest, max_new_tokens=new, impl=impl, sampling=sampling)
   start = time.perf_counter()
   run()  # compiles
@@ -98,7 +100,7 @@ def main(argv):
   f32_model, tokenizer = _load(jnp.float32)
   shared = tokenizer.encode(FEWSHOT)
   own = [tokenizer.encode(f'Question: {q}\nAnswer:', add_bos=False) for q in questions]
-  forest = [gen.prompt_node(shared, [gen.prompt_node(ids) for ids in own])]
+  forest = [pp.prompt_node(shared, [pp.prompt_node(ids) for ids in own])]
   print(f'{len(questions)} questions after a {len(shared)}-token shared prompt, {new} tokens '
         f'each; backend {jax.default_backend()}', flush=True)
 

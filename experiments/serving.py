@@ -62,6 +62,7 @@ from hydrajax.parallel import initialize_distributed, parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import SamplingParams
+from models.llama import init_model
 
 _MODEL = flags.DEFINE_string('model', 'llama2_7b', 'model preset (random weights)')
 _MESH = flags.DEFINE_string('mesh', '', "device mesh, e.g. 'tp:2' (tensor parallel engine; '' "
@@ -229,7 +230,7 @@ def main(argv):
   sr.check_mesh(config, mesh)
   dtype = jnp.float32 if _SMOKE.value else jnp.bfloat16
   t0 = time.perf_counter()
-  model = sr.init_model(config, mesh=mesh, seed=0, dtype=dtype)  # in its shards with --mesh
+  model = init_model(config, mesh=mesh, seed=0, dtype=dtype)  # in its shards with --mesh
   jax.block_until_ready(nnx.state(model))
   logging.info('model %s ready in %.1fs', model_name, time.perf_counter() - t0)
   if num_chunks is None:

@@ -76,6 +76,7 @@ from models import decode_benchmark as db
 from models import sharding_rules as sr
 from models.checkpoint import checkpoint_config, load_checkpoint
 from models.config import get_config
+from models.llama import init_model
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('preset', 'codellama_7b', 'model shape (models.config.PRESETS)')
@@ -234,10 +235,10 @@ def main(argv):
     model.tp_micro_batches = FLAGS.tp_micro_batches
     model.attention_config = _mosaic_gpu_config()
   else:
-    model = sr.init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
-                          tp_reduce_dtype=FLAGS.tp_reduce_dtype,
-                          tp_micro_batches=FLAGS.tp_micro_batches,
-                          attention_config=_mosaic_gpu_config())
+    model = init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
+                       tp_reduce_dtype=FLAGS.tp_reduce_dtype,
+                       tp_micro_batches=FLAGS.tp_micro_batches,
+                       attention_config=_mosaic_gpu_config())
   if FLAGS.fuse_qkv:
     model.fuse_qkv(required=False)
   jax.block_until_ready(nnx.state(model))

@@ -37,9 +37,10 @@ from absl import app, flags, logging
 from experiments import cli
 from hydrajax.benchmarking import markdown_table, report
 from hydrajax.parallel import parse_mesh
-from models import sharding_rules as sr
 from models.config import get_config
-from models.generate import generate, prompt_node
+from models.generate import generate
+from models.llama import init_model
+from models.prompt_plan import prompt_node
 from models.sampling import SamplingParams
 
 _PRESET = flags.DEFINE_string('preset', 'tiny_gqa', 'model shape (models.config.PRESETS)')
@@ -103,7 +104,7 @@ def _learned_prompts():
 
 def _model(mesh, config):
   if not _CHECKPOINT.value:
-    return sr.init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
+    return init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
   from models.hf_loading import restore_params
   model = restore_params(_CHECKPOINT.value, dtype=jnp.bfloat16, mesh=mesh)
   model.tp_reduce_dtype = jnp.dtype(_REDUCE.value)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax import SharingPolicy, parallel
-from models.generate import (PREFILL_PAGE, PrefillCall, RowSpec, TreePrompts, _Node, plan_forest,
-                             prefill_call, prefill_rounds, prefill_shape, private_capacity,
-                             tree_rows)
+from models.prompt_plan import (PREFILL_PAGE, ForestNode, PrefillCall, RowSpec, TreePrompts,
+                                plan_forest, prefill_call, prefill_rounds, prefill_shape,
+                                private_capacity, tree_rows)
 
 
 def assign_groups(sizes: Sequence[tuple[int, int]], num_shards: int) -> list[list[int]]:
@@ -40,7 +40,7 @@ def assign_groups(sizes: Sequence[tuple[int, int]], num_shards: int) -> list[lis
   return [sorted(s) for s in shards]
 
 
-def _size(root: _Node, capacity: int) -> tuple[int, int]:
+def _size(root: ForestNode, capacity: int) -> tuple[int, int]:
   """(KV tokens, rows) of a group: its nodes' tokens plus a private region per row."""
   tokens, rows, stack = 0, 0, [root]
   while stack:
@@ -88,7 +88,7 @@ class ShardedPrompts:
     return np.cumsum([0] + [len(s.nodes) for s in self.shards])[:-1].tolist()
 
 
-def plan_shards(forest: list[_Node], num_shards: int, max_new_tokens: int) -> ShardedPrompts:
+def plan_shards(forest: list[ForestNode], num_shards: int, max_new_tokens: int) -> ShardedPrompts:
   """The forest's groups assigned to `num_shards` shards, each planned, padded to one shape.
 
   Fewer groups than shards is allowed: the idle shards run padding rows only.
@@ -102,7 +102,7 @@ def plan_shards(forest: list[_Node], num_shards: int, max_new_tokens: int) -> Sh
     roots = [forest[g] for g in gs]
     pad = rows - sum(sizes[g][1] for g in gs)
     if pad:  # padding rows (prompt -1): one token, dropped from the output
-      roots.append(_Node((0,), [], pad))
+      roots.append(ForestNode((0,), [], pad))
     planned.append(plan_forest(roots, max_new_tokens))
   length = max(tp.kv_tokens for tp in planned)
   length = -(-length // capacity) * capacity  # whole decode pages per shard

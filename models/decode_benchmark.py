@@ -18,7 +18,7 @@ slow points time fewer steps (`steps_timed` says how many). Memory comes from
 XLA's analysis of the compiled decode program; points whose cache or program
 does not fit are recorded as such, not run.
 
-With a tensor-parallel model (`models.sharding_rules.init_model(..., mesh=)`)
+With a tensor-parallel model (`models.init_model(..., mesh=)`)
 the same code runs sharded: the cache is made in its shards, memory figures
 are per device, and the attention implementation is resolved for one
 device's heads.
@@ -37,13 +37,15 @@ from flax import nnx
 
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
-from hydrajax.benchmarking import gpu_clock, timing
+from hydrajax.benchmarking import gpu_clock, per_sequence_cost, shared_prefix_cost, timing
+from hydrajax.parallel import DP, TP, mesh_sizes
 from models import sharding_rules as sr
 from models.config import LlamaConfig
-from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
-from models.kv_cache import KVCache
-from models.llama import NO_ATTENTION, Llama, ModelMode
-from models.sampling import SamplingConfig
+from models.generate import decode, prefill, start_decode
+from models.kv_cache import KVCache, cache_sharding
+from models.llama import Llama, ModelMode
+from models.prompt_plan import RowSpec, plan_prompts, prompt_node
+from models.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ MODES = ('no_sharing', 'paged', 'tree', 'no_attention')
 # What names an implementation's own attention kernels in a profile (`impl_kernels_s`: those
 # alone, without the glue XLA runs around them, which `attention_kernel_s` also holds).
 IMPL_KERNEL_MARKERS = {'mosaic_gpu': 'mosaic_gpu_kernel'}
-GREEDY = SamplingConfig()
+GREEDY = SamplingParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,7 @@ def _rows(prefix: int, write_base: np.ndarray, private_base: int) -> RowSpec:
 
 def decode_impl(case: Case) -> AttentionImpl | ModelMode:
   """The attention implementation a case decodes with (NO_ATTENTION for no_attention)."""
-  return NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
+  return ModelMode.NO_ATTENTION if case.mode == 'no_attention' else AttentionImpl(case.impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +230,7 @@ def _build_cache(k, v, kv_tokens: int, dest: np.ndarray, mesh=None) -> KVCache:
   out_shardings = None
   if mesh is not None:
     shape = (k.shape[0], kv_tokens) + k.shape[2:]
-    out_shardings = KVCache(*(sr.cache_sharding(mesh, shape),) * 2)
+    out_shardings = KVCache(*(cache_sharding(mesh, shape),) * 2)
 
   @functools.partial(jax.jit, out_shardings=out_shardings)
   def build(k, v, dest):
@@ -282,7 +284,7 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       return record
   impl = decode_impl(case)
   layout = setup.plan.to_device()
-  if impl is not NO_ATTENTION:
+  if impl is not ModelMode.NO_ATTENTION:
     # One device's heads: what each shard of the attention shard_map runs.
     q = jax.ShapeDtypeStruct((case.batch, 1, c.num_heads // _tp(model), c.head_dim), model.dtype)
     kv = jax.ShapeDtypeStruct((c.num_layers * setup.kv_tokens, _kv_heads(model), c.head_dim),
@@ -355,9 +357,6 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
 
 def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) -> None:
   """Floors, attention shares, speedups and targets, from the measured points (in place)."""
-  from hydrajax.benchmarking import per_sequence_cost, shared_prefix_cost
-  from hydrajax.parallel import DP, TP, mesh_sizes
-
   c = config
   ok = {(r['name'], r['batch'], r['prefix']): r for r in records if r.get('status') == 'ok'}
   for r in records:
@@ -389,10 +388,9 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
       r['attention_over_floor'] = r['attention_s'] / r['attention_floor_s']
       # The same share in device time (CUPTI, one step each): no host gaps or launch overheads
       # of either step in it, but every kernel of both, so it is what attention's kernels and
-      # glue cost on the GPU (wall-time shares moved 1.85x -> 2.33x between two runs of the same
-      # kernels on an H200, `results/mosaic_gpu_check/s27`).
-      # Both against the floor of the profiled step's lengths (at B=1024, P=1K, 32/32 the
-      # floor at 13 private tokens is 1.5x that at 8: `results/mosaic_gpu_check/s47`).
+      # glue cost on the GPU (wall-time shares of the same kernels move between runs).
+      # Both against the floor of the profiled step's lengths (the floor grows with the
+      # private tokens, which differ between the timed and the profiled steps).
       if r.get('kernel_step_s') is not None and ceiling.get('kernel_step_s') is not None:
         r['attention_kernel_floor_s'] = floor_s(r.get('kernel_suffix', suffix))
         r['attention_kernel_s'] = r['kernel_step_s'] - ceiling['kernel_step_s']
@@ -402,9 +400,8 @@ def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) ->
         if r.get('kernel_profile') and ceiling.get('kernel_profile'):
           # Kernels both steps launch alike (same name, same launches: the projections'
           # GEMMs) are the same work; their difference is the GPU's drift between the two
-          # runs (-1.1 to +0.9 ms a step at B=1024 over the committed runs,
-          # `results/mosaic_gpu_check/s47/matmul_drift.txt`, where the 7B step's P=1K floor is
-          # 1.2-1.9 ms), so the matched share leaves them out.
+          # runs (of the order of the attention floor itself at 7B), so the matched share
+          # leaves them out.
           mine, theirs = unshared_kernel_s(r['kernel_profile'], ceiling['kernel_profile'])
           r['attention_kernel_matched_s'] = mine - theirs
           r['attention_kernel_matched_over_floor'] = (

@@ -1,11 +1,12 @@
 """Generation from a sharing tree of prompts: shared prefill once, one jitted decode loop.
 
 Prompts are a forest of `hydrajax.PromptNode`s carrying token ids (see
-`prompt_node`), or plain token lists whose shared prefixes
+`models.prompt_plan.prompt_node`), or plain token lists whose shared prefixes
 `hydrajax.plan_from_tokens` finds. Every leaf continues into `num_samples`
-sequences (rows, depth-first). The KV buffer is the one `plan_tree` lays out:
-each tree node's tokens once, then a private region of `max_new_tokens` (rounded
-up to PRIVATE_ALIGN) per row.
+sequences (rows, depth-first). `models.prompt_plan` plans them on the host: the KV
+buffer `plan_tree` lays out (each tree node's tokens once, then a private region of
+`max_new_tokens`, rounded up to PRIVATE_ALIGN, per row), the prefill rounds and the
+decode rows; this module runs that plan on the model.
 
 Prefill: every tree node is one row of a model call, in rounds of at most
 `prefill_chunk` tokens per node (see `prefill_calls`). What a prefill row
@@ -27,7 +28,7 @@ once for the whole decode loop (whose steps only swap the private lengths).
 With a model mesh of `dp` > 1 the forest's sharing groups are split over the dp shards
 (`models.data_parallel`): prefill rounds and the decode loop are each one program over the mesh.
 
-`impl=ModelMode.DENSE` (alias `NAIVE`) runs the ground truth instead: every
+`impl=ModelMode.DENSE` runs the ground truth instead: every
 sequence's full prompt in its own dense cache and `hydrajax.naive_attention`.
 """
 
@@ -40,34 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import hydrajax
-from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, SharingPlan, SharingPolicy,
-                      TreeLayout)
-from hydrajax.builders import PAGE_ALIGN
+from hydrajax import AttentionImpl, AttentionPlan, SharingPolicy, TreeLayout
 from hydrajax.layout import as_int
 from hydrajax.parallel import ShardedLayout
 from hydrajax.validation import FLOAT_DTYPES, token_ids
+from models import data_parallel
 from models import sharding_rules as sr
 from models.kv_cache import CACHE_PROGRAM_OPTIONS, DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
+from models.prompt_plan import (RowSpec, TreePrompts, check_max_new_tokens, plan_forest,
+                                prefill_calls, prompt_forest, sequence_ids, tree_rows)
 from models.sampling import SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch
-
-NAIVE = ModelMode.DENSE  # the old name of the ground-truth mode
-# Private regions are rounded up to this many tokens: the KV buffer length and the
-# page size are then multiples of it, as the Pallas kernels' TMA tiling wants.
-PRIVATE_ALIGN = 64
-# Prefill rows attend their own node's tokens as private pages of this many tokens; every
-# node's first KV token is a multiple of it.
-PREFILL_PAGE = PAGE_ALIGN
-# Token ids ride to the device as int32: without a vocab (`plan_prompts`) they must fit it.
-ID_LIMIT = 2**31
-
-
-def prompt_node(tokens: Sequence[int], children: Sequence[PromptNode] = (), *,
-                num_samples: int = 1, label: str = '') -> PromptNode:
-  """A `PromptNode` holding its token ids (integers >= 0: 3.7 is refused, not cut to 3)."""
-  tokens = token_ids(tokens, 'tokens')
-  return PromptNode(len(tokens), tuple(children), num_samples, label, tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,288 +75,6 @@ class GenerateOutput:
   sample_ids: np.ndarray
   top_tokens: np.ndarray | None = None
   top_logprobs: np.ndarray | None = None
-
-
-# ---------------------------------------------------------------------------
-# Prompt forests
-
-
-@dataclasses.dataclass
-class _Node:
-  tokens: tuple[int, ...]
-  children: list['_Node']
-  num_samples: int = 1
-  prompt_id: int = -1  # leaves: output group
-
-
-def _from_prompt_nodes(roots: Sequence[PromptNode], vocab_size: int) -> list[_Node]:
-  leaf_count = 0
-
-  def convert(node: PromptNode, name: str) -> _Node:
-    nonlocal leaf_count
-    if node.tokens is None and node.length:
-      raise ValueError('generate needs token ids on every PromptNode (use prompt_node(tokens))')
-    if node.tokens:  # inner nodes and leaves may be empty
-      _checked_ids(f'{name}.tokens', node.tokens, vocab_size)
-    out = _Node(node.tokens or (), [], node.num_samples)
-    if node.children:
-      out.children = [convert(c, f'{name}.children[{i}]') for i, c in enumerate(node.children)]
-    else:
-      out.prompt_id, leaf_count = leaf_count, leaf_count + 1
-    return out
-
-  return [convert(r, f'prompts[{i}]') for i, r in enumerate(roots)]
-
-
-def _checked_ids(name: str, tokens, vocab_size: int) -> list[int]:
-  """A prompt's ids checked as the engine checks one (at least one id, in the vocab)."""
-  return list(token_ids(tokens, name, vocab_size=vocab_size, allow_empty=False))
-
-
-def _from_token_lists(sequences: Sequence[Sequence[int]], num_samples: int) -> list[_Node]:
-  """A forest from the radix tree `plan_from_tokens` finds (children ordered by first row)."""
-  tp = hydrajax.plan_from_tokens(sequences)
-  plan = tp.plan
-  nodes = [_Node(tuple(t), []) for t in tp.segment_tokens]
-  keyed: dict[int, list[tuple[int, _Node]]] = {}  # parent segment (-1: root) -> (first row, node)
-  for j, seg in enumerate(plan.segments):
-    keyed.setdefault(seg.parent, []).append((seg.row_begin, nodes[j]))
-  for row in range(plan.num_rows):
-    path = plan.path(row)
-    leaf = _Node(tuple(tp.private_tokens[row]), [], num_samples, tp.order[row])
-    keyed.setdefault(path[-1] if path else -1, []).append((row, leaf))
-  for j, node in enumerate(nodes):
-    node.children = [n for _, n in sorted(keyed.get(j, []), key=lambda x: x[0])]
-  return [n for _, n in sorted(keyed.get(-1, []), key=lambda x: x[0])]
-
-
-def _to_prompt_nodes(forest: list[_Node]) -> list[PromptNode]:
-  def convert(n: _Node) -> PromptNode:
-    return prompt_node(n.tokens, [convert(c) for c in n.children],
-                       num_samples=1 if n.children else n.num_samples)
-  return [convert(n) for n in forest]
-
-
-def _preorder(forest: list[_Node]) -> list[tuple[_Node, int, tuple[int, ...]]]:
-  """(node, depth, ancestor preorder indices) in preorder: the segment order of `plan_tree`."""
-  out = []
-
-  def visit(n: _Node, depth: int, ancestors: tuple[int, ...]) -> None:
-    index = len(out)
-    out.append((n, depth, ancestors))
-    for c in n.children:
-      visit(c, depth + 1, ancestors + (index,))
-
-  for r in forest:
-    visit(r, 0, ())
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class TreePrompts:
-  """A prompt forest planned for decoding (host side).
-
-  Attributes:
-    plan: the decode plan (every node a segment; a private page of `max_new_tokens` rounded
-      up to PRIVATE_ALIGN per row).
-    nodes: (tokens, depth, ancestor segment indices) per segment, in segment order.
-    row_node: per row, the deepest non-empty segment on its path (its last prompt token).
-    prompt_lengths: [B] prompt tokens per row.
-    prompt_ids, sample_ids: [B] output grouping of the rows.
-  """
-
-  plan: SharingPlan
-  nodes: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]
-  row_node: np.ndarray
-  prompt_lengths: np.ndarray
-  prompt_ids: np.ndarray
-  sample_ids: np.ndarray
-
-  @property
-  def num_rows(self) -> int:
-    return self.plan.num_rows
-
-  @property
-  def kv_tokens(self) -> int:
-    return self.plan.kv_tokens
-
-
-def prompt_forest(prompts, *, num_samples: int = 1, vocab_size: int = ID_LIMIT) -> list[_Node]:
-  """The forest of a `PromptNode` forest with tokens, or of token lists (shared prefixes found).
-
-  Every token id must be an integer in [0, vocab_size): ValueError naming `prompts` otherwise.
-  """
-  if as_int(num_samples, 'num_samples') < 1:
-    raise ValueError(f'num_samples must be >= 1, got {num_samples}')
-  if isinstance(prompts, PromptNode):
-    prompts = [prompts]
-  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, '__iter__'):
-    raise ValueError(f'prompts must be a PromptNode forest or a list of token-id lists, got '
-                     f'{prompts!r}')
-  prompts = list(prompts)
-  if not prompts:
-    raise ValueError('prompts must not be empty')
-  if all(isinstance(p, PromptNode) for p in prompts):
-    if num_samples != 1:
-      raise ValueError('with PromptNode trees, give num_samples on the leaves (num_samples=1 here)')
-    return _from_prompt_nodes(prompts, vocab_size)
-  if any(isinstance(p, PromptNode) for p in prompts):
-    raise ValueError('prompts must be all PromptNodes or all token lists')
-  if not hasattr(prompts[0], '__len__'):  # one flat prompt instead of a list of them
-    raise ValueError(f'prompts must be a list of token-id lists, got a list of {prompts[0]!r}: '
-                     f'give one prompt as [tokens]')
-  ids = [_checked_ids(f'prompts[{i}]', p, vocab_size) for i, p in enumerate(prompts)]
-  return _from_token_lists(ids, num_samples)
-
-
-def plan_prompts(prompts, *, max_new_tokens: int, num_samples: int = 1) -> TreePrompts:
-  """Plans a forest of `PromptNode`s with tokens, or token lists, for `max_new_tokens`."""
-  _check_max_new_tokens(max_new_tokens)
-  return plan_forest(prompt_forest(prompts, num_samples=num_samples), max_new_tokens)
-
-
-def _check_max_new_tokens(max_new_tokens) -> int:
-  if as_int(max_new_tokens, 'max_new_tokens') < 1:
-    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
-  return int(max_new_tokens)
-
-
-def private_capacity(max_new_tokens: int) -> int:
-  """Tokens of a row's private region (and the decode plan's page size)."""
-  return -(-max_new_tokens // PRIVATE_ALIGN) * PRIVATE_ALIGN
-
-
-def plan_forest(forest: list[_Node], max_new_tokens: int) -> TreePrompts:
-  """Plans a forest (of `prompt_forest`) for `max_new_tokens`."""
-  order = _preorder(forest)
-  plan = hydrajax.plan_tree(_to_prompt_nodes(forest),
-                            private_capacity=private_capacity(max_new_tokens),
-                            segment_align=PREFILL_PAGE)
-  row_node, prompt_ids, sample_ids = [], [], []
-  for j, (node, _, ancestors) in enumerate(order):
-    if node.children:
-      continue
-    path = [a for a in ancestors + (j,) if order[a][0].tokens]
-    if not path:
-      raise ValueError(f'prompt {node.prompt_id} is empty: every sequence needs >= 1 prompt token')
-    row_node += [path[-1]] * node.num_samples
-    prompt_ids += [node.prompt_id] * node.num_samples
-    sample_ids += list(range(node.num_samples))
-  lengths = [plan.private_position(r) for r in range(plan.num_rows)]
-  return TreePrompts(
-      plan=plan,
-      nodes=tuple((n.tokens, d, a) for n, d, a in order),
-      row_node=np.array(row_node, np.int32),
-      prompt_lengths=np.array(lengths, np.int32),
-      prompt_ids=np.array(prompt_ids, np.int32),
-      sample_ids=np.array(sample_ids, np.int32),
-  )
-
-
-# ---------------------------------------------------------------------------
-# Prefill
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillCall:
-  """The inputs of one prefill model call (host arrays) and where its last-token logits go."""
-
-  tokens: np.ndarray  # [B, T] int32
-  positions: np.ndarray  # [B, T] int32
-  write_slots: np.ndarray  # [B, T] int32, >= L for padding
-  plan: SharingPlan  # private pages of PREFILL_PAGE tokens: each row's own node
-  max_private_pages: int
-  last_index: np.ndarray  # [B] int32: index in T of the row's last token, or -1
-  segment_ids: np.ndarray  # [B] the segment (node) each row prefills, -1 for a dummy row
-
-
-def prefill_calls(tp: TreePrompts, chunk: int) -> list[PrefillCall]:
-  """The prefill schedule: rounds of up to T = `chunk` tokens of every node that is ready.
-
-  A node is ready in a round when each of its ancestors is complete by the end
-  of that round: the model writes every row's K/V of a layer before that
-  layer's attention, so a child may run in the round that finishes its parent.
-  A tree whose nodes all fit in one chunk is prefilled in one call. Rows are
-  padded to the largest round (dummy rows write nothing), so that rounds of
-  one tree share a compile.
-  """
-  t, width = prefill_shape([tp], chunk)
-  rounds = prefill_rounds(tp, t)
-  num_rows = max(len(r) for r in rounds)
-  return [prefill_call(tp, work, t, width, num_rows) for work in rounds]
-
-
-def prefill_shape(trees: Sequence[TreePrompts], chunk: int) -> tuple[int, int]:
-  """(T, private width in tokens) of the prefill calls of these trees (one shape for all of
-  them). T is a multiple of PREFILL_PAGE (`chunk` rounded down, at least one page)."""
-  if chunk < 1:
-    raise ValueError(f'prefill_chunk must be >= 1, got {chunk}')
-  page = PREFILL_PAGE
-  longest = max(len(toks) for tp in trees for toks, _, _ in tp.nodes)
-  t = min(max(page, chunk // page * page), -(-longest // page) * page)
-  return t, -(-longest // t) * t
-
-
-def prefill_rounds(tp: TreePrompts, t: int) -> list[list[tuple[int, int]]]:
-  """Per round, (node, first token) of every node prefilled in it (see `prefill_calls`)."""
-  sizes = {j: len(toks) for j, (toks, _, _) in enumerate(tp.nodes) if toks}
-  done = dict.fromkeys(sizes, 0)
-  rounds = []
-  while any(done[j] < n for j, n in sizes.items()):
-    ready = [
-        j for j, n in sizes.items()
-        if done[j] < n and all(sizes[a] - done[a] <= t for a in tp.nodes[j][2] if a in sizes)
-    ]
-    rounds.append([(j, done[j]) for j in ready])
-    for j in ready:
-      done[j] = min(done[j] + t, sizes[j])
-  return rounds
-
-
-def prefill_call(tp: TreePrompts, work: list[tuple[int, int]], t: int, width: int,
-                 num_rows: int) -> PrefillCall:
-  """One round's call: `work` rows, then dummy rows (which write nothing) up to `num_rows`."""
-  plan, length = tp.plan, tp.plan.kv_tokens
-  sizes = {j: len(toks) for j, (toks, _, _) in enumerate(tp.nodes) if toks}
-  tokens = np.zeros((num_rows, t), np.int32)
-  positions = np.zeros((num_rows, t), np.int32)
-  slots = np.full((num_rows, t), length, np.int32)
-  last = np.full((num_rows,), -1, np.int32)
-  ids = np.full((num_rows,), -1, np.int32)
-  page = PREFILL_PAGE
-  pages = [(0,) * (width // page)] * num_rows
-  lengths = [t] * num_rows
-  for r, (j, start) in enumerate(work):
-    toks, seg = tp.nodes[j][0], plan.segments[j]
-    offsets = start + np.arange(t)
-    valid = offsets < len(toks)
-    tokens[r, valid] = np.asarray(toks, np.int32)[offsets[valid]]
-    positions[r] = seg.position + offsets
-    slots[r, valid] = seg.kv_start + offsets[valid]
-    if start <= len(toks) - 1 < start + t:
-      last[r] = len(toks) - 1 - start
-    ids[r] = j
-    own = np.arange(0, width, page)  # the node's tokens, page by page (kv_start is aligned)
-    pages[r] = tuple(int(p) for p in np.where(own < len(toks), (seg.kv_start + own) // page, 0))
-    lengths[r] = start + t
-  segments = []  # the ancestors of this round's rows, restricted to them
-  for a in sorted({a for j, _ in work for a in tp.nodes[j][2] if a in sizes}):
-    rows = [r for r, (j, _) in enumerate(work) if a in tp.nodes[j][2]]
-    s = plan.segments[a]
-    segments.append(Segment(s.kv_start, s.kv_length, rows[0], rows[-1] + 1, -1, s.position))
-  segments = [dataclasses.replace(s, parent=_parent(segments, i)) for i, s in enumerate(segments)]
-  step_plan = SharingPlan(num_rows, tuple(segments), page, tuple(pages), tuple(lengths), length)
-  return PrefillCall(tokens, positions, slots, step_plan, width // page, last, ids)
-
-
-def _parent(segments: list[Segment], i: int) -> int:
-  """The nearest earlier segment whose rows contain segment i's rows (ancestors come first)."""
-  s = segments[i]
-  for k in range(i - 1, -1, -1):
-    p = segments[k]
-    if p.row_begin <= s.row_begin and s.row_end <= p.row_end:
-      return k
-  return -1
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',),
@@ -423,7 +125,7 @@ def node_logits(ends, row_node) -> jax.Array:
 
   ends: (logits [B, V], segment_ids [B], last_index [B]) per call; a node's logits are those of
   the call row where it ends (last_index >= 0). One gather over the calls that end nodes (a stack
-  of one [V] slice per row asked an H200 for 267 GiB at 1024 rows).
+  of one [V] slice per row asks XLA for memory that grows with rows x calls).
   """
   where, parts, offset = {}, [], 0
   for logits, segment_ids, last_index in ends:
@@ -442,22 +144,6 @@ def node_logits(ends, row_node) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class RowSpec:
-  """Per-row constants of decoding: where generated token j of row b goes.
-
-  Token j is at sequence position `positions[b] + j`, flat slot
-  `write_base[b] + j` (tree) and makes the row's private length
-  `private_base[b] + j + 1`. `sequence_ids` seed the row's random draws.
-  """
-
-  positions: jax.Array  # [B] int32
-  write_base: jax.Array  # [B] int32
-  private_base: jax.Array  # [B] int32
-  sequence_ids: jax.Array  # [B] int32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class DecodeState:
   """The decode loop's carry; `step` tokens of every row are generated."""
 
@@ -469,32 +155,6 @@ class DecodeState:
   lengths: jax.Array  # [B] int32
   top_tokens: jax.Array  # [B, M, n] int32: the n most likely of each position (n may be 0)
   top_logprobs: jax.Array  # [B, M, n] float32
-
-
-def _sequence_ids(tp) -> np.ndarray:
-  """A row's identity for its random draws: (prompt, sample), independent of the row order
-  and of the dp shard (padding rows, prompt -1, get 0)."""
-  real = tp.prompt_ids >= 0
-  width = int(tp.sample_ids[real].max(initial=0)) + 1
-  return np.where(real, tp.prompt_ids * width + tp.sample_ids, 0).astype(np.int32)
-
-
-def tree_rows(tp: TreePrompts, decode_plan: SharingPlan | None = None) -> RowSpec:
-  """The rows of `tp.plan`, decoded with `decode_plan` (the plan after a `SharingPolicy`).
-
-  A demoted segment's pages lead the row's private pages in `decode_plan`, so the row's
-  private length starts at those tokens; the generated tokens still go to its own page.
-  """
-  plan = tp.plan
-  decode_plan = plan if decode_plan is None else decode_plan
-  base = [plan.private_pages[r][0] * plan.page_size for r in range(plan.num_rows)]
-  lead = np.subtract(decode_plan.private_lengths, plan.private_lengths).astype(np.int32)
-  return RowSpec(
-      positions=jnp.asarray(tp.prompt_lengths),
-      write_base=jnp.asarray(np.array(base, np.int32)),
-      private_base=jnp.asarray(lead),
-      sequence_ids=jnp.asarray(_sequence_ids(tp)),
-  )
 
 
 def _ends_with_stop_sequence(tokens, step, sequences) -> jax.Array:
@@ -662,25 +322,23 @@ def generate(
       independent sharing groups (the forest's roots) are split over the dp shards, each
       shard its own rows and part of the KV buffer (`models.data_parallel`; an idle shard
       runs padding rows); the outputs are the same, in the same order.
-    prompts: a `PromptNode` forest with tokens (see `prompt_node`; leaves give
-      `num_samples`), or a list of token-id lists (shared prefixes found
+    prompts: a `PromptNode` forest with tokens (see `models.prompt_plan.prompt_node`; leaves
+      give `num_samples`), or a list of token-id lists (shared prefixes found
       automatically, `num_samples` each). Ids are integers in [0, vocab_size), checked
       as the engine checks a prompt (`check_prompt`); none longer than the model's
       `max_position_embeddings`.
     max_new_tokens: tokens generated per sequence (fewer after a stop token).
     num_samples: samples per token list.
-    sampling: a `SamplingParams` (`SamplingConfig` is the same class): greedy (default),
-      temperature, top-k, top-p, min-p, stop tokens and sequences, log-probs (`logprobs`,
-      `top_logprobs`), and a seed that overrides `seed`; its `max_new_tokens` and `n`
-      are not used (this function's arguments say them).
+    sampling: a `SamplingParams`: greedy (default), temperature, top-k, top-p, min-p, stop
+      tokens and sequences, log-probs (`logprobs`, `top_logprobs`), and a seed that overrides
+      `seed`; its `max_new_tokens` and `n` are not used (this function's arguments say them).
     seed: the random seed of sampling in [0, 2**32) (keys depend on (seed, prompt, sample,
       token index)).
     stop_tokens: ids in [0, vocab_size) that end a sequence (the stop token is returned),
       with sampling's.
     return_logprobs: also return the model log-probs of the generated tokens.
     impl: attention for decode: an `AttentionImpl` (or its string), or a `ModelMode`:
-      TREE (AUTO), NO_ATTENTION, DENSE (alias `NAIVE`: dense per-sequence caches, the
-      ground truth).
+      TREE (AUTO), NO_ATTENTION, DENSE (dense per-sequence caches, the ground truth).
     prefill_impl: attention for prefill (default: XLA when impl is XLA, else AUTO).
     prefill_chunk: prefill tokens per node per model call.
     cache_dtype: KV cache dtype: float32, bfloat16 or float16 (default: the model's).
@@ -704,7 +362,7 @@ def generate(
   if sampling.seed is not None:
     seed = sampling.seed
   sampling = static
-  max_new_tokens = _check_max_new_tokens(max_new_tokens)
+  max_new_tokens = check_max_new_tokens(max_new_tokens)
   if as_int(prefill_chunk, 'prefill_chunk') < 1:
     raise ValueError(f'prefill_chunk must be >= 1, got {prefill_chunk}')
   dtype = _cache_dtype(cache_dtype, model.dtype)
@@ -714,7 +372,6 @@ def generate(
   forest = prompt_forest(prompts, num_samples=num_samples, vocab_size=vocab)
   dp = sr.axis_size(model.mesh, sr.DP)
   if dp > 1:  # each dp shard its own sharing groups (models.data_parallel)
-    from models import data_parallel  # it builds on this module
     tp = data_parallel.plan_shards(forest, dp, max_new_tokens)
   else:
     tp = plan_forest(forest, max_new_tokens)
@@ -734,7 +391,7 @@ def generate(
     if dp > 1:
       calls = data_parallel.prefill_calls(tp, prefill_chunk)
       layout, rows = data_parallel.decode_layout(tp, policy, group_size=_group_size(model),
-                                                 sequence_ids=_sequence_ids(tp))
+                                                 sequence_ids=sequence_ids(tp))
     else:
       calls = [(c, c.plan.to_device(max_private_pages=c.max_private_pages))
                for c in prefill_calls(tp, prefill_chunk)]
@@ -809,7 +466,7 @@ def _naive_run(model, graphdef, params, tp, dtype, key, stops, max_new_tokens, s
       positions=jnp.asarray(tp.prompt_lengths),
       write_base=jnp.zeros_like(last),
       private_base=jnp.zeros_like(last),
-      sequence_ids=jnp.asarray(_sequence_ids(tp)),
+      sequence_ids=jnp.asarray(sequence_ids(tp)),
   )
   state = start_decode(cache, first, rows, key, stops, max_new_tokens=max_new_tokens,
                        sampling=sampling)

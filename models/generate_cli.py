@@ -20,6 +20,12 @@ import json
 import os
 from collections.abc import Sequence
 
+import jax.numpy as jnp
+from absl import app, flags
+
+from models.generate import generate
+from models.checkpoint import is_gguf, load_checkpoint
+from models.sampling import SamplingParams
 from models.tokenizer import Tokenizer
 
 
@@ -47,12 +53,6 @@ def run(checkpoint: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[Se
         top_k: int = 0, top_p: float = 1.0, num_samples: int = 1, seed: int = 0,
         dtype: str = 'float32', impl: str = 'auto') -> list[Sample]:
   """Loads the checkpoint and generates; samples ordered by (prompt, sample)."""
-  import jax.numpy as jnp
-
-  from models.checkpoint import is_gguf, load_checkpoint
-  from models.generate import generate
-  from models.sampling import SamplingConfig
-
   if bool(prompts) == bool(prompt_ids):
     raise ValueError('give prompts as text (--prompt) or as token ids (--prompt_ids), not both')
   tok = None
@@ -68,7 +68,7 @@ def run(checkpoint: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[Se
       raise ValueError(f'prompt {i} must be non-empty token ids in [0, {vocab}), got {p[:8]}...')
   stops = tok.eos_ids if tok is not None else _eos_from_config(checkpoint)
   out = generate(model, ids, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                 sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+                 sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                  seed=seed, stop_tokens=stops, impl=impl)
   samples = []
   for r in range(out.tokens.shape[0]):
@@ -104,8 +104,6 @@ def _run_from_flags() -> list[Sample]:
 
 
 if __name__ == '__main__':
-  from absl import app, flags
-
   _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'a .gguf file or a HF Llama folder',
                                     required=True)
   _PROMPT = flags.DEFINE_multi_string('prompt', None, 'a text prompt (repeat for several)')

@@ -433,7 +433,7 @@ def restore_params(directory: str | os.PathLike, *, dtype=None, mesh=None,
   With `mesh`, orbax restores every parameter straight into its shards. `fuse_qkv` as in
   `load_hf_checkpoint` (None: one q/k/v weight a layer wherever tp divides the kv heads).
   """
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # heavy import, only where used
 
   check_fuse_qkv(fuse_qkv)
   directory = os.path.abspath(os.fspath(directory))

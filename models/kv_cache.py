@@ -11,9 +11,11 @@ at position p stored at index p.
 """
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
 from models import sharding_rules as sr
 from models.config import LlamaConfig
@@ -21,11 +23,8 @@ from models.config import LlamaConfig
 # XLA compile options of every jitted program that runs the model over a donated KV cache.
 # XLA's rematerialization pass misreads such programs: it counts the cache (most of the device's
 # memory) more than once, finds the program over its memory limit, and recomputes what it can,
-# which cannot lower a peak made of the cache. In the CodeLlama-7B decode step at B=1024 on an
-# H200 that was the Mosaic GPU lane table again before every layer (31 extra launches, 5.7 µs
-# each) and the first layer's K/V writes twice more: about 0.35 ms of a 26 ms step
-# (`experiments/results/xla_programs/`; the same program memory with the pass off). A CPU has
-# no such pass.
+# which cannot lower a peak made of the cache (in a 7B decode step: the attention's lane table
+# recomputed before every layer, with no memory saved). A CPU has no such pass.
 CACHE_PROGRAM_OPTIONS = {'xla_disable_hlo_passes': 'rematerialization'}
 
 
@@ -70,6 +69,11 @@ class KVCache:
           f'cache k, v must be [num_layers={want[0]}, L, K={want[1]}, H={want[2]}], '
           f'got {self.k.shape} and {self.v.shape}'
       )
+
+
+def cache_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+  """Sharding of a flat `KVCache` array [num_layers, L, K', H] (K' the replicated kv heads)."""
+  return sr.sharding(KVCache.logical_axes, mesh, shape)
 
 
 @jax.tree_util.register_dataclass

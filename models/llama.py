@@ -40,7 +40,7 @@ product: the attention output is the query itself; the throughput ceiling of
 the Hydragen paper).
 
 Parameters carry `logical_axes` metadata (see `models.sharding_rules`). With
-`mesh=` (`Llama(..., mesh=mesh)` or `models.sharding_rules.init_model`) the
+`mesh=` (`Llama(..., mesh=mesh)` or `init_model`) the
 forward pass is tensor and data parallel: the q/k/v and gate/up projections
 are column-parallel (heads, MLP hidden on `tp`), wo and w_down row-parallel
 (one all-reduce each per layer), and each layer's cache write and attention
@@ -72,13 +72,10 @@ class ModelMode(enum.Enum):
   NO_ATTENTION = 'no_attention'  # projections and cache writes without the attention product
 
 
-NO_ATTENTION = ModelMode.NO_ATTENTION  # the old name
-
-
 def parse_impl(impl) -> tuple[ModelMode, AttentionImpl | None]:
   """(mode, attention implementation) of an `AttentionImpl`, a `ModelMode` or their strings.
 
-  'naive' is DENSE's old name; TREE runs AUTO. The attention implementation is None unless the
+  TREE runs AUTO. The attention implementation is None unless the
   mode is TREE.
   """
   if isinstance(impl, ModelMode):
@@ -86,8 +83,6 @@ def parse_impl(impl) -> tuple[ModelMode, AttentionImpl | None]:
   if isinstance(impl, AttentionImpl):
     return ModelMode.TREE, impl
   if isinstance(impl, str):
-    if impl == 'naive':
-      return ModelMode.DENSE, None
     for enum_type in (AttentionImpl, ModelMode):
       try:
         return parse_impl(enum_type(impl))
@@ -98,7 +93,7 @@ def parse_impl(impl) -> tuple[ModelMode, AttentionImpl | None]:
 
 
 # Where `_param` puts a new parameter: None (the default device), or a function of its logical
-# axes and shape giving its sharding (`sharding_rules.init_model` sets it), so that each device
+# axes and shape giving its sharding (`init_model` sets it), so that each device
 # draws only its own slices. One small jitted draw per distinct (shape, sharding): a 32-layer
 # model compiles a handful of programs, where one jitted init of the whole model took minutes
 # of compile on the GPU.
@@ -144,9 +139,7 @@ class DecoderLayer(nnx.Module):
                      dtype, c.dim**-0.5)
     # K and V projections as one weight [D, 2, K, H] (k at 0, v at 1): one GEMM. Kept apart, XLA
     # merges the two products of one input into one GEMM anyway and concatenates wk and wv for
-    # it on every step (64 MB a layer at 7B; 31 µs a layer at B=1024 on an H200). q's product
-    # is still merged with kv's (wq and wkv concatenated); keeping them apart made XLA pick
-    # slower GEMMs (experiments/results/throughput/qkv_merge_s23).
+    # it on every step (a copy of both weights per layer). `fuse_qkv` also merges wq.
     self.wkv = _param(rngs, (c.dim, 2, c.num_kv_heads, c.head_dim),
                       (sr.EMBED, None, sr.KV_HEADS, sr.HEAD_DIM), dtype, c.dim**-0.5)
     self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim), (sr.HEADS, sr.HEAD_DIM, sr.EMBED),
@@ -291,19 +284,12 @@ class Llama(nnx.Module):
     S the mesh's tp, 1 without one), in place; returns the model. `required=False`: only where
     it can (`can_fuse_qkv`), else the model stays as it is.
 
-    For inference (`load_hf_checkpoint` and `restore_params` call it by default where tp
-    divides the kv heads): the q, k and v projections are then one GEMM over a weight that
-    exists. Left apart, XLA merges the two products of one input into one GEMM anyway and
-    concatenates wq and wkv for it on every step (1.7 ms of a 22.5 ms CodeLlama-7B step at
-    B=1024 on an H200). At tp = 1 the fused weight is that concatenation, made once. On an
-    H100 (`experiments/results/throughput/s52`) the step got 11-17% faster at B=256-512
-    (cuBLAS runs the product; apart, a Triton GEMM with the copy fused in), 4-8% at B=1024 (16
-    layers, `mosaic_gpu_check/s53`), 2.5% at B=128, about 1% slower at B=32; untimed on the
-    H200. (Session 24's layout grouped by kv head, [D, K, G + 2, H], got a slower Triton GEMM
-    there.) Under tensor parallelism the kv heads are split over tp, so tp must divide them
-    (kv heads fewer than tp: ValueError, or apart with `required=False`). One layer at a time,
-    so memory grows by one layer's q/k/v weights at most. `save_params` writes wq and wkv
-    again.
+    Why: left apart, XLA merges the q, k and v products of one input into one GEMM anyway and
+    concatenates wq and wkv for it on every decode step; fused, that concatenation is made
+    once. `load_hf_checkpoint` and `restore_params` call it by default where tp divides the kv
+    heads (under tensor parallelism the kv heads are split over tp; fewer than tp: ValueError,
+    or apart with `required=False`). One layer at a time, so memory grows by one layer's q/k/v
+    weights at most. `save_params` writes wq and wkv again.
     """
     c, mesh = self.config, self.mesh
     if self.qkv_fused or not (required or self.can_fuse_qkv):
@@ -527,3 +513,26 @@ class Llama(nnx.Module):
       x = _mlp(p, x, c.norm_eps)
     h = rms_norm(x, self.final_norm.get_value(), c.norm_eps)
     return self.logits(h), DenseKVCache(k_all, v_all)
+
+
+def init_model(config: LlamaConfig, *, mesh=None, seed: int = 0, dtype=None,
+               **llama_kwargs) -> Llama:
+  """A `Llama` with random parameters created straight in their shards (no whole copy anywhere).
+
+  Each parameter is drawn by a small jitted program whose `out_shardings` come
+  from its `logical_axes`, so each device computes only its own slices; the
+  values equal the one-device model's. `llama_kwargs` (`tp_reduce_dtype`, `tp_micro_batches`,
+  `attention_config`) go to `Llama`.
+  """
+  dtype = jnp.float32 if dtype is None else dtype
+  mesh = sr.auto_mesh(mesh)
+  sr.check_mesh(config, mesh)
+  make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **llama_kwargs)
+  if mesh is None:
+    return make()
+  placement = lambda names, shape: sr.sharding(names, mesh, shape)
+  token = PARAM_PLACEMENT.set(placement)
+  try:
+    return make()
+  finally:
+    PARAM_PLACEMENT.reset(token)

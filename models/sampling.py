@@ -149,9 +149,6 @@ class SamplingParams:
                for s in self.stop_sequences)
 
 
-SamplingConfig = SamplingParams  # the old name of `generate(sampling=...)`: same fields
-
-
 class SamplingMode(enum.Enum):
   """What a batch's draw computes (static: each mode is its own compiled program)."""
 

@@ -73,7 +73,9 @@ from typing import Any
 
 import h11
 import jax
+import jax.numpy as jnp
 import uvicorn
+from absl import app, flags
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -81,7 +83,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
-from models.engine import Engine
+from hydrajax.parallel import initialize_distributed, parse_mesh
+from models.config import get_config
+from models.engine import Engine, EngineConfig
+from models.checkpoint import load_checkpoint
+from models.llama import init_model
+from models.pretrained import load_smollm2
 from models.server_api import (
     BadRequest, Choice, Limits, Work, finite, openai_error, parse_chat, parse_completion,
     parse_generate, plain_error,
@@ -791,17 +798,6 @@ def _warmup_logger(start: float):
 def main(argv):
   del argv
   start = time.monotonic()
-  import jax.numpy as jnp
-
-  from absl import app
-
-  from hydrajax.parallel import initialize_distributed, parse_mesh
-  from models import sharding_rules as sr
-  from models.config import get_config
-  from models.checkpoint import load_checkpoint
-  from models.engine import EngineConfig
-  from models.pretrained import load_smollm2
-
   if _COMPILATION_CACHE.value:  # a later start loads the programs this one compiled
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
@@ -820,7 +816,7 @@ def main(argv):
     name = os.path.basename(_CHECKPOINT.value.rstrip('/'))
     name = name[:-len('.gguf')] if name.lower().endswith('.gguf') else name
   elif _MODEL.value:  # random weights, made straight into their shards with a mesh
-    model = sr.init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
+    model = init_model(get_config(_MODEL.value), mesh=mesh, seed=0, dtype=dtype)
     tokenizer, name = None, _MODEL.value
   else:
     model, tokenizer = load_smollm2(dtype=dtype, mesh=mesh)
@@ -843,8 +839,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app, flags
-
   _MODEL = flags.DEFINE_string('model', '', 'a model preset with random weights, e.g. tiny_gqa '
                                '(default: SmolLM2-135M-Instruct, fetched on first use)')
   _CHECKPOINT = flags.DEFINE_string('checkpoint', '', 'a .gguf file or a HF Llama folder '
@@ -865,7 +859,7 @@ if __name__ == '__main__':
                                        'call (default: 8 on an accelerator, 1 on a CPU)')
   _OVERLAP = flags.DEFINE_boolean(
       'overlap_decode', False, 'dispatch decode step k+1 before reading step k (recommended without '
-      'dp: on an H200 a step then takes its device time; see EngineConfig.overlap_decode)')
+      'dp: a step then takes its device time; see EngineConfig.overlap_decode)')
   _MAX_CONNECTIONS = flags.DEFINE_integer('max_connections', 1024, 'open connections at most')
   _MAX_CLIENT_CONNECTIONS = flags.DEFINE_integer('max_connections_per_client', 128,
                                                  'open connections from one address at most')

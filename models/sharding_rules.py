@@ -56,8 +56,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
 _REPLICABLE = (VOCAB, EMBED, MLP, KV_HEADS, LAYERS, HEAD_DIM, CACHE_TOKENS)
 
 
-def _table(rules) -> Mapping[str, str | None]:
-  return dict(rules)
+_TABLE: Mapping[str, str | None] = dict(RULES)
 
 
 def axis_size(mesh: Mesh | None, axis: str) -> int:
@@ -67,20 +66,15 @@ def axis_size(mesh: Mesh | None, axis: str) -> int:
   return int(mesh.shape[axis])
 
 
-def partition_spec(
-    names: Sequence[str | None],
-    rules: Sequence[tuple[str, str | None]] = RULES,
-    *,
-    mesh: Mesh | None = None,
-    shape: Sequence[int] | None = None,
-) -> PartitionSpec:
+def partition_spec(names: Sequence[str | None], *, mesh: Mesh | None = None,
+                   shape: Sequence[int] | None = None) -> PartitionSpec:
   """PartitionSpec of an array whose dimensions carry these logical names.
 
   With `mesh`, names mapped to an axis the mesh lacks are replicated; with
   `shape` too, a dimension that does not divide its axis is replicated where
   the module docstring allows it, else a ValueError names it.
   """
-  table = _table(rules)
+  table = _TABLE
   for name in names:
     if name is not None and name not in table:
       raise ValueError(f'logical axis {name!r} has no rule; known: {sorted(table)}')
@@ -114,9 +108,9 @@ def named_sharding(mesh: Mesh, spec: Sequence[str | None]) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(*axes))
 
 
-def sharding(names, mesh: Mesh, shape=None, rules=RULES) -> NamedSharding:
+def sharding(names, mesh: Mesh, shape=None) -> NamedSharding:
   """The NamedSharding of an array with these logical axes on `mesh`."""
-  return named_sharding(mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
+  return named_sharding(mesh, partition_spec(names, mesh=mesh, shape=shape))
 
 
 def _names_of(v: nnx.Variable):
@@ -129,19 +123,19 @@ def _names_of(v: nnx.Variable):
   return names, shape
 
 
-def param_partition_specs(state: nnx.State, rules=RULES, *, mesh: Mesh | None = None):
+def param_partition_specs(state: nnx.State, *, mesh: Mesh | None = None):
   """A tree like `state` (of `nnx.Variable`s) holding each parameter's PartitionSpec."""
 
   def spec(v):
     names, shape = _names_of(v)
-    return partition_spec(names, rules, mesh=mesh, shape=shape)
+    return partition_spec(names, mesh=mesh, shape=shape)
 
   return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES):
+def param_shardings(state: nnx.State, mesh: Mesh):
   """A tree like `state` holding each parameter's NamedSharding on `mesh`."""
-  specs = param_partition_specs(state, rules, mesh=mesh)
+  specs = param_partition_specs(state, mesh=mesh)
   return jax.tree.map(lambda s: named_sharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -171,7 +165,7 @@ def kv_replication(num_heads: int, num_kv_heads: int, mesh: Mesh | None) -> int:
   return tp // num_kv_heads if num_kv_heads < tp else 1
 
 
-def check_mesh(config, mesh: Mesh | None, *, rules=RULES) -> None:
+def check_mesh(config, mesh: Mesh | None) -> None:
   """Raises ValueError, before any work, when `config` cannot run on `mesh`.
 
   Axis names must be those of `MESH_AXES`; query heads must divide over `tp`,
@@ -182,7 +176,6 @@ def check_mesh(config, mesh: Mesh | None, *, rules=RULES) -> None:
   unknown = [a for a in mesh.axis_names if a not in MESH_AXES]
   if unknown:
     raise ValueError(f'mesh axes {unknown} are not known; the axes are {MESH_AXES}')
-  del rules  # the axis rules are fixed for heads: they always go on tp
   tp = axis_size(mesh, TP)
   n, k = config.num_heads, config.num_kv_heads
   if n % tp:
@@ -197,60 +190,24 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def attention_axes(rules=RULES) -> AttentionAxes:
+def attention_axes() -> AttentionAxes:
   """The mesh axes of an attention call's rows and heads, from the table."""
-  table = _table(rules)
-  return AttentionAxes(batch=table[BATCH], heads=table[HEADS])
+  return AttentionAxes(batch=_TABLE[BATCH], heads=_TABLE[HEADS])
 
 
-def constrain(x: jax.Array, names, mesh: Mesh | None, rules=RULES) -> jax.Array:
+def constrain(x: jax.Array, names, mesh: Mesh | None) -> jax.Array:
   """`x` constrained to the sharding of its logical axes (a no-op without a mesh)."""
   if mesh is None:
     return x
-  return jax.lax.with_sharding_constraint(x, sharding(names, mesh, x.shape, rules))
+  return jax.lax.with_sharding_constraint(x, sharding(names, mesh, x.shape))
 
 
-def cache_sharding(mesh: Mesh, shape: Sequence[int], rules=RULES) -> NamedSharding:
-  """Sharding of a flat `KVCache` array [num_layers, L, K', H] (K' the replicated kv heads)."""
-  from models.kv_cache import KVCache  # kv_cache imports this module
-
-  return sharding(KVCache.logical_axes, mesh, shape, rules)
-
-
-def place_state(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
+def place_state(state: nnx.State, mesh: Mesh) -> nnx.State:
   """`state` with every parameter moved into its shards (one device_put per parameter)."""
-  shardings = param_shardings(state, mesh, rules)
+  shardings = param_shardings(state, mesh)
   return jax.tree.map(
       lambda v, s: v.replace(jax.device_put(v.get_value(), s)), state, shardings,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def init_model(config, *, mesh: Mesh | None = None, seed: int = 0, dtype=None, rules=RULES,
-               **llama_kwargs):
-  """A `Llama` with random parameters created straight in their shards (no whole copy anywhere).
-
-  Each parameter is drawn by a small jitted program whose `out_shardings` come
-  from its `logical_axes`, so each device computes only its own slices; the
-  values equal the one-device model's. `llama_kwargs` (`tp_reduce_dtype`, `tp_micro_batches`,
-  `attention_config`)
-  go to `Llama`.
-  """
-  from models.llama import PARAM_PLACEMENT, Llama  # llama imports this module
-  import jax.numpy as jnp
-
-  dtype = jnp.float32 if dtype is None else dtype
-  mesh = auto_mesh(mesh)
-  check_mesh(config, mesh)
-  make = lambda: Llama(config, rngs=nnx.Rngs(seed), dtype=dtype, mesh=mesh, **llama_kwargs)
-  if mesh is None:
-    return make()
-  placement = lambda names, shape: named_sharding(
-      mesh, partition_spec(names, rules, mesh=mesh, shape=shape))
-  token = PARAM_PLACEMENT.set(placement)
-  try:
-    return make()
-  finally:
-    PARAM_PLACEMENT.reset(token)
 
 
 def describe(state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:

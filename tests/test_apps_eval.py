@@ -13,9 +13,10 @@ import pytest
 from experiments import apps_workload as aw
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models import generate as gen
+from models import prompt_plan as pp
 from models.hf_loading import restore_params
 from models.kv_cache import DenseKVCache
-from models.sampling import SamplingConfig
+from models.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ def tiny_coder():
 def test_kv_tokens_match_the_planned_layout(mode):
   fewshot, problems = list(range(1, 38)), [list(range(5, 17)), list(range(40, 43)), [9] * 20]
   forest = aw.prompt_forest(fewshot, problems, 3, mode)
-  tp = gen.plan_prompts(forest, max_new_tokens=20)
+  tp = pp.plan_prompts(forest, max_new_tokens=20)
   assert tp.plan.kv_tokens == aw.kv_tokens(mode, 37, [12, 3, 20], 3, 20)
   assert tp.num_rows == 9
   # Every row's prompt is the few-shot tokens then its problem's, whatever is shared.
@@ -81,7 +82,7 @@ def test_greedy_samples_are_the_same_in_every_sharing_mode(tiny_coder):
   outs = {}
   for mode in aw.MODES:
     run = aw.run_batch(tiny_coder, aw.prompt_forest(fewshot, ids, 2, mode), max_new_tokens=48,
-                       sampling=SamplingConfig(), seed=0, stop_tokens=tok.eos_ids, impl='xla')
+                       sampling=SamplingParams(), seed=0, stop_tokens=tok.eos_ids, impl='xla')
     outs[mode] = run.tokens
   np.testing.assert_array_equal(outs['one_level'], outs['two_level'])
   np.testing.assert_array_equal(outs['no_sharing'], outs['two_level'])
@@ -145,13 +146,13 @@ def test_check_solutions_mode(tmp_path):
 def test_lean_prefill_equals_generates_prefill(tiny_coder, chunk, call_tokens):
   rng = np.random.default_rng(1)
   doc = rng.integers(0, 256, 70).tolist()
-  kids = [gen.prompt_node(rng.integers(0, 256, n).tolist(), num_samples=s)
+  kids = [pp.prompt_node(rng.integers(0, 256, n).tolist(), num_samples=s)
           for n, s in ((5, 2), (19, 1), (3, 3))]
-  forest = [gen.prompt_node(doc, [gen.prompt_node(rng.integers(0, 256, 9).tolist(), kids)]),
-            gen.prompt_node(rng.integers(0, 256, 30).tolist(), num_samples=2)]
-  tp = gen.plan_prompts(forest, max_new_tokens=8)
+  forest = [pp.prompt_node(doc, [pp.prompt_node(rng.integers(0, 256, 9).tolist(), kids)]),
+            pp.prompt_node(rng.integers(0, 256, 30).tolist(), num_samples=2)]
+  tp = pp.plan_prompts(forest, max_new_tokens=8)
   calls = aw.lean_prefill_calls(tp, chunk, call_tokens)
-  assert sum(c.tokens.size for c in calls) < sum(c.tokens.size for c in gen.prefill_calls(tp, chunk))
+  assert sum(c.tokens.size for c in calls) < sum(c.tokens.size for c in pp.prefill_calls(tp, chunk))
   if call_tokens is not None:  # split by rows: a call holds one row or at most call_tokens
     assert all(c.tokens.shape[0] == 1 or c.tokens.size <= call_tokens for c in calls)
     assert len(calls) > len(aw.lean_prefill_calls(tp, chunk))
@@ -172,12 +173,12 @@ def test_lean_prefill_skips_nodes_already_written(tiny_coder):
   seed = int(np.random.SeedSequence().entropy % 2**31)  # a fresh case each run, named on failure
   rng = np.random.default_rng(seed)
   doc = rng.integers(0, 256, 70).tolist()
-  question = lambda: gen.prompt_node(rng.integers(0, 256, int(rng.integers(3, 9))).tolist())
+  question = lambda: pp.prompt_node(rng.integers(0, 256, int(rng.integers(3, 9))).tolist())
   empty = lambda tp: gen.KVCache.zeros(tiny_coder.config, tp.plan.kv_tokens, jnp.float32)
-  first = gen.plan_prompts([gen.prompt_node(doc, [question() for _ in range(2)])],
+  first = pp.plan_prompts([pp.prompt_node(doc, [question() for _ in range(2)])],
                            max_new_tokens=8)
   _, cache1 = aw.lean_prefill(tiny_coder, first, empty(first), impl='xla', chunk=32)
-  tp = gen.plan_prompts([gen.prompt_node(doc, [question() for _ in range(5)])], max_new_tokens=8)
+  tp = pp.plan_prompts([pp.prompt_node(doc, [question() for _ in range(5)])], max_new_tokens=8)
   assert (tp.plan.segments[0].kv_start, tp.plan.segments[0].kv_length) == (0, len(doc))
   expected, full = aw.lean_prefill(tiny_coder, tp, empty(tp), impl='xla', chunk=32)
   start = empty(tp)
@@ -198,15 +199,15 @@ def test_run_batch_reuses_a_root_kv_across_calls(tiny_coder):
   as a run that prefills everything."""
   rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
   doc = rng.integers(0, 256, 70).tolist()
-  forest = lambda q: [gen.prompt_node(doc, [gen.prompt_node(rng.integers(0, 256, 5).tolist())
+  forest = lambda q: [pp.prompt_node(doc, [pp.prompt_node(rng.integers(0, 256, 5).tolist())
                                             for _ in range(q)])]
   run = lambda f, root_kv: aw.run_batch(tiny_coder, f, max_new_tokens=6,
-                                        sampling=SamplingConfig(), seed=0, stop_tokens=(),
+                                        sampling=SamplingParams(), seed=0, stop_tokens=(),
                                         impl='xla', prefill_chunk=32, prefill_call_tokens=64,
                                         root_kv=root_kv)
   root_kv = {}
   run(forest(2), root_kv)
   assert root_kv['kv'][0].shape[1] == len(doc)
   second = forest(3)
-  assert aw._root_segment(second, gen.plan_prompts(second, max_new_tokens=6)) == 0  # reused
+  assert aw._root_segment(second, pp.plan_prompts(second, max_new_tokens=6)) == 0  # reused
   np.testing.assert_array_equal(run(second, root_kv).tokens, run(second, None).tokens)

@@ -15,9 +15,10 @@ import pytest
 from hydrajax import parallel
 from models import data_parallel as dpar
 from models import generate as gen
-from models import sharding_rules as sr
+from models import prompt_plan as pp
 from models.config import get_config
-from models.kv_cache import KVCache
+from models.kv_cache import KVCache, cache_sharding
+from models.llama import init_model
 from models.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +41,7 @@ def _prompts(vocab, groups=3):
   """Independent sharing groups of different sizes (a tree, a single prompt, a deep chain)."""
   rng = np.random.default_rng(5)
   toks = lambda n: rng.integers(0, vocab, n).tolist()
-  node = gen.prompt_node
+  node = pp.prompt_node
   forest = [node(toks(21), [node(toks(5), num_samples=2), node(toks(9))]),
             node(toks(7), num_samples=2),
             node(toks(12), [node(toks(4), [node(toks(3), num_samples=3)]), node(toks(2))])]
@@ -49,7 +50,7 @@ def _prompts(vocab, groups=3):
 
 @functools.cache
 def _one_device(kind, groups=3, dtype='float32'):
-  model = sr.init_model(CONFIGS[kind], seed=2, dtype=dtype)
+  model = init_model(CONFIGS[kind], seed=2, dtype=dtype)
   return gen.generate(model, _prompts(model.config.vocab_size, groups), max_new_tokens=NEW,
                       impl='xla', return_logprobs=True)
 
@@ -66,14 +67,14 @@ def _check_equal(got, want, atol=1e-5, rtol=0.0):
 def test_generate_greedy_tokens_equal_one_device(kind, mesh):
   """3 groups over dp=2: the largest alone (4 rows), the two others together (5 rows); the
   first shard gets a padding row."""
-  model = sr.init_model(CONFIGS[kind], mesh=parallel.parse_mesh(mesh), seed=2)
+  model = init_model(CONFIGS[kind], mesh=parallel.parse_mesh(mesh), seed=2)
   got = gen.generate(model, _prompts(model.config.vocab_size), max_new_tokens=NEW, impl='xla',
                      return_logprobs=True)
   _check_equal(got, _one_device(kind))
 
 
 def test_fewer_groups_than_shards_runs_the_idle_shard_on_padding():
-  model = sr.init_model(CONFIGS['gqa'], mesh=parallel.parse_mesh('dp:2,tp:2'), seed=2)
+  model = init_model(CONFIGS['gqa'], mesh=parallel.parse_mesh('dp:2,tp:2'), seed=2)
   got = gen.generate(model, _prompts(96, groups=1), max_new_tokens=NEW, impl='xla',
                      return_logprobs=True)
   want = _one_device('gqa', groups=1)
@@ -97,8 +98,8 @@ def test_bfloat16_and_token_lists_with_samples():
              + [rng.integers(0, 96, n).tolist() for n in (11, 4, 8)])
   kwargs = dict(max_new_tokens=NEW, impl='xla', num_samples=2, seed=7,
                 sampling=SamplingParams(temperature=0.8, top_k=20), return_logprobs=True)
-  want = gen.generate(sr.init_model(config, seed=2, dtype='bfloat16'), prompts, **kwargs)
-  model = sr.init_model(config, mesh=parallel.parse_mesh('dp:2,tp:4'), seed=2, dtype='bfloat16')
+  want = gen.generate(init_model(config, seed=2, dtype='bfloat16'), prompts, **kwargs)
+  model = init_model(config, mesh=parallel.parse_mesh('dp:2,tp:4'), seed=2, dtype='bfloat16')
   _check_equal(gen.generate(model, prompts, **kwargs), want, atol=2e-2, rtol=1e-2)  # bf16 ulps
 
 
@@ -107,9 +108,9 @@ def test_mosaic_tpu_kernels_in_interpret_mode():
   config = get_config('tiny_gqa', num_layers=1, num_heads=4, num_kv_heads=2, head_dim=128,
                       vocab_size=96)
   prompts = _prompts(96, groups=2)
-  want = gen.generate(sr.init_model(config, seed=2), prompts, max_new_tokens=3, impl='xla',
+  want = gen.generate(init_model(config, seed=2), prompts, max_new_tokens=3, impl='xla',
                       return_logprobs=True)
-  model = sr.init_model(config, mesh=parallel.parse_mesh('dp:2,tp:2'), seed=2)
+  model = init_model(config, mesh=parallel.parse_mesh('dp:2,tp:2'), seed=2)
   got = gen.generate(model, prompts, max_new_tokens=3, impl='mosaic_tpu',
                      prefill_impl='mosaic_tpu', interpret=True, return_logprobs=True)
   _check_equal(got, want)
@@ -118,16 +119,16 @@ def test_mosaic_tpu_kernels_in_interpret_mode():
 @pytest.mark.parametrize('kind,mesh', [('mha', 'dp:2,tp:4'), ('mqa', 'dp:2,tp:2')])
 def test_prefill_logits_equal_one_device_and_cache_sharded_as_the_rules_say(kind, mesh):
   config = CONFIGS[kind]
-  forest = gen.prompt_forest(_prompts(config.vocab_size))
-  reference = sr.init_model(config, seed=2)
-  tp = gen.plan_forest(forest, NEW)
+  forest = pp.prompt_forest(_prompts(config.vocab_size))
+  reference = init_model(config, seed=2)
+  tp = pp.plan_forest(forest, NEW)
   want, _ = gen.prefill(reference, tp, KVCache.zeros(config, tp.kv_tokens, 'float32'),
                         impl='xla', chunk=8)  # several rounds
-  model = sr.init_model(config, mesh=parallel.parse_mesh(mesh), seed=2)
+  model = init_model(config, mesh=parallel.parse_mesh(mesh), seed=2)
   sp = dpar.plan_shards(forest, 2, NEW)
   cache = KVCache.zeros(config, sp.kv_tokens, 'float32', mesh=model.mesh)
   got, cache = gen.run_prefill(model, dpar.prefill_calls(sp, 8), sp.row_node, cache, impl='xla')
-  want_sharding = sr.cache_sharding(model.mesh, cache.k.shape)
+  want_sharding = cache_sharding(model.mesh, cache.k.shape)
   assert cache.k.sharding.spec[1] == 'dp'  # each shard its own tokens
   for x in (cache.k, cache.v):
     assert x.sharding.is_equivalent_to(want_sharding, 4), (x.sharding, want_sharding)
@@ -139,10 +140,10 @@ def test_prefill_logits_equal_one_device_and_cache_sharded_as_the_rules_say(kind
 
 
 def test_plan_shards_balances_groups_and_pads_to_one_shape():
-  forest = gen.prompt_forest(_prompts(96))
+  forest = pp.prompt_forest(_prompts(96))
   sp = dpar.plan_shards(forest, 2, NEW)
   assert len({s.num_rows for s in sp.shards}) == 1 and len({s.kv_tokens for s in sp.shards}) == 1
-  assert sp.kv_tokens % (2 * gen.private_capacity(NEW)) == 0
+  assert sp.kv_tokens % (2 * pp.private_capacity(NEW)) == 0
   assert sorted(sp.prompt_ids[sp.prompt_ids >= 0].tolist()) == [0, 0, 1, 2, 2, 3, 3, 3, 4]
   # the largest group alone, the other two together; whole groups per shard
   assert dpar.assign_groups([(100, 3), (10, 1), (60, 4)], 2) == [[0], [1, 2]]
@@ -154,6 +155,6 @@ def test_plan_shards_balances_groups_and_pads_to_one_shape():
 
 
 def test_dense_ground_truth_needs_one_device():
-  model = sr.init_model(CONFIGS['mha'], mesh=parallel.parse_mesh('dp:2,tp:2'), seed=0)
+  model = init_model(CONFIGS['mha'], mesh=parallel.parse_mesh('dp:2,tp:2'), seed=0)
   with pytest.raises(ValueError, match='runs on one device'):
     gen.generate(model, _prompts(96), max_new_tokens=2, impl='dense')

@@ -11,8 +11,8 @@ from flax import nnx
 from hydrajax.chunk_cache import LayoutPolicy
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
-from models.generate import NAIVE, generate
-from models.llama import Llama
+from models.generate import generate
+from models.llama import Llama, ModelMode
 from models.sampling import SamplingMode
 
 NEW = 6
@@ -61,7 +61,7 @@ def _prompts(seed):
 def reference(model):
   """Independent single-request generation: each prompt in its own dense cache (naive attention)."""
   prompts = _prompts(0)
-  out = generate(model, prompts, max_new_tokens=NEW, impl=NAIVE)
+  out = generate(model, prompts, max_new_tokens=NEW, impl=ModelMode.DENSE)
   return prompts, out.tokens.tolist()
 
 
@@ -351,18 +351,19 @@ def test_mixed_sampling_in_one_batch(model, reference):
   assert_no_leak(engine)
 
 
-def test_nested_cache_config_and_the_flat_keywords_agree():
+def test_the_cache_part_of_the_config_makes_its_chunk_cache_config():
   from hydrajax.chunk_cache import ChunkCacheConfig
-  nested = EngineConfig(ChunkCacheConfig(
+  assert CONFIG.cache == ChunkCacheConfig(
       num_chunks=28, chunk_size=4, max_sequence_length=48, max_sequences=4, share_prefixes=True,
-      retain_prefixes=True, layout=CONFIG.layout), decode_buckets=(8,), min_prefill_len=32,
-      max_prefill_rows=1, impl='xla', prefill_impl='xla', prefill_layout=CONFIG.prefill_layout)
-  assert nested == CONFIG and nested.max_batch == 4 and nested.num_chunks == 28
+      retain_prefixes=True, layout=CONFIG.layout)
   small = dataclasses.replace(CONFIG, num_chunks=4, share_prefixes=False)
-  assert (small.cache.num_chunks, small.share_prefixes, small.retain_prefixes) == (4, False, False)
+  assert (small.cache.num_chunks, small.cache.share_prefixes, small.cache.retain_prefixes) == (
+      4, False, False)  # no prefix cache without sharing
   assert small.max_prefill_rows == 1
   with pytest.raises(TypeError, match='num_chunk'):
     EngineConfig(num_chunk=3)
+  with pytest.raises(ValueError, match='ChunkCacheConfig.num_chunks'):
+    EngineConfig(num_chunks=0)
 
 
 @pytest.mark.parametrize('kwargs,name', [
@@ -399,7 +400,7 @@ def _stub(engine):
   def step(params, cache, tokens, positions, slots, layout, seeds, streams, *args, **kwargs):
     return jnp.zeros(streams.shape, jnp.int32), cache
 
-  engine._model_step = step
+  engine.runner.model_step = step
 
 
 def test_decode_prepares_its_attention_plan_once_per_tree_change(model):
@@ -422,8 +423,9 @@ def test_greedy_outputs_equal_with_the_default_sharing_policy(model, reference):
 
   prompts, expected = reference
   engine = Engine(model, dataclasses.replace(CONFIG, sharing_policy=SharingPolicy.default()))
-  apply, demoted = engine._apply_sharing_policy, []
-  engine._apply_sharing_policy = lambda *a: demoted.append(apply(*a)[1] is not None) or apply(*a)
+  decoder = engine.decoder
+  apply, demoted = decoder.apply_sharing_policy, []
+  decoder.apply_sharing_policy = lambda *a: demoted.append(apply(*a)[1] is not None) or apply(*a)
   assert engine.generate(prompts, SamplingParams(max_new_tokens=NEW)) == expected
   assert any(demoted)  # the policy moved segments into private pages on some trees
   assert_no_leak(engine)
@@ -494,7 +496,7 @@ def test_model_steps_hold_no_conditional_in_any_sampling_mode(model, reference):
   wait for the step before it: the engine's steps carry their sampling mode statically."""
   prompts, expected = reference
   engine = Engine(model, dataclasses.replace(CONFIG, overlap_decode=True))
-  step, calls = engine._model_step, {}
+  step, calls = engine.runner.model_step, {}
 
   def spy(*args, **kwargs):
     abstract = jax.tree.map(
@@ -503,7 +505,7 @@ def test_model_steps_hold_no_conditional_in_any_sampling_mode(model, reference):
     calls.setdefault((args[2].shape, args[9].mode), abstract)
     return step(*args, **kwargs)
 
-  engine._model_step = spy
+  engine.runner.model_step = spy
   assert engine.generate(prompts[:3], SamplingParams(max_new_tokens=NEW)) == expected[:3]
   engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, temperature=0.8))
   engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.9))
@@ -524,7 +526,8 @@ def test_interpret_runs_the_mosaic_tpu_kernels_on_a_cpu():
   config = dataclasses.replace(CONFIG, impl='mosaic_tpu', prefill_impl='mosaic_tpu',
                                interpret=True)
   engine = Engine(model, config)
-  plan = engine._prepare_plan(engine._empty_layout(8, 8, engine.cache.config.layout), config.impl)
+  runner = engine.runner
+  plan = runner.prepare_plan(runner.empty_layout(8, 8, engine.cache.config.layout), config.impl)
   assert plan.impl.name == 'MOSAIC_TPU' and plan.interpret
   assert engine.generate(prompts, SamplingParams(max_new_tokens=3)) == expected
   with pytest.raises(ValueError, match='interpret'):

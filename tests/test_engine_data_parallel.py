@@ -17,10 +17,11 @@ import pytest
 
 from hydrajax import parallel
 from hydrajax.chunk_cache import LayoutPolicy
-from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate
+from models.kv_cache import cache_sharding
+from models.llama import init_model
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason='needs 8 devices (tests/conftest.py sets XLA_FLAGS before jax)')
@@ -56,7 +57,7 @@ def _prompts(vocab, seed=0):
 
 
 def _model(kind, mesh=None):
-  return sr.init_model(CONFIGS[kind], mesh=parallel.parse_mesh(mesh), seed=2)
+  return init_model(CONFIGS[kind], mesh=parallel.parse_mesh(mesh), seed=2)
 
 
 @functools.cache
@@ -97,7 +98,7 @@ def test_greedy_outputs_equal_one_device(kind, mesh):
   assert max(r.shared_tokens for r in reqs) > 0  # prefixes were shared within a shard
   assert engine.stats.peak_rows <= 2 * CONFIG.max_batch
   assert_no_leak(engine)
-  want_sharding = sr.cache_sharding(engine.model.mesh, engine.kv.k.shape)
+  want_sharding = cache_sharding(engine.model.mesh, engine.kv.k.shape)
   for array in (engine.kv.k, engine.kv.v):
     assert array.sharding.is_equivalent_to(want_sharding, 4)
   assert engine.kv.k.shape[1] == 2 * CONFIG.num_chunks * CONFIG.chunk_size  # dp x L_s
@@ -172,11 +173,11 @@ def test_warmup_compiles_every_step_shape():
   assert budget == CONFIG.shape_budget(2)
   assert budget.num_steps == CONFIG.shape_budget().num_steps  # per shard: the same step shapes
   engine.warmup()
-  assert len(engine._seen_shapes) == budget.num_programs
+  assert len(engine.runner.seen_shapes) == budget.num_programs
   outputs = engine.generate(_prompts(101), SamplingParams(max_new_tokens=NEW))
   assert outputs == _one_device('mqa')[0]
   assert engine.stats.new_shape_steps == 0  # nothing left to compile
-  assert engine._seen_shapes >= engine.stats.shapes
+  assert engine.runner.seen_shapes >= engine.stats.shapes
   assert_no_leak(engine)
 
 
@@ -196,18 +197,18 @@ def test_decode_plan_is_reused_until_a_shard_tree_changes():
   the steps between pass the same plan arrays with the private lengths swapped in from the
   host: each shard's rows' lengths after the append, plus the demoted lead."""
   engine = Engine(_model('gqa', 'dp:2'), CONFIG)
-  step, seen = engine._model_step, []
+  step, seen = engine.runner.model_step, []
 
   def recording(params, cache, tokens, positions, slots, layout, *args, **kwargs):
     if tokens.shape[1] == 1:  # a decode step
       key = tuple((c.structure_version, c.pages_version) for c in engine.caches)
       lengths = np.concatenate([c.private_lengths(layout.num_rows // 2) for c in engine.caches])
-      lead = engine._plan[2]
+      lead = engine.decoder.plan[2]
       seen.append((key, engine.stats.plan_builds, layout,
                    lengths if lead is None else lengths + lead))
     return step(params, cache, tokens, positions, slots, layout, *args, **kwargs)
 
-  engine._model_step = recording
+  engine.runner.model_step = recording
   assert engine.generate(_prompts(96), SamplingParams(max_new_tokens=NEW)) == _one_device('gqa')[0]
   reused = rebuilt = 0
   for (key0, builds0, plan0, _), (key, builds, plan, lengths) in zip(seen, seen[1:]):

@@ -13,10 +13,11 @@ from flax import nnx
 import hydrajax
 from hydrajax import PromptNode
 from models import generate as gen
+from models import prompt_plan as pp
 from models.config import get_config
 from models.hf_loading import abstract_model, load_hf_checkpoint
-from models.llama import Llama
-from models.sampling import SamplingConfig, processed_logits, row_keys, sample
+from models.llama import Llama, ModelMode
+from models.sampling import SamplingParams, processed_logits, row_keys, sample
 from tests.conftest import fresh_rng
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
@@ -31,8 +32,8 @@ def _fixture(name):
 
 def _two_level_tree(tree):
   """root -> middles -> leaves, as PromptNodes with tokens (one leaf holds no tokens)."""
-  return gen.prompt_node(tree['root'], [
-      gen.prompt_node(mid, [gen.prompt_node(leaf) for leaf in leaves])
+  return pp.prompt_node(tree['root'], [
+      pp.prompt_node(mid, [pp.prompt_node(leaf) for leaf in leaves])
       for mid, leaves in zip(tree['middles'], tree['leaves'])
   ])
 
@@ -44,7 +45,7 @@ def test_greedy_tree_equals_naive_and_hf(name):
   new = fixture['max_new_tokens']
   tree = _two_level_tree(fixture['tree'])
   out = gen.generate(model, tree, max_new_tokens=new, impl='xla', return_logprobs=True)
-  naive = gen.generate(model, tree, max_new_tokens=new, impl=gen.NAIVE, return_logprobs=True)
+  naive = gen.generate(model, tree, max_new_tokens=new, impl=ModelMode.DENSE, return_logprobs=True)
   np.testing.assert_array_equal(out.tokens, expected)  # HF LlamaForCausalLM.generate, greedy
   np.testing.assert_array_equal(naive.tokens, expected)
   np.testing.assert_array_equal(out.lengths, [new] * len(expected))
@@ -58,7 +59,7 @@ def test_greedy_tree_equals_naive_and_hf(name):
 
 def test_plan_prompts_from_token_lists_shares_prefixes():
   prompts = [[5, 6, 7, 1, 2], [5, 6, 7, 1, 3, 4], [5, 6, 7, 9], [8]]
-  tp = gen.plan_prompts(prompts, max_new_tokens=3, num_samples=2)
+  tp = pp.plan_prompts(prompts, max_new_tokens=3, num_samples=2)
   assert tp.num_rows == 8
   # Every row's full prompt is recovered, rows grouped (prompt, sample).
   rows = gen._row_prompts(tp)
@@ -72,12 +73,12 @@ def test_plan_prompts_from_token_lists_shares_prefixes():
 
 
 def test_prefill_writes_every_node_token_once():
-  root = gen.prompt_node(range(1, 21), [  # 20 tokens: 3 rounds of 8, children join the last
-      gen.prompt_node([30, 31, 32], num_samples=4),
-      gen.prompt_node(range(40, 51), [gen.prompt_node([60]), gen.prompt_node([])]),
+  root = pp.prompt_node(range(1, 21), [  # 20 tokens: 3 rounds of 8, children join the last
+      pp.prompt_node([30, 31, 32], num_samples=4),
+      pp.prompt_node(range(40, 51), [pp.prompt_node([60]), pp.prompt_node([])]),
   ])
-  tp = gen.plan_prompts(root, max_new_tokens=2)
-  calls = gen.prefill_calls(tp, chunk=8)
+  tp = pp.plan_prompts(root, max_new_tokens=2)
+  calls = pp.prefill_calls(tp, chunk=8)
   length = tp.plan.kv_tokens
   written = np.concatenate([c.write_slots[c.write_slots < length] for c in calls])
   node_slots = np.concatenate([np.arange(s.kv_start, s.kv_start + s.kv_length)
@@ -149,14 +150,14 @@ def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():
                 dtype=jnp.bfloat16)
   rng = fresh_rng()
   toks = lambda n: rng.integers(0, 97, n).tolist()
-  forest = [gen.prompt_node(toks(21), [gen.prompt_node(toks(5), num_samples=2),
-                                       gen.prompt_node(toks(11))]),
-            gen.prompt_node(toks(13))]
-  tp = gen.plan_prompts(forest, max_new_tokens=4)
-  assert all(s.kv_start % gen.PREFILL_PAGE == 0 for s in tp.plan.segments)
+  forest = [pp.prompt_node(toks(21), [pp.prompt_node(toks(5), num_samples=2),
+                                       pp.prompt_node(toks(11))]),
+            pp.prompt_node(toks(13))]
+  tp = pp.plan_prompts(forest, max_new_tokens=4)
+  assert all(s.kv_start % pp.PREFILL_PAGE == 0 for s in tp.plan.segments)
   empty = lambda: gen.KVCache.zeros(config, tp.kv_tokens, jnp.bfloat16)
-  calls = gen.prefill_calls(tp, chunk=16)
-  assert all(c.plan.page_size == gen.PREFILL_PAGE for c in calls)
+  calls = pp.prefill_calls(tp, chunk=16)
+  assert all(c.plan.page_size == pp.PREFILL_PAGE for c in calls)
   layout = calls[0].plan.to_device(max_private_pages=calls[0].max_private_pages)
   attn = model.prepare_attention(layout, query_tokens=16, cache=empty(), impl='mosaic_gpu',
                                  interpret=True)
@@ -185,7 +186,7 @@ def test_long_prompts_in_chunks_match_naive():
   prompts = [root + rng.integers(0, 97, n).tolist() for n in (5, 11, 1)]
   kwargs = dict(max_new_tokens=4, num_samples=2)
   out = gen.generate(model, prompts, impl='xla', prefill_chunk=8, **kwargs)
-  naive = gen.generate(model, prompts, impl=gen.NAIVE, **kwargs)
+  naive = gen.generate(model, prompts, impl=ModelMode.DENSE, **kwargs)
   np.testing.assert_array_equal(out.tokens, naive.tokens)
   np.testing.assert_array_equal(out.sample_ids, [0, 1] * 3)
 
@@ -194,10 +195,10 @@ def test_sampling_temperature_top_k_top_p_and_stop_tokens():
   model = Llama(get_config('tiny_mha'), rngs=nnx.Rngs(14), dtype=jnp.float32)
   tree = PromptNode(3, (PromptNode(2, num_samples=3, tokens=(7, 8)),
                         PromptNode(1, num_samples=2, tokens=(9,))), tokens=(1, 2, 3))
-  sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+  sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
   kwargs = dict(max_new_tokens=5, sampling=sampling, seed=3)
   out = gen.generate(model, tree, impl='xla', **kwargs)
-  naive = gen.generate(model, tree, impl=gen.NAIVE, **kwargs)
+  naive = gen.generate(model, tree, impl=ModelMode.DENSE, **kwargs)
   np.testing.assert_array_equal(out.tokens, naive.tokens)  # same keys per (prompt, sample)
   assert len({tuple(t) for t in out.tokens}) > 1  # samples differ
   again = gen.generate(model, tree, impl='xla', **kwargs)
@@ -216,16 +217,16 @@ def test_sampling_temperature_top_k_top_p_and_stop_tokens():
 def test_sample_distribution_and_filters():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
   keys = row_keys(jax.random.key(15), jnp.arange(4000), 0)
-  counts = np.bincount(sample(logits, keys, SamplingConfig(temperature=1.0)), minlength=4)
+  counts = np.bincount(sample(logits, keys, SamplingParams(temperature=1.0)), minlength=4)
   np.testing.assert_allclose(counts / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
-  top2 = np.bincount(sample(logits, keys, SamplingConfig(temperature=1.0, top_k=2)), minlength=4)
+  top2 = np.bincount(sample(logits, keys, SamplingParams(temperature=1.0, top_k=2)), minlength=4)
   assert top2[2:].sum() == 0 and abs(top2[0] / 4000 - 0.5 / 0.8) < 0.03
   # top_p=0.7: 0.5 alone is short of 0.7, 0.5 + 0.3 reaches it: keep the first two.
-  kept = processed_logits(logits[:1], SamplingConfig(temperature=1.0, top_p=0.7))
+  kept = processed_logits(logits[:1], SamplingParams(temperature=1.0, top_p=0.7))
   np.testing.assert_array_equal(np.isfinite(kept[0]), [True, True, False, False])
-  assert int(sample(logits[:1], keys[:1], SamplingConfig(temperature=1.0, top_k=1))[0]) == 0
+  assert int(sample(logits[:1], keys[:1], SamplingParams(temperature=1.0, top_k=1))[0]) == 0
   with pytest.raises(ValueError, match='top_p'):
-    SamplingConfig(top_p=0.0)
+    SamplingParams(top_p=0.0)
 
 
 def test_generate_rejects_bad_prompts():
@@ -235,7 +236,7 @@ def test_generate_rejects_bad_prompts():
   with pytest.raises(ValueError, match='token ids on every PromptNode'):
     gen.generate(model, PromptNode(3), max_new_tokens=2)
   with pytest.raises(ValueError, match='all PromptNodes or all token lists'):
-    gen.generate(model, [gen.prompt_node([1]), [2]], max_new_tokens=2)
+    gen.generate(model, [pp.prompt_node([1]), [2]], max_new_tokens=2)
   with pytest.raises(ValueError, match='max_new_tokens'):
     gen.generate(model, [[1]], max_new_tokens=0)
   with pytest.raises(ValueError, match='tokens has 2 ids but length is 3'):
@@ -245,7 +246,7 @@ def test_generate_rejects_bad_prompts():
 def test_generate_refuses_a_prompt_past_the_models_maximum_position():
   config = dataclasses.replace(get_config('tiny_gqa'), max_position_embeddings=16)
   model = abstract_model(config, jnp.float32)  # nothing runs: the check comes first
-  tree = gen.prompt_node(list(range(1, 11)), [gen.prompt_node(list(range(1, 8)))])
+  tree = pp.prompt_node(list(range(1, 11)), [pp.prompt_node(list(range(1, 8)))])
   with pytest.raises(ValueError, match=r"prompts: a prompt of 17 tokens is longer than the "
                                        r"model's maximum position \(16 tokens"):
     gen.generate(model, [tree], max_new_tokens=4)
@@ -258,7 +259,7 @@ def test_generate_refuses_a_prompt_past_the_models_maximum_position():
     (dict(prompts=[[1, 97]]), 'prompts'), (dict(prompts=[[10**6]]), 'prompts'),
     (dict(prompts=[[2], [-1]]), r'prompts\[1\]'), (dict(prompts=[[3.7]]), 'prompts'),
     (dict(prompts='hello'), 'prompts'), (dict(prompts=[1, 2, 3]), 'prompts'),
-    (dict(prompts=gen.prompt_node([1], [gen.prompt_node([2]), gen.prompt_node([97])])),
+    (dict(prompts=pp.prompt_node([1], [pp.prompt_node([2]), pp.prompt_node([97])])),
      r'prompts\[0\]\.children\[1\]'),
     (dict(cache_dtype=jnp.int32), 'cache_dtype'), (dict(cache_dtype='float'), 'cache_dtype'),
     (dict(stop_tokens=[1.5]), 'stop_tokens'), (dict(stop_tokens=5), 'stop_tokens'),
@@ -277,7 +278,7 @@ def test_generate_refuses_bad_arguments_naming_them(kwargs, name):
 
 def test_prompt_node_refuses_float_ids():
   with pytest.raises(ValueError, match='tokens'):  # int(3.7) cut it to 3
-    gen.prompt_node([1, 3.7])
+    pp.prompt_node([1, 3.7])
 
 
 def test_node_logits_gathers_each_rows_node_across_calls():

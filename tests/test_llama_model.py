@@ -15,7 +15,7 @@ from models import sharding_rules as sr
 from models.config import PRESETS, Llama3RopeScaling, from_hf_dict, get_config
 from models.hf_loading import abstract_model
 from models.kv_cache import DenseKVCache, KVCache
-from models.llama import NO_ATTENTION, Llama
+from models.llama import Llama, ModelMode
 from models.rope import apply_rope, inverse_frequencies
 
 
@@ -184,8 +184,8 @@ def test_no_attention_mode_skips_attention_but_writes_the_cache():
   noisy = KVCache(noise, -noise)
   run = jax.jit(lambda cache, impl: model(tokens, positions, cache, slots, layout, impl=impl),
                 static_argnums=1)
-  a, cache_a = run(zeros, NO_ATTENTION)
-  b, cache_b = run(noisy, NO_ATTENTION)
+  a, cache_a = run(zeros, ModelMode.NO_ATTENTION)
+  b, cache_b = run(noisy, ModelMode.NO_ATTENTION)
   np.testing.assert_allclose(a, b)  # the cache contents do not matter without attention
   tree, cache_t = run(noisy, 'xla')
   assert float(jnp.max(jnp.abs(tree - b))) > 1e-3  # ... and they do with it
@@ -232,8 +232,7 @@ def test_every_parameter_has_logical_axes_and_a_rule():
   # w_up, w_down
   assert len(flat) == 2 + 8 * model.config.num_layers
   assert all(isinstance(s, jax.sharding.PartitionSpec) for s in flat)
-  rules = dict(sr.RULES, heads='tp', kv_heads='tp')
-  assert sr.partition_spec(('embed', 'heads', 'head_dim'), tuple(rules.items())) == (
+  assert sr.partition_spec(('embed', 'heads', 'head_dim')) == (
       jax.sharding.PartitionSpec(None, 'tp', None))
   assert sr.partition_spec(KVCache.logical_axes) == jax.sharding.PartitionSpec(None, 'dp', 'tp',
                                                                                None)
@@ -248,6 +247,7 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
   (float32), greedy tokens and training forward; `save_params` writes wq and wkv again, so the
   checkpoint restores to the unfused model."""
   from models import generate as gen
+  from models import prompt_plan as pp
   from models.hf_loading import restore_params, save_params
   from models.llama import fused_qkv, split_qkv
   config = get_config(name)
@@ -272,8 +272,8 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
     fused_qkv(wq, wkv[:, :1])
   assert model.fuse_qkv() is model  # idempotent
 
-  prompts = [gen.prompt_node(list(range(1, 24)), children=[
-      gen.prompt_node([5, 6, 7], num_samples=3), gen.prompt_node([9], num_samples=2)])]
+  prompts = [pp.prompt_node(list(range(1, 24)), children=[
+      pp.prompt_node([5, 6, 7], num_samples=3), pp.prompt_node([9], num_samples=2)])]
   outs = [gen.generate(m, prompts, max_new_tokens=6, impl='xla', return_logprobs=True)
           for m in (unfused, model)]
   np.testing.assert_array_equal(np.asarray(outs[1].tokens), np.asarray(outs[0].tokens))

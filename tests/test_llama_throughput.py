@@ -10,7 +10,7 @@ from hydrajax.benchmarking import Ceilings
 from models import decode_benchmark as db
 from models.config import get_config
 from models.generate import decode, start_decode
-from models.llama import NO_ATTENTION, Llama
+from models.llama import Llama, ModelMode
 
 PREFIX, NEW, PAGE, BATCH = 32, 6, 8, 3
 
@@ -47,7 +47,7 @@ def test_all_modes_decode_the_same_tokens(setup):
   key, stops = jax.random.key(0), jnp.zeros((0,), jnp.int32)
   results = {}
   for mode, impl in (('tree', 'xla'), ('paged', 'xla'), ('no_sharing', 'xla'),
-                     ('no_attention', NO_ATTENTION)):
+                     ('no_attention', ModelMode.NO_ATTENTION)):
     s = db.decode_setup(db.Case(mode, 'xla', BATCH, PREFIX, NEW), PAGE)
     cache = db._build_cache(*prefix_kv, s.kv_tokens, s.prefix_dest)
     logits = jnp.broadcast_to(first, (BATCH, first.shape[-1]))

@@ -23,9 +23,10 @@ from models import hf_loading
 from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
-from models.generate import generate, prompt_node
-from models.kv_cache import KVCache
-from models.llama import split_qkv
+from models.generate import generate
+from models.kv_cache import KVCache, cache_sharding
+from models.llama import init_model, split_qkv
+from models.prompt_plan import prompt_node
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason='needs 8 devices (tests/conftest.py sets XLA_FLAGS before jax)')
@@ -83,7 +84,7 @@ def _sharded_cache(model, k, v):
   k, v = np.repeat(k, r, axis=2), np.repeat(v, r, axis=2)
   if model.mesh is None:
     return KVCache(jnp.asarray(k), jnp.asarray(v))
-  s = sr.cache_sharding(model.mesh, k.shape)
+  s = cache_sharding(model.mesh, k.shape)
   return KVCache(jax.device_put(k, s), jax.device_put(v, s))
 
 
@@ -101,7 +102,7 @@ def _check_shardings(model, cache):
     sharding = v.sharding
     want = jax.sharding.NamedSharding(model.mesh, spec)
     assert sharding.is_equivalent_to(want, v.ndim), (jax.tree_util.keystr(path), sharding, spec)
-  want = sr.cache_sharding(model.mesh, cache.k.shape)
+  want = cache_sharding(model.mesh, cache.k.shape)
   for x in (cache.k, cache.v):
     assert x.sharding.is_equivalent_to(want, 4), (x.sharding, want)
 
@@ -111,7 +112,7 @@ def _one_device(kind):
   """The one-device logits and cache of the decode-step cases (shared by every mesh)."""
   config = CONFIGS[kind]
   plan, tokens, positions, slots, k, v = _decode_inputs(config, [_group_plan(s) for s in (0, 1)])
-  reference = sr.init_model(config, seed=3)
+  reference = init_model(config, seed=3)
   want, cache = _forward(reference, tokens, positions, _sharded_cache(reference, k, v), slots,
                          plan.to_device())
   return np.asarray(want), np.asarray(cache.k)
@@ -126,7 +127,7 @@ def test_decode_step_equals_one_device(kind, mesh_name):
   want, want_k = _one_device(kind)
   # jax.make_mesh's explicit axes (this JAX's default) on the largest meshes, Auto elsewhere.
   mesh = _mesh(mesh_name, explicit=mesh_name in ('tp8', 'dp2_tp4'))
-  model = sr.init_model(config, mesh=mesh, seed=3)
+  model = init_model(config, mesh=mesh, seed=3)
   layout = parallel.stack_layouts(parallel.split_plan(plan, dp)) if dp > 1 else plan.to_device()
   cache = _sharded_cache(model, k, v)
   _check_shardings(model, cache)
@@ -152,7 +153,7 @@ def test_one_decode_step_has_two_reductions_per_layer(mesh_name):
   dp = MESHES[mesh_name][0]
   plans = [_group_plan(seed) for seed in range(2)]
   plan, tokens, positions, slots, k, v = _decode_inputs(config, plans)
-  model = sr.init_model(config, mesh=_mesh(mesh_name), seed=0)
+  model = init_model(config, mesh=_mesh(mesh_name), seed=0)
   layout = parallel.stack_layouts(parallel.split_plan(plan, dp)) if dp > 1 else plan.to_device()
   cache = _sharded_cache(model, k, v)
   step = jax.jit(lambda m, c: m(tokens, positions, c, slots, layout, impl='xla'),
@@ -171,7 +172,7 @@ def test_micro_batches_give_the_same_step_with_ordered_reductions():
   plan, tokens, positions, slots, k, v = _decode_inputs(config, plans)
   layout, outs = plan.to_device(), []
   for blocks in (1, 2):
-    model = sr.init_model(config, mesh=_mesh('tp4'), seed=0, tp_micro_batches=blocks)
+    model = init_model(config, mesh=_mesh('tp4'), seed=0, tp_micro_batches=blocks)
     step = jax.jit(lambda m, c: m(tokens, positions, c, slots, layout, impl='xla'))
     cache = _sharded_cache(model, k, v)
     counts = _collectives(step.lower(model, cache).compile().as_text())
@@ -181,7 +182,7 @@ def test_micro_batches_give_the_same_step_with_ordered_reductions():
   np.testing.assert_allclose(np.asarray(h2), np.asarray(h1), rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(c2.k), np.asarray(c1.k))
   with pytest.raises(ValueError, match='tp_micro_batches must be an int >= 1'):
-    sr.init_model(config, seed=0, tp_micro_batches=0)
+    init_model(config, seed=0, tp_micro_batches=0)
 
 
 @pytest.mark.parametrize('kind,mesh_name', [('mqa', 'tp8'), ('mha', 'tp2')])
@@ -189,9 +190,9 @@ def test_generate_in_blocks_gives_one_devices_tokens(kind, mesh_name):
   """tp_micro_batches=2 through greedy generation (kv heads replicated at MQA tp:8): the blocked
   path runs (wo and the MLP split over tp) and the tokens are one device's."""
   config = CONFIGS[kind]
-  want = generate(sr.init_model(config, seed=2), _prompts(config.vocab_size), max_new_tokens=6,
+  want = generate(init_model(config, seed=2), _prompts(config.vocab_size), max_new_tokens=6,
                   impl='xla')
-  model = sr.init_model(config, mesh=_mesh(mesh_name), seed=2, tp_micro_batches=2)
+  model = init_model(config, mesh=_mesh(mesh_name), seed=2, tp_micro_batches=2)
   assert model._row_parallel_specs(model.layers[0]) is not None
   got = generate(model, _prompts(config.vocab_size), max_new_tokens=6, impl='xla')
   np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -210,9 +211,9 @@ def _prompts(vocab):
 def test_generate_greedy_tokens_equal_one_device(kind, mesh_name, dtype):
   """bf16 too: the row-parallel partial sums are all-reduced in float32, then rounded once."""
   config = CONFIGS[kind]
-  want = generate(sr.init_model(config, seed=2, dtype=dtype), _prompts(config.vocab_size),
+  want = generate(init_model(config, seed=2, dtype=dtype), _prompts(config.vocab_size),
                   max_new_tokens=6, impl='xla', return_logprobs=True)
-  got = generate(sr.init_model(config, mesh=_mesh(mesh_name), seed=2, dtype=dtype),
+  got = generate(init_model(config, mesh=_mesh(mesh_name), seed=2, dtype=dtype),
                  _prompts(config.vocab_size), max_new_tokens=6, impl='xla', return_logprobs=True)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   # bf16: per-device GEMMs sum in another order and the cache is rounded to bf16 each step, so
@@ -224,7 +225,7 @@ def test_generate_greedy_tokens_equal_one_device(kind, mesh_name, dtype):
 def test_engine_runs_dp_and_refuses_overlap_decode_clearly():
   """The engine runs data parallel (tests/test_engine_data_parallel.py): one chunk cache per dp
   shard; overlap_decode is not supported there and says so."""
-  model = sr.init_model(CONFIGS['mha'], mesh=_mesh('dp2_tp2'), seed=0)
+  model = init_model(CONFIGS['mha'], mesh=_mesh('dp2_tp2'), seed=0)
   engine = Engine(model, EngineConfig(num_chunks=8, chunk_size=16))
   assert len(engine.caches) == 2 and engine.kv.k.shape[1] == 2 * 8 * 16
   with pytest.raises(ValueError, match='overlap_decode is not supported with data parallel'):
@@ -241,10 +242,10 @@ def test_engine_greedy_outputs_equal_one_device():
   params = SamplingParams(max_new_tokens=5)
   outs = []
   for mesh in (None, _mesh('tp4')):
-    engine = Engine(sr.init_model(config, mesh=mesh, seed=4), engine_config)
+    engine = Engine(init_model(config, mesh=mesh, seed=4), engine_config)
     outs.append(engine.generate(prompts, params))
     if mesh is not None:
-      want = sr.cache_sharding(engine.model.mesh, engine.kv.k.shape)
+      want = cache_sharding(engine.model.mesh, engine.kv.k.shape)
       assert engine.kv.k.sharding.is_equivalent_to(want, 4)
   assert outs[0] == outs[1]
 
@@ -253,7 +254,7 @@ def test_engine_greedy_outputs_equal_one_device():
 def test_placed_parameters_are_in_the_form_a_jitted_step_returns(mesh_name):
   # A spec with trailing Nones places alike but is another sharding: a step fed parameters so
   # placed would compile again at its second call, fed its own outputs.
-  model = sr.init_model(CONFIGS['gqa'], mesh=_mesh(mesh_name), seed=1)
+  model = init_model(CONFIGS['gqa'], mesh=_mesh(mesh_name), seed=1)
   state = nnx.state(model, nnx.Param)
   placed = sr.place_state(jax.tree.map(np.asarray, state), model.mesh)
   assert sr.sharding(('embed', 'heads', 'head_dim'), model.mesh).spec == P(None, 'tp')
@@ -268,7 +269,7 @@ def test_placed_parameters_are_in_the_form_a_jitted_step_returns(mesh_name):
 
 def test_check_mesh_errors_before_any_work():
   with pytest.raises(ValueError, match='query heads N=6 do not divide over tp=4'):
-    sr.init_model(get_config('tiny_gqa'), mesh=_mesh('tp4'))
+    init_model(get_config('tiny_gqa'), mesh=_mesh('tp4'))
   with pytest.raises(ValueError, match='kv heads K=3'):
     sr.check_mesh(get_config('tiny_gqa', num_heads=12, num_kv_heads=3), _mesh('tp4'))
   with pytest.raises(ValueError, match="mesh axes \\['x'\\] are not known"):
@@ -337,14 +338,14 @@ def test_fused_qkv_on_a_mesh_equals_one_device(kind, mesh_name):
   dp = MESHES[mesh_name][0]
   plan, tokens, positions, slots, k, v = _decode_inputs(config, [_group_plan(s) for s in (0, 1)])
   want, want_k = _one_device(kind)
-  model = sr.init_model(config, mesh=_mesh(mesh_name), seed=3).fuse_qkv()
+  model = init_model(config, mesh=_mesh(mesh_name), seed=3).fuse_qkv()
   wqkv = model.layers[0].wqkv.get_value()
   tp = MESHES[mesh_name][1]
   # Each device one shard: its N/tp q heads, then its K/tp k heads and v heads.
   width = (config.num_heads + 2 * config.num_kv_heads) // tp
   assert wqkv.shape[1] == tp
   assert {s.data.shape[1:3] for s in wqkv.addressable_shards} == {(1, width)}
-  apart = sr.init_model(config, mesh=model.mesh, seed=3).layers[0]
+  apart = init_model(config, mesh=model.mesh, seed=3).layers[0]
   for part, param in zip(split_qkv(wqkv, config.num_heads), (apart.wq, apart.wkv)):
     np.testing.assert_array_equal(np.asarray(part), np.asarray(param.get_value()))
   layout = parallel.stack_layouts(parallel.split_plan(plan, dp)) if dp > 1 else plan.to_device()
@@ -356,12 +357,12 @@ def test_fused_qkv_on_a_mesh_equals_one_device(kind, mesh_name):
   # The fused projection is column parallel like the two it replaces: no collective more.
   step = lambda m: jax.jit(lambda m, c: m(tokens, positions, c, slots, layout, impl='xla')).lower(
       m, cache).compile().as_text()
-  unfused = sr.init_model(config, mesh=model.mesh, seed=3)
+  unfused = init_model(config, mesh=model.mesh, seed=3)
   assert _collectives(step(model)) == _collectives(step(unfused))
 
 
 def test_fused_qkv_needs_tp_to_divide_the_kv_heads():
-  model = sr.init_model(CONFIGS['mqa'], mesh=_mesh('tp8'), seed=3)
+  model = init_model(CONFIGS['mqa'], mesh=_mesh('tp8'), seed=3)
   with pytest.raises(ValueError, match=r'kv heads K=1 split over tp=8 \(tp must divide K\)'):
     model.fuse_qkv()
   assert not model.qkv_fused

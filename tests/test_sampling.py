@@ -13,7 +13,7 @@ from flax import nnx
 from models import generate as gen
 from models.config import get_config
 from models.kv_cache import DenseKVCache
-from models.llama import Llama
+from models.llama import Llama, ModelMode
 from models.sampling import (
   MAX_TEMPERATURE,
   SamplingMode,
@@ -196,7 +196,7 @@ def test_generate_stop_sequences_and_logprobs(model):
     chosen, logp = dense_logprobs(model, prompt, out.tokens[r])
     np.testing.assert_allclose(out.logprobs[r], chosen, atol=2e-5)
     np.testing.assert_allclose(out.top_logprobs[r], np.sort(logp, -1)[:, ::-1][:, :3], atol=2e-5)
-  naive = gen.generate(model, prompts, max_new_tokens=6, sampling=base, impl=gen.NAIVE)
+  naive = gen.generate(model, prompts, max_new_tokens=6, sampling=base, impl=ModelMode.DENSE)
   np.testing.assert_array_equal(naive.tokens, out.tokens)  # same keys, same filters
   other_seed = gen.generate(model, prompts, max_new_tokens=6, impl='xla',
                             sampling=SamplingParams(temperature=0.9, top_k=20, min_p=0.02),

@@ -145,7 +145,7 @@ def test_warm_up_covers_every_decode_shape_of_a_point(shared_frac, size, monkeyp
     engine = serving.make_engine(model, sharing=sharing, prompt_len=prompt_len,
                                  new_tokens=new, num_chunks=num_chunks,
                                  chunk=chunk, max_batch=batch, kv_piece=piece, impl='xla')
-    engine.clock, engine._model_step = (lambda: clock[0]), model_step
+    engine.clock, engine.runner.model_step = (lambda: clock[0]), model_step
     serving.warm_up(engine, prompt_len, shared_frac, config.vocab_size, system_prompts=4)
     serving.reset(engine)
     workload = serving.make_workload(num_requests=n, prompt_len=prompt_len,

@@ -513,12 +513,13 @@ def test_generate_applies_the_policy_without_changing_tokens(tiny_model, monkeyp
   """Whole-page prompts (page = 64 with max_new_tokens <= 64) let the policy demote: the greedy
   tokens are those of every segment shared, and only what the rules allow moves."""
   from models import generate as gen
+  from models import prompt_plan as pp
 
   rng = np.random.default_rng(0)
   toks = lambda n: [int(t) for t in rng.integers(1, 97, n)]
-  tree = gen.prompt_node(toks(64), [
-      gen.prompt_node(toks(128), [gen.prompt_node(toks(64)), gen.prompt_node(toks(64))]),
-      gen.prompt_node(toks(64), [gen.prompt_node(toks(64)), gen.prompt_node(toks(5))]),
+  tree = pp.prompt_node(toks(64), [
+      pp.prompt_node(toks(128), [pp.prompt_node(toks(64)), pp.prompt_node(toks(64))]),
+      pp.prompt_node(toks(64), [pp.prompt_node(toks(64)), pp.prompt_node(toks(5))]),
   ])
   applied = []
   real_apply = hj.SharingPolicy.apply

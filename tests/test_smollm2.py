@@ -26,7 +26,8 @@ import hydrajax
 from hydrajax.chunk_cache import LayoutPolicy
 from models.checkpoint import load_checkpoint
 from models.engine import Engine, EngineConfig, SamplingParams
-from models.generate import generate, prompt_node
+from models.generate import generate
+from models.prompt_plan import prompt_node
 from models.gguf_loading import gguf_config, load_gguf, unpermute_rope_rows
 from models.hf_loading import CheckpointError, model_from_params
 from models.kv_cache import KVCache

@@ -62,11 +62,12 @@ and stays there; each prefill call and decode step stacks every shard's rows, pa
 bucket, into one program over the mesh. `overlap_decode` is refused with dp. See
 hydrajax/PARALLELISM.md.
 
-Modules: `config` (EngineConfig, the shape budget), `requests` (Request,
-TokenEvent, prompt checks), `scheduler` (queue and admission), `prefill`,
-`decode` (the decode loop, waited or overlapped), `step` (the jitted model
-call), `stats` (EngineStats), `engine` (the API, the iteration, model calls,
-handing out tokens).
+Parts (an `Engine` holds one of each; none reaches into another's fields): `config`
+(EngineConfig, the shape budget), `requests` (Request, TokenEvent, prompt checks),
+`scheduler` (the queue and admission order), `book` (the requests, which run on which row,
+handing out tokens, finishing), `runner` (the KV buffer and every jitted model call and KV
+copy), `prefill`, `decode` (the decode loop, waited or overlapped), `step` (the jitted model
+call's body), `stats` (EngineStats), `engine` (the API and the iteration).
 """
 
 from models.engine.config import EngineConfig, ShapeBudget

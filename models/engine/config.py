@@ -1,7 +1,6 @@
 """The engine's configuration, and the compiled shapes it implies."""
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
@@ -9,15 +8,6 @@ from hydrajax import AttentionImpl, SharingPolicy
 from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
 from hydrajax.layout import as_int
 from models.sampling import MAX_TOP_LOGPROBS, SamplingMode
-
-# Old flat keywords of EngineConfig -> the ChunkCacheConfig field they set.
-_CACHE_KEYWORDS = {
-    'num_chunks': 'num_chunks', 'chunk_size': 'chunk_size', 'max_batch': 'max_sequences',
-    'max_sequence_length': 'max_sequence_length', 'share_prefixes': 'share_prefixes',
-    'retain_prefixes': 'retain_prefixes', 'layout': 'layout',
-}
-_CACHE_DEFAULTS = dict(chunk_size=64, max_batch=64, max_sequence_length=4096,
-                       share_prefixes=True, retain_prefixes=True, layout=LayoutPolicy())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +52,12 @@ def step_sampling_mode(kind: tuple, mode: SamplingMode) -> SamplingMode:
   return mode if kind[:1] == ('decode',) else SamplingMode.FILTER
 
 
-# EngineConfig's default sharing policy: `SharingPolicy.default()`, loaded when a config is made.
-_DEFAULT_POLICY = object()
-
-
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Sizes and policies of an engine.
 
-  `EngineConfig(cache=ChunkCacheConfig(...), ...)` nests the KV cache's config (its
-  `max_sequences` is the most live sequences, `max_batch`). The older flat keywords
-  (`num_chunks`, `chunk_size`, `max_batch`, `max_sequence_length`, `share_prefixes`,
-  `retain_prefixes`, `layout`) still work, alone (engine defaults: 64-token chunks,
-  max_batch 64, 4096 tokens, sharing and retention on) or over a given `cache`, also in
-  `dataclasses.replace`; they read back as properties.
+  `EngineConfig(num_chunks=256)` is a whole config: every other field has an engine default.
+  The KV cache's part (`num_chunks` to `layout`) makes its `ChunkCacheConfig` (`cache`).
 
   Compiled shapes are bounded (`shape_budget`): decode batches are padded to a bucket,
   prefill lengths to a power of two (at least `min_prefill_len`) and prefill rows to a
@@ -87,7 +69,14 @@ class EngineConfig:
   are per dp shard (one chunk cache each; see `Engine`).
 
   Attributes:
-    cache: the chunk cache (pool size, chunk size, sequences, sharing, decode layout).
+    num_chunks: chunks in the KV pool (L = num_chunks * chunk_size tokens per layer).
+    chunk_size: C, tokens per chunk.
+    max_batch: most live sequences (the cache's `max_sequences`).
+    max_sequence_length: longest sequence (prompt + generated).
+    share_prefixes: False stores every sequence on its own (the no-sharing baseline).
+    retain_prefixes: keep finished requests' full prompt chunks as an LRU prefix cache (only
+      with share_prefixes: without it, off).
+    layout: static-shape policy of the decode layouts.
     max_prefill_tokens: padded prefill tokens per iteration (one request may exceed it alone).
     max_prefill_rows: most requests in one prefill call.
     decode_buckets: padded decode batch sizes (ascending; the last must be >= max_batch);
@@ -103,8 +92,8 @@ class EngineConfig:
       (tree, layout, dispatch, handing out tokens) overlaps the device's. Step k+1 takes its
       input tokens from step k's output on the device; the tree records them when they are
       back. Outputs are the same. A request that stops runs one step more (its extra token
-      is dropped), and finishes one iteration later. H200, 256 rows of a 2K prompt: a step
-      at its device time (13.98 ms; waited 17.62; `experiments/results/serving/overlap`).
+      is dropped), and finishes one iteration later. A step then takes its device time
+      instead of device plus host time. Not with data parallelism.
     command_buffers: whether XLA may run the jitted model step as CUDA graphs (GPU only;
       False launches its kernels one by one, e.g. to profile them).
     max_top_logprobs: the most `top_logprobs` a request may ask for (a static size of
@@ -118,62 +107,32 @@ class EngineConfig:
       or 'mosaic_gpu' on a CPU), as `hj.tree_attention(..., interpret=True)` does.
   """
 
-  cache: ChunkCacheConfig
-  max_prefill_tokens: int
-  max_prefill_rows: int
-  decode_buckets: tuple[int, ...]
-  min_prefill_len: int
-  prefill_layout: LayoutPolicy | None
-  impl: AttentionImpl | str
-  prefill_impl: AttentionImpl | str
-  cache_dtype: str | None
-  seed: int
-  overlap_decode: bool
-  command_buffers: bool
-  max_top_logprobs: int
-  sharing_policy: SharingPolicy | None
-  interpret: bool
+  num_chunks: int
+  chunk_size: int = 64
+  max_batch: int = 64
+  max_sequence_length: int = 4096
+  share_prefixes: bool = True
+  retain_prefixes: bool = True
+  layout: LayoutPolicy = LayoutPolicy()
+  max_prefill_tokens: int = 8192
+  max_prefill_rows: int = 8
+  decode_buckets: tuple[int, ...] = ()
+  min_prefill_len: int = 16
+  prefill_layout: LayoutPolicy | None = None
+  impl: AttentionImpl | str = AttentionImpl.AUTO
+  prefill_impl: AttentionImpl | str = AttentionImpl.AUTO
+  cache_dtype: str | None = None
+  seed: int = 0
+  overlap_decode: bool = False
+  command_buffers: bool = True
+  max_top_logprobs: int = 5
+  sharing_policy: SharingPolicy | None = dataclasses.field(default_factory=SharingPolicy.default)
+  interpret: bool = False
 
-  def __init__(self, cache: ChunkCacheConfig | None = None, *, max_prefill_tokens: int = 8192,
-               max_prefill_rows: int = 8, decode_buckets: tuple[int, ...] = (),
-               min_prefill_len: int = 16, prefill_layout: LayoutPolicy | None = None,
-               impl: AttentionImpl | str = AttentionImpl.AUTO,
-               prefill_impl: AttentionImpl | str = AttentionImpl.AUTO,
-               cache_dtype: str | None = None, seed: int = 0, overlap_decode: bool = False,
-               command_buffers: bool = True, max_top_logprobs: int = 5,
-               sharing_policy: SharingPolicy | None = _DEFAULT_POLICY, interpret: bool = False,
-               **cache_fields: Any):
-    unknown = sorted(set(cache_fields) - set(_CACHE_KEYWORDS))
-    if unknown:
-      raise TypeError(f'EngineConfig got unexpected keywords {unknown}')
+  def __post_init__(self):
     for name in ('num_chunks', 'chunk_size', 'max_batch', 'max_sequence_length'):
-      if name in cache_fields:  # named as given (the cache calls max_batch max_sequences)
-        as_int(cache_fields[name], f'EngineConfig.{name}')
-    if cache is None:
-      if 'num_chunks' not in cache_fields:
-        raise TypeError('EngineConfig needs cache=ChunkCacheConfig(...) (or num_chunks=...)')
-      fields = _CACHE_DEFAULTS | cache_fields
-    elif not isinstance(cache, ChunkCacheConfig):
-      raise ValueError(f'EngineConfig.cache must be a ChunkCacheConfig, got {cache!r}')
-    else:
-      fields = {old: getattr(cache, new) for old, new in _CACHE_KEYWORDS.items()} | cache_fields
-    if cache is None or cache_fields:
-      cache = ChunkCacheConfig(**{
-          _CACHE_KEYWORDS[k]: v for k, v in fields.items()
-          if k != 'retain_prefixes'
-      }, retain_prefixes=bool(fields['retain_prefixes'] and fields['share_prefixes']))
-    if sharing_policy is _DEFAULT_POLICY:
-      sharing_policy = SharingPolicy.default()
-    values = dict(
-        cache=cache, max_prefill_tokens=max_prefill_tokens, max_prefill_rows=max_prefill_rows,
-        decode_buckets=decode_buckets, min_prefill_len=min_prefill_len,
-        prefill_layout=prefill_layout, impl=impl, prefill_impl=prefill_impl,
-        cache_dtype=cache_dtype, seed=seed, overlap_decode=overlap_decode,
-        command_buffers=command_buffers, max_top_logprobs=max_top_logprobs,
-        sharing_policy=sharing_policy, interpret=interpret,
-    )
-    for name, value in values.items():
-      object.__setattr__(self, name, value)
+      object.__setattr__(self, name, as_int(getattr(self, name), f'EngineConfig.{name}'))
+    _ = self.cache  # the cache's own checks (sizes >= 1), before any engine is made
     self._check()
 
   def _check(self) -> None:
@@ -224,14 +183,14 @@ class EngineConfig:
           f'got {buckets}'
       )
 
-  # The cache's sizes, under their engine names.
-  num_chunks = property(lambda self: self.cache.num_chunks)
-  chunk_size = property(lambda self: self.cache.chunk_size)
-  max_batch = property(lambda self: self.cache.max_sequences)
-  max_sequence_length = property(lambda self: self.cache.max_sequence_length)
-  share_prefixes = property(lambda self: self.cache.share_prefixes)
-  retain_prefixes = property(lambda self: self.cache.retain_prefixes)
-  layout = property(lambda self: self.cache.layout)
+  @property
+  def cache(self) -> ChunkCacheConfig:
+    """The KV cache's config (its `max_sequences` is `max_batch`)."""
+    return ChunkCacheConfig(
+        num_chunks=self.num_chunks, chunk_size=self.chunk_size,
+        max_sequence_length=self.max_sequence_length, max_sequences=self.max_batch,
+        share_prefixes=self.share_prefixes,
+        retain_prefixes=bool(self.retain_prefixes and self.share_prefixes), layout=self.layout)
 
   # ---- shapes -----------------------------------------------------------------------------
 

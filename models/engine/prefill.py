@@ -1,35 +1,29 @@
 """Prefill: the admitted prompts' unshared tokens, then the fork into their samples."""
 
-import jax.numpy as jnp
+from typing import Callable, Sequence
+
 import numpy as np
 
 from hydrajax import SharingPlan, parallel
-from hydrajax.chunk_cache import copy_slots, next_power_of_two
+from hydrajax.chunk_cache import ChunkCache, next_power_of_two
 from hydrajax.chunk_cache.layout_cache import no_empty_groups
-from models.kv_cache import KVCache
+from models.engine.book import RequestBook
+from models.engine.config import EngineConfig
+from models.engine.runner import ModelRunner
+from models.engine.stats import EngineStats
 
 
 class Prefill:
-  """The Engine's prefill (a mixin: it uses the engine's cache, requests and model call)."""
+  """The admitted prompts' prefill: model calls over the cache's rows, then the fork of each
+  prompt into its samples and their first tokens."""
 
-  def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-    """Runs KV copies (copy on write), padded to a power of two."""
-    if src.size:
-      size = next_power_of_two(max(src.size, 64))
-      src = np.concatenate([src, np.zeros(size - src.size, np.int32)])
-      dst = np.concatenate([dst, np.full(size - dst.size, self._drop_slot, np.int32)])
-      self._copy_padded(src, dst)
+  def __init__(self, config: EngineConfig, caches: Sequence[ChunkCache], runner: ModelRunner,
+               book: RequestBook, stats: EngineStats, clock: Callable[[], float]):
+    self.config, self.caches, self.runner, self.book = config, tuple(caches), runner, book
+    self.stats, self.clock = stats, clock
+    self.num_shards = len(self.caches)
 
-  def _copy_padded(self, src: np.ndarray, dst: np.ndarray) -> None:
-    copy = copy_slots if self.num_shards == 1 else self._copy_fn
-    k, v = copy(self.kv.k, self.kv.v, jnp.asarray(src), jnp.asarray(dst))
-    self.kv = KVCache(k, v)
-
-  def _global_slots(self, slots: np.ndarray, shard: int) -> np.ndarray:
-    """A shard's flat slots in the one KV buffer (shard d's tokens start at d L_s)."""
-    return slots if shard == 0 else slots + shard * self._shard_tokens
-
-  def _prefill(self, admitted, events):
+  def run(self, admitted, events):
     """Prefills the admitted prompts (only their unshared tokens), then forks their samples.
 
     Calls group rows of the same padded length; each sample's first token is drawn from
@@ -38,12 +32,12 @@ class Prefill:
     c, caches = self.config, self.caches
     t0 = self.clock()
     try:
-      self._copy(
-          np.concatenate([self._global_slots(a.copy_src, g[0].shard) for g, a in admitted]),
-          np.concatenate([self._global_slots(a.copy_dst, g[0].shard) for g, a in admitted]))
+      self.runner.copy(
+          np.concatenate([self.runner.global_slots(a.copy_src, g[0].shard) for g, a in admitted]),
+          np.concatenate([self.runner.global_slots(a.copy_dst, g[0].shard) for g, a in admitted]))
     except Exception as e:  # noqa: BLE001
       for group, _ in admitted:
-        self._fail_group(group, events, e)
+        self.book.fail_group(group, events, e)
       return
     by_len: dict[int, list] = {}
     for group, adm in admitted:
@@ -63,7 +57,7 @@ class Prefill:
           forks += self._prefill_call(batch, t)
         except Exception as e:  # noqa: BLE001 - these prompts fail, the others go on
           for group, _ in batch:
-            self._fail_group(group, events, e)
+            self.book.fail_group(group, events, e)
     src, dst = [], []
     for group, _ in forks:
       if len(group) > 1:
@@ -72,23 +66,23 @@ class Prefill:
           f = caches[shard].fork(group[0].seq_id, len(group),
                                  reserve_tokens=group[0].params.max_new_tokens - 1)
         except Exception as e:  # noqa: BLE001
-          self._fail_group(group, events, e)
+          self.book.fail_group(group, events, e)
           continue
-        src.append(self._global_slots(f.copy_src, shard))
-        dst.append(self._global_slots(f.copy_dst, shard))
+        src.append(self.runner.global_slots(f.copy_src, shard))
+        dst.append(self.runner.global_slots(f.copy_dst, shard))
         for req, sid in zip(group[1:], f.seq_ids[1:]):
           req.seq_id = sid
-          self._by_seq[sid] = req
+          self.book.start(req)
         self.stats.forked_samples += len(group) - 1
     if src:
-      self._copy(np.concatenate(src), np.concatenate(dst))
+      self.runner.copy(np.concatenate(src), np.concatenate(dst))
     now = self.clock()
     for group, drawn in forks:
       live = [i for i, req in enumerate(group) if req.state == 'running']
       for req in group:
         req.first_token = now
-      self._emit([group[i] for i in live], drawn, live, events)
-    self._track_peak()
+      self.book.emit([group[i] for i in live], drawn, live, events)
+    self.book.track_peak()
     self.stats.prefill_s += self.clock() - t0
 
   def _prefill_call(self, items, t):
@@ -97,7 +91,8 @@ class Prefill:
     The draws are host arrays (tokens, log-probs, top ids, top log-probs) with one row per
     sample of the item, in order.
     """
-    cache, length = self.cache, self.cache.config.kv_tokens
+    cache = self.caches[0]
+    length = cache.config.kv_tokens
     b = next_power_of_two(len(items))
     tokens = np.zeros((b, t), np.int32)
     positions = np.zeros((b, t), np.int32)
@@ -107,17 +102,17 @@ class Prefill:
       tokens[r, t - n :] = group[0].prompt[adm.prefill_start :]
       positions[r, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
       slots[r, t - n :] = adm.prefill_slots
-    layout = self._prepare_plan(
+    layout = self.runner.prepare_plan(
         cache.device_layout([adm.seq_id for _, adm in items], num_rows=b,
-                            policy=self._prefill_policy),
+                            policy=self.runner.prefill_policy),
         self.config.prefill_impl, t)
     samples = [req for group, _ in items for req in group]
     # Every prefill samples a fixed number of rows (a prompt's samples each draw): one shape.
     rows = np.zeros(self.config.prefill_sample_rows(), np.int32)
     rows[: len(samples)] = [r for r, (group, _) in enumerate(items) for _ in group]
-    out = self._run_model(tokens, positions, slots, layout, samples, rows.size,
+    out = self.runner.run(tokens, positions, slots, layout, samples, rows.size,
                           self.config.prefill_impl, rows, kind=('prefill', t, b))
-    drawn = self._fetch(out, samples)
+    drawn = self.runner.fetch(out, samples)
     self.stats.prefill_calls += 1
     self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start for _, adm in items)
     self.stats.prefill_padded_tokens += b * t
@@ -142,7 +137,7 @@ class Prefill:
       except Exception as e:  # noqa: BLE001 - these prompts fail, the others go on
         for batch in batches:
           for group, _ in batch:
-            self._fail_group(group, events, e)
+            self.book.fail_group(group, events, e)
     return forks
 
   def _prefill_call_sharded(self, batches, t: int) -> list:
@@ -155,7 +150,7 @@ class Prefill:
     b = next_power_of_two(max(1, max(len(x) for x in batches)))
     tokens = np.zeros((dp * b, t), np.int32)
     positions = np.zeros((dp * b, t), np.int32)
-    slots = np.full((dp * b, t), self._drop_slot, np.int32)
+    slots = np.full((dp * b, t), self.runner.drop_slot, np.int32)
     plans, samples, rows = [], [], []
     for d, items in enumerate(batches):
       cache = self.caches[d]
@@ -163,7 +158,7 @@ class Prefill:
         g, n = d * b + r, adm.num_tokens - adm.prefill_start
         tokens[g, t - n :] = group[0].prompt[adm.prefill_start :]
         positions[g, t - n :] = np.arange(adm.prefill_start, adm.num_tokens)
-        slots[g, t - n :] = self._global_slots(adm.prefill_slots, d)
+        slots[g, t - n :] = self.runner.global_slots(adm.prefill_slots, d)
         samples += group
         rows += [g] * len(group)
       if items:
@@ -172,16 +167,16 @@ class Prefill:
         cc = cache.config
         plans.append(SharingPlan(b, (), cc.chunk_size, ((),) * b, (0,) * b, cc.kv_tokens))
     cc = self.caches[0].config
-    policy = no_empty_groups(self._prefill_policy, cc.share_prefixes)
-    layout = self._prepare_plan(
+    policy = no_empty_groups(self.runner.prefill_policy, cc.share_prefixes)
+    layout = self.runner.prepare_plan(
         parallel.stack_layouts(plans, policy=policy, max_private_pages=cc.max_pages,
                                upload=False),  # prepared on the host, then uploaded once
         c.prefill_impl, t)
     sample_rows = np.zeros(dp * c.prefill_sample_rows(), np.int32)
     sample_rows[: len(rows)] = rows
-    out = self._run_model(tokens, positions, slots, layout, samples, sample_rows.size,
+    out = self.runner.run(tokens, positions, slots, layout, samples, sample_rows.size,
                           c.prefill_impl, sample_rows, kind=('prefill', t, b))
-    drawn = self._fetch(out, samples)
+    drawn = self.runner.fetch(out, samples)
     self.stats.prefill_calls += 1
     self.stats.prefill_tokens += sum(adm.num_tokens - adm.prefill_start
                                      for items in batches for _, adm in items)
