@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import (
+from experiments.benchmarking import (
     JsonlWriter, markdown_table, plot_bars, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,

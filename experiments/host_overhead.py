@@ -45,9 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import parallel
-from hydrajax.benchmarking import progress, report
-from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
+from hydrajax.attention import parallel
+from experiments.benchmarking import progress, report
+from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig
+from hydrajax.layout import LayoutPolicy
 from models import engine as engine_lib
 from models import sharding_rules
 from models.config import get_config

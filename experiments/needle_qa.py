@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from experiments import apps_workload as aw
-from hydrajax.benchmarking import (
+from experiments.benchmarking import (
     JsonlWriter, markdown_table, plot_sweeps, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import generate as gen

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from hydrajax.benchmarking import markdown_table, report
-from hydrajax.parallel import parse_mesh
+from experiments.benchmarking import markdown_table, report
+from hydrajax.attention.parallel import parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.generate import generate, prompt_node

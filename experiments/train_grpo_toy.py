@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 from experiments.grpo_toy import dp_mesh, group_rollouts, tree_rollouts
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo, rollout

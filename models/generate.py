@@ -45,7 +45,7 @@ from hydrajax import (AttentionImpl, AttentionPlan, PromptNode, Segment, Sharing
                       TreeLayout)
 from hydrajax.builders import PAGE_ALIGN
 from hydrajax.layout import as_int
-from hydrajax.parallel import ShardedLayout
+from hydrajax.attention.parallel import ShardedLayout
 from hydrajax.validation import FLOAT_DTYPES, token_ids
 from models import sharding_rules as sr
 from models.kv_cache import CACHE_PROGRAM_OPTIONS, DenseKVCache, KVCache

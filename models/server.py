@@ -575,7 +575,7 @@ def main(argv):
 
   from absl import app
 
-  from hydrajax.parallel import initialize_distributed, parse_mesh
+  from hydrajax.attention.parallel import initialize_distributed, parse_mesh
   from models import sharding_rules as sr
   from models.config import get_config
   from models.engine import EngineConfig

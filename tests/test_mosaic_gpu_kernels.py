@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import hydrajax
-from hydrajax import dispatch
+from hydrajax import devices
+from hydrajax.attention import dispatch
 from hydrajax import PromptNode
 from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import schedule
@@ -647,7 +648,7 @@ class TestSupportAndSchedule:
     # dtypes, which `attend` would then refuse: XLA takes them.
     monkeypatch.setattr(dispatch, '_warned', set())
     monkeypatch.setattr(dispatch, 'default_kernel', lambda: hydrajax.AttentionImpl.MOSAIC_GPU)
-    monkeypatch.setattr(dispatch, 'hopper_reason', lambda: None)
+    monkeypatch.setattr(devices, 'hopper_reason', lambda: None)
     q, kc, vc, layout = self._args()
     kc, vc = kc.astype(jnp.float32), vc.astype(jnp.float32)
     with pytest.warns(hydrajax.AttentionFallbackWarning, match='must share one dtype'):
@@ -800,7 +801,7 @@ class TestSupportAndSchedule:
   def test_stacked_shard_plans_build_each_shards_table(self):
     """`ShardedLayout.for_step` (dp shards' plans stacked): each shard's lane table, from its
     own rows' lengths, as `for_step` of that shard's plan alone."""
-    from hydrajax import parallel
+    from hydrajax.attention import parallel
     rng = fresh_rng()
     plans = [hydrajax.plan_tree(PromptNode(40, num_samples=8), private_capacity=64,
                                 private_lengths=rng.integers(0, 65, 8).tolist()) for _ in '01']

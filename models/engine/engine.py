@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from hydrajax import SharingPlan, parallel
-from hydrajax.chunk_cache import ChunkCache, copy_slots, device_layout
+from hydrajax.chunk_cache import ChunkCache, copy_slots
 from models.engine.config import EngineConfig, ShapeBudget, step_sampling_mode
 from models.engine.decode import DecodeLoop, DecodeStep
 from models.engine.prefill import Prefill
@@ -358,7 +358,7 @@ class Engine(Prefill, DecodeLoop):
     if self.num_shards > 1:
       return parallel.stack_layouts([plan] * self.num_shards, policy=policy,
                                     max_private_pages=c.max_pages, upload=False)
-    return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
+    return plan.to_device(policy=policy, max_private_pages=c.max_pages)
 
   def _warm(self, shape, tokens, layout, s, impl, sample_rows, feed) -> None:
     """Compiles one shape in each sampling mode its steps run (each is a program of its own)."""

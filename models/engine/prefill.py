@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hydrajax import SharingPlan, parallel
-from hydrajax.chunk_cache import copy_slots, next_power_of_two
+from hydrajax.chunk_cache import copy_slots
+from hydrajax.layout import next_power_of_two
 from hydrajax.chunk_cache.layout_cache import no_empty_groups
 from models.kv_cache import KVCache
 

@@ -24,7 +24,7 @@ NaN or inf in neighbouring tokens never reaches an output.
 """
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import jax.experimental.pallas as pl
@@ -33,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hydrajax.layout import SegmentGroup
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
+
+if TYPE_CHECKING:  # annotations only: hydrajax imports these kernels (the registry)
+  from hydrajax.layout import SegmentGroup
 
 SEGMENT_FIELDS = ('kv_start', 'kv_length', 'row_begin', 'row_count')  # rows of pack_segments
 
@@ -115,7 +117,7 @@ class SegmentFields:
   split_tokens: jax.Array  # kv tokens per split of its group
 
 
-def pack_segments(groups: Sequence[SegmentGroup]) -> jax.Array:
+def pack_segments(groups: Sequence['SegmentGroup']) -> jax.Array:
   """[4, J] int32 (kv_start, kv_length, row_begin, row_count) over the concatenated groups.
 
   Packed on the host when the group arrays are concrete (a layout built by

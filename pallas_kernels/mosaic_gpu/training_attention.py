@@ -165,7 +165,7 @@ def config_or_default(config, interpret):
 
 def unsupported_reason(dtypes, head_dim: int) -> str | None:
   """Why the kernels cannot take inputs of these dtypes (q, k, v, ...) and head dim, or None
-  (what `hydrajax.training.prepare_training_attention` asks before it picks them)."""
+  (what `hydrajax.attention.training.prepare_training_attention` asks before it picks them)."""
   if head_dim % 64:
     return f'head dim must be a multiple of 64, got {head_dim}'
   names = [jnp.dtype(d).name for d in dtypes]

@@ -20,7 +20,7 @@ A layout with no shared segment (plain paged decode) is one launch of
 `paged_decode` instead, one program per row. Same contract as
 `hydrajax.tree_attention_xla`, which is the reference.
 
-The backend protocol of `hydrajax.attention_plan`: `prepare` runs once per tree
+The backend protocol of `hydrajax.attention.plan`: `prepare` runs once per tree
 change (packed segment table, schedule, frame sizes: host work), `for_step`
 once per decode step (the private kernel's lane table, from the rows' private
 lengths), `attend` once per layer with `kv_offset`, the token where this
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import dispatch
+from hydrajax import devices
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
@@ -220,7 +220,7 @@ DEFAULT_CONFIG = MosaicGpuConfig()
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
   """The static facts of one call that the kernels need (the fields of
-  `hydrajax.attention_plan.AttentionShapes`; any object with them will do)."""
+  `hydrajax.shapes.AttentionShapes`; any object with them will do)."""
 
   num_rows: int  # B
   query_tokens: int  # T
@@ -281,7 +281,7 @@ def _shape_reason(shapes, layout: TreeLayout) -> str | None:
 
 
 def _hopper_reason() -> str | None:
-  return dispatch.hopper_reason()  # the one device check
+  return devices.hopper_reason()  # the one device check
 
 
 def unsupported_reason(shapes, layout, *, interpret: bool = False) -> str | None:

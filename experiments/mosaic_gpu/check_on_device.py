@@ -2,7 +2,7 @@
 
 On the GPU machine, from the repository root:
 
-  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT
+  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m experiments.mosaic_gpu.check_on_device --out /tmp/mosaic_check
 
 On a CPU machine, `--lower_only` cross-lowers the chosen shapes and variants
 (`--check_shapes`, `--shapes`, `--variants`) for CUDA (Pallas -> Mosaic GPU
@@ -35,17 +35,16 @@ is checked against XLA, then the garbage check and its timing as in 5.
 of `--variants`: the paged-decode kernel and the private kernel's other output
 paths (lse not in [B, T, N] order for G = 1, a last frame past the batch, T > 1).
 
-Run 5 (the kernels write [B, T, N, H] themselves), about 2.5 minutes:
+The check shapes and shapes 0-4 through `attend` (about 2.5 minutes):
 
-  PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py \
-    --out $OUT --check_shapes all --attend_only --shapes 1,0,3,4 > $OUT/check.txt 2>&1
+  PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 -m experiments.mosaic_gpu.check_on_device \
+    --out /tmp/mosaic_check --check_shapes all --attend_only --shapes 1,0,3,4
 
-Does the decode step's layout cost the private kernel more than this microbenchmark's (issue 10:
-about 190 µs a layer in the model against 41.5 µs here at S=1)? Shapes 5-10 with the model's
+The decode step's layout against this microbenchmark's: shapes 5-10 with the model's
 128-token private pages, also timed at layer 31 of a 32-layer buffer (about 2 minutes):
 
-  PYTHONPATH=. timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT \
-    --attend_only --shapes 1,5,6,7,8,9,10 --capacity=128 --deep_layer=31
+  PYTHONPATH=. timeout 170 python3 -m experiments.mosaic_gpu.check_on_device \
+    --out /tmp/mosaic_check --attend_only --shapes 1,5,6,7,8,9,10 --capacity=128 --deep_layer=31
 
 `--profile` also runs each shape once with Mosaic GPU's in-kernel profiler (`profiling`): a
 Chrome trace per kernel launch under `--out/profile/<shape>/` and the time per named region
@@ -83,8 +82,7 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     # The decode step of experiments.throughput (CodeLlama-7B: 32/32 heads; 128-token private
     # pages: use --capacity=128 --deep_layer=31) at its four (B, P), with 8 private tokens a row
     # (one whole chunk) and 9 (two chunks): the model's attention share against these kernels
-    # timed alone (issue 10; in the model the private kernel cost 106-114 µs a layer at B=1024,
-    # P=1K: results/throughput/run5_diag).
+    # timed alone.
     (1024, 16384, 8, 32, 32),
     (1024, 16384, 9, 32, 32),
     (1024, 1024, 8, 32, 32),

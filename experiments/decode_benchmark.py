@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.benchmarking import gpu_clock, timing
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
-from hydrajax.benchmarking import gpu_clock, timing
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import RowSpec, decode, plan_prompts, prefill, prompt_node, start_decode
@@ -355,8 +355,8 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
 
 def add_derived(records: list[dict[str, Any]], config: LlamaConfig, ceilings) -> None:
   """Floors, attention shares, speedups and targets, from the measured points (in place)."""
-  from hydrajax.benchmarking import per_sequence_cost, shared_prefix_cost
-  from hydrajax.parallel import DP, TP, mesh_sizes
+  from experiments.benchmarking import per_sequence_cost, shared_prefix_cost
+  from hydrajax.attention.parallel import DP, TP, mesh_sizes
 
   c = config
   ok = {(r['name'], r['batch'], r['prefix']): r for r in records if r.get('status') == 'ok'}
