@@ -5,7 +5,6 @@ interpret mode is slow); `TestMosaicGpuCompiled` runs compiled on a Hopper GPU.
 """
 
 import jax.numpy as jnp
-import pytest
 
 import hydrajax as hj
 from hydrajax import devices
@@ -69,24 +68,6 @@ def test_unshared_cases_run_the_paged_kernel():
     p = TestMosaicGpuInterpret().problem(case)
     plan = TestMosaicGpuInterpret().prepare(p.plan.to_device(), p.q, p.k)
     assert isinstance(plan.prepared.problem, PagedProblem) == (not case.shared), case.id
-
-
-class TestMosaicGpuTokenRunsInterpret(TestMosaicGpuTokenLanesInterpret):
-  """The same forests with `private_token_runs`: at K = 8 a step of a row's 8 consecutive
-  tokens (here a whole 8-token page) is one copy; the scattered pages give the K = 4 and 2
-  cases none, so only the K = 8 forests run (`test_token_runs_change_nothing` has K = 4 and
-  2, over pages of 16 and 64)."""
-
-  cases = TestMosaicGpuTokenLanesInterpret.cases[:2]
-
-  @property
-  def config(self):
-    return MosaicGpuConfig(private_token_lanes=True, private_token_runs=True)
-
-  def test_the_cases_take_token_lanes(self):
-    for case in self.cases:
-      p = self.problem(case)
-      assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_runs
 
 
 def test_interpret_mode_prepares_the_kernels_not_a_fallback():

@@ -23,7 +23,7 @@ import hydrajax as hj
 from experiments.mosaic_gpu import check_training
 from hydrajax.attention import dispatch
 from hydrajax.attention.training import prefill_layout as pl
-from hydrajax.attention.training import training_plan, tree_attention_differentiable
+from hydrajax.attention.training import tree_attention_differentiable
 from hydrajax.devices import hopper_reason
 from models.config import get_config
 from models.llama import Llama

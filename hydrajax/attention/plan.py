@@ -300,10 +300,20 @@ def tree_attention(
   `attend` inside, as the models do, or call once without jit first.
 
   Args:
+    q: [B, T, N, H] queries: row b's T tokens, N query heads of head dim H (float32, bfloat16
+      or float16); the T tokens are the last T private tokens of row b.
+    k_cache: [L, K, H] one layer's keys, K kv heads (N a multiple of K); the layout's pages
+      and segments index its L tokens.
+    v_cache: [L, K, H] the values, as k_cache.
+    layout: the sharing layout of the B rows (`SharingPlan.to_device()`, e.g. of `plan_tree`
+      or `plan_from_tokens`): the shared segments on each row's path and its private pages.
     impl: see `prepare_attention`.
     scale: softmax scale, H**-0.5 if None.
     config: the backend's frozen config (see `prepare_attention`).
     interpret: run the Mosaic kernels in interpret mode (on CPU).
+
+  Returns:
+    PartialState (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   scale = check_scale(scale)

@@ -383,8 +383,7 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
   # The forward wrote `out`: read it. Without the barrier XLA fused the forward's merge into
-  # this reduction, recomputing it there (5.4 of 92 ms at 8192:8:1024:64:1024 on the H200,
-  # experiments/results/train_tree_s39/call4).
+  # this reduction, recomputing it there.
   out = jax.lax.optimization_barrier(out)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
   if d_lse is not None:
