@@ -51,8 +51,8 @@ from flax import nnx
 from experiments import apps_workload as aw
 from experiments import cli
 from hydrajax import AttentionImpl
-from hydrajax.benchmarking import (
-    JsonlWriter, markdown_table, progress, resume_records, write_workdir_readme)
+from experiments.benchmarking import (
+    JsonlWriter, markdown_table, plot_bars, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import (
     ByteTokenizer, CheckConfig, SandboxLimits, check_programs, isolation, load_problems,
     mean_pass_at_k,

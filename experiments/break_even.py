@@ -12,7 +12,7 @@ root's pages itself, i.e. plain paged decode). Both outputs are checked against
 the naive float32 oracle on a few rows (--check: at the first point of each
 (heads, B), or at every point); when either is wrong the point is recorded as
 wrong and neither is timed. ratio = batched time / per-sequence time (device
-time, L2 flushed: --timer=device is `hydrajax.benchmarking.timing.device_time`,
+time, L2 flushed: --timer=device is `experiments.benchmarking.timing.device_time`,
 --timer=cupti the median over --repeats single calls of the CUPTI kernel times,
 which reuses each compiled program and is what the H200 run uses).
 
@@ -68,7 +68,7 @@ import numpy as np
 
 from experiments import cli
 import hydrajax as hj
-from hydrajax.benchmarking import report, sweep, timing, workloads
+from experiments.benchmarking import report, sweep, timing, workloads
 from hydrajax.sharing_policy import FORMAT_V2
 
 _LENGTHS = flags.DEFINE_list('lengths', ['64', '256', '1024', '4096', '16384'],

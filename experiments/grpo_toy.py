@@ -10,7 +10,7 @@ import numpy as np
 from absl import app
 from flax import nnx
 
-from hydrajax.training import plan_prefill, plan_tree_prefill
+from hydrajax.attention.training import plan_prefill, plan_tree_prefill
 from models.training import grpo, rollout
 from models.training.forward import shared_forward, tree_forward
 

@@ -46,9 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
-from hydrajax import parallel
-from hydrajax.benchmarking import progress, report
-from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
+from hydrajax.attention import parallel
+from experiments.benchmarking import progress, report
+from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig
+from hydrajax.layout import LayoutPolicy
 from models import engine as engine_lib
 from models.config import get_config
 from models.llama import init_model

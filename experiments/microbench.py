@@ -27,7 +27,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from experiments import cli  # noqa: E402
 from experiments import baselines  # noqa: E402
-from hydrajax.benchmarking import report, roofline, sweep, workloads  # noqa: E402
+from experiments.benchmarking import report, roofline, sweep, workloads  # noqa: E402
 
 _GRID = flags.DEFINE_list('grid', ['hydragen', 'chunkattention'], f'grids: {sorted(workloads.GRIDS)}')
 _IMPLS = flags.DEFINE_list('impls', list(baselines.IMPLEMENTATIONS), 'implementations to run')

@@ -47,7 +47,7 @@ from flax import nnx
 from experiments import apps_workload as aw
 from experiments import cli
 from hydrajax import AttentionImpl
-from hydrajax.benchmarking import (
+from experiments.benchmarking import (
     JsonlWriter, markdown_table, plot_sweeps, progress, resume_records, write_workdir_readme)
 from hydrajax.evaluation import ByteTokenizer, needle
 from models import pretrained

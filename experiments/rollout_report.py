@@ -12,10 +12,10 @@ from typing import Callable, Sequence
 from absl import app, logging
 import jax
 
-from hydrajax.attention_plan import AttentionShapes
-from hydrajax.benchmarking import report, roofline, sweep, timing
-from hydrajax.dispatch import AttentionImpl
-from hydrajax.training import training_unsupported_reason
+from hydrajax.shapes import AttentionShapes
+from experiments.benchmarking import report, roofline, sweep, timing
+from hydrajax.attention.dispatch import AttentionImpl
+from hydrajax.attention.dispatch import training_unsupported_reason
 
 POINT_FIELDS = ('P', 'B', 'L', 'G', 'T')
 

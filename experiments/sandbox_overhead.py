@@ -26,7 +26,7 @@ import time
 
 from absl import app, flags
 
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 from hydrajax.evaluation import apps, checker, sandbox
 
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'runs of each kind')

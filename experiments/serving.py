@@ -55,10 +55,11 @@ from experiments.serving_engine import (
     make_engine, make_workload, profile_decode, reset, resolved_impl, serve, warm_up,
 )
 from experiments.serving_report import profile_table, summarize
-from hydrajax.benchmarking import report, timing
-from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig, LayoutPolicy
+from experiments.benchmarking import report, timing
+from hydrajax.chunk_cache import ChunkCache, ChunkCacheConfig
+from hydrajax.layout import LayoutPolicy
 from hydrajax.layout import SharingPlan
-from hydrajax.parallel import initialize_distributed, parse_mesh
+from hydrajax.attention.parallel import initialize_distributed, parse_mesh
 from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import SamplingParams

@@ -11,8 +11,8 @@ import numpy as np
 from absl import logging
 
 import hydrajax as hj
-from hydrajax.benchmarking import timing
-from hydrajax.chunk_cache import LayoutPolicy
+from experiments.benchmarking import timing
+from hydrajax.layout import LayoutPolicy
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.llama import Llama
 

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 
 
 def rate_at_bound(points, bound: float) -> tuple[float | None, str]:

@@ -3,7 +3,7 @@ r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4).
 Random bf16 weights of a Llama shape (or a checkpoint's own: --checkpoint=FILE.gguf or a HF
 folder); B sequences share one P-token prompt and
 generate M tokens each. Modes: no_sharing, paged (vLLM-like), tree (Hydragen;
-xla and mosaic_gpu), no_attention (ceiling); see `models.decode_benchmark`.
+xla and mosaic_gpu), no_attention (ceiling); see `experiments.decode_benchmark`.
 Writes raw.jsonl (as it goes), throughput.jsonl (with floors, attention
 shares, speedups), table.md, max_batch.md and plots to --workdir.
 
@@ -66,13 +66,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments import cli
-from hydrajax.benchmarking import (
+from hydrajax import AttentionImpl
+from experiments.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, progress, read_jsonl,
     resume_records, write_workdir_readme,
 )
-from hydrajax import AttentionImpl
-from hydrajax.parallel import initialize_distributed, parse_mesh
-from models import decode_benchmark as db
+from hydrajax.attention.parallel import initialize_distributed, parse_mesh
+from experiments import decode_benchmark as db
 from models import sharding_rules as sr
 from models.checkpoint import checkpoint_config, load_checkpoint
 from models.config import get_config

@@ -35,8 +35,9 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cli
-from hydrajax.benchmarking import markdown_table, report
-from hydrajax.parallel import parse_mesh
+from experiments.benchmarking import markdown_table, report
+from hydrajax.attention.parallel import parse_mesh
+from models import sharding_rules as sr
 from models.config import get_config
 from models.generate import generate
 from models.llama import init_model

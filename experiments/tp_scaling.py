@@ -15,7 +15,7 @@ import os
 from absl import app, flags
 
 from experiments import cli
-from hydrajax.benchmarking import markdown_table, read_jsonl, report
+from experiments.benchmarking import markdown_table, read_jsonl, report
 
 _TP1 = flags.DEFINE_string('tp1', None, 'folder of the TP=1 throughput run', required=True)
 _TP2 = flags.DEFINE_string('tp2', None, 'folder of the TP=2 throughput run', required=True)

@@ -4,7 +4,7 @@ Per point (G completions of T tokens sharing one P-token prompt):
 
 * attention: forward + backward (the VJP of all outputs into q, k, v, from random cotangents
   passed in; before session 37 a `ones_like` inside the timed function) of
-  `hydrajax.training.prefill_attention` (`shared_xla`: the prompt causal once,
+  `hydrajax.attention.training.prefill_attention` (`shared_xla`: the prompt causal once,
   completions over it through tree attention with its custom VJP) against
   per-sequence causal attention over every sample's own P + T tokens,
   `jax.nn.dot_product_attention` with implementation 'cudnn' (`per_seq_cudnn`,
@@ -15,7 +15,7 @@ Per point (G completions of T tokens sharing one P-token prompt):
   (`impl=AttentionImpl.MOSAIC_GPU`; Hopper and bf16 / f16 only, recorded 'unsupported' elsewhere,
   e.g. in the CPU smoke).
   Outputs are checked against the first per-sequence baseline that ran before
-  timing. floor_s: the roofline of the shared computation (`hydrajax.training.costs`,
+  timing. floor_s: the roofline of the shared computation (`experiments.benchmarking.training_costs`,
   measured ceilings).
 * step: value and gradient of the GRPO loss of a Llama (`--step_preset` with
   `--step_layers` layers) over the same shapes, with `shared_forward` (its attention on
@@ -64,11 +64,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments import cli
-from hydrajax.attention_plan import AttentionShapes
-from hydrajax.benchmarking import report, roofline, timing
-from hydrajax.dispatch import AttentionImpl
-from hydrajax.training import costs, training_unsupported_reason
-from hydrajax.training import prefill_layout as pl
+from hydrajax.shapes import AttentionShapes
+from experiments.benchmarking import report, roofline, timing
+from hydrajax.attention.dispatch import AttentionImpl
+from experiments.benchmarking import training_costs as costs
+from hydrajax.attention.dispatch import training_unsupported_reason
+from hydrajax.attention.training import prefill_layout as pl
 from pallas_kernels.knobs import config_from_knobs
 from models.config import get_config
 from models.llama import Llama

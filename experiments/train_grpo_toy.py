@@ -39,7 +39,7 @@ from flax import nnx
 
 from experiments import cli
 from experiments.grpo_toy import dp_mesh, group_rollouts, tree_rollouts
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo, rollout

@@ -42,9 +42,9 @@ import numpy as np
 import optax
 
 from experiments import cli
-from hydrajax.benchmarking import report
-from hydrajax.dispatch import AttentionImpl
-from hydrajax.training import plan_prefill
+from experiments.benchmarking import report
+from hydrajax.attention.dispatch import AttentionImpl
+from hydrajax.attention.training import plan_prefill
 from models import sharding_rules as sr
 from models.config import get_config
 from models.llama import Llama

@@ -27,7 +27,7 @@ from flax import nnx
 
 from experiments import apps_workload as aw
 from experiments import cli
-from hydrajax.benchmarking import JsonlWriter, progress
+from experiments.benchmarking import JsonlWriter, progress
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models.config import LlamaConfig
 from models.hf_loading import save_params

@@ -4,7 +4,7 @@ Per point P:B:L:G:T: one prompt of P tokens, B branches of L tokens under it, an
 T tokens (G / B under each branch), every token a query (training). Variants, all computing the
 same attention (checked against the first to run, at every leaf token):
 
-* `tree_mosaic_gpu` / `tree_xla`: `hydrajax.training.tree_prefill_attention`, the prompt and
+* `tree_mosaic_gpu` / `tree_xla`: `hydrajax.attention.training.tree_prefill_attention`, the prompt and
   each branch attended once by every query below them (`impl` MOSAIC_GPU: the Hopper kernels,
   on slices of the buffer, since these trees are uniform; XLA: the XLA path);
 * `tree_walked_mosaic_gpu`: the same on the kernels through each level's walked tree
@@ -15,7 +15,7 @@ same attention (checked against the first to run, at every leaf token):
 * `per_seq_cudnn` / `per_seq_xla`: every leaf's own sequence of P + L + T tokens, causal
   (`jax.nn.dot_product_attention`), the prompt and branch recomputed per leaf.
 
-floor_s: the roofline of each variant's own computation (`hydrajax.training.costs`, measured
+floor_s: the roofline of each variant's own computation (`experiments.benchmarking.training_costs`, measured
 ceilings); `speedup_vs_*` (in the point's `speedups` record, and the table): the baseline's time
 over the tree's.
 
@@ -41,11 +41,11 @@ import numpy as np
 
 from experiments import cli
 from experiments import rollout_report
-from hydrajax.attention_plan import AttentionShapes
-from hydrajax.benchmarking import timing
-from hydrajax.training import costs
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import tree_prefill as tp
+from hydrajax.shapes import AttentionShapes
+from experiments.benchmarking import timing
+from experiments.benchmarking import training_costs as costs
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import tree_prefill as tp
 
 _SMOKE = flags.DEFINE_bool('smoke', True, 'tiny float32 CPU settings; --nosmoke: the H200 points')
 _POINTS = flags.DEFINE_list('points', None, 'points P:B:L:G:T (default by --smoke)')

@@ -14,7 +14,7 @@ its path below the prompt: its branch's L tokens, then its own T. Variants, the 
 
 The loss is checked against the first variant's. floor_s: the variant's own matmul FLOPs (the
 layers over its tokens, the output head over its scored tokens, attention:
-`hydrajax.training.costs`) over the measured matmul rate.
+`experiments.benchmarking.training_costs`) over the measured matmul rate.
 
 CPU smoke (the default, about a minute):
 
@@ -49,10 +49,10 @@ import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
 from experiments import rollout_report  # noqa: E402
-from hydrajax.attention_plan import AttentionShapes  # noqa: E402
-from hydrajax.training import costs  # noqa: E402
-from hydrajax.training import prefill_layout as pl  # noqa: E402
-from hydrajax.training import tree_prefill as tp  # noqa: E402
+from hydrajax.shapes import AttentionShapes  # noqa: E402
+from experiments.benchmarking import training_costs as costs  # noqa: E402
+from hydrajax.attention.training import prefill_layout as pl  # noqa: E402
+from hydrajax.attention.training import tree_prefill as tp  # noqa: E402
 from models.config import get_config  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from models.training import grpo  # noqa: E402

@@ -1,7 +1,7 @@
 r"""What XLA:GPU launches in one decode step, compiled for an H100 or H200 on a machine with none.
 
 `experiments.throughput`'s decode program (the same `models.generate.decode` call,
-`models.decode_benchmark.decode_call`: greedy, Mosaic GPU tree attention or no attention) is
+`experiments.decode_benchmark.decode_call`: greedy, Mosaic GPU tree attention or no attention) is
 compiled ahead of time for a GPU described by a target config, with abstract weights and cache
 (nothing is allocated). The compiled program's while-loop body is one decode step: its kernel
 launches are listed in order, with what each fusion computes, and counted by kind (the Mosaic
@@ -32,7 +32,7 @@ import time
 from absl import app, flags, logging
 
 from experiments import cli
-from hydrajax.benchmarking.hlo_launches import step_launches, summarize
+from experiments.benchmarking.hlo_launches import step_launches, summarize
 
 os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')  # no GPU, no driver to check
 
@@ -82,14 +82,14 @@ TARGETS = {
 }
 
 def _compile(case, config, remat: str, target: str, fuse_qkv: bool):
-  """The decode program of `case` (`models.decode_benchmark.decode_call`, as `run_case` times
+  """The decode program of `case` (`experiments.decode_benchmark.decode_call`, as `run_case` times
   it), compiled for `target` (jax.stages.Compiled)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from jax.experimental import topologies
 
-  from models import decode_benchmark as db
+  from experiments import decode_benchmark as db
   from models.kv_cache import KVCache
   from models.llama import Llama
 
@@ -107,7 +107,7 @@ def _compile(case, config, remat: str, target: str, fuse_qkv: bool):
   first = jax.ShapeDtypeStruct((config.vocab_size,), jnp.float32)
   call, state = db.decode_call(nnx.eval_shape(make), case, setup, cache, first,
                                sharding=replicated)
-  # The kernels' device check (`hydrajax.dispatch.hopper_reason`) reads the mesh's device: the
+  # The kernels' device check (`hydrajax.devices.hopper_reason`) reads the mesh's device: the
   # target's, not this machine's.
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     lowered = call.lower(state)
@@ -126,7 +126,7 @@ def _check_plugin() -> None:
 def main(argv):
   del argv
   _check_plugin()
-  from models import decode_benchmark as db
+  from experiments import decode_benchmark as db
   from models.config import get_config
 
   config = get_config(FLAGS.preset)

@@ -1,25 +1,17 @@
 """hydrajax: exact shared-prefix attention (Hydragen, ChunkAttention) in JAX."""
-# isort: skip_file
-# (the import order below is load-bearing: see the first import)
-
-# The XLA backend module first: `hydrajax.tree_attention` is then the function imported below,
-# not the submodule of the same name.
-from hydrajax.tree_attention import (
-    XlaConfig, merge_along_paths, merge_into_rows, path_item_index, sum_along_paths,
-    tree_attention_xla,
-)
-from hydrajax.attention_plan import (
-    AttentionPlan, AttentionShapes, attend, prepare_attention, tree_attention,
+from hydrajax.attention import (
+    AttentionFallbackWarning, AttentionImpl, AttentionPlan, XlaConfig, attend, merge_along_paths,
+    merge_into_rows, path_item_index, prepare_attention, resolve, sum_along_paths, tree_attention,
+    tree_attention_sharded, tree_attention_xla,
 )
 from hydrajax.builders import PromptNode, TokenPlan, plan_from_tokens, plan_tree
-from hydrajax.dispatch import AttentionFallbackWarning, AttentionImpl, resolve
 from hydrajax.layout import (
     LayoutPolicy, Segment, SegmentGroup, SharingPlan, TreeLayout, bucket_size,
 )
-from hydrajax.parallel import tree_attention_sharded
 from hydrajax.partial_state import PartialState, empty_state, merge, merge_many
 from hydrajax.reference import naive_attention, naive_tree_attention
 from hydrajax.render import render_plan
+from hydrajax.shapes import AttentionShapes
 from hydrajax.sharing_policy import SharingPolicy, demote
 
 __version__ = '0.1.0'

@@ -478,7 +478,7 @@ def host_layout(plan: SharingPlan, policy: LayoutPolicy, *,
   """`plan` as a `TreeLayout` of numpy arrays whose static shapes follow `policy`.
 
   The page table is `max_private_pages` wide if given, else as wide as the widest row.
-  Per-shard layouts are stacked on the host and uploaded once (`hydrajax.parallel`).
+  Per-shard layouts are stacked on the host and uploaded once (`hydrajax.attention.parallel`).
   """
   widest = max((len(p) for p in plan.private_pages), default=0)
   width = max_private_pages if max_private_pages is not None else max(1, widest)

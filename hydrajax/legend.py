@@ -1,6 +1,6 @@
 """The dimension legend: one capital letter per dimension, used everywhere.
 
-Einsum strings, shape comments and type aliases in hydrajax use these letters:
+Einsum strings and shape comments in hydrajax use these letters:
 
   B  batch: query rows, one per decoding sequence, depth-first order of the sharing tree
   T  query tokens per row (1 when decoding, > 1 when a chunk of tokens is appended at once)
@@ -19,14 +19,3 @@ Einsum strings, shape comments and type aliases in hydrajax use these letters:
   R  query rows covered by one segment (a segment's static row capacity)
 """
 
-from typing import TypeAlias
-
-import jax
-
-Array: TypeAlias = jax.Array
-
-# Shape-annotated aliases for readability (not checked at runtime).
-Queries: TypeAlias = jax.Array  # [B, T, N, H]
-KVBuffer: TypeAlias = jax.Array  # [L, K, H]
-Output: TypeAlias = jax.Array  # [B, T, N, H]
-LogSumExp: TypeAlias = jax.Array  # [B, T, N], float32, natural log

@@ -10,7 +10,7 @@ dropped from the output; a shard without groups gets only that) and the same
 KV buffer length L_s. Shard d owns rows [d R, (d+1) R) and tokens
 [d L_s, (d+1) L_s) of the one KV buffer, whose token axis is sharded over
 `dp` by the rules table; the per-shard layouts are stacked into a
-`hydrajax.parallel.ShardedLayout`, so prefill and decode are each one program
+`hydrajax.attention.parallel.ShardedLayout`, so prefill and decode are each one program
 over the mesh.
 """
 
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import SharingPolicy, parallel
+from hydrajax import SharingPolicy
+from hydrajax.attention import parallel
 from models.prompt_plan import (PREFILL_PAGE, ForestNode, PrefillCall, RowSpec, TreePrompts,
                                 plan_forest, prefill_call, prefill_rounds, prefill_shape,
                                 private_capacity, tree_rows)

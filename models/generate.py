@@ -43,7 +43,7 @@ from flax import nnx
 
 from hydrajax import AttentionImpl, AttentionPlan, SharingPolicy, TreeLayout
 from hydrajax.layout import as_int
-from hydrajax.parallel import ShardedLayout
+from hydrajax.attention.parallel import ShardedLayout
 from hydrajax.validation import FLOAT_DTYPES, token_ids
 from models import data_parallel
 from models import sharding_rules as sr

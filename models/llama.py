@@ -44,7 +44,7 @@ Parameters carry `logical_axes` metadata (see `models.sharding_rules`). With
 forward pass is tensor and data parallel: the q/k/v and gate/up projections
 are column-parallel (heads, MLP hidden on `tp`), wo and w_down row-parallel
 (one all-reduce each per layer), and each layer's cache write and attention
-are one `jax.shard_map` (`hydrajax.parallel.write_and_attend`).
+are one `jax.shard_map` (`hydrajax.attention.parallel.write_and_attend`).
 """
 
 import contextvars
@@ -57,7 +57,7 @@ from flax import nnx
 
 import hydrajax
 from hydrajax import AttentionImpl, AttentionPlan, AttentionShapes, TreeLayout
-from hydrajax import parallel
+from hydrajax.attention import parallel
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.kv_cache import DenseKVCache, KVCache
@@ -224,7 +224,7 @@ def _qkv(p, x, positions, inv_freq, eps):
 
 
 def _is_plan(layout) -> bool:
-  """An AttentionPlan, or per-dp-shard plans stacked (`hydrajax.parallel.stack_shards`)."""
+  """An AttentionPlan, or per-dp-shard plans stacked (`hydrajax.attention.parallel.stack_shards`)."""
   if isinstance(layout, parallel.ShardedLayout):
     layout = layout.layouts
   return isinstance(layout, AttentionPlan)

@@ -83,7 +83,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
-from hydrajax.parallel import initialize_distributed, parse_mesh
+from hydrajax.attention.parallel import initialize_distributed, parse_mesh
 from models.config import get_config
 from models.engine import Engine, EngineConfig
 from models.checkpoint import load_checkpoint

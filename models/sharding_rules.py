@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hydrajax.parallel import DP, MESH_AXES, TP, AttentionAxes  # the mesh axes
+from hydrajax.attention.parallel import DP, MESH_AXES, TP, AttentionAxes  # the mesh axes
 
 # Logical axis names (one per kind of dimension).
 LAYERS = 'layers'  # stacked decoder blocks

@@ -1,5 +1,5 @@
 """Frozen kernel configs from 'name=value' items: the experiments' knob flags
-(`--mosaic_gpu_knobs`, `check_training.py --configs`) parse through here."""
+(`--mosaic_gpu_knobs`, `experiments.mosaic_gpu.check_training --configs`) parse through here."""
 
 import dataclasses
 from collections.abc import Iterable

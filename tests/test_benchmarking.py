@@ -1,4 +1,4 @@
-"""Tests of hydrajax.benchmarking and the microbenchmark entry point (CPU, fast)."""
+"""Tests of experiments.benchmarking and the microbenchmark entry point (CPU, fast)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hydrajax
-from hydrajax.benchmarking import gpu_clock, report, roofline, sweep, timing, workloads
+from experiments.benchmarking import gpu_clock, report, roofline, sweep, timing, workloads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -376,7 +376,7 @@ def test_host_overhead_laptop_settings_run(tmp_path):
 
 
 def test_workdir_readme_names_the_run_and_its_files(tmp_path):
-  from hydrajax.benchmarking import run_metadata, write_workdir_readme
+  from experiments.benchmarking import run_metadata, write_workdir_readme
   (tmp_path / 'table.md').write_text('# a table\n| x |\n')
   meta = dict(run_metadata(), command='python -m experiments.example --flag', git_commit='abc1234')
   path = write_workdir_readme(str(tmp_path), 'Example', '# a table\n| x |\n', meta)
@@ -391,7 +391,7 @@ def test_workdir_readme_names_the_run_and_its_files(tmp_path):
 
 
 def test_step_launches_reads_the_loop_body_of_a_compiled_program():
-  from hydrajax.benchmarking import hlo_launches
+  from experiments.benchmarking import hlo_launches
 
   def program(x, w):
     def body(_, x):
@@ -410,7 +410,7 @@ def test_step_launches_reads_the_loop_body_of_a_compiled_program():
 
 
 def test_step_launches_counts_rematerialized_and_repeated_work():
-  from hydrajax.benchmarking import hlo_launches
+  from experiments.benchmarking import hlo_launches
   text = '''HloModule m
 %fused_table (p: s32[8]) -> s32[8] {
   %p = s32[8]{0} parameter(0)

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
-from hydrajax.chunk_cache import (
-    CapacityError, ChunkCache, ChunkCacheConfig, LayoutPolicy, copy_slots, device_layout,
-)
+from hydrajax.chunk_cache import CapacityError, ChunkCache, ChunkCacheConfig, copy_slots
+from hydrajax.layout import LayoutPolicy
 
 
 def cached_prefixes(cache: ChunkCache) -> list[tuple[list[int], int]]:
@@ -524,7 +523,7 @@ def test_device_layout_shapes_are_bucketed_and_cached():
   assert after.groups is layout.groups  # appends never rebuild segment metadata
   np.testing.assert_array_equal(after.private_lengths[: cache.num_rows],
                                 np.asarray(layout.private_lengths[: cache.num_rows]) + 1)
-  plain = device_layout(cache.plan(), policy=LayoutPolicy(kv_piece=1 << 20))
+  plain = cache.plan().to_device(policy=LayoutPolicy(kv_piece=1 << 20))
   assert sum(int((g.kv_length > 0).sum()) for g in plain.groups) == len(cache.plan().segments)
 
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from hydrajax import parallel
+from hydrajax.attention import parallel
 from models import data_parallel as dpar
 from models import generate as gen
 from models import prompt_plan as pp

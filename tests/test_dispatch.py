@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import hydrajax as hj
-from hydrajax import dispatch
+from hydrajax import devices
+from hydrajax.attention import dispatch
 from tests.conftest import assert_states_close, naive_tree_attention, random_inputs
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != 'cpu', reason='checks the CPU choice')
@@ -27,7 +28,7 @@ def problem():
   return plan, (q, k_cache, v_cache, plan.to_device())
 
 
-XLA = sys.modules['hydrajax.tree_attention']  # the XLA backend module
+XLA = sys.modules['hydrajax.attention.xla']  # the XLA backend module
 
 
 @pytest.fixture(autouse=True)
@@ -78,9 +79,9 @@ def test_device_check_is_one_function():
   assert dispatch.device_reason(hj.AttentionImpl.XLA) is None
   for impl in (hj.AttentionImpl.MOSAIC_GPU, hj.AttentionImpl.MOSAIC_TPU):
     assert dispatch.device_reason(impl, interpret=True) is None
-  assert dispatch.is_hopper() == (dispatch.hopper_reason() is None)
+  assert devices.is_hopper() == (devices.hopper_reason() is None)
   if jax.default_backend() == 'cpu':
-    assert 'Hopper' in dispatch.hopper_reason()
+    assert 'Hopper' in devices.hopper_reason()
     assert 'need a TPU' in dispatch.device_reason(hj.AttentionImpl.MOSAIC_TPU)
 
 
@@ -93,9 +94,9 @@ def test_the_abstract_mesh_device_decides_the_hopper_check(kind, platform, hoppe
   # A host with a GPU checks its own device, mesh or not.
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=132, platform=platform)
   mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
-  local = dispatch.hopper_reason()
+  local = devices.hopper_reason()
   with jax.sharding.use_abstract_mesh(mesh):
-    reason = dispatch.hopper_reason()
+    reason = devices.hopper_reason()
     kernel_reason = dispatch.device_reason(hj.AttentionImpl.MOSAIC_GPU)
   if jax.default_backend() == 'gpu':
     assert reason == local
@@ -152,10 +153,9 @@ def fake_gpu(monkeypatch):
 
   def install(reason):
     module = _fake_kernel(reason)
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(dispatch._BACKEND_MODULES, hj.AttentionImpl.MOSAIC_GPU, module.__name__)
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, hj.AttentionImpl.MOSAIC_GPU, module)
     monkeypatch.setattr(dispatch, 'default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
-    monkeypatch.setattr(dispatch, 'hopper_reason', lambda: None)  # a Hopper GPU, as it were
+    monkeypatch.setattr(devices, 'hopper_reason', lambda: None)  # a Hopper GPU, as it were
     return module
 
   return install
@@ -200,17 +200,3 @@ def test_explicit_unsupported_kernel_raises_with_the_reason(fake_gpu, problem):
   match = 'impl=MOSAIC_GPU does not support these inputs: head dim 8 is not supported'
   with pytest.raises(ValueError, match=match):
     hj.tree_attention(*args, impl='mosaic_gpu')
-
-
-def test_a_kernel_module_that_cannot_be_imported(monkeypatch, problem, caplog):
-  _, args = problem
-  missing = 'pallas_kernels.no_such_backend.tree_attention'
-  monkeypatch.setitem(dispatch._BACKEND_MODULES, hj.AttentionImpl.MOSAIC_GPU, missing)
-  match = f'impl=MOSAIC_GPU does not support these inputs: cannot import {missing}'
-  with pytest.raises(ValueError, match=match):
-    hj.tree_attention(*args, impl=hj.AttentionImpl.MOSAIC_GPU)
-  monkeypatch.setattr(dispatch, 'default_kernel', lambda: hj.AttentionImpl.MOSAIC_GPU)
-  with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-    with pytest.warns(hj.AttentionFallbackWarning, match=f'cannot import {missing}'):
-      assert dispatch.resolve('auto', *args)[0] is hj.AttentionImpl.XLA
-  assert f'cannot import {missing}' in caplog.text

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hydrajax.chunk_cache import LayoutPolicy
+from hydrajax.layout import LayoutPolicy
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate
@@ -451,7 +451,7 @@ def test_command_buffers_off_is_an_xla_gpu_option_only():
 def test_random_traffic_stays_within_the_compiled_shape_budget(model, share):
   import warnings
 
-  from hydrajax.chunk_cache import LayoutPolicy
+  from hydrajax.layout import LayoutPolicy
 
   config = EngineConfig(
       num_chunks=96, chunk_size=4, max_batch=8, max_sequence_length=64, share_prefixes=share,

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from hydrajax import parallel
-from hydrajax.chunk_cache import LayoutPolicy
+from hydrajax.attention import parallel
+from hydrajax.layout import LayoutPolicy
+from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate

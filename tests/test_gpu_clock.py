@@ -1,12 +1,12 @@
-"""hydrajax.benchmarking.gpu_clock: the clock sampler's summary, its empty result without NVML,
+"""experiments.benchmarking.gpu_clock: the clock sampler's summary, its empty result without NVML,
 and its argument check. The NVML reads themselves need an NVIDIA GPU (the device scripts)."""
 
 import threading
 
 import pytest
 
-from hydrajax.benchmarking import gpu_clock
-from hydrajax.benchmarking.gpu_clock import POWER_CAP, ClockSampler, Reading
+from experiments.benchmarking import gpu_clock
+from experiments.benchmarking.gpu_clock import POWER_CAP, ClockSampler, Reading
 
 
 def test_summary_over_gpus_and_samples():

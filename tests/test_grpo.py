@@ -10,8 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
-from hydrajax.training import costs, plan_prefill
-from hydrajax.training import tree_prefill as tp
+from experiments.benchmarking import training_costs as costs
+from hydrajax.attention.training import plan_prefill
+from hydrajax.attention.training import tree_prefill as tp
 from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw

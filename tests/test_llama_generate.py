@@ -96,8 +96,8 @@ def test_prefill_writes_every_node_token_once():
 
 def test_the_models_attention_config_reaches_its_plans():
   """`Llama(attention_config=...)` is the backend config of the plans it prepares: a decode step
-  with the private kernel's page ids read from global memory, not staged in shared memory
-  (Mosaic GPU, interpret mode), gives the default config's logits and cache bitwise."""
+  with three K/V slots in the private kernel (Mosaic GPU, interpret mode) gives the default
+  config's logits and cache bitwise."""
   import dataclasses
   from hydrajax import AttentionImpl, dispatch
   if isinstance(error := dispatch.backend(AttentionImpl.MOSAIC_GPU), ImportError):
@@ -117,7 +117,7 @@ def test_the_models_attention_config_reaches_its_plans():
   kv_shape = (2, plan.kv_tokens, config.num_kv_heads, 64)
   cache = gen.KVCache(*(jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in 'kv'))
   outs = []
-  for knobs in (None, MosaicGpuConfig(private_staged_pages=True)):
+  for knobs in (None, MosaicGpuConfig(private_slots=3)):
     model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16, attention_config=knobs)
     attn = model.prepare_attention(layout, query_tokens=1, cache=cache, impl='mosaic_gpu',
                                    interpret=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hydrajax.benchmarking import Ceilings
-from models import decode_benchmark as db
+from experiments.benchmarking import Ceilings
+from experiments import decode_benchmark as db
 from models.config import get_config
 from models.generate import decode, start_decode
 from models.llama import Llama, ModelMode

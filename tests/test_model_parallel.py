@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import hydrajax as hj
-from hydrajax import parallel
+from hydrajax.attention import parallel
 from models import hf_loading
 from models import sharding_rules as sr
 from models.config import get_config

@@ -4,23 +4,14 @@
 interpret mode is slow); `TestMosaicGpuCompiled` runs compiled on a Hopper GPU.
 """
 
-import importlib
-
 import jax.numpy as jnp
-import pytest
 
 import hydrajax as hj
-from hydrajax import dispatch
+from hydrajax import devices
+from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem
+from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
 from tests.tree_attention_conformance import Case, TreeAttentionConformance
 from tests.tree_attention_conformance import pytest_generate_tests  # noqa: F401 (parametrizes)
-
-
-def _import_reason() -> str | None:
-  try:
-    importlib.import_module(dispatch._BACKEND_MODULES[hj.AttentionImpl.MOSAIC_GPU])
-  except ImportError as e:
-    return f'cannot import the Mosaic GPU backend: {e}'
-  return None
 
 
 class _MosaicGpu(TreeAttentionConformance):
@@ -40,17 +31,13 @@ class _MosaicGpu(TreeAttentionConformance):
 class TestMosaicGpuInterpret(_MosaicGpu):
   interpret = True
 
-  @classmethod
-  def skip_reason(cls):
-    return _import_reason()
-
 
 class TestMosaicGpuCompiled(_MosaicGpu):
   interpret = False
 
   @classmethod
   def skip_reason(cls):
-    return _import_reason() or dispatch.hopper_reason()
+    return devices.hopper_reason()
 
 
 class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
@@ -68,12 +55,7 @@ class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
 
   @property
   def config(self):
-    from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
     return MosaicGpuConfig(private_token_lanes=True)
-
-  @classmethod
-  def skip_reason(cls):
-    return _import_reason()
 
   def test_the_cases_take_token_lanes(self):
     for case in self.cases:
@@ -82,38 +64,14 @@ class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
 
 
 def test_unshared_cases_run_the_paged_kernel():
-  if _import_reason():
-    pytest.skip(_import_reason())
-  from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem
   for case in _MosaicGpu.cases:
     p = TestMosaicGpuInterpret().problem(case)
     plan = TestMosaicGpuInterpret().prepare(p.plan.to_device(), p.q, p.k)
     assert isinstance(plan.prepared.problem, PagedProblem) == (not case.shared), case.id
 
 
-class TestMosaicGpuTokenRunsInterpret(TestMosaicGpuTokenLanesInterpret):
-  """The same forests with `private_token_runs`: at K = 8 a step of a row's 8 consecutive
-  tokens (here a whole 8-token page) is one copy; the scattered pages give the K = 4 and 2
-  cases none, so only the K = 8 forests run (`test_token_runs_change_nothing` has K = 4 and
-  2, over pages of 16 and 64)."""
-
-  cases = TestMosaicGpuTokenLanesInterpret.cases[:2]
-
-  @property
-  def config(self):
-    from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
-    return MosaicGpuConfig(private_token_lanes=True, private_token_runs=True)
-
-  def test_the_cases_take_token_lanes(self):
-    for case in self.cases:
-      p = self.problem(case)
-      assert self.prepare(p.plan.to_device(), p.q, p.k).prepared.problem.token_runs
-
-
 def test_interpret_mode_prepares_the_kernels_not_a_fallback():
   """A plan_tree layout of the conformance shapes resolves to the kernels (no silent XLA run)."""
-  if _import_reason():
-    pytest.skip(_import_reason())
   tree = hj.PromptNode(24, children=(hj.PromptNode(8, num_samples=2), hj.PromptNode(5)))
   plan = hj.plan_tree(tree, private_capacity=8, private_lengths=1)
   shapes = hj.AttentionShapes(num_rows=plan.num_rows, query_tokens=1, num_heads=4, num_kv_heads=2,

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import hydrajax
-from hydrajax import dispatch
+from hydrajax import devices
+from hydrajax.attention import dispatch
 from hydrajax import PromptNode
 from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import schedule
@@ -30,7 +31,7 @@ from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold
 from pallas_kernels.mosaic_gpu.private_attention import (
     private_attention, private_attention_reference,
 )
-from pallas_kernels.mosaic_gpu.private_problem import LANES, lane_table
+from pallas_kernels.mosaic_gpu.private_problem import lane_table
 from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.segment_attention import (
     OVERLAP_MIN_BLOCKS, SegmentKernelConfig, as_folded, overlaps, pack_segments,
@@ -294,17 +295,13 @@ class TestMosaicGpuKernels:
     np.testing.assert_array_equal(as_f32(dirty.out), as_f32(got.out))
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(got.lse))
 
-  @pytest.mark.parametrize('knobs', [dict(private_pair_copies=True), dict(private_slots=4),
-                                     dict(private_staged_pages=True),
-                                     dict(private_lane_table=False),
-                                     dict(private_lane_table=False, private_staged_pages=False)],
-                           ids=['pair_copies', 'slots=4', 'staged_pages', 'lane_walk',
-                                'walk_unstaged'])
+  @pytest.mark.parametrize('knobs', [dict(private_slots=4), dict(private_lane_table=False)],
+                           ids=['slots=4', 'lane_walk'])
   @pytest.mark.parametrize('page', [16, 64])
   def test_private_knobs_change_nothing(self, knobs, page):
     """The private kernel's knobs change only how K/V and page ids reach shared memory: its
     states are bitwise the default's, with NaN/inf in every unattended slot. Decode-like rows
-    of 1-17 tokens (two chunks of one page: a pair; odd rows' pages run backwards, so a row
+    of 1-17 tokens (two chunks of one page; odd rows' pages run backwards, so a row
     past a page has chunks that do not follow) and a long row (64-token pages: its one-row
     steps read two page ids), in one frame (3 steps, fewer than 4 slots)."""
     plan = _long_rows_plan(page, (9, 9, 16, 3, 17, 9, 70, 1))
@@ -355,38 +352,6 @@ class TestMosaicGpuKernels:
     _assert_states_close(got[True], hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     _assert_states_close(got[True], self._run(q, kc, vc, layout), jnp.bfloat16)
 
-  @pytest.mark.parametrize('page', [16, 64])
-  @pytest.mark.parametrize('n, k, t', [(8, 8, 1), (32, 8, 1), (16, 4, 1), (8, 2, 1), (16, 8, 2)],
-                           ids=['K=8_MHA', 'K=8_G=4', 'K=4_G=4', 'K=2_G=4', 'K=8_G=2_T=2'])
-  def test_token_runs_change_nothing(self, n, k, t, page):
-    """`private_token_runs` copies a step of one row's consecutive tokens of every kv head as
-    one 64-row copy instead of 8 tiles: the slot holds the same rows, so the states are
-    bitwise those of token lanes without it, with NaN/inf in every unattended slot. Rows of
-    0-80 tokens (odd rows' pages run backwards: a step across their page boundary stays 8
-    copies), two to eight rows a frame."""
-    rng = fresh_rng()
-    lengths = rng.integers(t, 81, 8)
-    lengths[rng.integers(8)] = 64 + t  # a whole run and a partial lane after it
-    if t == 1:
-      lengths[rng.integers(8)] = 0
-    plan = _long_rows_plan(page, lengths.tolist())
-    layout = plan.to_device()
-    q, kc, vc = _inputs(plan, t=t, n=n, k=k, h=self.head_dim, dtype=jnp.bfloat16,
-                        seed=int(rng.integers(1 << 30)))
-    shapes = mosaic.KernelShapes.of(q, kc)
-    config = mosaic.MosaicGpuConfig(block_kv=64, private_token_lanes=True,
-                                    private_token_runs=True)
-    prepared = mosaic.for_step(mosaic.prepare(layout, shapes, config, interpret=self.interpret))
-    assert prepared.problem.token_runs and prepared.problem.lane_heads == k
-    assert int(jnp.sum(prepared.lanes[..., LANES] != 0)) > 0  # some steps are one copy
-    fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
-    attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
-                               private_token_lanes=True)
-    want, got = attend(), attend(private_token_runs=True)
-    _assert_states_close(got, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
-    np.testing.assert_array_equal(np.asarray(got.lse), np.asarray(want.lse))
-
   def test_unguarded_private_steps_on_a_finite_cache(self):
     """`private_zero_unseen=False` leaves stale V rows of partial chunks in place: on a cache
     whose unattended slots are finite (zeros) the states are bitwise the guarded kernel's."""
@@ -435,13 +400,11 @@ class TestMosaicGpuKernels:
     assert np.isfinite(got_out).all()
     np.testing.assert_allclose(got_out, want_out, rtol=2**-7, atol=1e-6)  # one bf16 ulp
 
-  @pytest.mark.parametrize('n, k', [(3, 3), (8, 4), (8, 2), (16, 2)],
-                           ids=['G=1', 'G=2', 'G=4', 'G=8'])
+  @pytest.mark.parametrize('n, k', [(3, 3)], ids=['G=1'])
   @pytest.mark.parametrize('t', [1, 2])
   def test_q_read_by_row_is_the_fold(self, t, n, k):
-    """The kernels read q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8,
-    `q_by_row_groups`) in place (`q_by_row`); the states are bitwise those of the folded
-    copy, with NaN/inf in every unattended slot, over 16 rows under segments of uneven widths
+    """The kernels read q's [B*T, K, H] view (G = 1) in place (`q_by_row`); the states are
+    bitwise those of the folded copy, with NaN/inf in every unattended slot, over 16 rows under segments of uneven widths
     (one 64-row tile: its rows past the batch read zeros)."""
     lengths = [min(x + t - 1, self.capacity) for x in (4, 16, 9, 70, 5, 1, 33, 8) * 2]
     plan = _tree('wide', self.capacity, lengths)
@@ -451,11 +414,11 @@ class TestMosaicGpuKernels:
     fk, fv, offset = _flat_buffer(plan, kc, vc, layers=2, layer=1, dirty=True)
     attend = functools.partial(self._attend, q, fk, fv, layout, kv_offset=jnp.int32(offset),
                                num_sms=1)
-    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=1, q_by_row_groups=True)
+    config = mosaic.MosaicGpuConfig(block_kv=64, num_sms=1)
     prepared = mosaic.prepare(layout, mosaic.KernelShapes.of(q, fk), config,
                               interpret=self.interpret)
     assert prepared.problem.q_by_row  # the in-place read is what this compares
-    by_row, fold = attend(q_by_row_groups=True), attend(q_by_row=False)
+    by_row, fold = attend(), attend(q_by_row=False)
     _assert_states_close(by_row, hydrajax.naive_tree_attention(q, kc, vc, plan), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(by_row.out, np.float32),
                                   np.asarray(fold.out, np.float32))
@@ -553,7 +516,6 @@ class TestMosaicGpuKernels:
     kw = dict(scale=scale, kv_offset=offset, interpret=self.interpret)
     assert problem.direct_out and problem.direct_lse == (n // k == 4)
     assert (plan.num_rows * tgp) % problem.frame_rows  # the last frame runs past the batch
-    assert not problem.staged_pages  # with the lane table no page id is read in the kernel
     lanes = lane_table(layout.private_lengths, prepared.private_pages, problem)
     got = private_attention(*args[:3], prepared.private_pages, *args[4:], lanes=lanes, **kw)
     want = private_attention_reference(*args, lanes=lanes, **kw)
@@ -599,13 +561,11 @@ class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
           'forest_T=2_heads=8/2', 'private_only_T=2_heads=4/2'),
       'test_long_rows': ('page=128_T=1_heads=8/1_sms=1', 'page=16_T=2_heads=8/2_sms=1',
                          'page=64_T=2_heads=8/1_sms=None'),
-      'test_private_knobs_change_nothing': ('16-pair_copies', '64-slots=4', '16-staged_pages',
-                                            '64-lane_walk', '16-walk_unstaged'),
+      'test_private_knobs_change_nothing': ('64-slots=4', '16-lane_walk'),
       # 40-75 s a case on 2 cores: one padded GQA fold and one at T > 1 (the compiled class
       # runs all 12 on a GPU).
       'test_token_lanes': ('G=3_padded', 'K=2_G=4_T=3'),
-      'test_token_runs_change_nothing': ('K=8_G=2_T=2-64',),
-      'test_q_read_by_row_is_the_fold': ('2-G=2', '1-G=4'),  # the G = 1 view: TestSupportAndSchedule
+      'test_q_read_by_row_is_the_fold': ('2-G=1',),
       'test_packed_frames': ('wide_T=1_heads=4/2', 'two_level_T=40_heads=4/2'),
   }
 
@@ -647,7 +607,7 @@ class TestSupportAndSchedule:
     # dtypes, which `attend` would then refuse: XLA takes them.
     monkeypatch.setattr(dispatch, '_warned', set())
     monkeypatch.setattr(dispatch, 'default_kernel', lambda: hydrajax.AttentionImpl.MOSAIC_GPU)
-    monkeypatch.setattr(dispatch, 'hopper_reason', lambda: None)
+    monkeypatch.setattr(devices, 'hopper_reason', lambda: None)
     q, kc, vc, layout = self._args()
     kc, vc = kc.astype(jnp.float32), vc.astype(jnp.float32)
     with pytest.warns(hydrajax.AttentionFallbackWarning, match='must share one dtype'):
@@ -697,11 +657,11 @@ class TestSupportAndSchedule:
     for name in ('private_zero_unseen', 'q_by_row', 'private_lane_table'):
       with pytest.raises(ValueError, match=f'{name} must be True or False'):
         mosaic.MosaicGpuConfig(**{name: 1})
-    with pytest.raises(ValueError, match='private_staged_pages must be None, True or False'):
-      mosaic.MosaicGpuConfig(private_staged_pages='auto')
+    with pytest.raises(ValueError, match='private_token_lanes must be None, True or False'):
+      mosaic.MosaicGpuConfig(private_token_lanes='auto')
     with pytest.raises(ValueError, match='private_token_lanes=True needs private_lane_table'):
       mosaic.MosaicGpuConfig(private_token_lanes=True, private_lane_table=False)
-    mosaic.MosaicGpuConfig(private_staged_pages=None, shared_overlap=None)  # resolved per call
+    mosaic.MosaicGpuConfig(private_token_lanes=None, shared_overlap=None)  # resolved per call
     with pytest.raises(ValueError, match='overlap must be None, True or False'):
       mosaic.SegmentKernelConfig(overlap=1.5)
 
@@ -800,7 +760,7 @@ class TestSupportAndSchedule:
   def test_stacked_shard_plans_build_each_shards_table(self):
     """`ShardedLayout.for_step` (dp shards' plans stacked): each shard's lane table, from its
     own rows' lengths, as `for_step` of that shard's plan alone."""
-    from hydrajax import parallel
+    from hydrajax.attention import parallel
     rng = fresh_rng()
     plans = [hydrajax.plan_tree(PromptNode(40, num_samples=8), private_capacity=64,
                                 private_lengths=rng.integers(0, 65, 8).tolist()) for _ in '01']
@@ -881,15 +841,6 @@ class TestSupportAndSchedule:
     with pytest.raises(ValueError, match='token lanes of 4 kv heads .* got B=16, TGp=4, K=8'):
       private_attention(jnp.zeros((8, 128, 64), jnp.bfloat16), kv, kv,
                         jnp.zeros((16, 4), jnp.int32), jnp.zeros((16,), jnp.int32), None, None,
-                        None, None, None, problem, scale=0.125, interpret=True)
-    # Token runs: only with token lanes, and only when a lane holds every kv head.
-    with pytest.raises(ValueError, match='token_runs needs token lanes'):
-      pp.PrivateProblem(8, 1, 1, 1, 64, 16, token_runs=True)
-    problem = pp.PrivateProblem(8, 1, 1, 1, 8, 16, lane_heads=8, token_runs=True)
-    kv = jnp.zeros((64, 16, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match='token_runs needs lanes of every kv head .* K=16'):
-      private_attention(jnp.zeros((16, 128, 64), jnp.bfloat16), kv, kv,
-                        jnp.zeros((8, 4), jnp.int32), jnp.zeros((8,), jnp.int32), None, None,
                         None, None, None, problem, scale=0.125, interpret=True)
 
   def test_config_from_knobs(self):

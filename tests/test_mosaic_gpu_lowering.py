@@ -66,15 +66,13 @@ def test_tree_attention_lowers_for_cuda(b, p, s, n, k, t):
     assert kernels and not kernels & {'shared_segment_kernel', 'private_merge_kernel'}, kernels
 
 
-@pytest.mark.parametrize('knobs', [dict(private_pair_copies=True, private_slots=3),
-                                   dict(private_slots=5), dict(private_staged_pages=True),
+@pytest.mark.parametrize('knobs', [dict(private_slots=3), dict(private_slots=5),
                                    dict(private_lane_table=False),
                                    dict(private_zero_unseen=False)],
-                         ids=['pairs_slots=3', 'slots=5', 'staged_pages', 'lane_walk',
-                              'unguarded'])
+                         ids=['slots=3', 'slots=5', 'lane_walk', 'unguarded'])
 def test_private_knobs_lower_for_cuda(knobs):
-  """The private kernel's pipeline knobs at the decode step's MHA shape (16-token copies
-  beside 8- and 64-token ones; 3-5 slots)."""
+  """The private kernel's pipeline knobs at the decode step's MHA shape (3-5 slots, the
+  walked plans, no zeroing of unseen rows)."""
   kernels = _lower_tree(1024, 1024, 9, 32, 32, 1, **knobs)
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
@@ -97,34 +95,6 @@ def test_token_lanes_lower_for_cuda(b, p, s, n, k, t):
   config = mosaic.MosaicGpuConfig(private_token_lanes=True)
   assert mosaic.prepare(plan.to_device(), shapes, config).problem.lane_heads == min(k, 8)
   kernels = _lower_tree(b, p, s, n, k, t, private_token_lanes=True)
-  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
-
-
-@pytest.mark.parametrize('b, p, s, n, k', [(256, 16384, 128, 32, 8), (1024, 16384, 128, 16, 4),
-                                           (256, 2048, 70, 8, 2)])
-def test_token_runs_lower_for_cuda(b, p, s, n, k):
-  """`private_token_runs`: a step of consecutive tokens of every kv head, one 64-row copy of
-  the flat view into the slot the 8-row tiles otherwise fill."""
-  plan = hydrajax.plan_tree(hydrajax.PromptNode(p, num_samples=b), private_capacity=128,
-                            private_lengths=s)
-  shapes = mosaic.KernelShapes(b, 1, n, k, HEAD_DIM, plan.kv_tokens, jnp.bfloat16)
-  knobs = dict(private_token_lanes=True, private_token_runs=True)
-  config = mosaic.MosaicGpuConfig(**knobs)
-  assert mosaic.prepare(plan.to_device(), shapes, config).problem.token_runs
-  kernels = _lower_tree(b, p, s, n, k, 1, **knobs)
-  assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
-
-
-@pytest.mark.parametrize('b, p, s, n, k, t', [
-    (256, 16384, 1, 32, 8, 1),  # G = 4: the GQA decode step
-    (16, 2048, 3, 64, 8, 1),  # G = 8, one row a frame
-    (8, 2048, 9, 32, 16, 2),  # G = 2, T = 2
-    (3, 2048, 64, 32, 8, 64),  # prefill at G = 4: T*G = 256, several frames a row
-])
-def test_q_by_row_groups_lowers_for_cuda(b, p, s, n, k, t):
-  """q read in place at G > 1 (`q_by_row_groups`): a [64/G, G, H] TMA copy into an untiled
-  buffer (a reshaped ref), then through registers into the tiled Q buffer."""
-  kernels = _lower_tree(b, p, s, n, k, t, q_by_row_groups=True)
   assert {'shared_segment_kernel', 'private_merge_kernel'} <= kernels, kernels
 
 

@@ -20,9 +20,11 @@ import pytest
 from flax import nnx
 
 import hydrajax as hj
-from hydrajax.dispatch import hopper_reason
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import training_plan, tree_attention_differentiable
+from experiments.mosaic_gpu import check_training
+from hydrajax.attention import dispatch
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import tree_attention_differentiable
+from hydrajax.devices import hopper_reason
 from models.config import get_config
 from models.llama import Llama
 from models.training import grpo
@@ -524,7 +526,7 @@ class TestTrainingKernels:
     gradients of every level's q and of k, v. A uniform tree runs on slices of the buffer
     (`prefill_vjp`); one whose root has a childless third branch walks each level's tree (a
     group of two branch segments among them)."""
-    from hydrajax.training import tree_prefill as tp
+    from hydrajax.attention.training import tree_prefill as tp
 
     parents = [-1, 0, 0, 1, 1, 2, 2] + ([] if uniform else [0])
     plan = tp.plan_tree_prefill(parents, [37, 21, 21, 9, 13, 5, 11, 17][:len(parents)])
@@ -691,7 +693,7 @@ def test_kernel_config_reaches_every_kernel(monkeypatch):
   each pass, whatever its segment count; the result is still exact."""
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1)
   # The stand-ins run anywhere and in float32: the resolver may pick the kernels.
-  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  monkeypatch.setattr(dispatch, 'training_unsupported_reason', lambda *a, **kw: None)
   seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
                                             'segments_backward', 'causal_backward'))
   rng = np.random.default_rng(zlib.crc32(b'kernel_config'))
@@ -724,7 +726,7 @@ def test_kernel_config_reaches_every_prefill_kernel(monkeypatch, dq_in_place):
   and gradients equal the XLA path's (two prompts of different lengths, float32), with the
   completions' dQ summed after or in place (`prefill_dq_in_place`)."""
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1, prefill_dq_in_place=dq_in_place)
-  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  monkeypatch.setattr(dispatch, 'training_unsupported_reason', lambda *a, **kw: None)
   seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
                                             'segments_backward', 'causal_backward'))
   lengths, g, t, p, n, kh, h = (3, 7), 2, 5, 8, 4, 2, 16
@@ -758,10 +760,10 @@ def test_uniform_tree_prefill_on_slices(monkeypatch, dq_in_place):
   One causal launch a level and one segment launch a level and ancestor level, forward and
   backward (the kernels stood in for by their `*_reference`s, float32), with `kernel_config`;
   states and the gradients of every level's q and of k, v equal the walked XLA path's."""
-  from hydrajax.training import tree_prefill as tp
+  from hydrajax.attention.training import tree_prefill as tp
 
   cfg = ta.TrainingKernelConfig(block_kv_dq=128, compute_wgs=1, prefill_dq_in_place=dq_in_place)
-  monkeypatch.setattr(training_plan, 'training_unsupported_reason', lambda *a, **kw: None)
+  monkeypatch.setattr(dispatch, 'training_unsupported_reason', lambda *a, **kw: None)
   seen = _reference_stand_ins(monkeypatch, ('segments_forward', 'causal_forward',
                                             'segments_backward', 'causal_backward'))
   rng = np.random.default_rng(zlib.crc32(b'uniform tree on slices'))
@@ -822,7 +824,6 @@ def test_check_training_records_jsonl(monkeypatch):
   import io
   import json
 
-  from pallas_kernels.mosaic_gpu import check_training
 
   sink = io.StringIO()
   monkeypatch.setattr(check_training, '_SINK', [sink])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
-from hydrajax.parallel import tree_attention_sharded
+from hydrajax.attention.parallel import tree_attention_sharded
 from tests.tree_attention_conformance import Case, assert_close, naive_tree_attention, random_problem
 
 pytestmark = pytest.mark.skipif(

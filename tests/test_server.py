@@ -18,7 +18,7 @@ from flax import nnx
 pytest.importorskip('uvicorn', reason='the server needs the serve extra: pip install .[serve]')
 pytest.importorskip('starlette', reason='the server needs the serve extra: pip install .[serve]')
 
-from hydrajax.chunk_cache import LayoutPolicy
+from hydrajax.layout import LayoutPolicy
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.chat_template import SMOLLM2_TEMPLATE

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip('uvicorn', reason='the server needs the serve extra: pip install .[serve]')
 
-from hydrajax.chunk_cache import LayoutPolicy
+from hydrajax.layout import LayoutPolicy
 from models.engine import Engine, EngineConfig
 from tests.test_engine import assert_no_leak
 from tests.test_server import HANG_GUARD_S, Served, model  # noqa: F401 (fixture)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from experiments import serving_report
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
-from hydrajax.benchmarking import report
+from experiments.benchmarking import report
 from hydrajax.sharing_policy import DEVICE_THRESHOLDS, MAX_ROWS
 from tests.conftest import assert_states_close, naive_tree_attention, random_inputs
 
@@ -363,7 +363,7 @@ def test_staircase_walks_from_long_segments_up_in_rows():
 def test_break_even_pipeline_from_given_timings(tmp_path):
   """Records, table, plot and thresholds from given times: nothing depends on the machine."""
   from experiments import break_even
-  from hydrajax.benchmarking import timing
+  from experiments.benchmarking import timing
 
   # Full grid, cell order (heads, batch), then n, then r; each point times batched, then
   # per-sequence (µs).
@@ -417,7 +417,7 @@ def test_break_even_pipeline_from_given_timings(tmp_path):
 def test_break_even_budget_and_memory_cap(tmp_path):
   """No point starts after the budget; points over the K/V cap are skipped and listed."""
   from experiments import break_even
-  from hydrajax.benchmarking import timing
+  from experiments.benchmarking import timing
 
   fake = lambda *a, **kw: timing.Timing(1e-6, (1e-6,), 1, 'given', 0)
   config = dict(head_dim=16, dtype='float32', query_len=1, suffix=1, page_size=64,
@@ -557,7 +557,7 @@ def test_generate_applies_the_policy_without_changing_tokens(tiny_model, monkeyp
 def test_break_even_resume_replays_earlier_points_and_runs_only_the_rest(tmp_path):
   """--resume: a sweep cut short goes on where it stopped, with the same walk and thresholds."""
   from experiments import break_even
-  from hydrajax.benchmarking import timing
+  from experiments.benchmarking import timing
 
   ratios = {(128, 1): 1.5, (128, 2): 0.5, (64, 2): 1.5, (64, 4): 0.4}
   timed = []

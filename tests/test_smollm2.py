@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import hydrajax
-from hydrajax.chunk_cache import LayoutPolicy
+from hydrajax.layout import LayoutPolicy
 from models.checkpoint import load_checkpoint
 from models.engine import Engine, EngineConfig, SamplingParams
 from models.generate import generate

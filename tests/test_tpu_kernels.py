@@ -19,7 +19,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import hydrajax as hj
-from hydrajax import dispatch
+from hydrajax.attention import dispatch
 from hydrajax.layout import Segment, SharingPlan
 from pallas_kernels.tpu import tree_attention as tpu
 from pallas_kernels.tpu.online_softmax import LANES
@@ -388,7 +388,7 @@ def test_training_kernels_lower_to_mosaic(kind):
   """The gradient of the differentiable tree attention with impl=MOSAIC_TPU lowers to Mosaic for
   the target chip at the issue's shapes (bf16, H = 128, GQA 4:1, 1K completions under an 8K
   prompt cut to 2 rows): every part's forward, dK/dV and dQ kernels."""
-  from hydrajax.training import prefill_layout as pl
+  from hydrajax.attention.training import prefill_layout as pl
 
   layout = pl.plan_prefill([8192], 2, 1024).to_device()
   struct = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)

@@ -1,5 +1,5 @@
 """The prepared plan of the differentiable (training) path: equal to the one-call form, the
-kernels resolved through `hydrajax.dispatch`, inputs checked, a jit pytree, prepared once per
+kernels resolved through `hydrajax.attention.dispatch`, inputs checked, a jit pytree, prepared once per
 model forward."""
 
 import warnings
@@ -11,10 +11,11 @@ import pytest
 from flax import nnx
 
 import hydrajax as hj
-from hydrajax import dispatch
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import training_plan as tp
-from hydrajax.training import tree_attention_differentiable
+from hydrajax import devices
+from hydrajax.attention import dispatch
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import training_plan as tp
+from hydrajax.attention.training import tree_attention_differentiable
 from models.config import get_config
 from models.llama import Llama
 from models.training import forward as fw
@@ -127,7 +128,7 @@ def on(monkeypatch):
   def install(kernel):
     monkeypatch.setattr(dispatch, 'default_kernel', lambda: kernel)
     device = 'hopper_reason' if kernel is MOSAIC_GPU else 'tpu_reason'
-    monkeypatch.setattr(dispatch, device, lambda: None)
+    monkeypatch.setattr(devices, device, lambda: None)
 
   return install
 

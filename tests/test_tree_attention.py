@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
-from hydrajax.training import tree_attention_differentiable
+from hydrajax.attention.training import tree_attention_differentiable
 from tests.conftest import (
     assert_states_close,
     fanouts,

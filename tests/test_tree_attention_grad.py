@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import hydrajax as hj
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import tree_attention_differentiable
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import tree_attention_differentiable
 from tests.conftest import assert_states_close, random_inputs, random_tree
 
 GRAD_TOLERANCES = {

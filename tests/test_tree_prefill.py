@@ -1,4 +1,4 @@
-"""The causal prefill of a token tree (`hydrajax.training.tree_prefill`) against a dense oracle:
+"""The causal prefill of a token tree (`hydrajax.attention.training.tree_prefill`) against a dense oracle:
 every token of the buffer attends its node's ancestors and itself, causally, under one mask."""
 
 import zlib
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import tree_prefill as tp
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import tree_prefill as tp
 from tests.test_tree_attention_grad import GRAD_TOLERANCES
 from tests.conftest import TOLERANCES
 

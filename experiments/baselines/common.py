@@ -8,8 +8,8 @@ point (missing package, backend, memory cap, shape).
 import dataclasses
 from typing import Any
 
-from hydrajax.benchmarking.sweep import Candidate, Unsupported
-from hydrajax.benchmarking.workloads import Problem
+from experiments.benchmarking.sweep import Candidate, Unsupported
+from experiments.benchmarking.workloads import Problem
 
 __all__ = ['Candidate', 'Options', 'Unsupported', 'check_copy_budget', 'require_decode']
 

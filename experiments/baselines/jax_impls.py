@@ -21,8 +21,8 @@ import hydrajax
 from experiments.baselines.common import (
     Candidate, Options, Unsupported, check_copy_budget, require_decode,
 )
-from hydrajax.benchmarking.timing import device_time
-from hydrajax.benchmarking.workloads import Problem
+from experiments.benchmarking.timing import device_time
+from experiments.benchmarking.workloads import Problem
 
 
 def _candidate(fn, args, options: Options, out_of=lambda r: r, note: str = '') -> Candidate:

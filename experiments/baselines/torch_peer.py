@@ -19,9 +19,9 @@ import numpy as np
 from experiments.baselines.common import (
     Candidate, Options, Unsupported, check_copy_budget, require_decode,
 )
-from hydrajax.benchmarking import gpu_clock
-from hydrajax.benchmarking.timing import Timing
-from hydrajax.benchmarking.workloads import Problem
+from experiments.benchmarking import gpu_clock
+from experiments.benchmarking.timing import Timing
+from experiments.benchmarking.workloads import Problem
 
 _FLUSH_BYTES = 256 * 2**20
 

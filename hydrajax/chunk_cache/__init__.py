@@ -6,16 +6,15 @@
   eviction       retained (cached) chunks, LRU eviction
   row_order      depth-first row order, per-row arrays, shared segments
   layout_cache   plans, device layouts, and the cached decode layout
-  device_layout  LayoutPolicy, device_layout: plans as TreeLayouts with few static shapes
   pool           copy_slots (copy on write of KV), pool_bytes
-  prefix_tree    the former home of ChunkCache (re-exports)
 
-Attention over the pool is `hydrajax.tree_attention(q, pool_k, pool_v, cache.device_layout())`.
+Plans become device layouts with `SharingPlan.to_device(policy=LayoutPolicy(...))`
+(`hydrajax.layout`). Attention over the pool is
+`hydrajax.tree_attention(q, pool_k, pool_v, cache.device_layout())`.
 """
 
 from hydrajax.chunk_cache.allocator import CapacityError, ChunkAllocator
 from hydrajax.chunk_cache.cache import (
     Admission, ChunkCache, ChunkCacheConfig, Fork, PrefixMatch,
 )
-from hydrajax.chunk_cache.device_layout import LayoutPolicy, device_layout, next_power_of_two
 from hydrajax.chunk_cache.pool import copy_slots, pool_bytes

@@ -10,6 +10,7 @@ batch) is built afresh.
 import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from hydrajax.chunk_cache.row_order import RowArrays
@@ -40,8 +41,6 @@ def build_plan(arrays: RowArrays, rows: list[int], segments: tuple[Segment, ...]
 
 def plan_layout(plan: SharingPlan, policy: LayoutPolicy, max_pages: int) -> TreeLayout:
   """A plan on the device, uncached; the page table is `policy.page_width` of the widest row."""
-  import jax.numpy as jnp  # deferred: the host tree itself needs no JAX
-
   width = policy.page_width(max(len(p) for p in plan.private_pages), max_pages)
   return make_layout(
       *device_groups(plan, policy), jnp.asarray(page_table(plan, width)),
@@ -76,8 +75,6 @@ class LayoutCache:
 
     `segments` (the shared segments of all rows) is called only when the structure changed.
     """
-    import jax.numpy as jnp  # deferred: the host tree itself needs no JAX
-
     b, c = live_rows, chunk_size
     key = (structure_version, num_rows)
     cached = self.entries.get('groups')

@@ -5,7 +5,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from hydrajax import AttentionImpl, SharingPolicy
-from hydrajax.chunk_cache import ChunkCacheConfig, LayoutPolicy, next_power_of_two
+from hydrajax.chunk_cache import ChunkCacheConfig
+from hydrajax.layout import LayoutPolicy, next_power_of_two
 from hydrajax.layout import as_int
 from models.sampling import MAX_TOP_LOGPROBS, SamplingMode
 

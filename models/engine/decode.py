@@ -6,7 +6,8 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import AttentionPlan, parallel
+from hydrajax import AttentionPlan
+from hydrajax.attention import parallel
 from hydrajax.chunk_cache import ChunkCache
 from hydrajax.chunk_cache.layout_cache import no_empty_groups
 from hydrajax.layout import device_groups, make_layout, page_table

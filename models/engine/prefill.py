@@ -4,8 +4,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from hydrajax import SharingPlan, parallel
-from hydrajax.chunk_cache import ChunkCache, next_power_of_two
+from hydrajax import SharingPlan
+from hydrajax.attention import parallel
+from hydrajax.chunk_cache import ChunkCache
+from hydrajax.layout import next_power_of_two
 from hydrajax.chunk_cache.layout_cache import no_empty_groups
 from models.engine.book import RequestBook
 from models.engine.config import EngineConfig

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hydrajax import SharingPlan, parallel
-from hydrajax.chunk_cache import ChunkCacheConfig, copy_slots, device_layout, next_power_of_two
+from hydrajax import SharingPlan
+from hydrajax.attention import parallel
+from hydrajax.chunk_cache import ChunkCacheConfig, copy_slots
+from hydrajax.layout import next_power_of_two
 from models.engine.config import EngineConfig, step_sampling_mode
 from models.engine.requests import Request
 from models.engine.stats import EngineStats
@@ -166,7 +168,7 @@ class ModelRunner:
     if self.num_shards > 1:
       return parallel.stack_layouts([plan] * self.num_shards, policy=policy,
                                     max_private_pages=c.max_pages, upload=False)
-    return device_layout(plan, policy=policy, max_private_pages=c.max_pages)
+    return plan.to_device(policy=policy, max_private_pages=c.max_pages)
 
   def warmup_steps(self) -> Iterator[tuple[int, int]]:
     """Compiles every shape of the budget (model steps on empty rows, KV copies) one program at

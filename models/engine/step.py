@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hydrajax import AttentionPlan
-from hydrajax.parallel import ShardedLayout
+from hydrajax.attention.parallel import ShardedLayout
 from models.kv_cache import CACHE_PROGRAM_OPTIONS
 from models.sampling import SamplingRows, request_keys, sample_batch
 

@@ -5,7 +5,7 @@ per-layer helpers (`_qkv`, `_mlp`, `rms_norm`):
 
 * `shared_forward`: each prompt goes through the layers once (causal over
   itself) and its K/V is attended by all G completions through the prefill
-  layout (`hydrajax.training`); the prompt's dK/dV is reduced over all of them
+  layout (`hydrajax.attention.training`); the prompt's dK/dV is reduced over all of them
   in one matmul per kv block.
 * `unshared_forward`: the ground truth, every sample's own sequence (prompt
   copied G times) through the model's dense naive forward.
@@ -14,7 +14,7 @@ Both return the log-probabilities [Bp * G, T] float32 of the completion tokens:
 token j is scored from the hidden state of the token before it (the last
 prompt token for j = 0).
 
-* `tree_forward`: any depth, a rollout tree (`hydrajax.training.tree_prefill`): every node
+* `tree_forward`: any depth, a rollout tree (`hydrajax.attention.training.tree_prefill`): every node
   through the layers once, attending its ancestors; the log-probabilities of every non-root
   node's tokens, scored the same way (from its parent's last token for j = 0).
 
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.partial_state import PartialState
-from hydrajax.training import prefill_layout as pl
-from hydrajax.training import tree_prefill as tp
+from hydrajax.attention.training import prefill_layout as pl
+from hydrajax.attention.training import tree_prefill as tp
 from models import sharding_rules as sr
 from models.kv_cache import DenseKVCache
 from models.llama import Llama, _mlp, _qkv, rms_norm

@@ -28,9 +28,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from hydrajax.dispatch import AttentionImpl
-from hydrajax.training import PrefillLayout
-from hydrajax.training import tree_prefill as tp
+from hydrajax.attention.dispatch import AttentionImpl
+from hydrajax.attention.training import PrefillLayout
+from hydrajax.attention.training import tree_prefill as tp
 from models.training.forward import shared_forward, tree_forward, unshared_forward
 from models.training.parallel import data_parallel, on_one_mesh
 
@@ -93,7 +93,7 @@ def grpo_loss(logp, batch: GrpoBatch, config: GrpoConfig) -> tuple[jax.Array, di
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeGrpoBatch:
-  """One step's data over a rollout tree (`hydrajax.training.tree_prefill`).
+  """One step's data over a rollout tree (`hydrajax.attention.training.tree_prefill`).
 
   Each leaf is a sample: its completion is every scored token on its root-to-leaf path below
   the root (levels d >= 1; the root is the prompt). Lists hold one [B_d, C_d] array a level

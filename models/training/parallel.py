@@ -13,7 +13,7 @@ will be, so a training loop compiles its step once.
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hydrajax.parallel import DP, ShardedLayout
+from hydrajax.attention.parallel import DP, ShardedLayout
 from models.sharding_rules import auto_mesh, named_sharding
 
 

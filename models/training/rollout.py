@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.training import prefill_layout as pl
+from hydrajax.attention.training import prefill_layout as pl
 from models.kv_cache import DenseKVCache
 
 PAD, BOS, PLUS, EQUALS, EOS = 0, 1, 2, 3, 4

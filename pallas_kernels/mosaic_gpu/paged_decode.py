@@ -102,6 +102,60 @@ def _align_down(x):
   return x - lax.rem(x, jnp.int32(ALIGN))
 
 
+def _store_row(problem: PagedProblem, o_smem, lse_smem, out_ref, lse_out_ref, *, row, tile,
+               kv_head, first, frame):
+  """The program's rows of its query row into out and lse: when `problem.direct`, its T*G rows
+  (one tile) in [B*T, K, G, ...] order; else the rows of the tile that are this row's, folded."""
+  t_tok, g_size, tg = problem.query_tokens, problem.group_size, problem.rows_per_query
+  tiles = private_row_tiles(tg)
+  if problem.direct:  # the row's T*G rows start at first - frame (one tile)
+    r0 = first - frame
+    for t in range(t_tok):
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(r0 + t * g_size, g_size)], out_ref.at[row * t_tok + t, kv_head]
+      )
+    for i in range(tg):
+      lse_out_ref[row * t_tok + i // g_size, kv_head, i % g_size] = lse_smem[r0 + i]
+    plgpu.wait_smem_to_gmem(0)
+    return
+  # Exact rows [r0, r1) of the tile that are this row's: a ladder of power-of-two copies.
+  r0 = jnp.maximum(first - frame, 0)
+  r1 = jnp.minimum(first + tg - frame, WG_M)
+  count = jnp.maximum(r1 - r0, 0)
+  start = r0
+  size = WG_M
+  while size >= 1:
+    @pl.when(lax.bitwise_and(count, jnp.int32(size)) != 0)
+    def _(start=start, size=size):
+      plgpu.copy_smem_to_gmem(
+          o_smem.at[pl.ds(start, size)], out_ref.at[kv_head, pl.ds(frame + start, size)]
+      )
+
+    start = start + lax.bitwise_and(count, jnp.int32(size))
+    size //= 2
+  lse_row = pl.multiple_of((row * tiles + tile) * WG_M, ALIGN)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_out_ref.at[kv_head, pl.ds(lse_row, WG_M)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(h: int, dtype, interpret: bool):
+  """(shared memory, barriers) of a program."""
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
+      plgpu.SMEM((2, 2, _BLK, h), dtype, transforms=tiled),  # K, V x 2 slots
+      plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
+      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled for exact-size copies
+      plgpu.SMEM((WG_M,), jnp.float32),
+  )
+  barriers = (
+      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
+      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
+  )
+  return [smem, barriers]
+
+
 def paged_attention(
     qf: jax.Array,  # [K, M_pad, H] folded queries, M_pad a multiple of ALIGN
     k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
@@ -241,48 +295,9 @@ def paged_attention(
     carry = lax.fori_loop(0, num_steps, private_step, (acc, m_i, l_i))
 
     osm.finish(*carry, o_smem, lse_smem, dtype)
-    if problem.direct:  # the row's T*G rows start at first - frame (one tile)
-      r0 = first - frame
-      for t in range(t_tok):
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(r0 + t * g_size, g_size)], out_ref.at[row * t_tok + t, kv_head]
-        )
-      for i in range(tg):
-        lse_out_ref[row * t_tok + i // g_size, kv_head, i % g_size] = lse_smem[r0 + i]
-      plgpu.wait_smem_to_gmem(0)
-      return
-    # Exact rows [r0, r1) of the tile that are this row's: a ladder of power-of-two copies.
-    r0 = jnp.maximum(first - frame, 0)
-    r1 = jnp.minimum(first + tg - frame, WG_M)
-    count = jnp.maximum(r1 - r0, 0)
-    start = r0
-    size = WG_M
-    while size >= 1:
-      @pl.when(lax.bitwise_and(count, jnp.int32(size)) != 0)
-      def _(start=start, size=size):
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(start, size)], out_ref.at[kv_head, pl.ds(frame + start, size)]
-        )
+    _store_row(problem, o_smem, lse_smem, out_ref, lse_out_ref, row=row, tile=tile,
+               kv_head=kv_head, first=first, frame=frame)
 
-      start = start + lax.bitwise_and(count, jnp.int32(size))
-      size //= 2
-    lse_row = pl.multiple_of((row * tiles + tile) * WG_M, ALIGN)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_out_ref.at[kv_head, pl.ds(lse_row, WG_M)])
-    plgpu.wait_smem_to_gmem(0)
-
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  smem = (
-      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
-      plgpu.SMEM((2, 2, _BLK, h), dtype, transforms=tiled),  # K, V x 2 slots
-      plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      plgpu.SMEM((WG_M, h), dtype),  # output rows, untiled for exact-size copies
-      plgpu.SMEM((WG_M,), jnp.float32),
-  )
-  barriers = (
-      plgpu.Barrier(num_barriers=1),
-      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
-      plgpu.Barrier(num_arrivals=len(_RUNGS), num_barriers=2),
-  )
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
   return plgpu.kernel(
       paged_kernel,
@@ -292,7 +307,7 @@ def paged_attention(
           jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size), jnp.float32) if problem.direct
           else jax.ShapeDtypeStruct((kh, b_rows * tiles * WG_M), jnp.float32),
       ),
-      scratch_types=[smem, barriers],
+      scratch_types=_scratch(h, dtype, interpret),
       grid=(b_rows, tiles, kh),
       grid_names=('row', 'tile', 'kv_head'),
       compiler_params=profiling.compiler_params(),

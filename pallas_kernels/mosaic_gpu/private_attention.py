@@ -23,11 +23,9 @@ operand) plus the page's.
 Per step, the scalar work is a plan of the step `slots` ahead (its chunks' first
 tokens, page ids read while this step's QK wgmma runs so the refill copy goes
 out as soon as the slot is free, and its valid tokens per lane packed in
-one int32 carried to the step that consumes it). With `staged_pages` the
-frame's rows of the page table come to shared memory in one TMA copy at the
-start, and the page ids are shared-memory reads instead of global ones. A
-step of 8 more chunks of one row (long rows: 64 tokens, one or two page-id
-reads, one copy when they are contiguous) is planned in closed form; others
+one int32 carried to the step that consumes it). A step of 8 more chunks of one
+row (long rows: 64 tokens, one or two page-id reads, one copy when they are
+contiguous) is planned in closed form; others
 walk their 8 lanes. With `lane_steps` (`MosaicGpuConfig.private_lane_table`) the plans
 come from a table XLA builds once per decode step (`private_problem.lane_table`): 10 reads a
 step, issued a step before the refill that uses them (`slots + 1` steps ahead), so they land
@@ -69,7 +67,9 @@ power-of-two copies (lse: scalar stores). Otherwise out is folded,
 any of these into `[B, T, N, H]`, `[B, T, N]`.
 """
 
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -86,10 +86,10 @@ from pallas_kernels.mosaic_gpu.schedule import (
 )
 from pallas_kernels.mosaic_gpu.paged_decode import private_states_reference
 from pallas_kernels.mosaic_gpu.private_problem import (
-    LANE_FIELDS, LANES, PrivateProblem, lane_heads_for, staged_columns,
+    LANE_FIELDS, LANES, PrivateProblem, lane_heads_for,
 )
 from pallas_kernels.mosaic_gpu.segment_attention import (
-    as_folded, finish_q, floor_div, offset_operand, q_staging, q_tile, segment_fields, start_q,
+    as_folded, floor_div, offset_operand, q_tile, segment_fields, start_q,
 )
 
 _BLK = PRIVATE_BLOCK
@@ -115,9 +115,760 @@ def grouped_rows(ref, staging, groups: int):
   return lambda start, size: staging.at[pl.ds(start, size)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+  """What every program of one call knows statically (derived once by `private_attention`)."""
+
+  problem: PrivateProblem
+  sched: SharedSchedule | None
+  num_kv_heads: int  # K
+  head_dim: int  # H
+  dtype: Any
+  max_pages: int  # the page table's width
+  qk_scale: float  # scale * log2(e): scores in base 2
+  merging: bool  # the rows have shared partial states to merge
+  depth_cap: int  # columns of row_segments (0 without a merge)
+  splits: int  # kv splits of a shared segment (0 without a merge)
+  interpret: bool
+
+  @property
+  def tabled(self) -> bool:
+    """Step plans come from the lane table (`private_problem.lane_table`), not the walk."""
+    return self.problem.lane_steps > 0
+
+  @property
+  def ahead(self) -> int:
+    """Extra steps a plan is read ahead: with the lane table each step reads the plan of
+    step + slots + 1 (one more than its refill needs), so the table's loads land under a
+    whole step's work."""
+    return int(self.tabled)
+
+  @property
+  def token(self) -> bool:
+    return self.problem.token_lanes
+
+  @property
+  def window_merge(self) -> bool:
+    """Token lanes merge windows of h kv heads copied by TMA (`_Merge.start_window`)."""
+    return self.merging and self.token
+
+  @property
+  def tiles_per_row(self) -> int:
+    """Frames per query row when TGp > 64."""
+    return max(1, self.problem.rows_per_query // WG_M)
+
+
+class _Refs(NamedTuple):
+  """A program's operands, outputs and scratch (None where the call has no such thing)."""
+
+  q: Any
+  k: Any
+  v: Any
+  pages: Any
+  lengths: Any
+  offset: Any
+  lanes: Any  # the lane table (`tabled`)
+  row_segments: Any  # the merge's operands (`merging`)
+  segments: Any
+  partial_out: Any
+  partial_lse: Any
+  out: Any
+  lse_out: Any
+  q_smem: Any
+  kv_smem: Any  # [2 (K, V), slots, 64, H]
+  p_smem: Any  # P (interpret mode)
+  o_smem: Any  # the output rows
+  lse_smem: Any
+  len_smem: Any  # the frame's private lengths (the walk)
+  chunk_smem: Any  # and their chunks
+  o_staging: Any  # interpret mode: [64/G, G, H] copies of the output rows (`grouped_rows`)
+  lse_staging: Any
+  window_o: Any  # token lanes: the merge window [kv heads, F rows, ...]
+  window_lse: Any
+  q_bar: Any
+  k_bars: Any
+  v_bars: Any
+  window_bars: Any
+
+
+class _FrameRows(NamedTuple):
+  """A frame's scalars, from independent loads (`_frame_rows`)."""
+
+  row0: Any  # its first row
+  q0: Any  # the query index (t*G + g) of its first folded row
+  rows_here: Any  # its rows inside the batch
+  t_last: Any  # the last query token its rows see (None at T = 1)
+  lengths: list  # per row: the private length
+  chunk_counts: list  # the lanes of the tokens the frame's queries see
+  lane_starts: list  # the first lane (a row with no chunk takes one empty lane)
+  num_steps: Any  # the frame's private steps
+
+
+def _frame_rows(st: _Statics, refs: _Refs, frame) -> _FrameRows:
+  """The frame's rows, their lengths and lanes, and its steps."""
+  problem = st.problem
+  r_rows, tgp, b_rows = problem.rows_per_frame, problem.rows_per_query, problem.num_rows
+  t_tok, unit = problem.query_tokens, problem.lane_tokens
+  if r_rows > 1 or tgp <= WG_M:
+    row0 = frame * r_rows
+    q0 = jnp.int32(0)
+  else:
+    row0 = lax.div(frame, jnp.int32(st.tiles_per_row))
+    q0 = lax.rem(frame, jnp.int32(st.tiles_per_row)) * WG_M
+  rows_here = jnp.minimum(r_rows, b_rows - row0)
+  if t_tok == 1:
+    t_last = None
+  elif r_rows > 1 or tgp <= WG_M:
+    t_last = jnp.int32(t_tok - 1)
+  else:  # the last query token among this tile's rows
+    t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(problem.group_size)), t_tok - 1)
+  lengths, chunk_counts, lane_starts = [], [], []
+  lanes_total = jnp.int32(0)
+  for r in range(r_rows):
+    inside = r < rows_here
+    length = jnp.where(inside, refs.lengths[jnp.minimum(row0 + r, b_rows - 1)], 0)
+    seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
+    # Lanes of the row: its tokens (one-token lanes) or `unit`-token runs (seen >= 0).
+    chunks = seen if unit == 1 else lax.shift_right_logical(
+        seen + (unit - 1), jnp.int32(unit.bit_length() - 1))
+    lengths.append(length)
+    chunk_counts.append(chunks)
+    lane_starts.append(lanes_total)
+    lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
+  num_steps = lax.shift_right_logical(lanes_total + (LANES - 1), jnp.int32(3))  # // 8
+  return _FrameRows(row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts, num_steps)
+
+
+def _copy_step(st: _Statics, refs: _Refs, kv_head, slot, toks, contiguous):
+  """Copies a step's lanes into `slot`: one 64-token copy when they are one row's contiguous
+  tokens (the barriers then get 7 plain arrivals each), else one copy a lane; each barrier
+  sees 8 arrivals a step. Token lanes copy each lane's tile (8/h tokens of h kv heads: one
+  8-row tile of the flat [L*K, H] view)."""
+  kh = st.num_kv_heads
+
+  def copy(tok, rows, j):
+    dst = pl.ds(j * CHUNK, rows)
+    if st.token:
+      src = pl.ds(pl.multiple_of(tok * kh + kv_head, CHUNK), rows)
+    else:
+      src = (pl.ds(pl.multiple_of(tok, CHUNK), rows), kv_head)
+    plgpu.copy_gmem_to_smem(refs.k.at[src], refs.kv_smem.at[0, slot, dst], refs.k_bars.at[slot])
+    plgpu.copy_gmem_to_smem(refs.v.at[src], refs.kv_smem.at[1, slot, dst], refs.v_bars.at[slot])
+
+  def each_lane():
+    for j in range(LANES):
+      copy(toks[j], CHUNK, j)
+
+  if st.token:
+    each_lane()
+    return
+
+  @pl.when(contiguous)
+  def _():
+    copy(toks[0], _BLK, 0)
+    for _ in range(LANES - 1):
+      plgpu.barrier_arrive(refs.k_bars.at[slot])
+      plgpu.barrier_arrive(refs.v_bars.at[slot])
+
+  pl.when(jnp.logical_not(contiguous))(each_lane)
+
+
+def _pack(valids):
+  """Valid tokens per lane, 4 bits a lane, as one int32."""
+  packed = jnp.int32(0)
+  for j, valid in enumerate(valids):
+    packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
+  return packed
+
+
+class _Planner:
+  """The plans of a frame's steps: which tokens each lane copies and how many are valid.
+
+  A plan is read `slots` (+ `ahead`) steps before its step copies: from the lane table (10
+  independent loads, returned raw, so their latency runs under the next step's work), or
+  walked here. The walk: a cursor (r, i) is chunk i of frame row r; lanes run row after row,
+  max(chunks, 1) per row. A step's plan is its 8 first KV tokens (the layer's first 8 for a
+  lane with no chunk), whether they are 64 contiguous tokens, the cursor after it, and its
+  valid tokens per lane packed 4 bits a lane (`_FULL`: every lane 8 valid tokens).
+  """
+
+  def __init__(self, st: _Statics, refs: _Refs, frame, rows: _FrameRows, kv_offset):
+    self.st, self.refs, self.frame, self.rows, self.kv_offset = st, refs, frame, rows, kv_offset
+    if not st.tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
+      for r, (length, chunks) in enumerate(zip(rows.lengths, rows.chunk_counts)):
+        refs.len_smem[r] = length
+        refs.chunk_smem[r] = chunks
+
+  def first_cursor(self):
+    return jnp.int32(0) if self.st.tabled else (jnp.int32(0), jnp.int32(0))
+
+  def plan_step(self, cursor):
+    """(the cursor after the step, its plan)."""
+    if self.st.tabled:
+      return self._read_plan(cursor)
+    cursor, toks, packed = self._walk_plan(cursor)
+    return cursor, (toks, packed)
+
+  def use_plan(self, plan):
+    """((first tokens, contiguous), packed valid counts) of a step's plan."""
+    if not self.st.tabled:
+      return plan
+    toks = [self.kv_offset + tok for tok in plan[:LANES]]
+    return (toks, plan[LANES] != 0), plan[LANES + 1]
+
+  def _read_plan(self, step):
+    """The lane table's row of a step (a step past the frame's last reads the last row,
+    never used)."""
+    row = jnp.minimum(step, jnp.int32(self.st.problem.lane_steps - 1))
+    return step + 1, tuple(self.refs.lanes[self.frame, row, j] for j in range(LANE_FIELDS))
+
+  def _row_chunks(self, r):
+    """(chunks, length) of frame row r; (0, 0) past the frame's rows."""
+    r_rows = self.st.problem.rows_per_frame
+    rr = jnp.minimum(r, r_rows - 1)
+    here = r < r_rows
+    return (jnp.where(here, self.refs.chunk_smem[rr], 0),
+            jnp.where(here, self.refs.len_smem[rr], 0))
+
+  def _lane_at(self, cursor):
+    """The chunk at cursor: (r, pos, real, valid tokens), and the next cursor. One shared-
+    memory read on the walk's dependent chain (chunks and lengths were counted once)."""
+    r, i = cursor
+    chunks, length = self._row_chunks(r)
+    real = i < chunks
+    more = i + 1 < jnp.maximum(chunks, 1)
+    nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
+    pos = i * CHUNK
+    return (r, pos, real, jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)), nxt
+
+  def _page_id(self, r, page):
+    """The id of page `page` of frame row r (clamped: a lane with no chunk reads some id)."""
+    problem = self.st.problem
+    r = jnp.minimum(r, problem.rows_per_frame - 1)
+    page = jnp.minimum(page, self.st.max_pages - 1)
+    return self.refs.pages[jnp.minimum(self.rows.row0 + r, problem.num_rows - 1), page]
+
+  def _tokens(self, lanes):
+    """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
+    tokens (8 independent page-id reads)."""
+    c = self.st.problem.page_size
+    toks, contiguous = [], lanes[0][2]
+    for j, (r, pos, real) in enumerate(lanes):
+      page = lax.div(pos, jnp.int32(c))
+      toks.append(self.kv_offset + jnp.where(real, self._page_id(r, page) * c + (pos - page * c),
+                                             0))
+      if j:
+        contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
+    return toks, contiguous
+
+  def _run_tokens(self, r, pos0):
+    """`_tokens` of 8 chunks of row r from token pos0 (a fast step). With pages of >= 64
+    tokens the step spans at most two pages: two page-id reads, and the step is one copy
+    unless it crosses into a page that does not follow."""
+    c = self.st.problem.page_size
+    if c < _BLK:
+      return self._tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(LANES)])
+    page = lax.div(pos0, jnp.int32(c))
+    left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
+    id0, id1 = self._page_id(r, page), self._page_id(r, page + 1)
+    first = self.kv_offset + id0 * c + (pos0 - page * c)
+    second = self.kv_offset + id1 * c - left
+    toks = [first] + [
+        jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, LANES)
+    ]
+    return toks, (left >= _BLK) | (id1 == id0 + 1)
+
+  def _walk_plan(self, cursor):
+    """The next step's plan. Fast path: 8 more chunks of the cursor's row (a long row), in
+    closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
+    r, i = cursor
+    chunks, length = self._row_chunks(r)
+
+    def fast():
+      pos0 = i * CHUNK
+      more = i + LANES < chunks
+      nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + LANES, 0))
+      # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
+      last = jnp.clip(length - pos0 - (LANES - 1) * CHUNK, 0, CHUNK)
+      packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (LANES - 1)))
+      return (*self._run_tokens(r, pos0), *nxt, packed)
+
+    def general():
+      lanes, valids, cur = [], [], cursor
+      for _ in range(LANES):
+        (lr, pos, real, valid), cur = self._lane_at(cur)
+        lanes.append((lr, pos, real))
+        valids.append(valid)
+      return (*self._tokens(lanes), *cur, _pack(valids))
+
+    toks, contiguous, nr, ni, packed = lax.cond(i + LANES <= chunks, fast, general)
+    return (nr, ni), (toks, contiguous), packed
+
+
+def _score_mask(st: _Statics, rows: _FrameRows):
+  """(step_mask(step) -> [64, 64] visible, rho: each score row's frame row or None).
+
+  Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
+  g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
+  column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks, length,
+  and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row vectors lo, hi
+  computed once: no per-step walk, no per-lane selects over the tile. Token lanes of h kv
+  heads: score row F*k + j is folded row j of the program's kv head k; column 8l + m is lane
+  l's token m // h at kv head m % h, so g = 64/h * step + l * 8/h + m // h, and the heads must
+  match.
+  """
+  problem = st.problem
+  f_rows, r_rows, tgp = problem.frame_rows, problem.rows_per_frame, problem.rows_per_query
+  t_tok, unit, heads = problem.query_tokens, problem.lane_tokens, problem.heads_per_program
+  index = osm.row_index(WG_M)  # [64] score row, ROWS layout
+  if st.token:
+    head_of = floor_div(index, f_rows)  # the program's kv head of each score row
+    row_in = index - head_of * f_rows  # its folded row in the frame
+  else:
+    row_in = index
+  if r_rows > 1:
+    rho = floor_div(row_in, tgp)  # frame row of each score row
+    within = row_in - rho * tgp
+  else:
+    rho = None
+    within = row_in + rows.q0
+  t_of = floor_div(within, problem.group_size) if t_tok > 1 else None  # query token of a row
+
+  def per_row(values):
+    """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
+    if rho is None:  # derived from index: a splat constant has no broadcast to the tile
+      return index * 0 + values[0]
+    out = jnp.zeros_like(index)
+    for r, value in enumerate(values):
+      out = jnp.where(rho == r, value, out)
+    return out
+
+  lo_rows = per_row([s * unit for s in rows.lane_starts])
+  bound = per_row([jnp.minimum(n, k * unit) for n, k in zip(rows.lengths, rows.chunk_counts)])
+  if t_of is not None:
+    bound = jnp.minimum(bound, per_row(rows.lengths) - (t_tok - 1) + t_of)
+  hi_rows = lo_rows + jnp.maximum(bound, 0)
+  cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
+  same_head = None
+  if st.token:
+    lane_cols = floor_div(cols, CHUNK)
+    head_col = cols - lane_cols * CHUNK  # m, then m % h
+    cols = lane_cols
+    if unit > 1:
+      token_in = floor_div(head_col, heads)
+      head_col = head_col - token_in * heads
+      cols = lane_cols * unit + token_in
+    same_head = head_col == lax.broadcast_in_dim(head_of, cols.shape, [0])
+
+  def step_mask(step):
+    first = step * (LANES * unit)
+    lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
+    hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
+    visible = (cols >= lo) & (cols < hi)
+    return visible if same_head is None else visible & same_head
+
+  return step_mask, rho
+
+
+def _zero_unseen(v_smem, packed):
+  """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots, lanes
+  with no chunk): P is 0 there, and 0 * inf would reach the output."""
+  valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(LANES)]
+
+  def keep(r):
+    lane_r = floor_div(r, CHUNK)
+    count = jnp.zeros_like(r)
+    for j, valid in enumerate(valids):
+      count = jnp.where(lane_r == j, valid, count)
+    return r - lane_r * CHUNK < count
+
+  osm.zero_rows(v_smem, keep)
+
+
+class _Merge:
+  """The merge phase: the rows' shared partial states, read from the shared kernel's item
+  buffers, one 64-row window per (path column, kv split, run of the frame's rows under one
+  segment). The first window is loaded before the private phase (its latency hides behind
+  it), and each next one while the current one is merged. Columns of `row_segments` are
+  filled root first with no gaps, so a row's depth is its count of non-negative entries."""
+
+  def __init__(self, st: _Statics, refs: _Refs, kv_head, f0, rows: _FrameRows):
+    self.st, self.refs, self.kv_head, self.f0, self.rows = st, refs, kv_head, f0, rows
+    self.max_depth = jnp.int32(0)
+    for r in range(st.problem.rows_per_frame):
+      self.max_depth = jnp.maximum(self.max_depth, self._row_depth(r))
+    self.first = self._describe(jnp.int32(0), jnp.int32(0))
+    if st.window_merge:  # copied now, waited for after the private phase; none if no window
+      pl.when(self.max_depth > 0)(lambda: self._start_window(self.first[1]))
+      self.first_window = None
+    else:
+      self.first_window = self._load_window(self.first[1])
+
+  def _row_depth(self, r):
+    """Non-negative entries of the row's path (a prefix of its columns), 0 outside;
+    independent loads, so all rows' columns are read in one round trip."""
+    row = jnp.minimum(self.rows.row0 + r, self.st.problem.num_rows - 1)
+    filled = jnp.int32(0)
+    for col in range(self.st.depth_cap):
+      filled += jnp.where(self.refs.row_segments[row, col] >= 0, 1, 0)
+    return jnp.where(r < self.rows.rows_here, filled, 0)
+
+  def _describe(self, d, r):
+    """The run of the frame's rows from row r under the segment in path column d:
+    (valid, buffer row of its split-0 window, rows per split, end of the run)."""
+    st, rows = self.st, self.rows
+    row = jnp.minimum(rows.row0 + r, st.problem.num_rows - 1)
+    index = self.refs.row_segments[row, jnp.minimum(d, st.depth_cap - 1)]
+    seg = segment_fields(st.sched, self.refs.segments, index)
+    valid = (index >= 0) & seg.valid & (d < st.depth_cap) & (r < rows.rows_here)
+    seg_frame = seg.row_begin * st.problem.rows_per_query
+    seg_frame = seg_frame - lax.rem(seg_frame, jnp.int32(ALIGN))
+    base = PARTIAL_PAD + seg.item_base * TILE_M + (self.f0 - seg_frame)
+    run_end = jnp.minimum(seg.row_begin + seg.row_count - rows.row0, rows.rows_here)
+    return (
+        valid, jnp.where(valid, base, PARTIAL_PAD), jnp.where(valid, seg.row_tiles * TILE_M, 0),
+        jnp.where(valid, run_end, r + 1),
+    )
+
+  def _load_window(self, start):
+    rows = pl.ds(start, WG_M)
+    o = plgpu.load(self.refs.partial_out.at[self.kv_head, rows], layout=plgpu.Layout.WGMMA,
+                   optimized=False)
+    lse = plgpu.load(self.refs.partial_lse.at[self.kv_head, rows],
+                     layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    return o, lse
+
+  def _start_window(self, start):
+    """Token lanes: a window is F rows of each of the program's h kv heads, [h, F, ...] in
+    score-row order: a TMA copy into the merge buffer (`_window_values` waits for it)."""
+    problem, refs = self.st.problem, self.refs
+    rows = (pl.ds(self.kv_head, problem.heads_per_program), pl.ds(start, problem.frame_rows))
+    plgpu.copy_gmem_to_smem(refs.partial_out.at[rows], refs.window_o, refs.window_bars.at[0])
+    plgpu.copy_gmem_to_smem(refs.partial_lse.at[rows], refs.window_lse, refs.window_bars.at[0])
+
+  def _window_values(self):
+    refs, h = self.refs, self.st.head_dim
+    plgpu.barrier_wait(refs.window_bars.at[0])
+    if self.st.interpret:  # interpret mode cannot reshape refs
+      return refs.window_o[...].reshape(WG_M, h), refs.window_lse[...].reshape(WG_M)
+    o = plgpu.load(refs.window_o.reshape(WG_M, h), layout=plgpu.Layout.WGMMA, optimized=False)
+    lse = plgpu.load(refs.window_lse.reshape(WG_M), layout=osm.ROWS, optimized=False)
+    return o, lse
+
+  def run(self, acc, m_i, l_i, rho):
+    """Merges every window into (acc, m_i, l_i). Items in order (column d, run of rows from
+    r, split); a run's segment is read once (lax.cond), its splits' windows follow at a fixed
+    stride, each loaded one item ahead."""
+    st, max_depth, rows_here = self.st, self.max_depth, self.rows.rows_here
+    frame_row = None if rho is None else rho.astype(jnp.float32)  # each score row's frame row
+
+    def merge_body(carry):
+      (d, r, split), run, window, acc, m_i, l_i = carry
+      valid, _, _, run_end = run
+      more_splits = split + 1 < st.splits
+      more_runs = run_end < rows_here
+      nxt = (
+          jnp.where(more_splits | more_runs, d, d + 1),
+          jnp.where(more_splits, r, jnp.where(more_runs, run_end, 0)),
+          jnp.where(more_splits, split + 1, 0),
+      )
+      next_run = lax.cond(
+          more_splits | (nxt[0] >= max_depth), lambda: run, lambda: self._describe(*nxt[:2])
+      )
+      next_start = next_run[1] + nxt[2] * next_run[2]
+      if st.window_merge:  # this window into registers, then the next (if any) into the buffer
+        o, lse = self._window_values()
+        next_window = None
+        pl.when(nxt[0] < max_depth)(lambda: self._start_window(next_start))
+      else:
+        next_window = self._load_window(next_start)
+        o, lse = window
+      lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
+      if frame_row is not None:
+        in_run = ((frame_row >= r.astype(jnp.float32))
+                  & (frame_row < run_end.astype(jnp.float32)))
+        lse2 = jnp.where(in_run, lse2, -jnp.inf)
+      acc, m_i, l_i = osm.merge(acc, m_i, l_i, o, lse2)
+      return nxt, next_run, next_window, acc, m_i, l_i
+
+    zero = jnp.int32(0)
+    carry = ((zero, zero, zero), self.first, self.first_window, acc, m_i, l_i)
+    *_, acc, m_i, l_i = lax.while_loop(lambda c: c[0][0] < max_depth, merge_body, carry)
+    return acc, m_i, l_i
+
+
+def _start_steps(st: _Statics, refs: _Refs, kv_head, planner: _Planner, rows: _FrameRows):
+  """The first `slots` steps' copies, every plan (page ids included) before the first copy.
+  Returns the loop's (cursor, valid counts of the steps in flight, plans read ahead)."""
+  slots = st.problem.slots
+  cursor = planner.first_cursor()
+  plans = []
+  for _ in range(slots + st.ahead):
+    cursor, plan = planner.plan_step(cursor)
+    plans.append(plan)
+  first_steps = [planner.use_plan(plan) for plan in plans[:slots]]
+  for slot, (toks, _) in enumerate(first_steps):
+    pl.when(slot < rows.num_steps)(
+        lambda slot=slot, t=toks: _copy_step(st, refs, kv_head, slot, *t))
+  packs = tuple(packed for _, packed in first_steps)
+  pending = tuple(plans[slots:])  # with the lane table: step `slots`'s plan, read early
+  return cursor, packs, pending
+
+
+def _kv_loop(st: _Statics, refs: _Refs, kv_head, planner: _Planner, rows: _FrameRows,
+             step_mask, started):
+  """The private phase: flash attention over the frame's lanes, `slots` steps in flight
+  (`started`: `_start_steps`'s). Returns (acc, m_i, l_i)."""
+  slots, zero_unseen = st.problem.slots, st.problem.zero_unseen
+  num_steps = rows.num_steps
+  cursor, packs, pending = started
+  plgpu.barrier_wait(refs.q_bar.at[0])
+
+  def private_step(step, carry):
+    acc, m_i, l_i, cursor, packs, pending = carry
+    slot = lax.rem(step, jnp.int32(slots))
+    packed = packs[0]
+    k_bar, v_bar = refs.k_bars.at[slot], refs.v_bars.at[slot]
+    # A lane with fewer than 8 valid tokens (None: not looked for, `zero_unseen` off).
+    partial = (packed != _FULL) if zero_unseen else None
+    when_partial = (lambda f: pl.when(partial)(f)) if partial is not None else (lambda f: None)
+    # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
+    with jax.named_scope('mask'):
+      visible = step_mask(step)
+    with jax.named_scope('wait_k'):
+      plgpu.barrier_wait(k_bar)
+      # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
+      # other waits after the softmax, so V's arrival overlaps QK (long rows).
+      when_partial(lambda: plgpu.barrier_wait(v_bar))
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, refs.q_smem, refs.kv_smem.at[0, slot].transpose((1, 0)))
+      # While the QK wgmma runs: the plan of step + slots (+ 1 with the lane table; the
+      # walk's page ids included), so the refill of this slot is only the copy.
+      with jax.named_scope('plan'):
+        plan = planner.plan_step(cursor)
+      with jax.named_scope('zero_unseen'):
+        when_partial(lambda: _zero_unseen(refs.kv_smem.at[1, slot], packed))
+      with jax.named_scope('qk_wait'):
+        return acc_ref[...], plan
+
+    s, (cursor, plan) = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
+    if st.ahead:  # refill with the plan read a step ago; this one waits for the next
+      plan, pending = pending[0], (plan,)
+    with jax.named_scope('softmax'):
+      acc, m_new, l_i, p16 = osm.step(
+          s, acc, m_i, l_i, scale_log2=st.qk_scale, dtype=st.dtype, visible=visible
+      )
+    with jax.named_scope('wait_v'):
+      if partial is None:
+        plgpu.barrier_wait(v_bar)
+      else:
+        pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bar))
+    with jax.named_scope('pv'):
+      acc = osm.add_pv(acc, p16, refs.kv_smem.at[1, slot], refs.p_smem)
+    # The slot's wgmmas are done (their results are in registers): refill it.
+    with jax.named_scope('refill'):
+      next_toks, next_packed = planner.use_plan(plan)
+      pl.when(step + slots < num_steps)(
+          lambda: _copy_step(st, refs, kv_head, slot, *next_toks))
+    return acc, m_new, l_i, cursor, (*packs[1:], next_packed), pending
+
+  acc, m_i, l_i = osm.init(WG_M, st.head_dim)
+  with jax.named_scope('private'):
+    acc, m_i, l_i, *_ = lax.fori_loop(
+        0, num_steps, private_step, (acc, m_i, l_i, cursor, packs, pending)
+    )
+  return acc, m_i, l_i
+
+
+def _load_q(st: _Statics, refs: _Refs, kv_head, f0):
+  """Issues the copy of the frame's Q rows (`q_bar` says when they landed): token lanes copy
+  each of the program's kv heads' F rows into its F rows of q_smem."""
+  problem = st.problem
+  if not st.token:
+    start_q(refs.q, kv_head, f0, problem.q_by_row, refs.q_smem, refs.q_bar.at[0])
+    return
+  f_rows = problem.frame_rows
+  for k in range(problem.heads_per_program):
+    plgpu.copy_gmem_to_smem(q_tile(refs.q, kv_head + k, f0, problem.q_by_row, f_rows),
+                            refs.q_smem.at[pl.ds(k * f_rows, f_rows)], refs.q_bar.at[0])
+
+
+def _store_heads(st: _Statics, refs: _Refs, frame, kv_head):
+  """Token lanes: each of the program's kv heads' F rows (score rows [F*k, F*(k + 1))) into
+  out and lse, one TMA store each; frames hold whole query rows inside the batch."""
+  problem = st.problem
+  f_rows, g_size = problem.frame_rows, problem.group_size
+  f0 = pl.multiple_of(frame * f_rows, ALIGN)
+  per = f_rows // g_size  # (b, t) rows of a frame
+  o_rows = grouped_rows(refs.o_smem, refs.o_staging, g_size) if problem.direct_out else None
+  lse_rows = (grouped_rows(refs.lse_smem, refs.lse_staging, g_size) if problem.direct_lse
+              else None)
+  for k in range(problem.heads_per_program):
+    if o_rows is not None:
+      plgpu.copy_smem_to_gmem(o_rows(k * per, per),
+                              refs.out.at[pl.ds(frame * per, per), kv_head + k])
+    else:
+      plgpu.copy_smem_to_gmem(refs.o_smem.at[pl.ds(k * f_rows, f_rows)],
+                              refs.out.at[kv_head + k, pl.ds(f0, f_rows)])
+    if lse_rows is not None:
+      plgpu.copy_smem_to_gmem(lse_rows(k * per, per),
+                              refs.lse_out.at[pl.ds(frame * per, per), kv_head + k])
+    else:
+      plgpu.copy_smem_to_gmem(refs.lse_smem.at[pl.ds(k * f_rows, f_rows)],
+                              refs.lse_out.at[kv_head + k, pl.ds(f0, f_rows)])
+
+
+def _store_direct(st: _Statics, refs: _Refs, frame, kv_head):
+  """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]): one 3D
+  TMA store each, a ladder of them when the last frame runs past the batch."""
+  problem = st.problem
+  f_rows, g_size = problem.frame_rows, problem.group_size
+  per = f_rows // g_size  # (b, t) rows of a full frame
+  bt0 = frame * per
+  o_rows = grouped_rows(refs.o_smem, refs.o_staging, g_size)
+  lse_rows = (grouped_rows(refs.lse_smem, refs.lse_staging, g_size) if problem.direct_lse
+              else None)
+
+  def store_out(start, size):
+    plgpu.copy_smem_to_gmem(o_rows(start, size), refs.out.at[pl.ds(bt0 + start, size), kv_head])
+
+  def store_full():
+    store_out(0, per)
+    if lse_rows is not None:
+      plgpu.copy_smem_to_gmem(lse_rows(0, per), refs.lse_out.at[pl.ds(bt0, per), kv_head])
+
+  if (problem.num_rows * problem.rows_per_query) % f_rows == 0:  # no frame runs past the batch
+    store_full()
+    return
+  count = jnp.minimum(per, problem.num_rows * problem.query_tokens - bt0)  # rows in the batch
+  pl.when(count == per)(store_full)
+
+  @pl.when(count < per)
+  def _():
+    start, size = jnp.int32(0), per // 2
+    while size >= 1:
+      pl.when(lax.bitwise_and(count, size) != 0)(functools.partial(store_out, start, size))
+      start = start + lax.bitwise_and(count, size)
+      size //= 2
+    if lse_rows is not None:  # 16-byte rows at any offset: too small for TMA, and rare
+      for i in range(f_rows):
+        def store(i=i):
+          refs.lse_out[bt0 + i // g_size, kv_head, i % g_size] = refs.lse_smem[i]
+
+        pl.when(i // g_size < count)(store)
+
+
+def _store(st: _Statics, refs: _Refs, frame, kv_head, f0):
+  """The frame's final rows into out and lse, in the layout of `PrivateProblem.direct_out`
+  and `direct_lse` (module docstring)."""
+  problem = st.problem
+  if st.token:
+    _store_heads(st, refs, frame, kv_head)
+  elif problem.direct_out:
+    _store_direct(st, refs, frame, kv_head)
+  else:
+    f_rows = problem.frame_rows
+    plgpu.copy_smem_to_gmem(refs.o_smem.at[pl.ds(0, f_rows)],
+                            refs.out.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)])
+  if not (problem.direct_lse or st.token):
+    rows = pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)
+    plgpu.copy_smem_to_gmem(refs.lse_smem, refs.lse_out.at[kv_head, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_body(st: _Statics, *flat_refs):
+  """One program: a frame of folded query rows at one kv head (token lanes: h kv heads): its
+  Q, the first steps' copies, the score mask's bounds, the first merge window, the private
+  steps, the merge, the stores."""
+  refs = _unpack_refs(st, flat_refs)
+  frame = lax.axis_index('frame')
+  kv_head = lax.axis_index('kv_head')  # the program's (first) kv head
+  if st.token:
+    kv_head = kv_head * st.problem.heads_per_program
+  if refs.o_smem is None:  # token lanes on the GPU: the merge window's buffer, free after it
+    refs = refs._replace(o_smem=refs.window_o.reshape(WG_M, st.head_dim))
+  f0 = frame * st.problem.frame_rows  # first folded row of the frame
+  rows = _frame_rows(st, refs, frame)
+  _load_q(st, refs, kv_head, f0)
+  planner = _Planner(st, refs, frame, rows, refs.offset[0])
+  started = _start_steps(st, refs, kv_head, planner, rows)
+  step_mask, rho = _score_mask(st, rows)
+  merge = _Merge(st, refs, kv_head, f0, rows) if st.merging else None
+  acc, m_i, l_i = _kv_loop(st, refs, kv_head, planner, rows, step_mask, started)
+  if merge is not None:
+    with jax.named_scope('merge'):
+      acc, m_i, l_i = merge.run(acc, m_i, l_i, rho)
+  with jax.named_scope('finish'):
+    osm.finish(acc, m_i, l_i, refs.o_smem, refs.lse_smem, st.dtype)
+  _store(st, refs, frame, kv_head, f0)
+
+
+def _unpack_refs(st: _Statics, flat_refs) -> _Refs:
+  """`plgpu.kernel`'s refs (operands, outputs, then the scratch of `_scratch`) by name."""
+  q, k, v, pages, lengths, offset, *rest = flat_refs
+  lanes = rest.pop(0) if st.tabled else None
+  merge_refs = [rest.pop(0) for _ in range(4)] if st.merging else [None] * 4
+  out, lse_out, smem, barriers = rest
+  q_bar, k_bars, v_bars, window_bars = barriers
+  return _Refs(q, k, v, pages, lengths, offset, lanes, *merge_refs, out, lse_out, *smem, q_bar,
+               k_bars, v_bars, window_bars)
+
+
+def _scratch(st: _Statics):
+  """(shared memory, barriers) of a program, in the order of `_Refs`."""
+  problem, h, dtype, interpret = st.problem, st.head_dim, st.dtype, st.interpret
+  r_rows, g_size, f_rows = problem.rows_per_frame, problem.group_size, problem.frame_rows
+  heads, slots = problem.heads_per_program, problem.slots
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
+      plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
+      plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
+      # output rows, untiled (token lanes on the GPU: the merge window's buffer)
+      None if st.window_merge and not interpret else plgpu.SMEM((WG_M, h), dtype),
+      plgpu.SMEM((WG_M,), jnp.float32),
+      plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
+      plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
+      # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
+      plgpu.SMEM((WG_M // g_size, g_size, h), dtype) if interpret and problem.direct_out
+      else None,
+      plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
+      if interpret and problem.direct_lse else None,
+      # Token lanes: the merge window, [kv heads, F rows, ...] (`_Merge.start_window`); on the
+      # GPU it is also the output rows (o_smem) once the merge is done.
+      plgpu.SMEM((heads, f_rows, h), dtype) if st.window_merge else None,
+      plgpu.SMEM((heads, f_rows), jnp.float32) if st.window_merge else None,
+  )
+  barriers = (
+      plgpu.Barrier(num_arrivals=heads, num_barriers=1),  # Q: a copy per kv head
+      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # K
+      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # V
+      plgpu.Barrier(num_arrivals=2, num_barriers=1) if st.window_merge else None,  # out, lse
+  )
+  return [smem, barriers]
+
+
+def _check_args(st: _Statics, qf, lanes):
+  problem = st.problem
+  want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
+  if st.tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
+    raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
+                     f'{None if lanes is None else lanes.shape}')
+  if problem.q_by_row and qf.ndim != 3:
+    raise ValueError(f'q by row must be the [B*T, K, H] view of a G = 1 query, got {qf.shape}')
+  heads, kh = problem.heads_per_program, st.num_kv_heads
+  b_rows, tgp = problem.num_rows, problem.rows_per_query
+  if st.token and lane_heads_for(b_rows, tgp, kh) != heads:  # frames: `PrivateProblem` checks
+    raise ValueError(f'token lanes of {heads} kv heads need frames of {problem.frame_rows} '
+                     f'folded rows holding whole query rows, and K a multiple of 8 or K = '
+                     f'{heads} (lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}')
+  if st.token and not st.tabled:
+    raise ValueError('token lanes read their plans from the lane table')
+
+
 def private_attention(
     qf: jax.Array,  # [K, M_q, H] folded queries, M_q >= frames*F + 64; by row [M_q, K, H]
-                    # (G = 1) or [M_q/G, K, G, H]
     k_cache: jax.Array,  # [L, K, H], L a multiple of ALIGN
     v_cache: jax.Array,  # [L, K, H]
     private_pages: jax.Array,  # [B, P] int32
@@ -141,666 +892,37 @@ def private_attention(
   `lanes`: `private_problem.lane_table(private_lengths, private_pages, problem)`, required when
   `problem.lane_steps` (the steps' plans are read there, not walked).
   """
-  q_by_row = problem.q_by_row  # qf is [M_q, K, H] or [M_q/G, K, G, H]
-  kh, h = (qf.shape[1] if q_by_row else qf.shape[0]), qf.shape[-1]
-  dtype = qf.dtype
-  b_rows = problem.num_rows
-  t_tok = problem.query_tokens
-  g_size = problem.group_size
-  tgp = problem.rows_per_query
-  f_rows = problem.frame_rows
-  r_rows = problem.rows_per_frame
-  c = problem.page_size
-  slots = problem.slots
-  max_pages = private_pages.shape[1]
-  qk_scale = scale * LOG2E
+  kh = qf.shape[1] if problem.q_by_row else qf.shape[0]
   merging = sched is not None and sched.num_items > 0 and row_segments is not None
-  depth_cap = row_segments.shape[1] if merging else 0
-  splits = sched.num_splits if merging else 0
-  tiles_per_row = max(1, tgp // WG_M)  # frames per query row when TGp > 64
-  direct = problem.direct_out
-  grouped_q = q_staging(qf, q_by_row, WG_M, interpret)
-  if grouped_q is not None and not direct:
-    raise ValueError('q by row with G > 1 needs whole (b, t) rows a frame (direct_out)')
-  staged = problem.staged_pages
-  tabled = problem.lane_steps > 0
-  # With the lane table each step reads the plan of step + slots + 1 (one more than its refill
-  # needs), so the table's loads land under a whole step's work: H200, B=1024, P=1K, 9 private
-  # tokens a row, 32/32 heads: 105.5 -> 95.4 µs (`results/mosaic_gpu_check/s27`).
-  ahead = int(tabled)
-  want_lanes = (problem.num_frames, problem.lane_steps, LANE_FIELDS)
-  if tabled and (lanes is None or tuple(lanes.shape) != want_lanes):
-    raise ValueError(f'lanes must be the lane table {want_lanes} (lane_table), got '
-                     f'{None if lanes is None else lanes.shape}')
-  if staged and private_pages.shape != (
-      problem.staged_rows, staged_columns(problem, max_pages)):
-    raise ValueError(f'a staged page table must be [{problem.staged_rows}, '
-                     f'{staged_columns(problem, max_pages)}] (pad_page_table), got '
-                     f'{private_pages.shape}')
-  token = problem.token_lanes
-  heads, unit = problem.heads_per_program, problem.lane_tokens
-  if token and lane_heads_for(b_rows, tgp, kh) != heads:  # frames: `PrivateProblem` checks them
-    raise ValueError(f'token lanes of {heads} kv heads need frames of {f_rows} folded rows '
-                     f'holding whole query rows, and K a multiple of 8 or K = {heads} '
-                     f'(lane_heads_for); got B={b_rows}, TGp={tgp}, K={kh}')
-  if problem.token_runs and kh != heads:
-    raise ValueError(f'token_runs needs lanes of every kv head (K = lane_heads), got K={kh}, '
-                     f'lane_heads={heads}')
-  if token and (grouped_q is not None or not tabled or staged or problem.pair_copies):
-    raise ValueError('token lanes read q folded (or by row at G = 1) and their plans from the '
-                     'lane table, with no staged pages or pair copies')
-  window_merge = merging and token  # merge windows of h kv heads by TMA (`start_window`)
-
-  def private_merge_kernel(*refs):
-    q_ref, k_ref, v_ref, pages_ref, lengths_ref, offset_ref = refs[:6]
-    refs = refs[6:]
-    if tabled:
-      lanes_ref, refs = refs[0], refs[1:]
-    if merging:
-      rowseg_ref, seg_ref, pout_ref, plse_ref = refs[:4]
-      refs = refs[4:]
-    out_ref, lse_out_ref = refs[:2]
-    smem, (q_bar, k_bars, v_bars, pages_bar, window_bars) = refs[2:]
-    (q_smem, kv_smem, p_smem, o_smem, lse_smem, len_smem, chunk_smem, o_staging,
-     lse_staging, pages_smem, window_o, window_lse) = smem
-    kv_head = lax.axis_index('kv_head')  # the program's (first) kv head
-    if token:
-      kv_head = kv_head * heads
-    kv_offset = offset_ref[0]
-    if o_smem is None:  # token lanes on the GPU: the merge window's buffer, free after the merge
-      o_smem = window_o.reshape(WG_M, h)
-    # q by row with G > 1 lands in the output rows' buffer first (free until the epilogue).
-    q_staged = None if grouped_q is None else (o_staging if interpret else o_smem)
-
-    def copy_step(slot, toks, contiguous):
-      """Copies a step's chunks into `slot`: one 64-token copy when contiguous (the barriers
-      then get 7 plain arrivals each), else 8 (with `pair_copies`, one 16-token copy and a
-      plain arrival for two lanes that follow each other); each barrier sees 8 arrivals per
-      step. A copy moves the buffer's tokens whatever row they belong to, so merging two
-      lanes never changes what lands in the slot. (Refilling K's slot right after the QK
-      wgmma instead, apart from V's, was slower on the H200: 95.6 -> 111.2 µs at B=1024, P=1K,
-      9 tokens a row, 32/32, `results/mosaic_gpu_check/s27`.)"""
-      def copy(tok, rows, j):
-        dst = pl.ds(j * CHUNK, rows)
-        if token:  # the program's kv heads of 8/h tokens: one 8-row tile of [L*K, H] (with
-          # `token_runs` 64 rows: 8 lanes of consecutive tokens of every kv head)
-          src = pl.ds(pl.multiple_of(tok * kh + kv_head, CHUNK), rows)
-        else:
-          src = (pl.ds(pl.multiple_of(tok, CHUNK), rows), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[src], kv_smem.at[0, slot, dst], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[src], kv_smem.at[1, slot, dst], v_bars.at[slot])
-
-      def arrive():
-        plgpu.barrier_arrive(k_bars.at[slot])
-        plgpu.barrier_arrive(v_bars.at[slot])
-
-      if token and not problem.token_runs:  # a lane is a tile of its own: 8 copies a step
-        for j in range(LANES):
-          copy(toks[j], CHUNK, j)
-        return
-
-      @pl.when(contiguous)
-      def _():
-        copy(toks[0], _BLK, 0)
-        for _ in range(LANES - 1):
-          arrive()
-
-      @pl.when(jnp.logical_not(contiguous))
-      def _():
-        if not problem.pair_copies:
-          for j in range(LANES):
-            copy(toks[j], CHUNK, j)
-          return
-        for j in range(0, LANES, 2):  # lanes j, j + 1: one copy when they follow each other
-          pair = toks[j + 1] == toks[j] + CHUNK
-
-          @pl.when(pair)
-          def _(j=j):
-            copy(toks[j], 2 * CHUNK, j)
-            arrive()
-
-          @pl.when(jnp.logical_not(pair))
-          def _(j=j):
-            copy(toks[j], CHUNK, j)
-            copy(toks[j + 1], CHUNK, j + 1)
-
-    def frame_rows(frame):
-      """A frame's scalars, from independent loads: its first row and query index, its rows
-      inside the batch, the last query token its rows see (None at T = 1), and per row its
-      private length, its chunks (of the tokens the frame's queries see) and its first lane
-      (a row with no chunk takes one empty lane); then the frame's steps."""
-      if r_rows > 1 or tgp <= WG_M:
-        row0 = frame * r_rows
-        q0 = jnp.int32(0)  # query index (t*G + g) of the frame's first row
-      else:
-        row0 = lax.div(frame, jnp.int32(tiles_per_row))
-        q0 = lax.rem(frame, jnp.int32(tiles_per_row)) * WG_M
-      rows_here = jnp.minimum(r_rows, b_rows - row0)  # rows of the frame inside the batch
-      if t_tok == 1:
-        t_last = None
-      elif r_rows > 1 or tgp <= WG_M:
-        t_last = jnp.int32(t_tok - 1)
-      else:  # the last query token among this tile's rows
-        t_last = jnp.minimum(lax.div(q0 + (WG_M - 1), jnp.int32(g_size)), t_tok - 1)
-      lengths, chunk_counts, lane_starts = [], [], []
-      lanes_total = jnp.int32(0)
-      for r in range(r_rows):
-        inside = r < rows_here
-        length = jnp.where(inside, lengths_ref[jnp.minimum(row0 + r, b_rows - 1)], 0)
-        seen = length if t_last is None else jnp.clip(length - t_tok + 1 + t_last, 0, length)
-        # Lanes of the row: its tokens (one-token lanes) or `unit`-token runs (seen >= 0).
-        chunks = seen if unit == 1 else lax.shift_right_logical(
-            seen + (unit - 1), jnp.int32(unit.bit_length() - 1))
-        lengths.append(length)
-        chunk_counts.append(chunks)
-        lane_starts.append(lanes_total)
-        lanes_total += jnp.where(inside, jnp.maximum(chunks, 1), 0)
-      num_steps = lax.shift_right_logical(lanes_total + (LANES - 1), jnp.int32(3))  # // 8
-      return row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts, num_steps
-
-    def frame_body(frame):
-      """One frame: its private steps, its merge, its outputs."""
-      f0 = frame * f_rows  # first folded row of the frame
-      (row0, q0, rows_here, t_last, lengths, chunk_counts, lane_starts,
-       num_steps) = frame_rows(frame)
-      if token:  # each kv head's F frame rows into its F rows of q_smem
-        for k in range(heads):
-          plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head + k, f0, q_by_row, f_rows),
-                                  q_smem.at[pl.ds(k * f_rows, f_rows)], q_bar.at[0])
-      else:
-        start_q(q_ref, kv_head, f0, q_by_row, q_smem, q_staged, q_bar.at[0])
-      if staged:  # the frame's rows of the page table (the table is padded to whole frames)
-        plgpu.copy_gmem_to_smem(pages_ref.at[pl.ds(row0, r_rows)], pages_smem, pages_bar.at[0])
-      if not tabled:  # the walk reads the rows' lengths and chunks at dynamic rows
-        for r, (length, chunks) in enumerate(zip(lengths, chunk_counts)):
-          len_smem[r] = length
-          chunk_smem[r] = chunks
-      # ---- the chunk walk: which chunks a step copies, read one step ahead ----
-      # A cursor (r, i) is chunk i of frame row r; lanes run row after row, max(chunks, 1) per
-      # row. A step's plan is its 8 first KV tokens (the layer's first 8 for a lane with no
-      # chunk), whether they are 64 contiguous tokens, the cursor after it, and its valid
-      # tokens per lane packed 4 bits a lane (`_FULL`: every lane 8 valid tokens).
-      def row_chunks(r):
-        """(chunks, length) of frame row r; (0, 0) past the frame's rows."""
-        rr = jnp.minimum(r, r_rows - 1)
-        here = r < r_rows
-        return jnp.where(here, chunk_smem[rr], 0), jnp.where(here, len_smem[rr], 0)
-
-      def lane_at(cursor):
-        """The chunk at cursor: (r, pos, real, valid tokens), and the next cursor. One shared-
-        memory read on the walk's dependent chain (chunks and lengths were counted once)."""
-        r, i = cursor
-        chunks, length = row_chunks(r)
-        real = i < chunks
-        more = i + 1 < jnp.maximum(chunks, 1)
-        nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + 1, 0))
-        pos = i * CHUNK
-        return (r, pos, real, jnp.where(real, jnp.clip(length - pos, 0, CHUNK), 0)), nxt
-
-      def pack(valids):
-        packed = jnp.int32(0)
-        for j, valid in enumerate(valids):
-          packed = packed | lax.shift_left(valid, jnp.int32(4 * j))
-        return packed
-
-      def page_id(r, page):
-        """The id of page `page` of frame row r (clamped: a lane with no chunk reads some id)."""
-        r, page = jnp.minimum(r, r_rows - 1), jnp.minimum(page, max_pages - 1)
-        if staged:
-          return pages_smem[r, page]
-        return pages_ref[jnp.minimum(row0 + r, b_rows - 1), page]
-
-      def tokens(lanes):
-        """First KV token of each lane's chunk and whether the 8 chunks are 64 contiguous
-        tokens (8 independent page-id reads)."""
-        toks, contiguous = [], lanes[0][2]
-        for j, (r, pos, real) in enumerate(lanes):
-          page = lax.div(pos, jnp.int32(c))
-          page_id_j = page_id(r, page)
-          toks.append(kv_offset + jnp.where(real, page_id_j * c + (pos - page * c), 0))
-          if j:
-            contiguous &= real & (r == lanes[0][0]) & (toks[j] == toks[0] + j * CHUNK)
-        return toks, contiguous
-
-      def run_tokens(r, pos0):
-        """`tokens` of 8 chunks of row r from token pos0 (a fast step). With pages of >= 64
-        tokens the step spans at most two pages: two page-id reads, and the step is one copy
-        unless it crosses into a page that does not follow."""
-        if c < _BLK:
-          return tokens([(r, pos0 + j * CHUNK, jnp.bool_(True)) for j in range(LANES)])
-        page = lax.div(pos0, jnp.int32(c))
-        left = (page + 1) * c - pos0  # tokens of the step in its first page (a multiple of 8)
-        id0, id1 = page_id(r, page), page_id(r, page + 1)
-        first = kv_offset + id0 * c + (pos0 - page * c)
-        second = kv_offset + id1 * c - left
-        toks = [first] + [
-            jnp.where(j * CHUNK < left, first, second) + j * CHUNK for j in range(1, LANES)
-        ]
-        return toks, (left >= _BLK) | (id1 == id0 + 1)
-
-      def walk_plan(cursor):
-        """The next step's plan (see above). Fast path: 8 more chunks of the cursor's row (a long
-        row), in closed form, the cursor 8 chunks on; else the lane-by-lane walk."""
-        r, i = cursor
-        chunks, length = row_chunks(r)
-
-        def fast():
-          pos0 = i * CHUNK
-          more = i + LANES < chunks
-          nxt = (jnp.where(more, r, r + 1), jnp.where(more, i + LANES, 0))
-          # Chunks 0..6 are whole (chunk 7 holds a seen token); chunk 7 may be partial (T > 1).
-          last = jnp.clip(length - pos0 - (LANES - 1) * CHUNK, 0, CHUNK)
-          packed = _FULL_BUT_LAST | lax.shift_left(last, jnp.int32(4 * (LANES - 1)))
-          return (*run_tokens(r, pos0), *nxt, packed)
-
-        def general():
-          lanes, valids, cur = [], [], cursor
-          for _ in range(LANES):
-            (lr, pos, real, valid), cur = lane_at(cur)
-            lanes.append((lr, pos, real))
-            valids.append(valid)
-          return (*tokens(lanes), *cur, pack(valids))
-
-        toks, contiguous, *rest = lax.cond(i + LANES <= chunks, fast, general)
-        nr, ni, packed = rest
-        return (nr, ni), (toks, contiguous), packed
-
-      def read_plan(step):
-        """The lane table's row of a step: the cursor is the step's index, the plan 10
-        independent loads (a step past the frame's last reads the last row, never used),
-        returned raw: nothing uses them before `use_plan` a step later, so their latency runs
-        under that step's work instead of stalling where they are read."""
-        row = jnp.minimum(step, jnp.int32(problem.lane_steps - 1))
-        return step + 1, tuple(lanes_ref[frame, row, j] for j in range(LANE_FIELDS))
-
-      def use_plan(plan):
-        """((first tokens, contiguous), packed valid counts) of a step's plan."""
-        if not tabled:
-          return plan
-        toks = [kv_offset + tok for tok in plan[:LANES]]
-        return (toks, plan[LANES] != 0), plan[LANES + 1]
-
-      def plan_step(cursor):
-        if tabled:
-          return read_plan(cursor)
-        cursor, toks, packed = walk_plan(cursor)
-        return cursor, (toks, packed)
-
-      # The first steps: every plan (page ids included) before the first copy.
-      if staged:
-        plgpu.barrier_wait(pages_bar.at[0])
-      cursor = jnp.int32(0) if tabled else (jnp.int32(0), jnp.int32(0))
-      plans = []
-      for _ in range(slots + ahead):
-        cursor, plan = plan_step(cursor)
-        plans.append(plan)
-      first_steps = [use_plan(plan) for plan in plans[:slots]]
-      for slot, (toks, _) in enumerate(first_steps):
-        pl.when(slot < num_steps)(lambda slot=slot, t=toks: copy_step(slot, *t))
-      packs = tuple(packed for _, packed in first_steps)
-      pending = tuple(plans[slots:])  # with the lane table: step `slots`'s plan, read early
-
-      # ---- the score mask: two compares against per-row bounds ----
-      # Lane-token position g = 64 * step + column: row rho's chunk tokens sit at
-      # g - 8 * lane_start(rho) = its private position. A score (query row q of frame row rho,
-      # column) is visible iff 0 <= that position < bound(q) = min(tokens in rho's chunks,
-      # length, and for T > 1 length - T + 1 + t(q)), i.e. lo(q) <= g < hi(q) with per-row
-      # vectors lo, hi computed once: no per-step walk, no per-lane selects over the tile.
-      # Token lanes of h kv heads: score row F*k + j is folded row j of the program's kv head k;
-      # column 8l + m is lane l's token m // h at kv head m % h, so g = 64/h * step + l * 8/h +
-      # m // h, and the heads must match.
-      index = osm.row_index(WG_M)  # [64] score row, ROWS layout
-      if token:
-        head_of = floor_div(index, f_rows)  # the program's kv head of each score row
-        row_in = index - head_of * f_rows  # its folded row in the frame
-      else:
-        row_in = index
-      if r_rows > 1:
-        rho = floor_div(row_in, tgp)  # frame row of each score row
-        within = row_in - rho * tgp
-      else:
-        rho = None
-        within = row_in + q0
-      t_of = floor_div(within, g_size) if t_tok > 1 else None  # query token of each score row
-
-      def per_row(values):
-        """[64] ROWS vector: values[r] on the score rows of frame row r, 0 past the frame."""
-        if rho is None:  # derived from index: a splat constant has no broadcast to the tile
-          return index * 0 + values[0]
-        out = jnp.zeros_like(index)
-        for r, value in enumerate(values):
-          out = jnp.where(rho == r, value, out)
-        return out
-
-      lo_rows = per_row([s * unit for s in lane_starts])
-      bound = per_row([jnp.minimum(n, k * unit) for n, k in zip(lengths, chunk_counts)])
-      if t_of is not None:
-        bound = jnp.minimum(bound, per_row(lengths) - (t_tok - 1) + t_of)
-      hi_rows = lo_rows + jnp.maximum(bound, 0)
-      cols = plgpu.broadcasted_iota(jnp.int32, (WG_M, _BLK), 1, layout=plgpu.Layout.WGMMA)
-      if token:
-        lane_cols = floor_div(cols, CHUNK)
-        head_col = cols - lane_cols * CHUNK  # m, then m % h
-        cols = lane_cols
-        if unit > 1:
-          token_in = floor_div(head_col, heads)
-          head_col = head_col - token_in * heads
-          cols = lane_cols * unit + token_in
-        same_head = head_col == lax.broadcast_in_dim(head_of, cols.shape, [0])
-
-      def step_mask(step):
-        first = step * (LANES * unit)
-        lo = lax.broadcast_in_dim(lo_rows - first, (WG_M, _BLK), [0])
-        hi = lax.broadcast_in_dim(hi_rows - first, (WG_M, _BLK), [0])
-        visible = (cols >= lo) & (cols < hi)
-        return visible & same_head if token else visible
-
-      def zero_unseen(v_smem, packed):
-        """Zeroes the step's V rows past each chunk's valid tokens (unwritten or stale slots,
-        lanes with no chunk): P is 0 there, and 0 * inf would reach the output."""
-        valids = [lax.shift_right_logical(packed, jnp.int32(4 * j)) & 15 for j in range(LANES)]
-
-        def keep(r):
-          lane_r = floor_div(r, CHUNK)
-          count = jnp.zeros_like(r)
-          for j, valid in enumerate(valids):
-            count = jnp.where(lane_r == j, valid, count)
-          return r - lane_r * CHUNK < count
-
-        osm.zero_rows(v_smem, keep)
-
-      # ---- merge setup: depth of each row, the first window loaded now ----
-      if merging:
-        def row_depth(r):
-          """Non-negative entries of the row's path (a prefix of its columns), 0 outside;
-          independent loads, so all rows' columns are read in one round trip."""
-          row = jnp.minimum(row0 + r, b_rows - 1)
-          filled = jnp.int32(0)
-          for col in range(depth_cap):
-            filled += jnp.where(rowseg_ref[row, col] >= 0, 1, 0)
-          return jnp.where(r < rows_here, filled, 0)
-
-        max_depth = jnp.int32(0)
-        for r in range(r_rows):
-          max_depth = jnp.maximum(max_depth, row_depth(r))
-
-        def describe(d, r):
-          """The run of the frame's rows from row r under the segment in path column d:
-          (valid, buffer row of its split-0 window, rows per split, end of the run)."""
-          row = jnp.minimum(row0 + r, b_rows - 1)
-          index = rowseg_ref[row, jnp.minimum(d, depth_cap - 1)]
-          seg = segment_fields(sched, seg_ref, index)
-          valid = (index >= 0) & seg.valid & (d < depth_cap) & (r < rows_here)
-          seg_frame = seg.row_begin * tgp
-          seg_frame = seg_frame - lax.rem(seg_frame, jnp.int32(ALIGN))
-          base = PARTIAL_PAD + seg.item_base * TILE_M + (f0 - seg_frame)
-          run_end = jnp.minimum(seg.row_begin + seg.row_count - row0, rows_here)
-          return (
-              valid, jnp.where(valid, base, PARTIAL_PAD), jnp.where(valid, seg.row_tiles * TILE_M, 0),
-              jnp.where(valid, run_end, r + 1),
-          )
-
-        def load_window(start):
-          o = plgpu.load(
-              pout_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA, optimized=False
-          )
-          lse = plgpu.load(
-              plse_ref.at[kv_head, pl.ds(start, WG_M)], layout=plgpu.Layout.WGMMA.reduce(1),
-              optimized=False,
-          )
-          return o, lse
-
-        def start_window(start):
-          """Token lanes: a window is F rows of each of the program's h kv heads, [h, F, ...] in
-          score-row order: a TMA copy into the merge buffer (`window_values` waits for it)."""
-          rows = (pl.ds(kv_head, heads), pl.ds(start, f_rows))
-          plgpu.copy_gmem_to_smem(pout_ref.at[rows], window_o, window_bars.at[0])
-          plgpu.copy_gmem_to_smem(plse_ref.at[rows], window_lse, window_bars.at[0])
-
-        def window_values():
-          plgpu.barrier_wait(window_bars.at[0])
-          if interpret:  # interpret mode cannot reshape refs
-            return window_o[...].reshape(WG_M, h), window_lse[...].reshape(WG_M)
-          o = plgpu.load(window_o.reshape(WG_M, h), layout=plgpu.Layout.WGMMA, optimized=False)
-          lse = plgpu.load(window_lse.reshape(WG_M), layout=osm.ROWS, optimized=False)
-          return o, lse
-
-        first = describe(jnp.int32(0), jnp.int32(0))
-        if window_merge:  # copied now, waited for after the private phase; none if no window
-          pl.when(max_depth > 0)(lambda: start_window(first[1]))
-          first_window = None
-        else:
-          first_window = load_window(first[1])
-
-      # ---- private phase ----
-      acc, m_i, l_i = osm.init(WG_M, h)
-      finish_q(q_smem, q_staged, q_bar.at[0])
-
-      def private_step(step, carry):
-        acc, m_i, l_i, cursor, packs, pending = carry
-        slot = lax.rem(step, jnp.int32(slots))
-        packed = packs[0]
-        # A lane with fewer than 8 valid tokens (None: not looked for, `zero_unseen` off).
-        partial = (packed != _FULL) if problem.zero_unseen else None
-        when_partial = (lambda f: pl.when(partial)(f)) if partial is not None else (lambda f: None)
-        # Named scopes are the regions of the profiler's traces (`profiling`), nothing otherwise.
-        with jax.named_scope('mask'):
-          visible = step_mask(step)
-        with jax.named_scope('wait_k'):
-          plgpu.barrier_wait(k_bars.at[slot])
-          # A step to clean waits for V before QK and cleans it while the QK wgmma runs; any
-          # other waits after the softmax, so V's arrival overlaps QK (long rows).
-          when_partial(lambda: plgpu.barrier_wait(v_bars.at[slot]))
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, kv_smem.at[0, slot].transpose((1, 0)))
-          # While the QK wgmma runs: the plan of step + slots (+ 1 with the lane table; the
-          # walk's page ids included), so the refill of this slot is only the copy.
-          with jax.named_scope('plan'):
-            plan = plan_step(cursor)
-          with jax.named_scope('zero_unseen'):
-            when_partial(lambda: zero_unseen(kv_smem.at[1, slot], packed))
-          with jax.named_scope('qk_wait'):
-            return acc_ref[...], plan
-
-        s, (cursor, plan) = pl.run_scoped(qk, plgpu.ACC((WG_M, _BLK), jnp.float32))
-        if ahead:  # refill with the plan read a step ago; this one waits for the next
-          plan, pending = pending[0], (plan,)
-        with jax.named_scope('softmax'):
-          acc, m_new, l_i, p16 = osm.step(
-              s, acc, m_i, l_i, scale_log2=qk_scale, dtype=dtype, visible=visible
-          )
-        with jax.named_scope('wait_v'):
-          if partial is None:
-            plgpu.barrier_wait(v_bars.at[slot])
-          else:
-            pl.when(jnp.logical_not(partial))(lambda: plgpu.barrier_wait(v_bars.at[slot]))
-        with jax.named_scope('pv'):
-          acc = osm.add_pv(acc, p16, kv_smem.at[1, slot], p_smem)
-        # The slot's wgmmas are done (their results are in registers): refill it.
-        with jax.named_scope('refill'):
-          next_toks, next_packed = use_plan(plan)
-          pl.when(step + slots < num_steps)(lambda: copy_step(slot, *next_toks))
-        return acc, m_new, l_i, cursor, (*packs[1:], next_packed), pending
-
-      with jax.named_scope('private'):
-        acc, m_i, l_i, *_ = lax.fori_loop(
-            0, num_steps, private_step, (acc, m_i, l_i, cursor, packs, pending)
-        )
-
-      # ---- merge phase ----
-      if merging:
-        if rho is not None:
-          frame_row = rho.astype(jnp.float32)  # [64]: each score row's frame row
-        else:
-          frame_row = None
-
-        # Items in order (column d, run of rows from r, split); a run's segment is read once
-        # (lax.cond), its splits' windows follow at a fixed stride, each loaded one item ahead.
-        def merge_cond(carry):
-          return carry[0][0] < max_depth
-
-        def merge_body(carry):
-          (d, r, split), run, window, acc, m_i, l_i = carry
-          valid, base, stride, run_end = run
-          more_splits = split + 1 < splits
-          more_runs = run_end < rows_here
-          nxt = (
-              jnp.where(more_splits | more_runs, d, d + 1),
-              jnp.where(more_splits, r, jnp.where(more_runs, run_end, 0)),
-              jnp.where(more_splits, split + 1, 0),
-          )
-          next_run = lax.cond(
-              more_splits | (nxt[0] >= max_depth), lambda: run, lambda: describe(nxt[0], nxt[1])
-          )
-          next_start = next_run[1] + nxt[2] * next_run[2]
-          if window_merge:  # this window into registers, then the next (if any) into the buffer
-            o, lse = window_values()
-            next_window = None
-            pl.when(nxt[0] < max_depth)(lambda: start_window(next_start))
-          else:
-            next_window = load_window(next_start)
-            o, lse = window
-
-          lse2 = jnp.where(valid, lse * LOG2E, -jnp.inf)
-          if frame_row is not None:
-            in_run = (frame_row >= r.astype(jnp.float32)) & (frame_row < run_end.astype(jnp.float32))
-            lse2 = jnp.where(in_run, lse2, -jnp.inf)
-          acc, m_i, l_i = osm.merge(acc, m_i, l_i, o, lse2)
-          return nxt, next_run, next_window, acc, m_i, l_i
-
-        zero = jnp.int32(0)
-        carry = ((zero, zero, zero), first, first_window, acc, m_i, l_i)
-        with jax.named_scope('merge'):
-          *_, acc, m_i, l_i = lax.while_loop(merge_cond, merge_body, carry)
-
-      with jax.named_scope('finish'):
-        osm.finish(acc, m_i, l_i, o_smem, lse_smem, dtype)
-      if token:
-        store_heads(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref,
-                    lse_out_ref)
-      elif direct:
-        store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref)
-      else:
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(0, f_rows)],
-            out_ref.at[kv_head, pl.ds(pl.multiple_of(f0, ALIGN), f_rows)],
-        )
-      if not (problem.direct_lse or token):
-        plgpu.copy_smem_to_gmem(
-            lse_smem, lse_out_ref.at[kv_head, pl.ds(pl.multiple_of(frame * WG_M, ALIGN), WG_M)]
-        )
-      plgpu.wait_smem_to_gmem(0)
-
-    frame_body(lax.axis_index('frame'))
-
-  def store_heads(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref,
-                  lse_out_ref):
-    """Token lanes: each of the program's kv heads' F rows (score rows [F*k, F*(k + 1))) into
-    out and lse, one TMA store each; frames hold whole query rows inside the batch."""
-    f0 = pl.multiple_of(frame * f_rows, ALIGN)
-    per = f_rows // g_size  # (b, t) rows of a frame
-    o_rows = grouped_rows(o_smem, o_staging, g_size) if direct else None
-    lse_rows = grouped_rows(lse_smem, lse_staging, g_size) if problem.direct_lse else None
-    for k in range(heads):
-      if direct:
-        dst = out_ref.at[pl.ds(frame * per, per), kv_head + k]
-        plgpu.copy_smem_to_gmem(o_rows(k * per, per), dst)
-      else:
-        dst = out_ref.at[kv_head + k, pl.ds(f0, f_rows)]
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(k * f_rows, f_rows)], dst)
-      if lse_rows is not None:
-        dst = lse_out_ref.at[pl.ds(frame * per, per), kv_head + k]
-        plgpu.copy_smem_to_gmem(lse_rows(k * per, per), dst)
-      else:
-        dst = lse_out_ref.at[kv_head + k, pl.ds(f0, f_rows)]
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(k * f_rows, f_rows)], dst)
-
-  def store_direct(frame, kv_head, o_smem, lse_smem, o_staging, lse_staging, out_ref, lse_out_ref):
-    """The frame's F/G whole (b, t) rows into out [B*T, K, G, H] (and lse [B*T, K, G]):
-    one 3D TMA store each, a ladder of them when the last frame runs past the batch."""
-    per = f_rows // g_size  # (b, t) rows of a full frame
-    bt0 = frame * per
-    o_rows = grouped_rows(o_smem, o_staging, g_size)
-    lse_rows = grouped_rows(lse_smem, lse_staging, g_size) if problem.direct_lse else None
-
-    def store_out(start, size):
-      plgpu.copy_smem_to_gmem(
-          o_rows(start, size), out_ref.at[pl.ds(bt0 + start, size), kv_head]
-      )
-
-    def store_full():
-      store_out(0, per)
-      if lse_rows is not None:
-        plgpu.copy_smem_to_gmem(
-            lse_rows(0, per), lse_out_ref.at[pl.ds(bt0, per), kv_head]
-        )
-
-    if (b_rows * tgp) % f_rows == 0:  # no frame runs past the batch
-      store_full()
-      return
-    count = jnp.minimum(per, b_rows * t_tok - bt0)  # (b, t) rows inside the batch
-    pl.when(count == per)(store_full)
-
-    @pl.when(count < per)
-    def _():
-      start, size = jnp.int32(0), per // 2
-      while size >= 1:
-        pl.when(lax.bitwise_and(count, size) != 0)(functools.partial(store_out, start, size))
-        start = start + lax.bitwise_and(count, size)
-        size //= 2
-      if lse_rows is not None:  # 16-byte rows at any offset: too small for TMA, and rare
-        for i in range(f_rows):
-          def store(i=i):
-            lse_out_ref[bt0 + i // g_size, kv_head, i % g_size] = lse_smem[i]
-
-          pl.when(i // g_size < count)(store)
-
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  smem = (
-      plgpu.SMEM((WG_M, h), dtype, transforms=tiled),  # Q
-      plgpu.SMEM((2, slots, _BLK, h), dtype, transforms=tiled),  # K, V per slot
-      plgpu.SMEM((WG_M, _BLK), dtype, transforms=tiled) if interpret else None,  # P
-      # output rows, untiled (token lanes on the GPU: the merge window's buffer)
-      None if window_merge and not interpret else plgpu.SMEM((WG_M, h), dtype),
-      plgpu.SMEM((WG_M,), jnp.float32),
-      plgpu.SMEM((r_rows,), jnp.int32),  # the frame's private lengths
-      plgpu.SMEM((r_rows,), jnp.int32),  # and their chunks (of the tokens the queries see)
-      # Interpret mode only: the [64/G, G, ...] copies of the output rows (`grouped_rows`).
-      plgpu.SMEM((WG_M // g_size, g_size, h), dtype) if interpret and direct else None,
-      plgpu.SMEM((WG_M // g_size, g_size), jnp.float32)
-      if interpret and problem.direct_lse else None,
-      plgpu.SMEM((r_rows, max_pages), jnp.int32) if staged else None,  # the frame's pages
-      # Token lanes: the merge window, [kv heads, F rows, ...] (`start_window`); on the GPU it
-      # is also the output rows (o_smem) once the merge is done.
-      plgpu.SMEM((heads, f_rows, h), dtype) if window_merge else None,
-      plgpu.SMEM((heads, f_rows), jnp.float32) if window_merge else None,
+  st = _Statics(
+      problem=problem, sched=sched, num_kv_heads=kh, head_dim=qf.shape[-1], dtype=qf.dtype,
+      max_pages=private_pages.shape[1], qk_scale=scale * LOG2E, merging=merging,
+      depth_cap=row_segments.shape[1] if merging else 0,
+      splits=sched.num_splits if merging else 0, interpret=interpret,
   )
-  barriers = (
-      plgpu.Barrier(num_arrivals=heads, num_barriers=1),  # Q: a copy per kv head
-      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # K
-      plgpu.Barrier(num_arrivals=LANES, num_barriers=slots),  # V
-      plgpu.Barrier(num_barriers=1) if staged else None,
-      plgpu.Barrier(num_arrivals=2, num_barriers=1) if window_merge else None,  # out, lse
-  )
-  if token:  # a lane is 8 rows of the flat view (free: a reshape of a row-major buffer)
-    k_cache, v_cache = k_cache.reshape(-1, h), v_cache.reshape(-1, h)
+  _check_args(st, qf, lanes)
+  if st.token:  # a lane is 8 rows of the flat view (free: a reshape of a row-major buffer)
+    k_cache, v_cache = k_cache.reshape(-1, st.head_dim), v_cache.reshape(-1, st.head_dim)
   operands = [qf, k_cache, v_cache, private_pages, private_lengths, offset_operand(kv_offset)]
-  if tabled:
+  if st.tabled:
     operands.append(lanes)
   if merging:
     operands += [row_segments, segments, partial_out, partial_lse]
+  b_rows, t_tok, g_size, h = problem.num_rows, problem.query_tokens, problem.group_size, st.head_dim
   frames = problem.num_frames
+  def private_merge_kernel(*flat_refs):  # the kernel's name in profiles and lowered modules
+    _kernel_body(st, *flat_refs)
+
   return plgpu.kernel(
       private_merge_kernel,
       out_type=(
-          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size, h), dtype) if direct
-          else jax.ShapeDtypeStruct((kh, frames * f_rows, h), dtype),
+          jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size, h), qf.dtype) if problem.direct_out
+          else jax.ShapeDtypeStruct((kh, frames * problem.frame_rows, h), qf.dtype),
           jax.ShapeDtypeStruct((b_rows * t_tok, kh, g_size), jnp.float32) if problem.direct_lse
           else jax.ShapeDtypeStruct((kh, frames * problem.lse_frame_rows), jnp.float32),
       ),
-      scratch_types=[smem, barriers],
-      grid=(frames, kh // heads),
+      scratch_types=_scratch(st),
+      grid=(frames, kh // problem.heads_per_program),
       grid_names=('frame', 'kv_head'),
       compiler_params=profiling.compiler_params(),
       interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -5,8 +5,7 @@ rows, K/V slots, and the lane kind. A step of the kernel copies 8 lanes, each on
 its K and V slots: 8 tokens of one kv head (chunk lanes), or 8/h tokens of h kv heads (token
 lanes, `lane_heads_for`: one token of 8 heads, or two of 4, or four of 2). `lane_table` is
 every step's plan, built by XLA once a decode step from the rows' private lengths and pages
-(`tree_attention.for_step`); `stage_pages` and `pad_page_table` are the page-table staging of
-the walked plans; `unfold_states` turns the kernel's outputs into `[B, T, N, H]` and
+(`tree_attention.for_step`); `unfold_states` turns the kernel's outputs into `[B, T, N, H]` and
 `[B, T, N]`. The kernel is `private_attention`.
 """
 
@@ -14,7 +13,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pallas_kernels.mosaic_gpu.schedule import CHUNK, PRIVATE_BLOCK, WG_M, cdiv
@@ -33,16 +31,10 @@ class PrivateProblem:
   frame_rows: int  # F, `schedule.private_frame_rows`
   page_size: int  # C, a multiple of CHUNK
   slots: int = 2  # K/V steps in flight
-  pair_copies: bool = False  # two chunks that follow each other: one 16-token copy
-  # The frame's rows of the page table copied to shared memory once (`stage_pages`), so the
-  # plan's page-id reads are shared-memory reads; the table then has `staged_rows` rows and
-  # `staged_columns` columns (`pad_page_table`).
-  staged_pages: bool = False
   # > 0: each step's plan is read from a lane table of this many steps a frame (`lane_table`,
   # built once per decode step for every layer and kv head) instead of walked in the kernel.
   lane_steps: int = 0
-  # qf is q's [B*T, K, H] view (G = 1) or [B*T, K, G, H] view (G = 2, 4, 8), not a folded
-  # copy (`segment_attention.q_tile`).
+  # qf is q's [B*T, K, H] view (G = 1), not a folded copy (`segment_attention.q_tile`).
   q_by_row: bool = False
   # False: the caller promises finite values in every kv slot a step copies but no row attends
   # (past a row's length in its last chunk); the V rows there are then not zeroed.
@@ -53,16 +45,10 @@ class PrivateProblem:
   # frame of WG_M / h folded rows, so a step copies only tokens (h = 8) or pairs or quads of
   # tokens a row holds.
   lane_heads: int = 1
-  # Token lanes whose tile holds every kv head (K == h): 8 lanes of a row's consecutive tokens
-  # are then 64 consecutive rows of the flat view, and such a step is one copy (the lane table
-  # marks it contiguous, as chunk lanes' 64-token runs) instead of 8.
-  token_runs: bool = False
 
   def __post_init__(self):
     if self.lane_heads not in (1, 2, 4, MAX_LANE_HEADS):
       raise ValueError(f'lane_heads must be 1, 2, 4 or {MAX_LANE_HEADS}, got {self.lane_heads}')
-    if self.token_runs and not self.token_lanes:
-      raise ValueError('token_runs needs token lanes (lane_heads > 1)')
     if self.token_lanes and self.frame_rows != token_frame_rows(self.lane_heads):
       raise ValueError(f'token lanes of {self.lane_heads} kv heads need frame_rows = '
                        f'{token_frame_rows(self.lane_heads)} (token_frame_rows), got '
@@ -95,11 +81,6 @@ class PrivateProblem:
     return cdiv(self.num_rows * self.rows_per_query, self.frame_rows)
 
   @property
-  def staged_rows(self) -> int:
-    """Rows of a staged page table: every frame's `rows_per_frame` rows inside it."""
-    return cdiv(self.num_rows, self.rows_per_frame) * self.rows_per_frame
-
-  @property
   def direct_out(self) -> bool:
     """out is `[B*T, K, G, H]`: frames are whole (b, t) rows (no padding rows)."""
     return (
@@ -112,7 +93,7 @@ class PrivateProblem:
     """lse is `[B*T, K, G]`: as `direct_out`, and G*4 bytes a whole TMA box row. With token
     lanes kv head k's rows start at float F*k of the lse buffer, and a strided TMA store needs
     its shared-memory source 128-byte aligned (at F*4 = 32 or 64 bytes the H200 faults with
-    CUDA_ERROR_MISALIGNED_ADDRESS, `mosaic_gpu_check/s46`); the folded lse's stores are
+    CUDA_ERROR_MISALIGNED_ADDRESS); the folded lse's stores are
     contiguous (`cp.async.bulk`: 16 bytes suffice)."""
     aligned = not self.token_lanes or self.frame_rows * 4 % 128 == 0
     return self.direct_out and self.group_size % 4 == 0 and aligned
@@ -144,35 +125,6 @@ def token_frame_rows(lane_heads: int) -> int:
   return WG_M // lane_heads
 
 
-# Most shared memory a frame's page-table rows may take (`stage_pages`): with Q, 2 K/V slots
-# and the output rows (97 KiB at H=128) two programs still share a multiprocessor.
-MAX_STAGED_PAGE_BYTES = 8192
-
-
-def staged_columns(problem: PrivateProblem, max_pages: int) -> int:
-  """Columns of a staged page table: a copy of the frame's rows is whole 16-byte TMA box rows
-  (4 int32) and a multiple of 128 bytes (Mosaic GPU splits a copy over a warpgroup's threads);
-  `rows_per_frame` is a power of two."""
-  multiple = max(4, 32 // problem.rows_per_frame)
-  return cdiv(max_pages, multiple) * multiple
-
-
-def stage_pages(problem: PrivateProblem, max_pages: int) -> bool:
-  """Whether the frame's page-table rows (`rows_per_frame` x `staged_columns` int32) fit
-  `MAX_STAGED_PAGE_BYTES` and a TMA box (at most 256 a side)."""
-  rows, columns = problem.rows_per_frame, staged_columns(problem, max_pages)
-  return rows * columns * 4 <= MAX_STAGED_PAGE_BYTES and rows <= 256 and columns <= 256
-
-
-def pad_page_table(private_pages, problem: PrivateProblem):
-  """The page table as a staged kernel reads it: `staged_rows` rows, `staged_columns` columns
-  (zeros: never read for a real chunk). numpy in, numpy out (a host-prepared plan)."""
-  b, p = private_pages.shape
-  pad = ((0, problem.staged_rows - b), (0, staged_columns(problem, p) - p))
-  xp = np if isinstance(private_pages, np.ndarray) else jnp
-  return xp.pad(private_pages, pad)
-
-
 LANE_FIELDS = 10  # a lane-table step: 8 lanes' first tokens, contiguous, packed valid counts
 
 
@@ -187,8 +139,8 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
 
   [num_frames, lane_steps, LANE_FIELDS] int32: per step, each lane's first KV token (relative
   to the layer: the kernel adds kv_offset; 0 for a lane with no chunk), whether the 8 lanes
-  are one row's consecutive tokens (64 contiguous tokens; with token lanes only marked where
-  `token_runs`: else a lane is a tile of its own), and the lanes' valid rows packed 4 bits a
+  are one row's consecutive tokens (64 contiguous tokens; never with token lanes: a lane is a
+  tile of its own), and the lanes' valid rows packed 4 bits a
   lane (valid tokens; with token lanes h per valid token). A step's lanes
   depend only on the rows' private lengths and pages, so one table per decode step serves all
   layers and kv heads, and the kernel's plan is 10 reads instead of a walk of 8 dependent
@@ -244,8 +196,7 @@ def lane_table(private_lengths, private_pages, problem: PrivateProblem) -> jax.A
   tok = jnp.where(real, pages[page_row, page] * c + pos - page * c, 0)
   shape = (problem.num_frames, steps, LANES)
   tok, real, r, valid = (x.reshape(shape) for x in (tok, real, r, valid))
-  runs = unit == CHUNK or problem.token_runs
-  contiguous = real[..., 0] if runs else jnp.zeros_like(real[..., 0])
+  contiguous = real[..., 0] if unit == CHUNK else jnp.zeros_like(real[..., 0])
   packed = valid[..., 0]
   for j in range(1, LANES):  # lane 7's bit 31 wraps to the sign, as the kernel's int32 does
     contiguous &= real[..., j] & (r[..., j] == r[..., 0]) & (tok[..., j] == tok[..., 0] + j * unit)

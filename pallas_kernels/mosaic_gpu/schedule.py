@@ -23,10 +23,13 @@ window of consecutive query rows is one contiguous read.
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
-from hydrajax.layout import TreeLayout
+if TYPE_CHECKING:  # annotations only: hydrajax imports these kernels (the registry)
+  from hydrajax.layout import TreeLayout
+
 
 ALIGN = 8  # rows per tile of the (8, 64) shared-memory tiling used by wgmma
 TILE_M = 128  # query rows per shared-kernel program: two compute warpgroups of 64
@@ -192,7 +195,7 @@ def choose_splits(
 
 
 def shared_schedule(
-    layout: TreeLayout,
+    layout: 'TreeLayout',
     *,
     rows_per_query: int,
     num_kv_heads: int,

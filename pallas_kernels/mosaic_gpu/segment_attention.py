@@ -24,7 +24,8 @@ NaN or inf in neighbouring tokens never reaches an output.
 """
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import jax
 import jax.experimental.pallas as pl
@@ -33,11 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hydrajax.layout import SegmentGroup
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
+
+if TYPE_CHECKING:  # annotations only: hydrajax imports these kernels (the registry)
+  from hydrajax.layout import SegmentGroup
 
 SEGMENT_FIELDS = ('kv_start', 'kv_length', 'row_begin', 'row_count')  # rows of pack_segments
 
@@ -75,15 +78,11 @@ class SegmentKernelConfig:
       raise ValueError(f'overlap must be None, True or False, got {self.overlap!r}')
 
 
-# H200, kernel alone (`experiments/results/mosaic_gpu_check/s29`): the overlap took the shared
-# kernel from 410.0 to 400.9 µs at B=1024, P=16K, 32/8 (128 blocks a program), left it at 108.9
-# -> 108.6 at B=256 (64 blocks), and cost 9.5 -> 10.2 at B=32, P=2K (2 blocks: its first and
-# last steps are extra). At 9 blocks (B=1024, P=1K, 32/32) it changed nothing (148.8 against
-# 148.7 µs a call, `mosaic_gpu_check/s30`); 16 stays the threshold.
+# The overlap pays where a program has many kv blocks (2% faster at 128 blocks a program),
+# changes nothing at 9-64, and costs at 2 (its first and last steps are extra).
 OVERLAP_MIN_BLOCKS = 16
 # With 192-token steps the overlap's two score tiles do not fit the consumer's registers
-# (ptxas spills about 1 KB): 704 µs a call at B=1024, P=16K, 32/8 (`mosaic_gpu_check/s30`,
-# call 2), against 444.6 for 192-token steps in order (s29, call 3). None leaves it off there.
+# (ptxas spills about 1 KB; 1.6x slower than in order). None leaves it off there.
 OVERLAP_MAX_BLOCK_KV = 128
 
 
@@ -115,7 +114,7 @@ class SegmentFields:
   split_tokens: jax.Array  # kv tokens per split of its group
 
 
-def pack_segments(groups: Sequence[SegmentGroup]) -> jax.Array:
+def pack_segments(groups: Sequence['SegmentGroup']) -> jax.Array:
   """[4, J] int32 (kv_start, kv_length, row_begin, row_count) over the concatenated groups.
 
   Packed on the host when the group arrays are concrete (a layout built by
@@ -292,63 +291,22 @@ def q_tile(q_ref, kv_head, first_row, q_by_row: bool, size: int = WG_M):
   """`size` folded query rows from `first_row` at kv_head, as a ref for one TMA copy.
 
   q is folded, [K, M, H], or by row: a G = 1 query's [B*T, K, H] view, folded row r at
-  (r, k), or a G > 1 query's [B*T, K, G, H] view, folded row r at (r // G, k, r % G), so no
-  fold is written per layer (a 16 MB pad and transpose at B=1024, 32 heads). By row with
-  G > 1 the tile is its size/G whole (b, t) rows, [size/G, G, H] (`start_q` stages it; G
-  divides ALIGN, so first_row is whole rows). Rows past its end read as zeros (TMA), as
-  the fold's padding did.
+  (r, k), so no fold is written per layer (a 16 MB pad and transpose at B=1024, 32 heads).
+  Rows past its end read as zeros (TMA), as the fold's padding did.
   """
-  first_row = pl.multiple_of(first_row, ALIGN)
-  if q_by_row and q_ref.ndim == 4:
-    g = q_ref.shape[2]
-    return q_ref.at[pl.ds(lax.div(first_row, jnp.int32(g)), size // g), kv_head]
-  rows = pl.ds(first_row, size)
+  rows = pl.ds(pl.multiple_of(first_row, ALIGN), size)
   return q_ref.at[rows, kv_head] if q_by_row else q_ref.at[kv_head, rows]
 
 
-def q_staging(qf, q_by_row: bool, size: int, interpret: bool):
-  """Shared memory a Q tile of `size` rows passes through, or None (a direct copy).
-
-  By row with G > 1 the copy's [size/G, G, H] rows cannot land in the tiled buffer wgmma
-  reads (its tiles are 8 rows of one head), so they land in an untiled [size, H] buffer,
-  written through a [size/G, G, H] view; interpret mode cannot reshape refs, so there the
-  buffer is [size/G, G, H] itself.
-  """
-  if not (q_by_row and qf.ndim == 4):
-    return None
-  g, h = qf.shape[2], qf.shape[3]
-  return plgpu.SMEM((size // g, g, h) if interpret else (size, h), qf.dtype)
-
-
-def start_q(q_ref, kv_head, first_row, q_by_row: bool, q_smem, staging, barrier):
-  """Issues the TMA copy of the Q tile that `finish_q` then waits for: into q_smem, or into
-  `staging` (`q_staging`)."""
-  src = q_tile(q_ref, kv_head, first_row, q_by_row, q_smem.shape[0])
-  dst = q_smem if staging is None else (
-      staging if staging.ndim == 3 else staging.reshape(*src.shape))
-  plgpu.copy_gmem_to_smem(src, dst, barrier)
-
-
-def finish_q(q_smem, staging, barrier):
-  """Waits for `start_q`'s copy; staged rows then go through registers into q_smem."""
-  plgpu.barrier_wait(barrier)
-  if staging is None:
-    return
-  if staging.ndim == 3:  # interpret mode
-    q_smem[...] = staging[...].reshape(q_smem.shape)
-  else:
-    q_smem[...] = plgpu.load(staging, layout=plgpu.Layout.WGMMA, optimized=False)
-  plgpu.commit_smem()
+def start_q(q_ref, kv_head, first_row, q_by_row: bool, q_smem, barrier):
+  """Issues the TMA copy of the Q tile into q_smem (`barrier` says when it has landed)."""
+  plgpu.copy_gmem_to_smem(q_tile(q_ref, kv_head, first_row, q_by_row, q_smem.shape[0]), q_smem,
+                          barrier)
 
 
 def as_folded(q, q_by_row: bool):
   """q as [K, M, H] (the references' layout), whichever layout the kernels read."""
-  if not q_by_row:
-    return q
-  if q.ndim == 4:  # [B*T, K, G, H]: row (bt, g) of kv head k is folded row bt*G + g
-    bt, kh, g, h = q.shape
-    return q.transpose(1, 0, 2, 3).reshape(kh, bt * g, h)
-  return q.transpose(1, 0, 2)
+  return q.transpose(1, 0, 2) if q_by_row else q
 
 
 def offset_operand(kv_offset) -> jax.Array:
@@ -359,10 +317,195 @@ def offset_operand(kv_offset) -> jax.Array:
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+class _WsProgram(NamedTuple):
+  """A compute warpgroup's view of its program in the warp-specialised kernel."""
+
+  it: Any  # the item (`_decode_item`)
+  wg: Any  # the warpgroup, 0 or 1
+  qo_smem2: Any  # [2, 64, H]: each warpgroup's Q, then its output
+  k_smem: Any
+  v_smem: Any
+  k_barriers: Any
+  v_barriers: Any
+  k_consumed: Any
+  v_consumed: Any
+  schedule_barrier: Any
+  turns: Any  # the overlap's turns (None in order)
+  h: int
+  dtype: Any
+  bk: int  # kv tokens a step
+  steps: int  # K/V slots
+  qk_scale: float  # scores in base 2
+
+
+# In order: both compute warpgroups arrive on `schedule_barrier` and wait for it, so each such
+# point is a rendezvous; warpgroup 1 passes one more at its start (and 0 at its end), which puts
+# one's wgmmas under the other's softmax.
+def _schedule(c: _WsProgram):
+  plgpu.barrier_arrive(c.schedule_barrier)
+  plgpu.barrier_wait(c.schedule_barrier)
+
+
+def _qk(c: _WsProgram, slot):
+  return lambda s_ref: plgpu.wgmma(s_ref, c.qo_smem2.at[c.wg], c.k_smem.at[slot].transpose((1, 0)))
+
+
+def _steps_in_order(c: _WsProgram):
+  """The kv steps with the two compute warpgroups taking turns at rendezvous (`_schedule`).
+  Returns (acc, m_i, l_i)."""
+  it, wg, h, dtype, bk, steps, qk_scale = c.it, c.wg, c.h, c.dtype, c.bk, c.steps, c.qk_scale
+  k_barriers, v_barriers, k_consumed, v_consumed = (c.k_barriers, c.v_barriers, c.k_consumed,
+                                                    c.v_consumed)
+  schedule_barrier, v_smem = c.schedule_barrier, c.v_smem
+  schedule, qk = functools.partial(_schedule, c), functools.partial(_qk, c)
+  carry = osm.init(WG_M, h)
+
+  @pl.when(it.num_blocks > 0)
+  def _():
+    plgpu.barrier_wait(k_barriers.at[0])
+
+  pl.when(wg == 1)(schedule)
+
+  def kv_step(step, carry, masked: bool):
+    slot = lax.rem(step, jnp.int32(steps))
+
+    def compute_qk(s_ref):
+      qk(slot)(s_ref)
+      schedule()
+      return s_ref[...]
+
+    s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[slot])
+    acc, m_i, l_i, p16 = _softmax_step(s, carry, it, step, bk, masked, qk_scale, dtype)
+    acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+    plgpu.barrier_arrive(schedule_barrier)
+    plgpu.barrier_wait(v_barriers.at[slot])
+    plgpu.barrier_wait(schedule_barrier)
+    if masked:  # both warpgroups zero the same rows: their writes agree
+      _zero_outside(v_smem.at[slot], it, step, bk)
+
+    def wait_next_k():
+      nxt = step + 1
+
+      @pl.when(nxt < it.num_blocks)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(steps))])
+
+    def compute_pv(acc_ref):  # P from registers, accumulated in place
+      plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+      wait_next_k()
+
+    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    return acc, m_i, l_i
+
+  acc, m_i, l_i = _three_sections(kv_step, it, carry)
+  pl.when(wg == 0)(schedule)
+  return acc, m_i, l_i
+
+
+# Overlapped: one-sided turns, as FlashAttention-3's. A warpgroup waits for its turn only to
+# issue its wgmmas and hands the turn over right after, so it never waits for the other one's
+# softmax (a rendezvous did: both softmaxes then ran while the tensor cores idled). Warpgroup 1
+# opens warpgroup 0's first turn.
+def _steps_overlapped(c: _WsProgram):
+  """Step s issues QK^T of block s, rescales acc to block s - 1's maximum under it,
+  issues PV of block s - 1, and runs block s's softmax while PV is on the tensor cores
+  (FlashAttention-3's order). The carry's acc still awaits its last alpha."""
+  it, wg, h, dtype, bk, steps, qk_scale = c.it, c.wg, c.h, c.dtype, c.bk, c.steps, c.qk_scale
+  k_barriers, v_barriers, k_consumed, v_consumed = (c.k_barriers, c.v_barriers, c.k_consumed,
+                                                    c.v_consumed)
+  v_smem, qk = c.v_smem, functools.partial(_qk, c)
+
+  def take_turn():
+    plgpu.barrier_wait(c.turns.at[wg])
+
+  def pass_turn():
+    plgpu.barrier_arrive(c.turns.at[1 - wg])
+
+  softmax = lambda s, m, l, step, masked: osm.step_deferred(
+      s, m, l, scale_log2=qk_scale, may_be_empty=False,
+      visible=_visible(s.shape, it, step, bk) if masked else None)
+
+  def boundary(step):  # the item's first or last block, which may hold tokens outside it
+    return (step < it.num_head) | (step >= it.num_blocks - it.num_tail)
+
+  def add_pv(acc_ref, p16, step):
+    slot = lax.rem(step, jnp.int32(steps))
+    plgpu.barrier_wait(v_barriers.at[slot])
+    # Both warpgroups zero the same rows: their writes agree.
+    pl.when(boundary(step))(lambda: _zero_outside(v_smem.at[slot], it, step, bk))
+    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+  def first():  # block 0: QK^T and its softmax, no PV yet
+    plgpu.barrier_wait(k_barriers.at[0])
+
+    def compute_qk(s_ref):
+      take_turn()
+      qk(0)(s_ref)
+      pass_turn()
+      return s_ref[...]
+
+    s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[0])
+    alpha, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
+    return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype), alpha
+
+  def kv_step(step, carry, masked: bool):
+    acc, m_i, l_i, p16, alpha = carry
+    slot = lax.rem(step, jnp.int32(steps))
+    plgpu.barrier_wait(k_barriers.at[slot])
+
+    def products(refs):
+      acc_ref, alpha_ref, m_ref, l_ref, p_ref = refs
+
+      def compute_qk(s_ref):
+        take_turn()
+        qk(slot)(s_ref)
+        # No wgmma writes acc now: read without a wait, rescale under QK^T.
+        acc_ref[...] = osm.rescale(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), alpha)
+        add_pv(acc_ref, p16, step - 1)
+        pass_turn()
+        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # PV may still run
+
+      s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      alpha_ref[...], m_ref[...], l_ref[...], p_ref[...] = softmax(
+          s, m_ref[...], l_ref[...], step, masked)
+
+    scores = plgpu.layout_cast(jnp.zeros((WG_M, bk), jnp.float32), plgpu.Layout.WGMMA)
+    acc, alpha, m_i, l_i, p = pl.run_state(products)(
+        (plgpu.ACC.init(acc), m_i, m_i, l_i, scores))
+    plgpu.barrier_arrive(v_consumed.at[lax.rem(step - 1, jnp.int32(steps))])
+    return acc, m_i, l_i, p.astype(dtype), alpha
+
+  def last(carry):  # PV of the last block
+    acc, m_i, l_i, p16, alpha = carry
+    step = it.num_blocks - 1
+
+    def compute_pv(acc_ref):
+      take_turn()
+      add_pv(acc_ref, p16, step)
+      pass_turn()
+
+    acc = pl.run_state(compute_pv)(plgpu.ACC.init(osm.rescale(acc, alpha)))
+    plgpu.barrier_arrive(v_consumed.at[lax.rem(step, jnp.int32(steps))])
+    return acc, m_i, l_i
+
+  pl.when(wg == 1)(lambda: plgpu.barrier_arrive(c.turns.at[0]))
+  empty = osm.init(WG_M, h)
+  zero_p = plgpu.layout_cast(jnp.zeros((WG_M, bk), dtype), plgpu.Layout.WGMMA)
+  carry = lax.cond(it.num_blocks > 0, first, lambda: (*empty, zero_p, empty[2]))
+  split = jnp.maximum(it.num_blocks - it.num_tail, 1)
+  carry = lax.fori_loop(1, split, lambda i, c: kv_step(i, c, False), carry)
+  carry = lax.fori_loop(split, it.num_blocks, lambda i, c: kv_step(i, c, True), carry)
+  return lax.cond(it.num_blocks > 0, last, lambda c: c[:3], carry)
+
+
 def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
   """FlashAttention-3 style: two compute warpgroups of 64 rows and one TMA warpgroup."""
+  del interpret
   h = qf.shape[-1]
-  staging = q_staging(qf, q_by_row, WG_M, interpret)
   dtype = qf.dtype
   bk = config.block_kv
   steps = config.max_concurrent_steps
@@ -371,7 +514,7 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
                             barriers, consumed, schedule_barrier, turns):
-    qo_smem2, k_smem, v_smem, lse_smem2, q_staged2 = smem
+    qo_smem2, k_smem, v_smem, lse_smem2 = smem
     k_barriers, v_barriers, q_barriers = barriers
     k_consumed, v_consumed = consumed
     item = lax.axis_index('item')
@@ -379,163 +522,16 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
     wg = lax.axis_index('wg')
     it = _decode_item(sched, seg_ref, item, bk, offset_ref[0])
 
-    # In order: both compute warpgroups arrive on `schedule_barrier` and wait for it, so each
-    # such point is a rendezvous; warpgroup 1 passes one more at its start (and 0 at its end),
-    # which puts one's wgmmas under the other's softmax.
-    def schedule():
-      plgpu.barrier_arrive(schedule_barrier)
-      plgpu.barrier_wait(schedule_barrier)
-
-    def qk(slot):
-      return lambda s_ref: plgpu.wgmma(s_ref, qo_smem2.at[wg], k_smem.at[slot].transpose((1, 0)))
-
-    def steps_in_order():
-      carry = osm.init(WG_M, h)
-
-      @pl.when(it.num_blocks > 0)
-      def _():
-        plgpu.barrier_wait(k_barriers.at[0])
-
-      pl.when(wg == 1)(schedule)
-
-      def kv_step(step, carry, masked: bool):
-        slot = lax.rem(step, jnp.int32(steps))
-
-        def compute_qk(s_ref):
-          qk(slot)(s_ref)
-          schedule()
-          return s_ref[...]
-
-        s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        acc, m_i, l_i, p16 = _softmax_step(s, carry, it, step, bk, masked, qk_scale, dtype)
-        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-        plgpu.barrier_arrive(schedule_barrier)
-        plgpu.barrier_wait(v_barriers.at[slot])
-        plgpu.barrier_wait(schedule_barrier)
-        if masked:  # both warpgroups zero the same rows: their writes agree
-          _zero_outside(v_smem.at[slot], it, step, bk)
-
-        def wait_next_k():
-          nxt = step + 1
-
-          @pl.when(nxt < it.num_blocks)
-          def _():
-            plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(steps))])
-
-        def compute_pv(acc_ref):  # P from registers, accumulated in place
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_next_k()
-
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_i, l_i
-
-      acc, m_i, l_i = _three_sections(kv_step, it, carry)
-      pl.when(wg == 0)(schedule)
-      return acc, m_i, l_i
-
-    # Overlapped: one-sided turns, as FlashAttention-3's. A warpgroup waits for its turn only
-    # to issue its wgmmas and hands the turn over right after, so it never waits for the other
-    # one's softmax (s28's rendezvous did: both softmaxes then ran while the tensor cores
-    # idled). Warpgroup 1 opens warpgroup 0's first turn.
-    def take_turn():
-      plgpu.barrier_wait(turns.at[wg])
-
-    def pass_turn():
-      plgpu.barrier_arrive(turns.at[1 - wg])
-
-    def steps_overlapped():
-      """Step s issues QK^T of block s, rescales acc to block s - 1's maximum under it,
-      issues PV of block s - 1, and runs block s's softmax while PV is on the tensor cores
-      (FlashAttention-3's order). The carry's acc still awaits its last alpha."""
-      softmax = lambda s, m, l, step, masked: osm.step_deferred(
-          s, m, l, scale_log2=qk_scale, may_be_empty=False,
-          visible=_visible(s.shape, it, step, bk) if masked else None)
-
-      def boundary(step):  # the item's first or last block, which may hold tokens outside it
-        return (step < it.num_head) | (step >= it.num_blocks - it.num_tail)
-
-      def add_pv(acc_ref, p16, step):
-        slot = lax.rem(step, jnp.int32(steps))
-        plgpu.barrier_wait(v_barriers.at[slot])
-        # Both warpgroups zero the same rows: their writes agree.
-        pl.when(boundary(step))(lambda: _zero_outside(v_smem.at[slot], it, step, bk))
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-      def first():  # block 0: QK^T and its softmax, no PV yet
-        plgpu.barrier_wait(k_barriers.at[0])
-
-        def compute_qk(s_ref):
-          take_turn()
-          qk(0)(s_ref)
-          pass_turn()
-          return s_ref[...]
-
-        s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[0])
-        alpha, m_i, l_i, p = softmax(s, *osm.init(WG_M, h)[1:], 0, True)
-        return osm.init(WG_M, h)[0], m_i, l_i, p.astype(dtype), alpha
-
-      def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i, p16, alpha = carry
-        slot = lax.rem(step, jnp.int32(steps))
-        plgpu.barrier_wait(k_barriers.at[slot])
-
-        def products(refs):
-          acc_ref, alpha_ref, m_ref, l_ref, p_ref = refs
-
-          def compute_qk(s_ref):
-            take_turn()
-            qk(slot)(s_ref)
-            # No wgmma writes acc now: read without a wait, rescale under QK^T.
-            acc_ref[...] = osm.rescale(plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), alpha)
-            add_pv(acc_ref, p16, step - 1)
-            pass_turn()
-            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # PV may still run
-
-          s = pl.run_scoped(compute_qk, plgpu.ACC((WG_M, bk), jnp.float32))
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          alpha_ref[...], m_ref[...], l_ref[...], p_ref[...] = softmax(
-              s, m_ref[...], l_ref[...], step, masked)
-
-        scores = plgpu.layout_cast(jnp.zeros((WG_M, bk), jnp.float32), plgpu.Layout.WGMMA)
-        acc, alpha, m_i, l_i, p = pl.run_state(products)(
-            (plgpu.ACC.init(acc), m_i, m_i, l_i, scores))
-        plgpu.barrier_arrive(v_consumed.at[lax.rem(step - 1, jnp.int32(steps))])
-        return acc, m_i, l_i, p.astype(dtype), alpha
-
-      def last(carry):  # PV of the last block
-        acc, m_i, l_i, p16, alpha = carry
-        step = it.num_blocks - 1
-
-        def compute_pv(acc_ref):
-          take_turn()
-          add_pv(acc_ref, p16, step)
-          pass_turn()
-
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(osm.rescale(acc, alpha)))
-        plgpu.barrier_arrive(v_consumed.at[lax.rem(step, jnp.int32(steps))])
-        return acc, m_i, l_i
-
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
-      empty = osm.init(WG_M, h)
-      zero_p = plgpu.layout_cast(jnp.zeros((WG_M, bk), dtype), plgpu.Layout.WGMMA)
-      carry = lax.cond(it.num_blocks > 0, first, lambda: (*empty, zero_p, empty[2]))
-      split = jnp.maximum(it.num_blocks - it.num_tail, 1)
-      carry = lax.fori_loop(1, split, lambda i, c: kv_step(i, c, False), carry)
-      carry = lax.fori_loop(split, it.num_blocks, lambda i, c: kv_step(i, c, True), carry)
-      return lax.cond(it.num_blocks > 0, last, lambda c: c[:3], carry)
+    program = _WsProgram(it, wg, qo_smem2, k_smem, v_smem, k_barriers, v_barriers, k_consumed,
+                         v_consumed, schedule_barrier, turns, h, dtype, bk, steps, qk_scale)
 
     @pl.when(it.active & (wg < 2))
     def _compute():
       plgpu.set_max_registers(232, action='increase')
       qo_smem = qo_smem2.at[wg]
-      q_staged = None if q_staged2 is None else q_staged2.at[wg]
-      start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_staged,
-              q_barriers.at[wg])
-      finish_q(qo_smem, q_staged, q_barriers.at[wg])
-      acc, m_i, l_i = (steps_overlapped if overlap else steps_in_order)()
+      start_q(q_ref, kv_head, it.tile_row + wg * WG_M, q_by_row, qo_smem, q_barriers.at[wg])
+      plgpu.barrier_wait(q_barriers.at[wg])
+      acc, m_i, l_i = (_steps_overlapped if overlap else _steps_in_order)(program)
       osm.finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg], dtype)
       out_row = pl.multiple_of(PARTIAL_PAD + item * TILE_M + wg * WG_M, ALIGN)
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[kv_head, pl.ds(out_row, WG_M)])
@@ -570,7 +566,6 @@ def _warp_specialized_kernel(qf, sched, *, scale, config, q_by_row, interpret):
           plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((steps, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((2, WG_M), jnp.float32),
-          None if staging is None else plgpu.SMEM((2, *staging.shape), staging.dtype),
       ),
       (
           plgpu.Barrier(num_barriers=steps),
@@ -593,7 +588,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row, interpret):
 
   def shared_segment_kernel(seg_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, smem,
                             barriers):
-    qo_smem, k_smem, v_smem, lse_smem, p_smem, q_staged = smem
+    qo_smem, k_smem, v_smem, lse_smem, p_smem = smem
     q_bar, k_bars, v_bars = barriers
     item = lax.axis_index('item')
     kv_head = lax.axis_index('kv_head')
@@ -601,7 +596,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row, interpret):
 
     @pl.when(it.active)
     def _():
-      start_q(q_ref, kv_head, it.tile_row, q_by_row, qo_smem, q_staged, q_bar.at[0])
+      start_q(q_ref, kv_head, it.tile_row, q_by_row, qo_smem, q_bar.at[0])
 
       def issue(step, slot):
         tok = pl.multiple_of(it.split_tok + step * bk, ALIGN)
@@ -610,7 +605,7 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row, interpret):
 
       for i in range(2):
         pl.when(i < it.num_blocks)(lambda i=i: issue(i, i))
-      finish_q(qo_smem, q_staged, q_bar.at[0])
+      plgpu.barrier_wait(q_bar.at[0])
 
       def kv_step(step, carry, masked: bool):
         slot = lax.rem(step, jnp.int32(2))
@@ -647,7 +642,6 @@ def _single_warpgroup_kernel(qf, sched, *, scale, config, q_by_row, interpret):
           plgpu.SMEM((2, bk, h), dtype, transforms=_TILED),
           plgpu.SMEM((TILE_M,), jnp.float32),
           plgpu.SMEM((TILE_M, bk), dtype, transforms=_TILED),
-          q_staging(qf, q_by_row, TILE_M, interpret),
       ),
       (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
   ]

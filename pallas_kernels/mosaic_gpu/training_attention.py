@@ -8,7 +8,7 @@ N = K * G. `segment_forward` returns the segment's partial state (out, natural
 log lse); `segment_backward` takes the MERGED row statistics (lse over all of a
 row's keys, delta = rowsum(dO * O) - dlse), so that P = exp(S - lse) on this
 segment is the row's global probability there and the per-part gradients are
-exact (see `hydrajax/training/tree_attention_vjp.py`):
+exact (see `hydrajax/attention/training/tree_attention_vjp.py`):
 
     dV = P^T dO    dS = P * (dO V^T - delta)    dK = scale dS^T Q    dQ = scale dS K
 
@@ -78,66 +78,41 @@ _COLS = plgpu.Layout.WGMMA.reduce(0)  # per-column vectors
 
 @dataclasses.dataclass(frozen=True)
 class TrainingKernelConfig:
-  """Block sizes (rows per compute warpgroup) of the three kernels.
-
-  Swept on an H200 (`experiments/results/train_kernels_sweep/`, bf16, 32/8 heads, d=128):
-  `block_kv_dq=64` (128 before) took the causal backward from 5.36 to 3.97 ms (64 completions of
-  1K) and from 4.09 to 3.02 ms (an 8K prompt), the shared segment's unchanged (48.8 ms); 128
-  query rows a dK/dV step, 128 kv tokens a dK/dV warpgroup and 64-token forward steps were all
-  slower. `fused_dq` (`experiments/results/train_fused_dq/`): the 8K prompt's backward against
-  64 x 1K rows 49.6 -> 42.1 ms. The causal kernels keep the dQ kernel: fused, the 64 causal
-  completions of 1K took 5.1 ms against 4.0 (the 8K prompt's own 2.8 against 3.0).
-  `row_parts` and the unmasked steps (`mask_all_steps=False`), together
-  (`experiments/results/train_bench_grid_s35/`): attention forward + backward at a 1K prompt,
-  G = 8 and 16, completions 256-2K, 17-21% faster (G=16, T=1K: 5.25 -> 4.25 ms); timed apart
-  in `experiments/results/train_causal_pairs_s36/`, where the dK/dV kernel's branch lost (see
-  `mask_all_steps_dkv`). `pair_causal_tiles` (same folder): the completions' causal forward
-  5-10% faster (64 x 1K: 1.72 -> 1.56 ms), the causal dQ 0-4%.
-  """
+  """Block sizes (rows per compute warpgroup) and switches of the three kernels; the defaults
+  were swept on an H200 (bf16, 32/8 heads, H=128); NOTES.md has the sweep."""
 
   block_q: int = 64  # forward: query rows per warpgroup
-  block_kv: int = 128  # forward: kv tokens per step
+  block_kv: int = 128  # forward: kv tokens per step (64 was slower)
   block_q_dq: int = 64
-  block_kv_dq: int = 64
+  block_kv_dq: int = 64  # 128 made the causal backward about 25% slower
   block_q_dkv: int = 64  # dK/dV: query rows per step
   block_kv_dkv: int = 64  # dK/dV: kv tokens per warpgroup
   max_concurrent_steps: int = 2
   compute_wgs: int = 2
   # A shared segment's dQ in the dK/dV kernel, and no dQ kernel: 5 matmuls a backward instead
-  # of 7 (the dQ kernel recomputes QK^T and dO V^T). Each step stages its dS in shared memory;
-  # the next step, each warpgroup multiplies both warpgroups' dS by their K's columns of its
-  # half of H and TMA-reduce-adds that [bq, H/2] partial into a float32 dQ (a step late, so
-  # the warpgroups need not run in lockstep). Needs H a multiple of 64 per warpgroup (else the
-  # dQ kernel runs); the causal kernels always run the dQ kernel (see above). The reduce-adds
-  # land in any order, so dQ may differ in its last bits from run to run: False is the
-  # deterministic backward.
+  # of 7. Each step stages its dS in shared memory and TMA-reduce-adds a [bq, H/2] partial into
+  # a float32 dQ, in any order, so dQ may differ in its last bits from run to run: False is the
+  # deterministic backward. Needs H a multiple of 64 per warpgroup; causal kernels keep the dQ
+  # kernel (fused, they were slower).
   fused_dq: bool = True
-  # Query-row parts of a shared segment's fused dK/dV kernel (`_dkv`): each part streams a
-  # share of the query blocks and writes a float32 partial dK/dV, summed after. None: the
-  # count whose launch ends first (`schedule.row_parts`; a 1K-token prompt at 8 kv heads is 64
-  # programs, half the H200's multiprocessors, so 2 parts). 1: one program a kv tile, as before.
-  # A count that does not divide the query blocks, or block_kv_dkv != block_q_dkv, runs as 1.
+  # Query-row parts of a shared segment's fused dK/dV kernel (`_dkv`), each writing a float32
+  # partial dK/dV summed after, so a short prompt still fills the chip. None: the count whose
+  # launch ends first (`schedule.row_parts`). A count that does not divide the query blocks, or
+  # block_kv_dkv != block_q_dkv, runs as 1.
   row_parts: int | None = None
-  # The forward and dQ kernels mask every step's scores (as before session 35). False: only
-  # the steps whose block holds an invisible (query, key) pair (past the segment's length, or
-  # above the causal diagonal) build and apply the mask; the others take an unmasked branch.
+  # False: only the steps whose block holds an invisible (query, key) pair (past the segment's
+  # length, or above the causal diagonal) build and apply the mask in the forward and dQ
+  # kernels; the others take an unmasked branch.
   mask_all_steps: bool = False
-  # The same for the dK/dV kernel, where the branch costs more than the mask saves: the 8K
-  # prompt's fused dK/dV against 64 x 1K rows took 38.8 ms masking every step, 42.9-44.9 with
-  # the branch (`experiments/results/train_causal_pairs_s36/`, call 1).
+  # The same for the dK/dV kernel, where the branch costs more than the mask saves.
   mask_all_steps_dkv: bool = True
   # Causal forward and dQ programs run two query tiles each: tile p, then tile n - 1 - p of the
-  # n tiles (`_Tiles`), so every program streams about n + 1 kv blocks (one tile a program
-  # streams 1..n, longest first). Half the programs; each one's prologue (its Q, dO, lse loads)
-  # and epilogue are paid per pair, and the second tile's K/V stream while the first finishes.
-  # Blocks too large for two slots of Q (and dO) in shared memory run one tile a program.
+  # n tiles (`_Tiles`), so every program streams about n + 1 kv blocks and pays its prologue and
+  # epilogue once a pair. Blocks too large for two slots of Q (and dO) run one tile a program.
   pair_causal_tiles: bool = True
-  # The prefill's completions (`hydrajax/training/prefill_vjp.py`): their causal dQ kernel
-  # writes float32 first, and the shared prompt's fused dK/dV kernel reduce-adds its dQ onto
-  # it (`segments_backward`'s dq_init), in place of a zeroed float32 buffer, a bf16 causal dQ
-  # and a sum of the two. The dQ kernel's float32 stores cost 0.09-0.29 ms; the two XLA passes
-  # gone saved more: kernel sums 8.78 -> 8.74 ms (G=16, P=1K, T=2K), 37.57 -> 37.13 (64:1K:2K),
-  # 66.98 -> 66.69 (64:8K:1K) (`experiments/results/train_prefixed_s37/`, call 6).
+  # The prefill's completions (`hydrajax.attention.training.prefill_vjp`): their causal dQ
+  # kernel writes float32 first, and the shared prompt's fused dK/dV kernel reduce-adds its dQ
+  # onto it (`segments_backward`'s dq_init), saving two XLA passes over dQ.
   prefill_dq_in_place: bool = True
 
   def __post_init__(self):
@@ -165,7 +140,7 @@ def config_or_default(config, interpret):
 
 def unsupported_reason(dtypes, head_dim: int) -> str | None:
   """Why the kernels cannot take inputs of these dtypes (q, k, v, ...) and head dim, or None
-  (what `hydrajax.training.prepare_training_attention` asks before it picks them)."""
+  (what `hydrajax.attention.training.prepare_training_attention` asks before it picks them)."""
   if head_dim % 64:
     return f'head dim must be a multiple of 64, got {head_dim}'
   names = [jnp.dtype(d).name for d in dtypes]
@@ -896,25 +871,14 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
       if fused:
         add_dq(g * nq - 1)  # the last step's
       if parts > 1:
-        store_part(dk * scale, dk_ref.at[seq, part, toks, kv_head])
-        store_part(dv, dv_ref.at[seq, part, toks, kv_head])
+        _store_part(dk * scale, dk_ref.at[seq, part, toks, kv_head], dq_smem2.at[wg])
+        _store_part(dv, dv_ref.at[seq, part, toks, kv_head], dq_smem2.at[wg])
         return
       k_smem[...] = (dk * scale).astype(dtype)  # K and V are no longer needed: they stage dK, dV
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[seq, toks, kv_head])
       plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, toks, kv_head])
-      plgpu.wait_smem_to_gmem(0)
-
-    def store_part(x, dst):
-      """x [bk, H] float32 -> dst, through this warpgroup's dQ staging buffer, H / W
-      columns at a time (each after the previous copy has read the buffer)."""
-      dq_smem = dq_smem2.at[wg]
-      for c in range(h // hq):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        dq_smem[...] = x[:, c * hq:(c + 1) * hq]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dst.at[:, pl.ds(c * hq, hq)])
       plgpu.wait_smem_to_gmem(0)
 
     def stage_ds_for_dq(ds16, flat):
@@ -984,6 +948,34 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
               in_specs=[row_spec, row_spec, stat_spec, stat_spec])(
                   q_ref.at[seq], do_ref.at[seq], lse_ref.at[seq], delta_ref.at[seq])
 
+  scratch = _dkv_scratch(cfg, h, dtype, fused=fused, interpret=interpret)
+  kv_type = (jax.ShapeDtypeStruct(k.shape, dtype) if parts == 1 else
+             jax.ShapeDtypeStruct((z, parts, *k.shape[1:]), jnp.float32))
+  launch = _launch(training_dkv_kernel, interpret=interpret, config=cfg,
+                   grid=(tiles, kh, z * parts), grid_names=('kv_tiles', 'kv_heads', 'rows'),
+                   out_type=(kv_type, kv_type), scratch=scratch)
+  args = (q, k, v, do, lse2, delta, length)
+  if not fused:
+    return launch(*args)
+  return _launch_fused_dq(launch, args, tiles, parts, dq_init, interpret=interpret)
+
+
+def _store_part(x, dst, dq_smem):
+  """x [bk, H] float32 -> dst, through a warpgroup's dQ staging buffer `dq_smem` ([bq, H / W]),
+  H / W columns at a time (each after the previous copy has read the buffer)."""
+  hq = dq_smem.shape[-1]
+  for c in range(x.shape[-1] // hq):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dq_smem[...] = x[:, c * hq:(c + 1) * hq]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dst.at[:, pl.ds(c * hq, hq)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_scratch(cfg, h: int, dtype, *, fused: bool, interpret: bool):
+  """The dK/dV kernel's shared memory and barriers: K, V (then dK, dV), the staged P and dS
+  (interpret mode), the K/V barriers; fused, the dS buffers, the dQ staging and dS barrier."""
+  wgs, bq, bk = cfg.compute_wgs, cfg.block_q_dkv, cfg.block_kv_dkv
   scratch = [
       plgpu.SMEM((wgs, bk, h), dtype, transforms=_TILED),
       plgpu.SMEM((wgs, bk, h), dtype, transforms=_TILED),
@@ -993,16 +985,16 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
   ]
   if fused:
     scratch += [plgpu.SMEM((2, wgs, bk, bq), dtype, transforms=_TILED),
-                plgpu.SMEM((wgs, bq, hq), jnp.float32, transforms=_TILED_F32),
+                plgpu.SMEM((wgs, bq, h // wgs), jnp.float32, transforms=_TILED_F32),
                 plgpu.Barrier(num_arrivals=wgs) if wgs > 1 else None]
-  kv_type = (jax.ShapeDtypeStruct(k.shape, dtype) if parts == 1 else
-             jax.ShapeDtypeStruct((z, parts, *k.shape[1:]), jnp.float32))
-  launch = _launch(training_dkv_kernel, interpret=interpret, config=cfg,
-                   grid=(tiles, kh, z * parts), grid_names=('kv_tiles', 'kv_heads', 'rows'),
-                   out_type=(kv_type, kv_type), scratch=scratch)
-  args = (q, k, v, do, lse2, delta, length)
-  if not fused:
-    return launch(*args)
+  return scratch
+
+
+def _launch_fused_dq(launch, args, tiles: int, parts: int, dq_init, *, interpret: bool):
+  """(dq float32, dk, dv) of the fused dK/dV kernel: dQ reduce-added into dq_init (zeros if
+  None); interpret mode (no TMA reduction) sums each kv tile's slab after."""
+  q, k = args[0], args[1]
+  z, mp, n, h = q.shape
   init = jnp.zeros((z, mp, n, h), jnp.float32) if dq_init is None else dq_init
   if interpret:
     slabs = jax.new_ref(jnp.zeros((tiles, z, mp, n, h), jnp.float32))
@@ -1013,7 +1005,7 @@ def _dkv(q, k, v, do, lse2, delta, length, *, scale, causal_t, interpret, cfg, f
     dk, dv = launch(*args, dq)
     dq = dq[...]
   if parts > 1:
-    dk, dv = (x.sum(1).astype(dtype) for x in (dk, dv))
+    dk, dv = (x.sum(1).astype(k.dtype) for x in (dk, dv))
   return dq, dk, dv
 
 

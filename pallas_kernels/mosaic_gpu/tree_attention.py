@@ -20,7 +20,7 @@ A layout with no shared segment (plain paged decode) is one launch of
 `paged_decode` instead, one program per row. Same contract as
 `hydrajax.tree_attention_xla`, which is the reference.
 
-The backend protocol of `hydrajax.attention_plan`: `prepare` runs once per tree
+The backend protocol of `hydrajax.attention.plan`: `prepare` runs once per tree
 change (packed segment table, schedule, frame sizes: host work), `for_step`
 once per decode step (the private kernel's lane table, from the rows' private
 lengths), `attend` once per layer with `kv_offset`, the token where this
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import dispatch
+from hydrajax import devices
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.validation import check_tree_attention_inputs
@@ -57,8 +57,7 @@ from pallas_kernels.mosaic_gpu.paged_decode import PagedProblem, paged_attention
 from pallas_kernels.mosaic_gpu.paged_decode import unfold_states as paged_unfold_states
 from pallas_kernels.mosaic_gpu.private_attention import private_attention
 from pallas_kernels.mosaic_gpu.private_problem import (
-    PrivateProblem, lane_heads_for, lane_steps, lane_table, pad_page_table, stage_pages,
-    token_frame_rows,
+    PrivateProblem, lane_heads_for, lane_steps, lane_table, token_frame_rows,
 )
 from pallas_kernels.mosaic_gpu.private_problem import unfold_states as private_unfold_states
 from pallas_kernels.mosaic_gpu.schedule import (
@@ -76,109 +75,29 @@ MAX_PRIVATE_SLOTS = 5  # 160 KiB of K/V slots at H=128, with Q and the output ro
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuConfig:
-  """Tuning knobs of the Mosaic GPU kernels (static under jit).
+  """Tuning knobs of the Mosaic GPU kernels (static under jit). `TUNED_CONFIGS` holds the
+  measured defaults per device; NOTES.md the measurements and what lost."""
 
-  Attributes:
-    block_kv: kv tokens per step of the shared kernel (multiple of 64; 64 was slower on
-      every H200 shape measured). 192 (the most that fits with two slots) took the shared
-      kernel alone 414.2 -> 400.7 µs at B=1024, P=16K, 32/8, but 109.4 -> 111.3 at B=256, and
-      the 7B decode step's attention kernels 4.18 -> 4.34 ms at B=1024, P=1K
-      (`mosaic_gpu_check/s29`); 128 stays the default.
-    max_concurrent_steps: shared-memory slots of the shared kernel's K/V pipeline (>= 2;
-      3 was slower on an H200 at every P=16K shape, s29).
-    max_splits: most kv splits per shared segment (8 measured best at B=32, P=2K on an
-      H200: 25.9 us against 29.8 with 16 and 26.1 with 4; larger batches use 1-2).
-    num_sms: multiprocessors to fill (None: the device's; 132 off the GPU).
-    private_slots: K/V steps in flight in the private kernel, 2..MAX_PRIVATE_SLOTS (None: 3
-      when its programs fit one a multiprocessor, else 2). Each slot is 32 KiB of shared memory
-      at H=128: two programs share a multiprocessor with 2 slots each, one with 3 or more.
-    private_pair_copies: the private kernel copies two 8-token chunks that follow each other in
-      the buffer (a short row's two chunks, at decode) with one 16-token copy, halving a decode
-      step's copies. Off: no faster on the H200 (run 8: 188.3 against 187.5 µs at B=1024,
-      P=1K, 9 tokens a row), and neither were 3 slots (266.6 µs: one program a multiprocessor).
-    private_staged_pages: the private kernel copies its frame's rows of the page table to
-      shared memory once (when they fit `private_problem.MAX_STAGED_PAGE_BYTES`), so each
-      step's plan reads page ids there instead of from global memory. H200, B=1024, 9 private
-      tokens a row, 32/32 heads: the private kernel 145 -> 131 µs alone, and 7-13% less time
-      in the CodeLlama-7B decode step (`experiments/results/mosaic_gpu_check/run8`). None:
-      only when the plans are walked (with the lane table the kernel reads no page id, so the
-      copy and its wait at every program's start are skipped).
-    private_lane_table: the private kernel reads each step's plan (its chunks' first tokens,
-      contiguity, valid counts) from a table built by XLA from the rows' private lengths and
-      pages (`private_problem.lane_table`; the same for every layer of a step: `for_step`
-      builds it once) instead of walking 8 dependent lanes in the kernel. The walk was the
-      largest region of a decode step at short rows (1.89 of about 5.8 µs, run 8). H200,
-      B=1024, P=1K, 9 private tokens a row, 32/32 heads: the private kernel 132 -> 112 µs
-      alone; in the CodeLlama-7B decode step 14% less private-kernel time at B=1024, 31% at
-      B=32 (`experiments/results/throughput/lane_table_s23`).
-    shared_overlap: the shared kernel issues each step's QK^T wgmma with the previous step's
-      PV and runs the softmax under PV, its warpgroups taking one-sided turns at issuing
-      (`SegmentKernelConfig.overlap`). None: on for programs of 16 kv blocks or more, off
-      with `block_kv` over 128, where it spills registers (`segment_attention.overlaps`).
-      H200, shared kernel alone: 410.0 -> 400.9 µs at B=1024, P=16K, 32/8; 108.9 -> 108.6 at
-      B=256; 9.5 -> 10.2 at B=32, P=2K (`mosaic_gpu_check/s29`). With s28's rendezvous turns
-      it was 12-16% slower; with 192-token steps 1.6x slower (s30).
-    private_zero_unseen: the private kernel zeroes the V rows of a step's partial chunks
-      past their valid tokens, so that NaN or inf there never meets a zero probability
-      (0 * inf). False skips that, and is right only when every unattended slot of the cache
-      is finite (a recycled page can hold another request's values). H200, private kernel
-      alone, B=1024, P=1K, 32/32: 95.2 -> 88.8 µs at 9 tokens a row, 317.1 -> 299.8 at 65
-      (`mosaic_gpu_check/s30`, call 4). On by default.
-    q_by_row: with one query head per kv head (G = 1), T a power of two (no padded rows) and
-      B*T a multiple of 8, the kernels read q's [B*T, K, H] view in place instead of a
-      folded copy (`segment_attention.q_tile`): no per-layer pad and transpose of q (7.8 µs
-      of 163 at B=1024, P=1K, 32/32 heads on an H200, `throughput/s24`).
-    q_by_row_groups: `q_by_row` also for G = 2, 4 or 8 (T*G rows a query row, none padded):
-      each kernel copies a Q tile's [64/G, G, H] rows from q's [B*T, K, G, H] view into an
-      untiled buffer and from there, through registers, into the tiled one wgmma reads. It
-      takes out the per-layer fold of q at GQA shapes, but on an H200 the kernels spend what
-      the fold cost (`mosaic_gpu_check/s29`, call 1, 32/8 heads): B=256, P=16K 128.1 -> 129.2
-      µs a call, B=1024 455.6 -> 455.0, B=32, P=2K 27.3 -> 26.2. Correct on every check
-      layout; off.
-    private_token_lanes: a private-kernel lane is 8/h tokens of h kv heads (one 8-row tile of
-      the cache's flat [L*K, H] view: one token of 8 kv heads when K is a multiple of 8, two
-      tokens of 4 or four of 2 when K is 4 or 2) instead of 8 tokens of one kv head, and a
-      program takes h kv heads' rows of 64/h folded rows (`private_problem.lane_heads_for`:
-      T*G <= 64/h and B*TGp a multiple of 64/h; other shapes keep chunk lanes). A step then
-      copies fewer tokens the rows do not hold: at 9 private tokens a row chunk lanes read 16
-      tokens' bytes (h = 8: 9), and at 1 token 8 (h = 8: 1; h = 4: 2). Needs
-      `private_lane_table`; with token lanes q is read folded at G > 1 (`q_by_row_groups` off)
-      and `private_staged_pages` and `private_pair_copies` do not apply. None (the default):
-      token lanes where they fit and make at least `TOKEN_LANES_MIN_PROGRAMS` programs, or
-      `TOKEN_LANES_LONG_ROW_MIN_PROGRAMS` where a row may hold more than
-      `TOKEN_LANES_MAX_CAPACITY` private tokens (the page table's width). H200, the private kernel alone in a layer of a decode step
-      (`mosaic_gpu_check/s46`): 32/8 heads, 1 token a row: B=1024 28.0 -> 17.8 µs, B=256
-      11.5 -> 8.9, but B=32 (16 programs) 10.2 -> 11.5; 16/4 (a tensor-parallel shard) B=1024
-      14.8 -> 10.5, B=256 (64 programs) 12.4 -> 10.5; 32/32 B=1024 at 9 tokens 94.7 -> 54.1,
-      at 8 56.4 -> 50.7; but 128 tokens a row at B=256, 32/8, 40.6 -> 50.3 (chunk lanes copy
-      a row's 64 contiguous tokens at once, or too few programs). In the CodeLlama-7B decode
-      step at B=1024, about 7 private tokens a row (a capacity of 128), the two kernels 4326
-      -> 3593 µs a step at P=1K, 17444 -> 16311 at 16K. Long rows at 512 programs (H100,
-      `mosaic_gpu_check/s49`): B=1024, 32/32, 9, 65 and 128 tokens a row, 156.0 -> 109.5,
-      460.3 -> 417.2 and 765.7 -> 767.8 µs; 32/8 at 128, 596.8 -> 606.8 (no step-plan time).
-    private_token_runs: with token lanes of every kv head (K = 8, 4 or 2: a lane is a whole
-      token's tile), a step of 8 lanes of one row's consecutive tokens is one 64-row copy of
-      the flat view instead of 8 (`PrivateProblem.token_runs`), as chunk lanes copy a row's 64
-      contiguous tokens. Long rows are where token lanes lost to chunk lanes (B=256, 32/8, 128
-      tokens a row: 16 copies a step against 2). Off: at B=1024, 32/8, 128 tokens a row it
-      did not pay (H100, `mosaic_gpu_check/s49`: 597.5 µs, token lanes alone 606.8 and chunk
-      lanes 596.8 in one run).
-  """
-
-  block_kv: int = 128
-  max_concurrent_steps: int = 2
-  max_splits: int = 8
-  num_sms: int | None = None
+  block_kv: int = 128  # kv tokens a shared-kernel step (a multiple of 64): 64 and 192 lost
+  max_concurrent_steps: int = 2  # the shared kernel's K/V slots (>= 2): 3 lost at P=16K
+  max_splits: int = 8  # most kv splits of a shared segment: small batches fill the chip
+  num_sms: int | None = None  # multiprocessors to fill (None: the device's; 132 off the GPU)
+  # The private kernel's K/V steps in flight (None: 3 when its programs fit one a
+  # multiprocessor, else 2, so that two programs share one).
   private_slots: int | None = None
-  private_pair_copies: bool = False
-  private_staged_pages: bool | None = None
+  # Step plans read from a table XLA builds once a decode step (`for_step`) instead of walked
+  # in the kernel: the walk was a decode step's largest region at short rows.
   private_lane_table: bool = True
-  q_by_row: bool = True
-  q_by_row_groups: bool = False
+  q_by_row: bool = True  # G = 1: q's [B*T, K, H] view read in place, no per-layer fold of q
+  # The shared kernel's QK^T of a step under the previous step's PV (None: for programs of 16
+  # kv blocks or more, never over 128-token steps, where it spills registers).
   shared_overlap: bool | None = None
+  # Zero V past a chunk's valid tokens, so NaN or inf there never meets a zero probability;
+  # False only for caches whose unattended slots are finite (a recycled page may not be).
   private_zero_unseen: bool = True
+  # A private lane is 8/h tokens of h kv heads instead of 8 tokens of one (fewer copied tokens
+  # at decode). None: where they fit and make enough programs (`TOKEN_LANES_*`).
   private_token_lanes: bool | None = None
-  private_token_runs: bool = False
 
   def __post_init__(self):
     for name in _SWITCHES + _OPTIONAL_SWITCHES:
@@ -216,11 +135,27 @@ _OPTIONAL_SWITCHES = tuple(
     f.name for f in dataclasses.fields(MosaicGpuConfig) if f.type == bool | None)
 DEFAULT_CONFIG = MosaicGpuConfig()
 
+# The measured defaults, per device the kernels were timed on (decode and prefill shapes of
+# `experiments.mosaic_gpu.check_on_device` and the CodeLlama-7B decode step): both Hopper parts
+# keep the same knobs; a device not listed takes the H100's.
+TUNED_CONFIGS: dict[str, MosaicGpuConfig] = {
+    'H100': DEFAULT_CONFIG,
+    'H200': DEFAULT_CONFIG,
+}
+
+
+def tuned_config(device_kind: str) -> MosaicGpuConfig:
+  """The measured defaults of a device kind (e.g. 'NVIDIA H200'), the H100's if not listed."""
+  for name, config in TUNED_CONFIGS.items():
+    if name.lower() in device_kind.lower():
+      return config
+  return TUNED_CONFIGS['H100']
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
   """The static facts of one call that the kernels need (the fields of
-  `hydrajax.attention_plan.AttentionShapes`; any object with them will do)."""
+  `hydrajax.shapes.AttentionShapes`; any object with them will do)."""
 
   num_rows: int  # B
   query_tokens: int  # T
@@ -247,7 +182,7 @@ class Prepared:
   `schedule` and `segments` are set), else a `PagedProblem` (plain paged decode).
   """
 
-  private_pages: jax.Array  # [B, P] int32; [staged_rows, P4] when problem.staged_pages
+  private_pages: jax.Array  # [B, P] int32
   private_lengths: jax.Array  # [B] int32
   row_segments: jax.Array | None  # [B, D] int32 (TreeLayout.row_segments)
   segments: jax.Array | None  # [4, J] int32, pack_segments(layout.groups)
@@ -281,7 +216,7 @@ def _shape_reason(shapes, layout: TreeLayout) -> str | None:
 
 
 def _hopper_reason() -> str | None:
-  return dispatch.hopper_reason()  # the one device check
+  return devices.hopper_reason()  # the one device check
 
 
 def unsupported_reason(shapes, layout, *, interpret: bool = False) -> str | None:
@@ -324,24 +259,17 @@ def prepare(layout: TreeLayout, shapes, config: MosaicGpuConfig = DEFAULT_CONFIG
   # One program per multiprocessor or fewer: a third K/V slot (shared memory allows it).
   programs = problem.num_frames * kh // problem.heads_per_program
   slots = config.private_slots or (3 if programs <= num_sms else 2)
-  stage = (not config.private_lane_table if config.private_staged_pages is None
-           else config.private_staged_pages)
-  staged = stage and not token and stage_pages(problem, layout.private_pages.shape[1])
   steps = lane_steps(problem, layout.private_pages.shape[1]) if config.private_lane_table else 0
-  by_row = _reads_q_by_row(config, b, t, g, tgp) and not (token and g > 1)
-  runs = config.private_token_runs and token and kh == heads
-  problem = dataclasses.replace(problem, slots=slots, token_runs=runs,
-                                pair_copies=config.private_pair_copies and not token,
-                                zero_unseen=config.private_zero_unseen,
-                                staged_pages=staged, lane_steps=steps, q_by_row=by_row)
+  by_row = _reads_q_by_row(config, b, t, g, tgp)
+  problem = dataclasses.replace(problem, slots=slots, zero_unseen=config.private_zero_unseen,
+                                lane_steps=steps, q_by_row=by_row)
   sched = shared_schedule(
       layout, rows_per_query=tgp, num_kv_heads=kh, block_kv=config.block_kv, num_sms=num_sms,
       max_splits=config.max_splits,
   )
-  pages = pad_page_table(layout.private_pages, problem) if staged else layout.private_pages
   return Prepared(
-      pages, layout.private_lengths, layout.row_segments, pack_segments(layout.groups), sched,
-      problem,
+      layout.private_pages, layout.private_lengths, layout.row_segments,
+      pack_segments(layout.groups), sched, problem,
   )
 
 
@@ -368,15 +296,11 @@ def _lane_heads(config: MosaicGpuConfig, layout: TreeLayout, b: int, tgp: int, k
 
 
 def _reads_q_by_row(config: MosaicGpuConfig, b: int, t: int, g: int, tgp: int) -> bool:
-  """Whether the kernels read q's rows in place (`MosaicGpuConfig.q_by_row`).
-
-  Folded row r is q[r // TGp, (r % TGp) // G, k*G + r % G]: in place only without padded
-  rows (TGp == T*G). A TMA copy of a [B*T, K, ...] view needs whole 8-row tiles of it
-  (B*T a multiple of 8), and with G > 1 a tile's first row must be a whole (b, t) row (G
-  divides ALIGN).
-  """
-  groups_ok = g == 1 or (config.q_by_row_groups and ALIGN % g == 0)
-  return config.q_by_row and groups_ok and tgp == t * g and b * t % ALIGN == 0
+  """Whether the kernels read q's rows in place (`MosaicGpuConfig.q_by_row`): at G = 1
+  folded row r is q[r // T, r % T, k], and a TMA copy of the [B*T, K, H] view needs whole
+  8-row tiles of it (B*T a multiple of 8). At G > 1 reading in place cost the kernels what
+  the fold of q saves."""
+  return config.q_by_row and g == 1 and tgp == t and b * t % ALIGN == 0
 
 
 def with_private_lengths(prepared: Prepared, lengths: jax.Array) -> Prepared:
@@ -397,8 +321,7 @@ def for_step(prepared: Prepared) -> Prepared:
     return prepared
   lanes = lane_table(prepared.private_lengths, prepared.private_pages, problem)
   # XLA's rematerialization pass may otherwise build the table again before each layer (it
-  # did before every layer of the CodeLlama-7B step: `experiments/results/xla_programs/`);
-  # a barrier's result cannot be recomputed.
+  # did before every layer of the CodeLlama-7B step); a barrier's result cannot be recomputed.
   lanes = jax.lax.optimization_barrier(lanes)
   return dataclasses.replace(prepared, lanes=lanes)
 
@@ -496,11 +419,10 @@ def _attend(q, k_cache, v_cache, prepared: Prepared, kv_offset, *, shapes, confi
   tgp, frame, frames = problem.rows_per_query, problem.frame_rows, problem.num_frames
   rows = round_up(max(b * tgp, frames * frame) + TILE_M, ALIGN)
   by_row = problem.q_by_row
-  if by_row:  # [B*T, K, H] (G = 1) or [B*T, K, G, H]
-    g = n // kh
-    qf = q.reshape(b * tgp // g, kh, *((g,) if g > 1 else ()), q.shape[-1])
+  if by_row:  # [B*T, K, H] (G = 1)
+    qf = q.reshape(b * tgp, kh, q.shape[-1])
     if interpret:  # interpret mode clamps reads past the end; TMA reads them as zeros
-      qf = jnp.pad(qf, ((0, (rows - b * tgp) // g),) + ((0, 0),) * (qf.ndim - 1))
+      qf = jnp.pad(qf, ((0, rows - b * tgp), (0, 0), (0, 0)))
   else:
     qf = _fold_queries(q, kh, tgp, rows)
   partial_out, partial_lse = segment_attention(

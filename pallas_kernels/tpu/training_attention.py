@@ -1,6 +1,7 @@
 """Mosaic TPU kernels for training attention: a group of items' forward and backward passes.
 
-`hydrajax.training.tree_attention_differentiable` with `impl=MOSAIC_TPU` runs its parts here:
+`hydrajax.attention.training.tree_attention_differentiable` with `impl=MOSAIC_TPU` runs its
+parts here:
 
 * a group of shared segments (`segments_forward`, `segments_backward`): for each segment z,
   the queries of every row it covers, times their T tokens and the GQA group G, are one matrix

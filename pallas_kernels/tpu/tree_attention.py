@@ -21,7 +21,7 @@ place ([L, K*H] and [L/C, C, K*H] are free reshapes of [L, K, H]).
 No TPU is needed to test: pass `interpret=pltpu.InterpretParams()` (or True) to
 run both kernels in TPU interpret mode on CPU.
 
-The backend protocol of `hydrajax.attention_plan`: `prepare` builds the shared
+The backend protocol of `hydrajax.attention.plan`: `prepare` builds the shared
 kernel's work list (a device sort and scatter) and pads the page table, once
 per tree change; `attend` passes the layer's `kv_offset` to the kernels as
 scalar-prefetched SMEM scalars (first kv block, first page) that their index
@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from hydrajax import dispatch
+from hydrajax import devices
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
+from hydrajax.shapes import AttentionShapes
 from hydrajax.validation import check_tree_attention_inputs
 from pallas_kernels.tpu.online_softmax import LANES
 from pallas_kernels.tpu.private_attention import private_attention
@@ -217,7 +218,7 @@ def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) 
 
 def targets_tpu() -> bool:
   """True on a TPU backend, or under `jax.sharding.use_abstract_mesh` with a TPU device."""
-  return dispatch.tpu_reason() is None
+  return devices.tpu_reason() is None
 
 
 def _shapes_reason(q, k_cache, layout: TreeLayout, block_sizes: BlockSizes) -> str | None:
@@ -257,7 +258,7 @@ def unsupported_reason(shapes, layout: TreeLayout, *, interpret=False,
                        config: BlockSizes | None = None) -> str | None:
   """Why calls of these `AttentionShapes` cannot run on these kernels, or None.
 
-  Shapes, dtypes and block-size limits only: the device check is `hydrajax.dispatch`'s.
+  Shapes, dtypes and block-size limits only: the device check is the dispatcher's.
   """
   del interpret
   return _shapes_reason(shapes.query_struct(), shapes.kv_struct(), layout, config or DEFAULT_CONFIG)
@@ -356,12 +357,10 @@ def tree_attention(
     ValueError: bad inputs (see `hydrajax.validation`), or inputs these kernels
       do not support (see `unsupported_reason`).
   """
-  from hydrajax.attention_plan import AttentionShapes  # hydrajax imports dispatch lazily
-
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   block_sizes = block_sizes or BlockSizes()
   interpret = _interpret_arg(interpret)
-  reason = dispatch.device_reason(dispatch.AttentionImpl.MOSAIC_TPU, interpret=bool(interpret))
+  reason = devices.with_interpret_hint(devices.tpu_reason(), interpret=bool(interpret))
   reason = reason or _shapes_reason(q, k_cache, layout, block_sizes)
   if reason is not None:
     raise ValueError(f'pallas_kernels.tpu.tree_attention does not support these inputs: {reason}')

@@ -25,12 +25,14 @@ The list is built on device (jnp, under jit) from the `TreeLayout`'s padded
 arrays.
 """
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hydrajax.layout import TreeLayout
+if TYPE_CHECKING:  # annotations only: hydrajax imports these kernels (the registry)
+  from hydrajax.layout import TreeLayout
+
 
 FIRST = 1  # the item starts its row tile: load the private partial state
 LAST = 2  # the item ends its row tile: write the tile's output
@@ -56,7 +58,7 @@ def _candidates_per_group(row_capacity, kv_capacity, rows_per_query, block_rows,
   return tiles, blocks
 
 
-def work_list_size(layout: TreeLayout, *, rows_per_query: int, block_rows: int, block_kv: int,
+def work_list_size(layout: 'TreeLayout', *, rows_per_query: int, block_rows: int, block_kv: int,
                    num_tiles: int, kv_tokens: int, num_splits: int = 1) -> int:
   """Static items per split E, a bound on the items any split uses.
 
@@ -74,7 +76,7 @@ def work_list_size(layout: TreeLayout, *, rows_per_query: int, block_rows: int, 
   return size
 
 
-def build_work_list(layout: TreeLayout, *, rows_per_query: int, block_rows: int, block_kv: int,
+def build_work_list(layout: 'TreeLayout', *, rows_per_query: int, block_rows: int, block_kv: int,
                     num_tiles: int, kv_tokens: int, num_splits: int = 1) -> WorkList:
   """Items of every segment of every group, dealt to splits and sorted by row tile.
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from hydrajax.benchmarking import gpu_clock
+from experiments.benchmarking import gpu_clock
 
 # H100/H200 have 50-60 MB of L2: twice the larger, as the method above asks.
 GPU_FLUSH_BYTES = 128 * 2**20

@@ -31,15 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.shapes import AttentionShapes
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import Segment, SharingPlan, TreeLayout, as_int
-from hydrajax.parallel import ShardedLayout, stack_shards
+from hydrajax.attention.parallel import ShardedLayout, stack_shards
 from hydrajax.partial_state import PartialState
-from hydrajax.training.prefill_vjp import (
+from hydrajax.attention.training.prefill_vjp import (
     LevelsPlan, attend_levels, join_levels, prepare_levels,
 )
-from hydrajax.training.training_plan import TrainingAttentionPlan, attend_levels_differentiable
+from hydrajax.attention.training.training_plan import (
+    TrainingAttentionPlan, attend_levels_differentiable,
+)
 from hydrajax.validation import check_tree_attention_inputs
 
 

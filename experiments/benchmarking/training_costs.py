@@ -14,7 +14,7 @@ it recomputes QK^T). Bytes: each of q, k, v, out read or written once in the
 forward; q, k, v, out, dout read and dq, dk, dv written once in the backward.
 """
 
-from hydrajax.benchmarking.roofline import Cost
+from experiments.benchmarking.roofline import Cost
 
 MATMULS_FWD_BWD = 6
 

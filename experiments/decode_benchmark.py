@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.benchmarking import gpu_clock, timing
 import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
-from hydrajax.benchmarking import gpu_clock, per_sequence_cost, shared_prefix_cost, timing
-from hydrajax.parallel import DP, TP, mesh_sizes
+from experiments.benchmarking import per_sequence_cost, shared_prefix_cost
+from hydrajax.attention.parallel import DP, TP, mesh_sizes
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import decode, prefill, start_decode

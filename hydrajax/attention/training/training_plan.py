@@ -4,11 +4,11 @@
     for layer in range(num_layers):                                          # every layer
       out, lse = attend_differentiable(q, k_layer, v_layer, plan)            # custom VJP
 
-`prepare_training_attention` resolves the kernels once, in one function on top of
-`hydrajax.dispatch` (its device check and its fallback warning), and derives from the layout
-what both passes of the custom VJP (`tree_attention_vjp`) walk: each part's rows, kv tokens and
-causal limits, and the rows' index into the segments' states (`path_item_index`). Without a
-plan, every layer's forward and backward derived them again. The plan is a jit pytree: the
+`prepare_training_attention` resolves the kernels once (`dispatch.resolve_training`: its
+device check and its fallback warning), and derives from the layout what both passes of the
+custom VJP (`tree_attention_vjp`) walk: each part's rows, kv tokens and causal limits, and the
+rows' index into the segments' states (`path_item_index`). Without a plan, every layer's
+forward and backward derived them again. The plan is a jit pytree: the
 layout and those arrays are leaves; the resolved kernels, the shapes, `kv_block`, the kernel
 config and `interpret` are static.
 
@@ -22,20 +22,19 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from hydrajax import dispatch
-from hydrajax.attention_plan import AttentionShapes, check_scale
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.attention import dispatch
+from hydrajax.attention.plan import check_scale
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
+from hydrajax.shapes import AttentionShapes
 from hydrajax.partial_state import PartialState
-from hydrajax.training.tree_attention_vjp import (
+from hydrajax.attention.training.tree_attention_vjp import (
     _Kernels, _levels_attention, _Part, _parts,
 )
-from hydrajax.tree_attention import path_item_index
+from hydrajax.attention.xla import path_item_index
 from hydrajax.validation import check_tree_attention_inputs
-
-_IMPLS = tuple(AttentionImpl)
-_SHARED_BACKWARDS = (AttentionImpl.XLA, AttentionImpl.MOSAIC_GPU, AttentionImpl.MOSAIC_TPU)
-
+from pallas_kernels.mosaic_gpu import training_attention as gpu_training
+from pallas_kernels.tpu import training_attention as tpu_training
 
 @dataclasses.dataclass(frozen=True)
 class TrainingAttentionPlan:
@@ -67,80 +66,13 @@ jax.tree_util.register_dataclass(
 )
 
 
-def training_unsupported_reason(
-    impl: AttentionImpl | str, shapes: AttentionShapes, *, interpret=False
-) -> str | None:
-  """Why `impl`'s training kernels cannot run `shapes` here, or None (XLA runs anything).
-
-  The device check is `dispatch.device_reason`'s; the Mosaic GPU kernels' own limits (dtype,
-  head dim) are `pallas_kernels.mosaic_gpu.training_attention.unsupported_reason`.
-  """
-  impl = AttentionImpl(impl)
-  reason = dispatch.device_reason(impl, interpret=interpret)
-  if reason is not None or impl is not AttentionImpl.MOSAIC_GPU:
-    return reason
-  from pallas_kernels.mosaic_gpu import training_attention  # pallas_kernels imports hydrajax
-
-  return training_attention.unsupported_reason(
-      (shapes.dtype, shapes.kv_dtype, shapes.kv_dtype), shapes.head_dim)
-
-
-def _as_impl(name: str, value, allowed) -> AttentionImpl:
-  try:
-    impl = AttentionImpl(value)
-  except ValueError:
-    impl = None
-  if impl not in allowed:
-    names = ', '.join(i.name for i in allowed)
-    raise ValueError(f'{name} must be one of {names} (an AttentionImpl or its value), '
-                     f'got {value!r}')
-  return impl
-
-
-def resolve_training(
-    impl: AttentionImpl | str,
-    shared_backward: AttentionImpl | str | None,
-    shapes: AttentionShapes,
-    *,
-    interpret=False,
-) -> tuple[AttentionImpl, AttentionImpl]:
-  """(forward, shared backward) that will run: see `prepare_training_attention`."""
-  requested = _as_impl('impl', impl, _IMPLS)
-  # MOSAIC_TPU's kernels run the shared segments (forward and backward). AUTO tries this
-  # machine's kernel on a Hopper GPU only: the Mosaic TPU training kernels are tested in
-  # interpret mode only.
-  forward = AttentionImpl.XLA
-  if requested in (AttentionImpl.MOSAIC_GPU, AttentionImpl.MOSAIC_TPU):
-    forward = requested
-  elif requested is AttentionImpl.AUTO and dispatch.default_kernel() is AttentionImpl.MOSAIC_GPU:
-    reason = training_unsupported_reason(AttentionImpl.MOSAIC_GPU, shapes, interpret=interpret)
-    if reason is None:
-      forward = AttentionImpl.MOSAIC_GPU
-    else:
-      dispatch.fallback(AttentionImpl.MOSAIC_GPU, reason, source='training attention')
-  explicit = [] if requested is AttentionImpl.AUTO else [('impl', requested)]
-  if shared_backward is None:
-    backward = forward
-  else:
-    backward = _as_impl('shared_backward', shared_backward, _SHARED_BACKWARDS)
-    explicit.append(('shared_backward', backward))
-  for name, kernel in explicit:  # an explicit kernel that cannot run never falls back
-    reason = training_unsupported_reason(kernel, shapes, interpret=interpret)
-    if reason is not None:
-      raise ValueError(f'{name}={kernel.name} does not support these inputs: {reason}')
-  return forward, backward
-
-
 def _kernel_config_backend(config) -> AttentionImpl | None:
   """The kernels `config` tunes (None without one); TypeError for anything else."""
   if config is None:
     return None
-  from pallas_kernels.mosaic_gpu.training_attention import TrainingKernelConfig  # GPU Pallas
-  from pallas_kernels.tpu.training_attention import TrainingBlockSizes  # TPU Pallas
-
-  if isinstance(config, TrainingKernelConfig):
+  if isinstance(config, gpu_training.TrainingKernelConfig):
     return AttentionImpl.MOSAIC_GPU
-  if isinstance(config, TrainingBlockSizes):
+  if isinstance(config, tpu_training.TrainingBlockSizes):
     return AttentionImpl.MOSAIC_TPU
   raise TypeError('kernel_config must be a TrainingKernelConfig (Mosaic GPU) or a '
                   f'TrainingBlockSizes (Mosaic TPU), got {type(config).__name__}')
@@ -219,7 +151,8 @@ def resolve_training_kernels(
   kv = shapes.kv_struct()
   check_tree_attention_inputs(shapes.query_struct(), kv, kv, layout)
   tuned = _kernel_config_backend(kernel_config)
-  forward, backward = resolve_training(impl, shared_backward, shapes, interpret=interpret)
+  forward, backward = dispatch.resolve_training(impl, shared_backward, shapes,
+                                                interpret=interpret)
   if tuned is not None and tuned not in (forward, backward):
     if AttentionImpl(impl) is not AttentionImpl.AUTO:
       name = 'Mosaic GPU' if tuned is AttentionImpl.MOSAIC_GPU else 'Mosaic TPU'

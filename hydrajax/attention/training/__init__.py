@@ -1,8 +1,8 @@
-"""Training-side hydrajax: differentiable tree attention (prepared once per batch layout, or in
-one call), the causal prefill layout (prompts and completions) and its any-depth form, the
-causal prefill of a token tree (rollout trees)."""
+"""The differentiable side of tree attention: tree attention with a custom VJP (prepared once
+per batch layout, or in one call), the causal prefill layout (prompts and completions) and its
+any-depth form, the causal prefill of a token tree (rollout trees)."""
 
-from hydrajax.training.prefill_layout import (
+from hydrajax.attention.training.prefill_layout import (
     PrefillAttentionPlan,
     PrefillLayout,
     PrefillPlan,
@@ -13,15 +13,13 @@ from hydrajax.training.prefill_layout import (
     unshared_sequences,
     write_kv,
 )
-from hydrajax.training.training_plan import (
+from hydrajax.attention.training.training_plan import (
     TrainingAttentionPlan,
     attend_differentiable,
     prepare_training_attention,
-    resolve_training,
-    training_unsupported_reason,
     tree_attention_differentiable,
 )
-from hydrajax.training.tree_prefill import (
+from hydrajax.attention.training.tree_prefill import (
     TreePrefillAttentionPlan,
     TreePrefillLayout,
     TreePrefillPlan,
@@ -34,4 +32,3 @@ from hydrajax.training.tree_prefill import (
     tree_prefill_attention,
     write_tree_kv,
 )
-from hydrajax.training.costs import training_attention_cost, tree_prefill_cost

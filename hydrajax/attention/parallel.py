@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hydrajax.attention_plan import AttentionShapes, attend, check_layout, tree_attention
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.attention.plan import attend, check_layout, tree_attention
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import LayoutPolicy, SegmentGroup, SharingPlan, TreeLayout, host_layout
 from hydrajax.partial_state import PartialState
+from hydrajax.shapes import AttentionShapes
 from hydrajax.validation import check_tree_attention_inputs
 
 TP = 'tp'  # tensor parallelism: heads
@@ -434,7 +435,7 @@ def write_and_attend(
   dp = mesh.shape[rows] if rows else 1
   if rows is not None and not (isinstance(layout, ShardedLayout) and layout.num_shards == dp):
     raise ValueError(f'with {rows}={dp}, the layout must be a ShardedLayout of {dp} shards '
-                     '(hydrajax.parallel.stack_layouts), got '
+                     '(hydrajax.attention.parallel.stack_layouts), got '
                      f'{type(layout).__name__}')
   if rows is None and isinstance(layout, ShardedLayout):
     if layout.num_shards != 1:

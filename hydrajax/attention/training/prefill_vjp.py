@@ -25,11 +25,9 @@ ancestor's segment kernel reduce-adds its own onto it; off, the parts are summed
 
 The general custom VJP (`tree_attention_vjp`) walks any tree: it gathers each part's queries
 and K/V by index (copies), pads a dump row, and scatter-adds dK/dV and dQ back (all levels one
-VJP with one float32 dK/dV buffer, `training_plan.attend_levels_differentiable`). On an H200
-(`experiments/results/train_causal_pairs_s36/`) the time outside the kernels of a two-level
-prefill fell from 1.85 to 1.05 ms of a 9 ms forward + backward (G=16, 1K prompt, T=2K), and
-from 3.75 to 1.14 ms of 65 ms (G=64, 8K prompt, T=1K).
-Tested against the XLA path (`tests/test_mosaic_gpu_training.py`).
+VJP with one float32 dK/dV buffer, `training_plan.attend_levels_differentiable`); this module's
+contiguous slices cost a two-level prefill a fraction of that time outside the kernels.
+Tested against the XLA path (`tests/test_gpu_training.py`).
 """
 
 import dataclasses
@@ -40,15 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes, check_scale
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.attention.plan import check_scale
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
+from hydrajax.shapes import AttentionShapes
 from hydrajax.partial_state import PartialState, merge_many
-from hydrajax.training.training_plan import (
+from hydrajax.attention.training.training_plan import (
     TrainingAttentionPlan, check_planned_shapes, checked_kv_block, plan_resolved,
     resolve_training_kernels,
 )
-from hydrajax.training.tree_attention_vjp import _Kernels
+from hydrajax.attention.training.tree_attention_vjp import _Kernels
+from pallas_kernels.mosaic_gpu import training_attention as gpu_training
 
 
 @jax.tree_util.register_dataclass
@@ -138,8 +138,6 @@ def _shapes(level_q):
 
 
 def _forward(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels):
-  from pallas_kernels.mosaic_gpu import training_attention as ta  # kernels import hydrajax
-
   kw = dict(scale=scale, interpret=kernels.interpret, config=kernels.config)
   shapes = _shapes(level_q)
   ks, vs = split_levels(k_buffer, shapes), split_levels(v_buffer, shapes)
@@ -147,10 +145,10 @@ def _forward(level_q, k_buffer, v_buffer, segment_lengths, scale, kernels):
   for d, q in enumerate(level_q):
     ancestors = []
     for a in range(d):  # every level above: each of its nodes one segment of its rows below
-      out, lse = ta.segments_forward(_under(q, shapes[a][0]), ks[a], vs[a], segment_lengths[a],
-                                     **kw)
+      out, lse = gpu_training.segments_forward(_under(q, shapes[a][0]), ks[a], vs[a],
+                                               segment_lengths[a], **kw)
       ancestors.append(PartialState(out.reshape(q.shape), lse.reshape(q.shape[:3])))
-    own = PartialState(*ta.causal_forward(q, ks[d], vs[d], shapes[d][1], **kw))
+    own = PartialState(*gpu_training.causal_forward(q, ks[d], vs[d], shapes[d][1], **kw))
     states.append(merge_many(ancestors + [own], out_dtype=q.dtype) if ancestors else own)
   return tuple(states)
 
@@ -188,10 +186,8 @@ def _sum_parts(parts, dtype):
 
 
 def _bwd(scale, kernels, residuals, cotangents):
-  from pallas_kernels.mosaic_gpu import training_attention as ta
-
   kw = dict(scale=scale, interpret=kernels.interpret, config=kernels.config)
-  in_place = ta.config_or_default(kernels.config, kernels.interpret).prefill_dq_in_place
+  in_place = gpu_training.config_or_default(kernels.config, kernels.interpret).prefill_dq_in_place
   level_q, k_buffer, v_buffer, segment_lengths, states = residuals
   shapes = _shapes(level_q)
   ks, vs = split_levels(k_buffer, shapes), split_levels(v_buffer, shapes)
@@ -201,7 +197,7 @@ def _bwd(scale, kernels, residuals, cotangents):
     delta, do = _delta(state, cotangent)
     lse = state.lse
     # The own causal part first: its dQ in float32 when segment kernels add onto it.
-    dq, dk, dv = ta.causal_backward(q, ks[d], vs[d], do, lse, delta, shapes[d][1],
+    dq, dk, dv = gpu_training.causal_backward(q, ks[d], vs[d], do, lse, delta, shapes[d][1],
                                     dq_dtype=jnp.float32 if d and in_place else None, **kw)
     dk_parts[d].append(dk)
     dv_parts[d].append(dv)
@@ -209,7 +205,7 @@ def _bwd(scale, kernels, residuals, cotangents):
     for a in range(d):
       rows = lambda x: _under(x, shapes[a][0])
       last = a == d - 1
-      dq_a, dk, dv = ta.segments_backward(
+      dq_a, dk, dv = gpu_training.segments_backward(
           rows(q), ks[a], vs[a], rows(do), rows(lse), rows(delta), segment_lengths[a], **kw,
           **(dict(dq_init=rows(dq), dq_dtype=q.dtype if last else jnp.float32) if in_place
              else dict(dq_dtype=jnp.float32)))

@@ -8,7 +8,7 @@ gathers the partial states of the segments on its path (`path_item_index`) and
 LSE-merges them with its private state in one pass (layouts without
 `row_segments`: the states are scattered into their rows, `merge_into_rows`).
 
-The backend protocol of `hydrajax.attention_plan`: `prepare` turns the layout
+The backend protocol of `hydrajax.attention.plan`: `prepare` turns the layout
 into gather indices (tokens relative to one layer's buffer, clamped into it),
 masks and merge rows, once per tree change; `attend` adds the layer's
 `kv_offset` to the indices and runs the products. Tokens a row does not attend
@@ -148,7 +148,7 @@ def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
 
 
 # ---------------------------------------------------------------------------
-# The backend protocol (see `hydrajax.attention_plan`)
+# The backend protocol (see `hydrajax.attention.plan`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,24 +294,3 @@ def attend(q, k_cache, v_cache, prepared: XlaPrepared, *, shapes, config, kv_off
   del config, interpret
   scale = shapes.head_dim**-0.5 if scale is None else scale
   return _attend_all(q, k_cache, v_cache, prepared, jnp.asarray(kv_offset, jnp.int32), scale=scale)
-
-
-def tree_attention_xla(
-    q: jax.Array,  # [B, T, N, H]
-    k_cache: jax.Array,  # [L, K, H]
-    v_cache: jax.Array,  # [L, K, H]
-    layout: TreeLayout,
-    *,
-    scale: float | None = None,
-    kv_block: int = 4096,
-) -> PartialState:
-  """Exact attention of every row over its tree path and private KV (jit-compatible).
-
-  `hydrajax.tree_attention(..., impl=XLA, config=XlaConfig(kv_block))`. Returns
-  (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
-  """
-  from hydrajax import attention_plan  # imports this module
-
-  return attention_plan.tree_attention(
-      q, k_cache, v_cache, layout, impl='xla', scale=scale, config=XlaConfig(kv_block)
-  )

@@ -5,7 +5,7 @@
     for layer in range(num_layers):                                             # every layer
       out, lse = attend(q, k_all, v_all, step, kv_offset=layer * L)
 
-`prepare_attention` resolves the implementation once (`hydrajax.dispatch`) and lets the backend
+`prepare_attention` resolves the implementation once (`dispatch`) and lets the backend
 precompute what it derives from the layout (XLA: gather indices and masks; Mosaic TPU: the work
 list; Mosaic GPU: packed segment tables and schedules). `attend` then only adds `kv_offset` (the
 token where this layer's buffer starts in a flat `[layers * L, K, H]` buffer) where token
@@ -36,81 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax import dispatch
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.attention import dispatch
+from hydrajax.attention.xla import XlaConfig
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
-from hydrajax.validation import FLOAT_DTYPES, check_query_and_caches, check_tree_attention_inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionShapes:
-  """Static facts of one attention call (hashable: a jit static).
-
-  Attributes:
-    num_rows: B, query rows.
-    query_tokens: T, query tokens per row.
-    num_heads: N, query heads.
-    num_kv_heads: K, kv heads (N % K == 0).
-    head_dim: H.
-    kv_tokens: L, the length of ONE layer's buffer (what the layout indexes).
-    dtype: the queries' dtype.
-    kv_dtype: the K/V buffer's dtype (None: the same as `dtype`).
-  """
-
-  num_rows: int
-  query_tokens: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  kv_tokens: int
-  dtype: Any
-  kv_dtype: Any = None
-
-  def __post_init__(self):
-    for name in ('num_rows', 'query_tokens', 'num_heads', 'num_kv_heads', 'head_dim', 'kv_tokens'):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f'AttentionShapes.{name} must be an integer >= 1, got {value!r}')
-      object.__setattr__(self, name, int(value))
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f'AttentionShapes: query heads N={self.num_heads} must be a multiple of kv heads '
-          f'K={self.num_kv_heads}'
-      )
-    for name in ('dtype', 'kv_dtype'):
-      value = getattr(self, name)
-      value = self.dtype if value is None else value
-      try:
-        value = jnp.dtype(value)
-      except TypeError:
-        raise ValueError(f'AttentionShapes.{name} must be a dtype, got {value!r}') from None
-      if value not in FLOAT_DTYPES:
-        raise ValueError(
-            f'AttentionShapes.{name} must be float32, bfloat16 or float16, got {value}')
-      object.__setattr__(self, name, value)
-
-  @classmethod
-  def of(cls, q, k_cache) -> 'AttentionShapes':
-    """From q [B, T, N, H] and one layer's k_cache [L, K, H] (arrays or ShapeDtypeStructs)."""
-    check_query_and_caches(q, k_cache, k_cache)
-    b, t, n, h = q.shape
-    length, kh, _ = k_cache.shape
-    return cls(b, t, n, kh, h, length, q.dtype, k_cache.dtype)
-
-  @property
-  def group(self) -> int:
-    """G = N / K, query heads per kv head."""
-    return self.num_heads // self.num_kv_heads
-
-  def query_struct(self) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        (self.num_rows, self.query_tokens, self.num_heads, self.head_dim), self.dtype
-    )
-
-  def kv_struct(self, kv_tokens: int | None = None) -> jax.ShapeDtypeStruct:
-    length = self.kv_tokens if kv_tokens is None else kv_tokens
-    return jax.ShapeDtypeStruct((length, self.num_kv_heads, self.head_dim), self.kv_dtype)
+from hydrajax.shapes import AttentionShapes
+from hydrajax.validation import check_tree_attention_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +210,8 @@ def _check_config(config) -> None:
 
 def _check_call(q, k_cache, v_cache, plan: AttentionPlan, kv_offset) -> None:
   if not isinstance(plan, AttentionPlan):
-    raise ValueError(f'plan must be an AttentionPlan (prepare_attention), got {type(plan).__name__}')
+    raise ValueError(
+        f'plan must be an AttentionPlan (prepare_attention), got {type(plan).__name__}')
   s = plan.shapes
   for name, x in (('q', q), ('k_cache', k_cache), ('v_cache', v_cache)):
     if not hasattr(x, 'shape') or not hasattr(x, 'dtype'):
@@ -367,10 +300,20 @@ def tree_attention(
   `attend` inside, as the models do, or call once without jit first.
 
   Args:
+    q: [B, T, N, H] queries: row b's T tokens, N query heads of head dim H (float32, bfloat16
+      or float16); the T tokens are the last T private tokens of row b.
+    k_cache: [L, K, H] one layer's keys, K kv heads (N a multiple of K); the layout's pages
+      and segments index its L tokens.
+    v_cache: [L, K, H] the values, as k_cache.
+    layout: the sharing layout of the B rows (`SharingPlan.to_device()`, e.g. of `plan_tree`
+      or `plan_from_tokens`): the shared segments on each row's path and its private pages.
     impl: see `prepare_attention`.
     scale: softmax scale, H**-0.5 if None.
     config: the backend's frozen config (see `prepare_attention`).
     interpret: run the Mosaic kernels in interpret mode (on CPU).
+
+  Returns:
+    PartialState (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
   scale = check_scale(scale)
@@ -378,3 +321,22 @@ def tree_attention(
       layout, AttentionShapes.of(q, k_cache), impl=impl, config=config, interpret=interpret
   )
   return attend(q, k_cache, v_cache, plan, scale=scale)
+
+
+def tree_attention_xla(
+    q: jax.Array,  # [B, T, N, H]
+    k_cache: jax.Array,  # [L, K, H]
+    v_cache: jax.Array,  # [L, K, H]
+    layout: TreeLayout,
+    *,
+    scale: float | None = None,
+    kv_block: int = 4096,
+) -> PartialState:
+  """Exact attention of every row over its tree path and private KV (jit-compatible).
+
+  `hydrajax.tree_attention(..., impl=XLA, config=XlaConfig(kv_block))`. Returns
+  (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
+  """
+  return tree_attention(
+      q, k_cache, v_cache, layout, impl='xla', scale=scale, config=XlaConfig(kv_block)
+  )

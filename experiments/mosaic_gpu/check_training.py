@@ -2,7 +2,7 @@
 
 On the GPU machine, from the repository root (about a minute):
 
-  PYTHONPATH=. python3 pallas_kernels/mosaic_gpu/check_training.py > $OUT/check_training.txt 2>&1
+  PYTHONPATH=. python3 -m experiments.mosaic_gpu.check_training > /tmp/mosaic_check/check_training.txt 2>&1
 
 checks segment_forward / segment_backward against their jnp references on small
 shapes (GQA, MQA, MHA, a kv_length that is no block multiple, an empty segment, NaN
@@ -21,7 +21,7 @@ On a CPU machine, `--lower_only` cross-lowers the benchmark shape for CUDA
 comma-separated list of overrides, the configs separated by semicolons ('' is the
 default); a config that fails to build is reported and the next one runs:
 
-  ... check_training.py --configs=';block_q_dq=128;compute_wgs=1'
+  ... -m experiments.mosaic_gpu.check_training --configs=';block_q_dq=128;compute_wgs=1'
 
 With `--out DIR` every check and timing is also a line of `DIR/results.jsonl` (kind check,
 time or breakdown; the config's fields in `config`).
@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hydrajax.attention.dispatch import AttentionImpl
+from hydrajax.attention.training import prefill_layout as pl
 from pallas_kernels.knobs import config_from_knobs
 from pallas_kernels.mosaic_gpu import training_attention as ta
 
@@ -216,9 +218,6 @@ def sweep(texts):
 def prefill_breakdown(g=64, p=8192, t=1024, n=32, kh=8, h=128, cfg=None):
   """CUPTI kernel times of prefill_attention's forward + backward (MOSAIC_GPU): the top 15 by
   name, and every Mosaic GPU launch in order (which part each is: the order of the VJP)."""
-  from hydrajax.dispatch import AttentionImpl
-  from hydrajax.training import prefill_layout as pl
-
   layout = pl.plan_prefill([p], g, t).to_device()
   keys = iter(jax.random.split(jax.random.key(0), 8))
   draw = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(jnp.bfloat16)

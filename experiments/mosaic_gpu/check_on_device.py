@@ -2,7 +2,7 @@
 
 On the GPU machine, from the repository root:
 
-  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT
+  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m experiments.mosaic_gpu.check_on_device --out /tmp/mosaic_check
 
 On a CPU machine, `--lower_only` cross-lowers the chosen shapes and variants
 (`--check_shapes`, `--shapes`, `--variants`) for CUDA (Pallas -> Mosaic GPU
@@ -35,17 +35,16 @@ is checked against XLA, then the garbage check and its timing as in 5.
 of `--variants`: the paged-decode kernel and the private kernel's other output
 paths (lse not in [B, T, N] order for G = 1, a last frame past the batch, T > 1).
 
-Run 5 (the kernels write [B, T, N, H] themselves), about 2.5 minutes:
+The check shapes and shapes 0-4 through `attend` (about 2.5 minutes):
 
-  PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py \
-    --out $OUT --check_shapes all --attend_only --shapes 1,0,3,4 > $OUT/check.txt 2>&1
+  PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 170 python3 -m experiments.mosaic_gpu.check_on_device \
+    --out /tmp/mosaic_check --check_shapes all --attend_only --shapes 1,0,3,4
 
-Does the decode step's layout cost the private kernel more than this microbenchmark's (issue 10:
-about 190 µs a layer in the model against 41.5 µs here at S=1)? Shapes 5-10 with the model's
+The decode step's layout against this microbenchmark's: shapes 5-10 with the model's
 128-token private pages, also timed at layer 31 of a 32-layer buffer (about 2 minutes):
 
-  PYTHONPATH=. timeout 170 python3 pallas_kernels/mosaic_gpu/check_on_device.py --out $OUT \
-    --attend_only --shapes 1,5,6,7,8,9,10 --capacity=128 --deep_layer=31
+  PYTHONPATH=. timeout 170 python3 -m experiments.mosaic_gpu.check_on_device \
+    --out /tmp/mosaic_check --attend_only --shapes 1,5,6,7,8,9,10 --capacity=128 --deep_layer=31
 
 `--profile` also runs each shape once with Mosaic GPU's in-kernel profiler (`profiling`): a
 Chrome trace per kernel launch under `--out/profile/<shape>/` and the time per named region
@@ -83,8 +82,7 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     # The decode step of experiments.throughput (CodeLlama-7B: 32/32 heads; 128-token private
     # pages: use --capacity=128 --deep_layer=31) at its four (B, P), with 8 private tokens a row
     # (one whole chunk) and 9 (two chunks): the model's attention share against these kernels
-    # timed alone (issue 10; in the model the private kernel cost 106-114 µs a layer at B=1024,
-    # P=1K: results/throughput/run5_diag).
+    # timed alone.
     (1024, 16384, 8, 32, 32),
     (1024, 16384, 9, 32, 32),
     (1024, 1024, 8, 32, 32),
@@ -92,7 +90,7 @@ SHAPES = (  # (B, P, S, N, K): B rows share a P-token prefix, S private tokens e
     (32, 16384, 9, 32, 32),
     (32, 1024, 9, 32, 32),
     # CodeLlama-13B's decode step on one GPU (40 MHA heads) and on each of two (TP=2: 20): the
-    # shared kernel's splits against `schedule.launch_time` (variants 8-10 cap them at 1-3).
+    # shared kernel's splits against `schedule.launch_time` (the max_splits variants cap them at 1-3).
     (1024, 16384, 9, 40, 40),
     (1024, 16384, 9, 20, 20),
     # Later in a decode: 8 whole chunks and a partial one a row.
@@ -124,41 +122,30 @@ VARIANTS = (  # keyword arguments of mosaic.tree_attention (the first is the def
     dict(block_kv=64, max_concurrent_steps=2),
     dict(block_kv=64, max_concurrent_steps=4),
     # The private kernel's pipeline (the shared kernel's knobs above leave it as it is): more
-    # K/V steps in flight (one program a multiprocessor), and a decode step's two chunks of a
-    # row in one copy.
+    # K/V steps in flight (one program a multiprocessor).
     dict(private_slots=3),
     dict(private_slots=4),
-    dict(private_pair_copies=True),
-    dict(private_pair_copies=True, private_slots=3),
-    dict(private_staged_pages=True),  # page ids staged with the lane table too (before s24)
     dict(max_splits=1),
     dict(max_splits=2),
     dict(max_splits=3),
-    dict(private_lane_table=False),  # the steps' plans walked in the kernel (before s23)
-    dict(q_by_row=False),  # G = 1: q folded per layer (before s24)
-    dict(q_by_row_groups=True),  # G = 2, 4, 8: q read in place too (s29: no faster)
-    # The shared kernel's steps: 192 kv tokens (fits once no reduction scratch is reserved),
-    # or three 128-token slots in flight (s29).
+    dict(private_lane_table=False),  # the steps' plans walked in the kernel
+    dict(q_by_row=False),  # G = 1: q folded per layer
+    # The shared kernel's steps: 192 kv tokens, or three 128-token slots in flight.
     dict(block_kv=192),
     dict(max_concurrent_steps=3),
     # The shared kernel's overlap (PV under the next step's softmax, FA3's intra-warpgroup
-    # overlap, one-sided turns; s29) everywhere, and nowhere (before s29); by default it is on
-    # for programs of 16 kv blocks or more (`segment_attention.overlaps`).
+    # overlap, one-sided turns) everywhere, and nowhere; by default it is on for programs of 16
+    # kv blocks or more (`segment_attention.overlaps`).
     dict(shared_overlap=True),
     dict(shared_overlap=False),
-    dict(block_kv=192, shared_overlap=True),  # s29's two gains at once: spills, 1.6x slower (s30)
+    dict(block_kv=192, shared_overlap=True),  # both at once: spills registers
     # No zeroing of V rows past a partial chunk's valid tokens: what the NaN/inf guard costs
-    # (its results are only right on a cache whose unattended slots are finite; s30).
+    # (its results are only right on a cache whose unattended slots are finite).
     dict(private_zero_unseen=False),
     # A private lane is one token of 8 kv heads (one 8-row tile), not 8 tokens of one kv head
-    # (at K = 4 or 2: two or four tokens of every kv head): a step copies only tokens the rows
-    # hold, or their pairs or quads (s45-46: built with no GPU at hand).
+    # (at K = 4 or 2: two or four tokens of every kv head).
     dict(private_token_lanes=True),
-    # Chunk lanes everywhere (before s46, token lanes were never the default).
-    dict(private_token_lanes=False),
-    # Token lanes with a step of one row's consecutive tokens of every kv head (K = 8, 4, 2) as
-    # one 64-row copy (s47: built with no GPU at hand).
-    dict(private_token_lanes=True, private_token_runs=True),
+    dict(private_token_lanes=False),  # chunk lanes everywhere
 )
 SMALL_BATCH_VARIANTS = (dict(max_splits=8), dict(max_splits=4))  # fewer splits: cheaper merges
 SMALL_BATCH = 64

@@ -21,7 +21,7 @@ one block of scores.
 
 The index arrays both passes walk (`_parts`: each part's rows, kv tokens and causal limits;
 `path_item_index`) are derived from the layout once, by `prepare_training_attention`
-(`hydrajax.training.training_plan`), which also resolves the kernels (`_Kernels`); the custom
+(`training_plan`), which also resolves the kernels (`_Kernels`); the custom
 VJP (`_levels_attention`) takes them from its plans: one, or several over one K/V buffer (a tree
 prefill's levels), whose dK / dV it sums in one float32 buffer.
 
@@ -48,11 +48,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.attention_plan import AttentionShapes
-from hydrajax.dispatch import AttentionImpl
+from hydrajax.shapes import AttentionShapes
+from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState, empty_state, merge_many
-from hydrajax.tree_attention import merge_along_paths, merge_into_rows, sum_along_paths
+from hydrajax.attention.xla import merge_along_paths, merge_into_rows, sum_along_paths
+from pallas_kernels.mosaic_gpu import training_attention as gpu_training
+from pallas_kernels.tpu import training_attention as tpu_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,13 +187,11 @@ def _segments_args(x, kh):
 def _part_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` of a segment group with the Mosaic GPU kernel, all its segments in one
   launch (`segments_forward`: the segments are a grid axis)."""
-  from pallas_kernels.mosaic_gpu.training_attention import segments_forward  # imports hydrajax
-
   kh = k_cache.shape[1]
   qz = _fold(q_pad, part.rows, kh)  # [Z, M, K, G, H]
-  out, lse = segments_forward(_segments_args(qz, kh), k_cache[part.tokens], v_cache[part.tokens],
-                              part.limit[:, 0], scale=scale, interpret=kernels.interpret,
-                              config=kernels.config)
+  out, lse = gpu_training.segments_forward(
+      _segments_args(qz, kh), k_cache[part.tokens], v_cache[part.tokens], part.limit[:, 0],
+      scale=scale, interpret=kernels.interpret, config=kernels.config)
   return out.reshape(qz.shape), lse.reshape(qz.shape[:-1])  # merged in float32
 
 
@@ -215,20 +215,16 @@ def _from_tpu(x, part: _Part, kh, t):
 
 def _tpu_blocks(kernels: _Kernels) -> dict:
   """The TPU kernels' block sizes from the plan's config (their defaults without one)."""
-  from pallas_kernels.tpu.training_attention import TrainingBlockSizes  # imports hydrajax
-
-  config = kernels.config if isinstance(kernels.config, TrainingBlockSizes) else None
+  config = kernels.config if isinstance(kernels.config, tpu_training.TrainingBlockSizes) else None
   return {} if config is None else dataclasses.asdict(config)
 
 
 def _part_forward_mosaic_tpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` with the Mosaic TPU kernel, all of the part's items in one launch: a
   segment group's segments, or the private part's rows, causal."""
-  from pallas_kernels.tpu.training_attention import segments_forward  # imports hydrajax
-
   kh, t = k_cache.shape[1], q_pad.shape[1]
   (q,), lengths, causal = _tpu_args(q_pad, part, kh)
-  out, lse = segments_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths,
+  out, lse = tpu_training.segments_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths,
                               scale=scale, causal=causal, interpret=kernels.interpret,
                               **_tpu_blocks(kernels))
   return _from_tpu(out, part, kh, t), _from_tpu(lse, part, kh, t)
@@ -244,13 +240,12 @@ def _private_args(q_pad, part: _Part):
 
 def _private_forward_mosaic_gpu(q_pad, k_cache, v_cache, part: _Part, scale, kernels: _Kernels):
   """`_part_forward` of the private part with the batched causal kernel, all rows in one call."""
-  from pallas_kernels.mosaic_gpu.training_attention import causal_forward
-
   q, lengths = _private_args(q_pad, part)
   b, t, n, h = q.shape
   kh = k_cache.shape[1]
-  out, lse = causal_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths, scale=scale,
-                            interpret=kernels.interpret, config=kernels.config)
+  out, lse = gpu_training.causal_forward(q, k_cache[part.tokens], v_cache[part.tokens], lengths,
+                                         scale=scale, interpret=kernels.interpret,
+                                         config=kernels.config)
   return out.reshape(b, t, kh, n // kh, h), lse.reshape(b, t, kh, n // kh)
 
 
@@ -335,13 +330,11 @@ def _part_backward_mosaic_tpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
                               scale, dk, dv, kernels: _Kernels):
   """`_part_backward` with the Mosaic TPU kernels, all of the part's items in one call, which
   reduces each item's dK, dV over its rows and GQA heads in the kernel."""
-  from pallas_kernels.tpu.training_attention import segments_backward  # imports hydrajax
-
   kh, t = k_cache.shape[1], q_pad.shape[1]
   (q, do, lse, delta), lengths, causal = _tpu_args(q_pad, part, kh, do_pad, lse_pad, delta_pad)
-  dq, dk_z, dv_z = segments_backward(q, k_cache[part.tokens], v_cache[part.tokens], do, lse,
-                                     delta, lengths, scale=scale, causal=causal,
-                                     interpret=kernels.interpret, **_tpu_blocks(kernels))
+  dq, dk_z, dv_z = tpu_training.segments_backward(
+      q, k_cache[part.tokens], v_cache[part.tokens], do, lse, delta, lengths, scale=scale,
+      causal=causal, interpret=kernels.interpret, **_tpu_blocks(kernels))
   # Tokens no query sees (past a length, the blocks' clamped padding) get exact zeros.
   dk = dk.at[part.tokens].add(dk_z)
   dv = dv.at[part.tokens].add(dv_z)
@@ -353,14 +346,12 @@ def _part_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_cach
   """`_part_backward` of a segment group with the Mosaic GPU kernels, all its segments in one
   call (`segments_backward`: the segments a grid axis), which reduces dK, dV over each
   segment's rows and GQA heads in the kernel."""
-  from pallas_kernels.mosaic_gpu.training_attention import segments_backward
-
   kh = k_cache.shape[1]
   folded = [_fold(x, part.rows, kh) for x in (q_pad, do_pad, lse_pad, delta_pad)]  # [Z, M, K, G..]
   q, do, lse, delta = [_segments_args(x, kh) for x in folded]
-  dq, dk_z, dv_z = segments_backward(q, k_cache[part.tokens], v_cache[part.tokens], do, lse, delta,
-                                     part.limit[:, 0], scale=scale, interpret=kernels.interpret,
-                                     config=kernels.config, dq_dtype=jnp.float32)
+  dq, dk_z, dv_z = gpu_training.segments_backward(
+      q, k_cache[part.tokens], v_cache[part.tokens], do, lse, delta, part.limit[:, 0],
+      scale=scale, interpret=kernels.interpret, config=kernels.config, dq_dtype=jnp.float32)
   # Positions past a segment's length get exact zeros (their tokens belong to others).
   dk = dk.at[part.tokens].add(dk_z.astype(jnp.float32))
   dv = dv.at[part.tokens].add(dv_z.astype(jnp.float32))
@@ -373,15 +364,13 @@ def _private_backward_mosaic_gpu(q_pad, do_pad, lse_pad, delta_pad, k_cache, v_c
 
   Each row's dK, dV are summed over its queries and GQA heads in the kernel.
   """
-  from pallas_kernels.mosaic_gpu.training_attention import causal_backward
-
   q, lengths = _private_args(q_pad, part)
   rows = part.rows[:, 0]
   b, t, n, h = q.shape
   kh = k_cache.shape[1]
-  dq, dk_b, dv_b = causal_backward(q, k_cache[part.tokens], v_cache[part.tokens], do_pad[rows],
-                                   lse_pad[rows], delta_pad[rows], lengths, scale=scale,
-                                   interpret=kernels.interpret, config=kernels.config)
+  dq, dk_b, dv_b = gpu_training.causal_backward(
+      q, k_cache[part.tokens], v_cache[part.tokens], do_pad[rows], lse_pad[rows],
+      delta_pad[rows], lengths, scale=scale, interpret=kernels.interpret, config=kernels.config)
   # Positions past a row's length (and the block padding's clamped tokens) get exact zeros.
   dk = dk.at[part.tokens].add(dk_b.astype(jnp.float32))
   dv = dv.at[part.tokens].add(dv_b.astype(jnp.float32))
@@ -394,8 +383,7 @@ def _backward(q, k_cache, v_cache, parts, index, out, lse, d_out, d_lse, scale,
   b, t, n, h = q.shape
   pad = lambda x, value: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], value, x.dtype)])
   # The forward wrote `out`: read it. Without the barrier XLA fused the forward's merge into
-  # this reduction, recomputing it there (5.4 of 92 ms at 8192:8:1024:64:1024 on the H200,
-  # experiments/results/train_tree_s39/call4).
+  # this reduction, recomputing it there.
   out = jax.lax.optimization_barrier(out)
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
   if d_lse is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hydrajax.benchmarking.timing import device_time
+from experiments.benchmarking.timing import device_time
 
 
 @dataclasses.dataclass(frozen=True)

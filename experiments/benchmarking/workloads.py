@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hydrajax.benchmarking.roofline import Cost, per_sequence_cost, shared_prefix_cost
+from experiments.benchmarking.roofline import Cost, per_sequence_cost, shared_prefix_cost
 from hydrajax.builders import PromptNode, plan_tree
 from hydrajax.layout import SharingPlan, TreeLayout
 from hydrajax.partial_state import PartialState

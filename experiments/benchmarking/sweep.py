@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hydrajax.benchmarking import report
-from hydrajax.benchmarking.roofline import Ceilings
-from hydrajax.benchmarking.timing import Timing
-from hydrajax.benchmarking.workloads import Problem, Shape, check_rows, make_problem
+from experiments.benchmarking import report
+from experiments.benchmarking.roofline import Ceilings
+from experiments.benchmarking.timing import Timing
+from experiments.benchmarking.workloads import Problem, Shape, check_rows, make_problem
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@
   gpu_clock  ClockSampler: the SM clock and power cap while a timed region runs (NVML)
 """
 
-from hydrajax.benchmarking.report import (
+from experiments.benchmarking.report import (
     JsonlWriter, markdown_table, plot_bars, plot_sweeps, progress, progress_counter, read_jsonl,
     resume_records,
     run_metadata, write_workdir_readme,
 )
-from hydrajax.benchmarking.roofline import (
+from experiments.benchmarking.roofline import (
     Ceilings, Cost, floor, measure_ceilings, measure_copy_bandwidth, measure_matmul_rate,
     per_sequence_cost, shared_prefix_cost,
 )
-from hydrajax.benchmarking.timing import Timing, device_time, host_time
-from hydrajax.benchmarking.workloads import GRIDS, Problem, Shape, check_rows, grid, make_problem
+from experiments.benchmarking.timing import Timing, device_time, host_time
+from experiments.benchmarking.workloads import GRIDS, Problem, Shape, check_rows, grid, make_problem
