@@ -42,7 +42,8 @@ PROGRAMS = ('kernels', 'decode', 'prefill', 'train')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'where results.jsonl, table.md, README.md go')
 _TOPOLOGIES = flags.DEFINE_list(
     'topologies', ['v5e:1x1', 'v5e:2x2', 'v5e:2x4', 'v5p:2x2x1', 'v5p:2x2x2', 'v6e:1x1',
-                   'v6e:2x4'], 'named TPU slices (generation:chips)')
+                   'v6e:2x4'], 'named TPU slices (generation:chips); `v5e:2x4=decode+train` '
+    'runs only those programs there (else --programs)')
 _PRESETS = flags.DEFINE_list('presets', ['llama3_2_1b', 'llama3_1_8b', 'codellama_13b',
                                          'codellama_34b'], 'models/config.py presets')
 _PROGRAMS = flags.DEFINE_list('programs', list(PROGRAMS), f'any of {PROGRAMS}')
@@ -60,10 +61,15 @@ def _meshes(topology):
     yield f'dp:2,tp:{n // 2}', aot.mesh(topology, (2, n // 2), (sr.DP, sr.TP))
 
 
-def _jobs(topology):
+def _topologies():
+  """(topology, programs) of --topologies."""
+  for entry in _TOPOLOGIES.value:
+    topology, _, programs = entry.partition('=')
+    yield topology, set(programs.split('+') if programs else _PROGRAMS.value)
+
+
+def _jobs(topology, asked):
   """(program, name, compile thunk) of every program asked for on this topology."""
-  asked = set(_PROGRAMS.value)
-  gen = aot.generation(topology)
   if 'kernels' in asked:
     for h in (128, 64):
       shape = dict(batch=_BATCH.value, prefix=_PREFIX.value, heads=32, kv_heads=8, head_dim=h)
@@ -97,18 +103,17 @@ def _jobs(topology):
     if config.num_heads % n == 0 and config.num_kv_heads % n == 0:
       yield 'train', f'grpo {config.name} tp:{n} 1x4 P=512 T=256', (
           lambda: grpo_step(config, aot.mesh(topology, (n,), (sr.TP,))))
-  del gen
 
 
 def _check_flags():
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required')
-  for t in _TOPOLOGIES.value:
+  for t, _ in _topologies():
     try:
       aot.generation(t)
     except ValueError as e:
       raise app.UsageError(f'--topologies: {e}') from None
-  unknown = set(_PROGRAMS.value) - set(PROGRAMS)
+  unknown = set(_PROGRAMS.value).union(*(p for _, p in _topologies())) - set(PROGRAMS)
   if unknown:
     raise app.UsageError(f'--programs: unknown {sorted(unknown)}; known: {PROGRAMS}')
   bad = [p for p in _PRESETS.value if p not in PRESETS]
@@ -146,8 +151,8 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   rows = []
   with open(os.path.join(_WORKDIR.value, 'results.jsonl'), 'w') as out:
-    for topology in _TOPOLOGIES.value:
-      for program, name, thunk in _jobs(topology):
+    for topology, programs in _topologies():
+      for program, name, thunk in _jobs(topology, programs):
         start = time.perf_counter()
         row = dict(topology=topology, program=program, name=name)
         try:
