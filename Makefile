@@ -22,7 +22,7 @@ LIBTPU_STAMP := $(LIBTPU_DIR)/.installed
 TPU_ENV := JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
   PYTHONPATH=$(LIBTPU_DIR)
 
-.PHONY: demo test test-tpu tpu-aot test-newest venv clean
+.PHONY: demo test test-tpu tpu-aot test-multiprocess test-newest venv clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -64,6 +64,10 @@ $(LIBTPU_STAMP): $(LIBTPU_LOCK) | $(STAMP)
 
 test-tpu: $(LIBTPU_STAMP)
 	$(TPU_ENV) $(PY) -m pytest $(PYTEST_ARGS) tests/test_tpu_compile.py
+
+# generate and the engine in two processes (jax.distributed on 127.0.0.1) against one: minutes.
+test-multiprocess: $(STAMP)
+	HYDRAJAX_MULTIPROCESS=1 $(PY) -m pytest -q -n 0 tests/test_multiprocess.py
 
 # Every TPU program of experiments.tpu_aot (long: tens of minutes on 2 cores). TPU_AOT_ARGS adds
 # flags, e.g. TPU_AOT_ARGS='--topologies=v5e:2x4 --programs=decode'.

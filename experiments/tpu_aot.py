@@ -51,6 +51,8 @@ _BATCH = flags.DEFINE_integer('batch', 256, 'decode rows (sharing one prefix)')
 _PREFIX = flags.DEFINE_integer('prefix', 16384, 'shared prefix tokens of the decode batch')
 _PREFILL_TOKENS = flags.DEFINE_integer('prefill_tokens', 128, 'tokens a row in the prefill step')
 _PREFILL_ROWS = flags.DEFINE_integer('prefill_rows', 8, 'rows in the prefill step')
+_RESUME = flags.DEFINE_bool('resume', False, 'keep the rows of results.jsonl in --workdir and '
+                            'compile only the programs it lacks')
 
 
 def _meshes(topology):
@@ -145,14 +147,38 @@ TABLE_HEAD = (
     'µs |\n|' + ' --- |' * 11)
 
 
+def _write_reports(rows, command):
+  with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
+    f.write(TABLE_HEAD + '\n' + '\n'.join(_row_text(r) for r in rows) + '\n')
+  with open(os.path.join(_WORKDIR.value, 'README.md'), 'w') as f:
+    f.write('# TPU programs compiled from a CPU host (libtpu, no TPU)\n\n'
+            f'Command: `{command}`\n'
+            f'(JAX {jax.__version__}; `JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1`, libtpu on the '
+            'path: `make tpu-aot`). Rows: `results.jsonl`; the table: `table.md`.\n\n'
+            'Per chip figures are the compiler\'s (`memory_analysis`, `cost_analysis`); the '
+            'roofline is max(flops / peak bf16, bytes / HBM bandwidth) of those figures. '
+            'Mosaic kernels report no flops to the cost analysis, so a kernel row\'s flops '
+            'are its XLA glue only, and the compiler gives no time estimate for a program '
+            'with Mosaic calls (`-`).\n\n' + TABLE_HEAD + '\n'
+            + '\n'.join(_row_text(r) for r in rows) + '\n')
+
+
 def main(argv):
   del argv
   _check_flags()
   os.makedirs(_WORKDIR.value, exist_ok=True)
+  path = os.path.join(_WORKDIR.value, 'results.jsonl')
   rows = []
-  with open(os.path.join(_WORKDIR.value, 'results.jsonl'), 'w') as out:
+  if _RESUME.value and os.path.exists(path):
+    with open(path) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  done = {(r['topology'], r['program'], r['name']) for r in rows}
+  command = ' '.join(['python -m experiments.tpu_aot'] + sys.argv[1:])
+  with open(path, 'a' if _RESUME.value else 'w') as out:
     for topology, programs in _topologies():
       for program, name, thunk in _jobs(topology, programs):
+        if (topology, program, name) in done:
+          continue
         start = time.perf_counter()
         row = dict(topology=topology, program=program, name=name)
         try:
@@ -165,18 +191,9 @@ def main(argv):
         out.write(json.dumps(row) + '\n')
         out.flush()
         rows.append(row)
-  with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
-    f.write(TABLE_HEAD + '\n' + '\n'.join(_row_text(r) for r in rows) + '\n')
-  with open(os.path.join(_WORKDIR.value, 'README.md'), 'w') as f:
-    f.write('# TPU programs compiled from a CPU host (libtpu, no TPU)\n\n'
-            f'Command: `{" ".join(["python -m experiments.tpu_aot"] + sys.argv[1:])}`\n'
-            f'(JAX {jax.__version__}; `JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1`).\n\n'
-            'Per chip figures are the compiler\'s (`memory_analysis`, `cost_analysis`); the '
-            'roofline is max(flops / peak bf16, bytes / HBM bandwidth) of those figures. '
-            'Mosaic kernels report no flops to the cost analysis, so a kernel row\'s flops '
-            'are its XLA glue only.\n\n' + TABLE_HEAD + '\n'
-            + '\n'.join(_row_text(r) for r in rows) + '\n')
-  logging.info('wrote %d rows to %s', len(rows), _WORKDIR.value)
+        _write_reports(rows, command)
+  _write_reports(rows, command)
+  logging.info('%d rows in %s', len(rows), _WORKDIR.value)
 
 
 if __name__ == '__main__':

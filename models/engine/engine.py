@@ -23,6 +23,7 @@ from models.engine.requests import Request, TokenEvent, check_prompt
 from models.engine.scheduler import Scheduler
 from models.engine.stats import EngineStats
 from models.engine.step import compiler_options, model_step, segment_slots
+from models import sharding_rules as sr
 from models.kv_cache import KVCache
 from models.llama import Llama
 from models.sampling import Sampled, SamplingMode, SamplingParams, SamplingRows
@@ -336,11 +337,11 @@ class Engine(Prefill, DecodeLoop):
     """The draws of the first len(reqs) entries on the host: (tokens, log-probs, top ids,
     top log-probs), the last three None unless one of the requests asked for log-probs."""
     k = len(reqs)
-    tokens = np.asarray(out.tokens)[:k]
+    tokens = sr.to_host(out.tokens)[:k]
     if out.logprobs is None or not any(r.params.wants_logprobs for r in reqs):
       return tokens, None, None, None
-    return (tokens, np.asarray(out.logprobs)[:k], np.asarray(out.top_tokens)[:k],
-            np.asarray(out.top_logprobs)[:k])
+    return (tokens, sr.to_host(out.logprobs)[:k], sr.to_host(out.top_tokens)[:k],
+            sr.to_host(out.top_logprobs)[:k])
 
   def _prepare_plan(self, layout, impl, query_tokens: int = 1):
     """The model's attention plan over `layout` for `query_tokens` per row (1: decode), prepared
