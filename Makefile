@@ -3,7 +3,8 @@
 # the GPU image's exact JAX stack (requirements/gpu-image.txt, pip constraints).
 # `make test-newest` runs the CPU suite in .venv-newest on the newest versions that
 # pyproject.toml allows (kernels in interpret mode). TESTS picks files
-# (`make test TESTS=tests/test_readme.py`).
+# (`make test TESTS=tests/test_readme.py`). `make test-tpu` compiles the Mosaic TPU kernels and a
+# sharded Llama step with the real TPU compiler (libtpu, no TPU needed; tests/test_tpu_compile.py).
 VENV ?= .venv
 VENV_NEWEST ?= .venv-newest
 LOCK := requirements/gpu-image.txt
@@ -13,8 +14,15 @@ PYTEST_ARGS ?= -q -n 2 --durations=30
 TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
+# The libtpu wheel alone, on the path of the TPU compile tests only (the CPU suite never sees it).
+LIBTPU_DIR ?= .libtpu
+LIBTPU_LOCK := requirements/libtpu.txt
+LIBTPU_STAMP := $(LIBTPU_DIR)/.installed
+# Several test workers load libtpu at once: ALLOW_MULTIPLE_LIBTPU_LOAD lifts its process lock.
+TPU_ENV := JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
+  PYTHONPATH=$(LIBTPU_DIR)
 
-.PHONY: demo model test test-newest venv wheel clean
+.PHONY: demo model test test-tpu tpu-aot test-multiprocess test-newest venv wheel clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -64,6 +72,24 @@ wheel: | $(PY)
 test: $(STAMP) model
 	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
 
+$(LIBTPU_STAMP): $(LIBTPU_LOCK) | $(STAMP)
+	rm -rf $(LIBTPU_DIR)
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU_DIR) -r $(LIBTPU_LOCK)
+	@touch $@
+
+test-tpu: $(LIBTPU_STAMP)
+	$(TPU_ENV) $(PY) -m pytest $(PYTEST_ARGS) tests/test_tpu_compile.py
+
+# generate and the engine in two processes (jax.distributed on 127.0.0.1) against one: minutes.
+test-multiprocess: $(STAMP)
+	HYDRAJAX_MULTIPROCESS=1 $(PY) -m pytest -q -n 0 tests/test_multiprocess.py
+
+# Every TPU program of experiments.tpu_aot (long: tens of minutes on 2 cores). TPU_AOT_ARGS adds
+# flags, e.g. TPU_AOT_ARGS='--topologies=v5e:2x4 --programs=decode'.
+TPU_AOT_DIR ?= workdir/tpu_aot
+tpu-aot: $(LIBTPU_STAMP)
+	$(TPU_ENV) $(PY) -m experiments.tpu_aot --workdir=$(TPU_AOT_DIR) $(TPU_AOT_ARGS)
+
 # Always upgrades: "newest" means newest today. CPU only, so the kernels run in interpret mode.
 test-newest: $(PY_NEWEST)
 	$(PY_NEWEST) -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
@@ -71,4 +97,4 @@ test-newest: $(PY_NEWEST)
 	JAX_PLATFORMS=cpu $(PY_NEWEST) -m pytest $(PYTEST_ARGS) $(TESTS)
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST)
+	rm -rf $(VENV) $(VENV_NEWEST) $(LIBTPU_DIR)

@@ -409,15 +409,15 @@ def generate(
                    sampling=sampling, impl=mode)
   real = np.flatnonzero(tp.prompt_ids >= 0)  # without dp's padding rows
   order = real[np.lexsort((tp.sample_ids[real], tp.prompt_ids[real]))]
-  tokens, lengths = np.asarray(state.tokens), np.asarray(state.lengths)
+  tokens, lengths = sr.to_host(state.tokens), sr.to_host(state.lengths)
   return GenerateOutput(
       tokens=tokens[order],
       lengths=lengths[order],
-      logprobs=np.asarray(state.logprobs)[order] if return_logprobs else None,
+      logprobs=sr.to_host(state.logprobs)[order] if return_logprobs else None,
       prompt_ids=tp.prompt_ids[order],
       sample_ids=tp.sample_ids[order],
-      top_tokens=np.asarray(state.top_tokens)[order] if sampling.top_logprobs else None,
-      top_logprobs=np.asarray(state.top_logprobs)[order] if sampling.top_logprobs else None,
+      top_tokens=sr.to_host(state.top_tokens)[order] if sampling.top_logprobs else None,
+      top_logprobs=sr.to_host(state.top_logprobs)[order] if sampling.top_logprobs else None,
   )
 
 

@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hydrajax.attention.parallel import DP, MESH_AXES, TP, AttentionAxes  # the mesh axes
@@ -217,3 +218,11 @@ def describe(state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
     spec = getattr(getattr(v, 'sharding', None), 'spec', None)
     out[jax.tree_util.keystr(path)] = (tuple(np.shape(v)), str(spec))
   return out
+
+
+def to_host(x) -> np.ndarray:
+  """`x` as a numpy array. An array spanning devices of other processes (a mesh over several
+  hosts) is gathered from them first: every process gets the whole array."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)

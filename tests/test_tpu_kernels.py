@@ -85,7 +85,7 @@ def paged_plan(tree, rng, *, page_size: int, num_queries: int, max_private: int)
   )
 
 
-def random_inputs(plan: SharingPlan, seed: int, *, num_queries, heads, kv_heads, dtype):
+def random_inputs(plan: SharingPlan, seed: int, *, num_queries, heads, kv_heads, dtype, head_dim=H):
   """q [B, T, N, H], k, v [L, K, H], standard normal from numpy.random.default_rng(seed).
 
   Drawn on the host: a jax.random draw compiles once per shape, a large share of
@@ -93,8 +93,8 @@ def random_inputs(plan: SharingPlan, seed: int, *, num_queries, heads, kv_heads,
   """
   rng = np.random.default_rng(seed)
   draw = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-  kv_shape = (plan.kv_tokens, kv_heads, H)
-  return draw((plan.num_rows, num_queries, heads, H)), draw(kv_shape), draw(kv_shape)
+  kv_shape = (plan.kv_tokens, kv_heads, head_dim)
+  return draw((plan.num_rows, num_queries, heads, head_dim)), draw(kv_shape), draw(kv_shape)
 
 
 # The oracles, jitted so that a case pays one compile instead of one per op.
@@ -143,6 +143,7 @@ class Case:
   max_samples: int = 2
   block_sizes: tpu.BlockSizes | None = None
   scale: float | None = None
+  head_dim: int = H
 
 
 CASES = [
@@ -162,6 +163,10 @@ CASES = [
         block_sizes=dataclasses.replace(TINY_BLOCKS, block_rows=8),
     ),
     Case('wide_gqa_t=2_bf16_tiny_blocks', 0, 4, 2, 2, jnp.bfloat16, 8, block_sizes=TINY_BLOCKS),
+    # Head dim 64 (Llama 3.2 1B/3B, SmolLM2): two kv heads share each 128 lanes of a block.
+    Case('depth=2_gqa_t=2_bf16_h=64', 2, 4, 2, 2, jnp.bfloat16, 8, head_dim=64),
+    Case('depth=1_mqa_t=1_f32_h=64', 1, 4, 1, 1, jnp.float32, 16, head_dim=64,
+         block_sizes=dataclasses.replace(TINY_BLOCKS, block_rows=8)),
 ]
 
 
@@ -180,7 +185,7 @@ def test_random_tree_matches_both_oracles(case: Case):
   layout = plan.to_device()
   q, k, v = random_inputs(
       plan, 100 + seed, num_queries=case.num_queries, heads=case.heads,
-      kv_heads=case.kv_heads, dtype=case.dtype,
+      kv_heads=case.kv_heads, dtype=case.dtype, head_dim=case.head_dim,
   )
   got = tpu.tree_attention(
       q, k, v, layout, scale=case.scale, interpret=INTERPRET, block_sizes=case.block_sizes
@@ -422,7 +427,8 @@ def _shapes(b=2, t=1, n=4, h=H, length=64, kv_heads=2, dtype=jnp.float32, kv_dty
     'kwargs,interpret,block_sizes,expected',
     [
         (dict(), None, None, None if ON_TPU else 'need a TPU'),
-        (dict(h=64), INTERPRET, None, 'multiple of 128'),
+        (dict(h=64), INTERPRET, None, None),
+        (dict(h=64), INTERPRET, tpu.BlockSizes(heads_per_block=1), 'TPU lanes'),
         (dict(dtype=jnp.float16), INTERPRET, None, 'bfloat16 or float32'),
         (dict(kv_dtype=jnp.bfloat16), INTERPRET, None, 'must share a dtype'),
         (dict(length=62), INTERPRET, None, 'multiple of page_size'),
@@ -434,7 +440,7 @@ def _shapes(b=2, t=1, n=4, h=H, length=64, kv_heads=2, dtype=jnp.float32, kv_dty
         (dict(dtype=jnp.bfloat16), True, None, None),
     ],
     ids=[
-        'no_interpret', 'head_dim=64', 'float16', 'mixed_dtypes',
+        'no_interpret', 'head_dim=64', 'head_dim=64_one_head_a_block', 'float16', 'mixed_dtypes',
         'buffer_not_page_multiple', 'heads_per_block_not_divisor',
         'private_heads_per_block_not_divisor', 'vmem_overflow',
         'smem_overflow', 'supported_f32', 'supported_bf16',

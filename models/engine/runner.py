@@ -19,6 +19,7 @@ from models.engine.config import EngineConfig, step_sampling_mode
 from models.engine.requests import Request
 from models.engine.stats import EngineStats
 from models.engine.step import compiler_options, model_step, segment_slots
+from models import sharding_rules as sr
 from models.kv_cache import KVCache
 from models.llama import Llama
 from models.sampling import Sampled, SamplingMode, SamplingRows
@@ -144,11 +145,11 @@ class ModelRunner:
     """The draws of the first len(reqs) entries on the host: (tokens, log-probs, top ids,
     top log-probs), the last three None unless one of the requests asked for log-probs."""
     k = len(reqs)
-    tokens = np.asarray(out.tokens)[:k]
+    tokens = sr.to_host(out.tokens)[:k]  # gathered where they span other processes
     if out.logprobs is None or not any(r.params.wants_logprobs for r in reqs):
       return tokens, None, None, None
-    return (tokens, np.asarray(out.logprobs)[:k], np.asarray(out.top_tokens)[:k],
-            np.asarray(out.top_logprobs)[:k])
+    return (tokens, sr.to_host(out.logprobs)[:k], sr.to_host(out.top_tokens)[:k],
+            sr.to_host(out.top_logprobs)[:k])
 
   def prepare_plan(self, layout, impl, query_tokens: int = 1):
     """The model's attention plan over `layout` for `query_tokens` per row (1: decode), prepared

@@ -69,7 +69,8 @@ class BlockSizes:
       (~240 on v5e, ~166 on v5p) for the shared phase to be MXU-bound.
     block_kv: kv tokens per block of the shared kernel (multiple of 128).
     heads_per_block: kv heads per grid step of the shared kernel (must divide
-      K); None picks the largest divisor of K with heads * H <= 256 lanes.
+      K, on whole 128-lane vregs or all K); None picks the largest such divisor
+      of K with heads * H <= 256 lanes (H = 64: two heads share 128 lanes).
     core_splits: independent work lists of the shared kernel, on a parallel
       grid axis (row tiles dealt round-robin; capped at the number of tiles).
       2 lets megacore (v5p's two TensorCores) split the work by row tile even
@@ -82,7 +83,8 @@ class BlockSizes:
       row x page x head bodies), so that decode rows with one short page do
       not pay a grid step each.
     private_heads_per_block: kv heads per grid step of the private kernel
-      (must divide K); None picks the largest divisor with heads * H <= 1024.
+      (must divide K, on whole vregs or all K); None picks the largest such
+      divisor with heads * H <= 1024.
     vmem_limit_bytes: the Mosaic scoped-VMEM limit; None derives it from the
       block sizes (at least 32 MiB, at most 60 MiB).
   """
@@ -141,11 +143,21 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def lane_aligned(heads: int, kv_heads: int, head_dim: int) -> bool:
+  """Whether a block of `heads` kv heads is a legal Mosaic lane width: whole 128-lane vregs, or
+  every kv head (the array's full width). Head dim 64 packs two heads in 128 lanes."""
+  return (heads * head_dim) % LANES == 0 or heads == kv_heads
+
+
 def _heads(kv_heads: int, head_dim: int, wanted: int | None, max_lanes: int) -> int:
+  """`wanted`, else the most kv heads per block within `max_lanes` lanes, dividing K, on whole
+  vregs (else the fewest heads that are; all K at worst)."""
   if wanted is not None:
     return wanted
-  fits = lambda d: kv_heads % d == 0 and (d * head_dim <= max_lanes or d == 1)
-  return max(d for d in range(1, kv_heads + 1) if fits(d))
+  legal = [d for d in range(1, kv_heads + 1)
+           if kv_heads % d == 0 and lane_aligned(d, kv_heads, head_dim)]
+  fits = [d for d in legal if d * head_dim <= max_lanes]
+  return max(fits) if fits else min(legal)
 
 
 DEFAULT_CONFIG = BlockSizes()
@@ -228,8 +240,6 @@ def _shapes_reason(q, k_cache, layout: TreeLayout, block_sizes: BlockSizes) -> s
   if q.dtype != k_cache.dtype:
     return f'q ({q.dtype}) and the KV cache ({k_cache.dtype}) must share a dtype'
   h = q.shape[-1]
-  if h % LANES:
-    return f'head dim H={h} must be a multiple of {LANES} (TPU lanes)'
   length = k_cache.shape[0]
   if length % layout.page_size:
     return f'the KV buffer length L={length} must be a multiple of page_size={layout.page_size}'
@@ -238,6 +248,9 @@ def _shapes_reason(q, k_cache, layout: TreeLayout, block_sizes: BlockSizes) -> s
     heads = getattr(block_sizes, name)
     if heads is not None and kv_heads % heads:
       return f'{name}={heads} must divide K={kv_heads}'
+    if heads is not None and not lane_aligned(heads, kv_heads, h):
+      return (f'{name}={heads} heads of H={h} are {heads * h} lanes: a multiple of {LANES} '
+              f'(TPU lanes) or all K={kv_heads} heads')
   p = plan(q.shape, q.dtype, k_cache.shape, layout, block_sizes)
   if p.vmem_bytes > VMEM_BUDGET_BYTES:
     return (
