@@ -125,7 +125,7 @@ cli.check_flags(['model', 'checkpoint', 'tiny_checkpoint'], lambda f: (
 
 
 def _load_model():
-  from models import hf_loading
+  from models import saved_params
   if FLAGS.checkpoint or FLAGS.model == 'hf':
     from models.checkpoint import load_checkpoint
     from models.tokenizer import Tokenizer
@@ -137,7 +137,7 @@ def _load_model():
     if not os.path.exists(FLAGS.tiny_checkpoint):
       raise app.UsageError(f'no tiny model at {FLAGS.tiny_checkpoint}: run '
                            'python -m experiments.train_tiny_coder first')
-    model = hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=jnp.float32)
+    model = saved_params.restore_params(FLAGS.tiny_checkpoint, dtype=jnp.float32)
     return model, ByteTokenizer(), 'tiny_coder'
   from models.config import get_config
   from models.llama import Llama

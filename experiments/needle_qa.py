@@ -115,7 +115,7 @@ def _apply_smoke():
 
 
 def _load_model():
-  from models import hf_loading
+  from models import saved_params
   dtype = jnp.dtype(FLAGS.dtype or ('float32' if FLAGS.model in ('smollm2', 'tiny_coder') and
                                      not FLAGS.checkpoint else 'bfloat16'))
   suffix = f',dtype={dtype.name}' if FLAGS.dtype else ''
@@ -132,7 +132,7 @@ def _load_model():
       raise SystemExit(f'error: {e}') from None
     return model, tokenizer, 'smollm2' + suffix
   if FLAGS.model == 'tiny_coder':
-    return (hf_loading.restore_params(FLAGS.tiny_checkpoint, dtype=dtype), ByteTokenizer(),
+    return (saved_params.restore_params(FLAGS.tiny_checkpoint, dtype=dtype), ByteTokenizer(),
             'tiny_coder' + suffix)
   from models.config import get_config
   from models.llama import Llama

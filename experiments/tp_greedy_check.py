@@ -14,7 +14,7 @@ the first. On two H200s:
 CPU (fake devices): XLA_FLAGS=--xla_force_host_platform_device_count=2 and --preset=tiny_gqa
 --impl=xla. Writes results.jsonl (one record per mesh) and exits non-zero on a mismatch.
 
-With --checkpoint (a folder written by `models.hf_loading.save_params`, e.g. by
+With --checkpoint (a folder written by `models.saved_params.save_params`, e.g. by
 `experiments.train_tiny_coder`) the model is that trained one, restored into each mesh's shards,
 and the prompts are the embedded APPS problems it learned (a few-shot prefix shared by
 --samples rows under each problem): its greedy tokens have real margins, where a random model's
@@ -57,7 +57,7 @@ _WORKDIR = cli.workdir_flag('tp_greedy_check')
 _REDUCE = flags.DEFINE_enum('tp_reduce_dtype', 'float32', ['float32', 'bfloat16'],
                             'dtype of the all-reduces after wo and w_down with tp > 1')
 _CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', '', 'a trained model written by models.hf_loading.save_params (e.g. '
+    'checkpoint', '', 'a trained model written by models.saved_params.save_params (e.g. '
     'experiments/data/tiny_coder); prompts are then the APPS problems it learned and --preset, '
     '--num_layers and --prefix_tokens are ignored (default: random weights of --preset)')
 cli.at_least(0, 'num_layers')
@@ -106,7 +106,7 @@ def _learned_prompts():
 def _model(mesh, config):
   if not _CHECKPOINT.value:
     return init_model(config, mesh=mesh, dtype=jnp.bfloat16, tp_reduce_dtype=_REDUCE.value)
-  from models.hf_loading import restore_params
+  from models.saved_params import restore_params
   model = restore_params(_CHECKPOINT.value, dtype=jnp.bfloat16, mesh=mesh)
   model.tp_reduce_dtype = jnp.dtype(_REDUCE.value)
   return model

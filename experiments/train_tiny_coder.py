@@ -8,7 +8,7 @@ the default `apps_eval` run generates programs that really pass, and the samplin
 decoding of bytes, sandboxed checking and pass@k are all exercised end to end. Its pass@k says
 nothing about generalisation (it has seen every test problem's solution).
 
-The checkpoint (orbax, saved in bfloat16 by `models.hf_loading.save_params`, about 0.3 MB) goes to
+The checkpoint (orbax, saved in bfloat16 by `models.saved_params.save_params`, about 0.3 MB) goes to
 --out; the loss curve, JSONL log and a README to --workdir.
 
   python -m experiments.train_tiny_coder --out=experiments/data/tiny_coder \
@@ -30,7 +30,7 @@ from experiments import cli
 from experiments.benchmarking import JsonlWriter, progress
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models.config import LlamaConfig
-from models.hf_loading import save_params
+from models.saved_params import save_params
 from models.llama import Llama
 from models.training.forward import causal_logits
 

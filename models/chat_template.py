@@ -8,8 +8,13 @@ block per message, a default system message first when the conversation has
 none) is rendered by `render_chatml`; any other template then asks for jinja2.
 """
 
-import importlib.util
 from typing import Mapping, Sequence
+
+try:  # optional: any template but SmolLM2's ChatML needs it
+  from jinja2.exceptions import TemplateError
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+except ImportError:
+  TemplateError = ImmutableSandboxedEnvironment = None
 
 SMOLLM2_SYSTEM = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'
 
@@ -21,7 +26,7 @@ SMOLLM2_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-_HAVE_JINJA2 = importlib.util.find_spec('jinja2') is not None
+_HAVE_JINJA2 = ImmutableSandboxedEnvironment is not None
 
 
 def check_messages(messages: Sequence[Mapping[str, str]]) -> None:
@@ -48,9 +53,6 @@ def render_chatml(messages: Sequence[Mapping[str, str]], *, add_generation_promp
 
 
 def _render_jinja2(template: str, messages, add_generation_prompt: bool, **variables) -> str:
-  from jinja2.exceptions import TemplateError  # optional dependency: only when installed
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
   def raise_exception(message):
     raise TemplateError(message)
 

@@ -14,7 +14,7 @@ from experiments import apps_workload as aw
 from hydrajax.evaluation import ByteTokenizer, load_problems
 from models import generate as gen
 from models import prompt_plan as pp
-from models.hf_loading import restore_params
+from models.saved_params import restore_params
 from models.kv_cache import DenseKVCache
 from models.sampling import SamplingParams
 

@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import hydrajax
-from models import hf_loading
+from models import hf_loading, saved_params
 from models.kv_cache import KVCache
 from models.tokenizer import Tokenizer
 
@@ -139,24 +139,24 @@ def test_ignored_buffers_and_tied_alias_load(tmp_path, gqa_tensors):
 
 def test_orbax_round_trip(tmp_path):
   model = hf_loading.load_hf_checkpoint(_folder('tiny_llama3'), dtype=jnp.float32)
-  hf_loading.save_params(model, tmp_path / 'saved')
-  restored = hf_loading.restore_params(tmp_path / 'saved')
+  saved_params.save_params(model, tmp_path / 'saved')
+  restored = saved_params.restore_params(tmp_path / 'saved')
   assert restored.config == model.config and restored.dtype == jnp.float32
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(restored, nnx.Param))):
     np.testing.assert_array_equal(a, b)
   # Loaded and restored with one q/k/v weight a layer (the default), saved apart.
-  apart = hf_loading.restore_params(tmp_path / 'saved', fuse_qkv=False)
+  apart = saved_params.restore_params(tmp_path / 'saved', fuse_qkv=False)
   assert model.qkv_fused and restored.qkv_fused and not apart.qkv_fused
   with pytest.raises(ValueError, match="fuse_qkv must be None, True or False, got 'yes'"):
     hf_loading.load_hf_checkpoint(_folder('tiny_llama3'), fuse_qkv='yes')
-  as_bf16 = hf_loading.restore_params(tmp_path / 'saved', dtype=jnp.bfloat16)
+  as_bf16 = saved_params.restore_params(tmp_path / 'saved', dtype=jnp.bfloat16)
   w = model.layers[1].w_down.get_value()
   np.testing.assert_array_equal(as_bf16.layers[1].w_down.get_value(), w.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match='not written by save_params'):
-    hf_loading.restore_params(tmp_path)
+    saved_params.restore_params(tmp_path)
   with pytest.raises(ValueError, match='does not exist'):
-    hf_loading.restore_params(tmp_path / 'missing')
+    saved_params.restore_params(tmp_path / 'missing')
 
 
 def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
@@ -164,7 +164,7 @@ def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
   import orbax.checkpoint as ocp
 
   model = hf_loading.load_hf_checkpoint(_folder('tiny_gqa'), dtype=jnp.float32, fuse_qkv=False)
-  hf_loading.save_params(model, tmp_path / 'saved')
+  saved_params.save_params(model, tmp_path / 'saved')
   old = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   old['layers'] = {i: {**{k: v for k, v in layer.items() if k != 'wkv'},
                        'wk': layer['wkv'][:, 0], 'wv': layer['wkv'][:, 1]}
@@ -172,7 +172,7 @@ def test_restore_fuses_the_separate_kv_weights_of_older_checkpoints(tmp_path):
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / 'saved' / 'params', old, force=True)
   checkpointer.wait_until_finished()
-  restored = hf_loading.restore_params(tmp_path / 'saved', fuse_qkv=False)
+  restored = saved_params.restore_params(tmp_path / 'saved', fuse_qkv=False)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
                   jax.tree.leaves(nnx.state(restored, nnx.Param))):
     np.testing.assert_array_equal(a, b)

@@ -248,7 +248,7 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
   checkpoint restores to the unfused model."""
   from models import generate as gen
   from models import prompt_plan as pp
-  from models.hf_loading import restore_params, save_params
+  from models.saved_params import restore_params, save_params
   from models.llama import fused_qkv, split_qkv
   config = get_config(name)
   seed = int(np.random.default_rng().integers(2**31))

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import hydrajax as hj
 from hydrajax.attention import parallel
-from models import hf_loading
+from models import hf_loading, saved_params
 from models import sharding_rules as sr
 from models.config import get_config
 from models.engine import Engine, EngineConfig, SamplingParams
@@ -319,8 +319,8 @@ def test_hf_load_and_orbax_restore_place_each_parameter_in_its_shards(tmp_path, 
   wq = sharded.layers[0].wq.get_value()
   assert {s.data.shape for s in wq.addressable_shards} == {
       (wq.shape[0], wq.shape[1] // tp, wq.shape[2])}
-  hf_loading.save_params(whole, tmp_path / 'saved')
-  restored = hf_loading.restore_params(tmp_path / 'saved', mesh=mesh, fuse_qkv=False)
+  saved_params.save_params(whole, tmp_path / 'saved')
+  restored = saved_params.restore_params(tmp_path / 'saved', mesh=mesh, fuse_qkv=False)
   for model in (sharded, restored):
     cache = KVCache.zeros(model.config, 128, jnp.float32, mesh=model.mesh)
     _check_shardings(model, cache)

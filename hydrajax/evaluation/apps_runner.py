@@ -38,8 +38,10 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import struct
 import sys
+import tempfile
 import types
 
 HEADER = struct.Struct('>cQ')
@@ -174,7 +176,6 @@ def _memfile(name, data=b''):
   if hasattr(os, 'memfd_create'):
     fd = os.memfd_create(name)
   else:
-    import tempfile
     fd, path = tempfile.mkstemp()
     os.unlink(path)
   # A descriptor >= 10: never 0 or 1, even where the program closed them.
@@ -299,7 +300,6 @@ def _run_call_test(fn, args, timeout, cap):
 
 def _block_network():
   """Weak mode only (full mode has no network at all): socket calls fail in Python."""
-  import socket
 
   def blocked(*args, **kwargs):
     raise OSError('network access is disabled in the sandbox')
