@@ -13,16 +13,17 @@ from flax import nnx
 
 import hydrajax as hj
 from hydrajax import parallel
-from hydrajax.training import plan_prefill, prefill_attention
+from hydrajax.attention.training import plan_prefill, prefill_attention
 from models import sharding_rules as sr
-from models.kv_cache import KVCache
+from models.llama import init_model
+from models.kv_cache import KVCache, cache_sharding
 from models.training import grpo
 from pallas_kernels.tpu import aot
 
 
 def abstract_model(config, mesh, dtype=jnp.bfloat16):
   """(graphdef, params): the model's parameters as structs placed by the rules table (none made)."""
-  model = nnx.eval_shape(lambda: sr.init_model(config, mesh=mesh, dtype=dtype))
+  model = nnx.eval_shape(lambda: init_model(config, mesh=mesh, dtype=dtype))
   graphdef, params = nnx.split(model, nnx.Param)
   shardings = sr.param_shardings(params, mesh)
   params = jax.tree.map(
@@ -38,7 +39,7 @@ def model_step(config, mesh, *, rows: int, query_tokens: int, plan: hj.SharingPl
   dp = sr.axis_size(mesh, sr.DP)
   heads = config.num_kv_heads * sr.kv_replication(config.num_heads, config.num_kv_heads, mesh)
   shape = (config.num_layers, plan.kv_tokens * dp, heads, config.head_dim)
-  cache_struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sr.cache_sharding(mesh, shape))
+  cache_struct = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=cache_sharding(mesh, shape))
   cache = KVCache(cache_struct, cache_struct)
   rows_sharding = sr.named_sharding(mesh, (sr.DP,) if dp > 1 else ())
   ids = jax.ShapeDtypeStruct((rows * dp, query_tokens), jnp.int32, sharding=rows_sharding)

@@ -16,10 +16,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hydrajax import parallel  # noqa: E402
-from models import sharding_rules as sr  # noqa: E402
+from models.llama import init_model  # noqa: E402
 from models.config import get_config  # noqa: E402
 from models.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from models.generate import generate, prompt_node  # noqa: E402
+from models.generate import generate  # noqa: E402
+from models.prompt_plan import prompt_node  # noqa: E402
 
 CONFIG = dict(name='tiny_gqa', num_heads=4, num_kv_heads=2, vocab_size=96)
 
@@ -44,13 +45,13 @@ def run(mesh_spec: str) -> dict:
   name = CONFIG['name']
   config = get_config(name, **{k: v for k, v in CONFIG.items() if k != 'name'})
   mesh = parallel.parse_mesh(mesh_spec)
-  model = sr.init_model(config, mesh=mesh, seed=2)
+  model = init_model(config, mesh=mesh, seed=2)
   print('model made', flush=True)
   out = generate(model, prompts(config.vocab_size), max_new_tokens=6, impl='xla')
   engine_config = EngineConfig(num_chunks=32, chunk_size=16, max_batch=4, impl='xla',
                                prefill_impl='xla', max_sequence_length=64)
   print('generated', flush=True)
-  engine = Engine(sr.init_model(config, mesh=mesh, seed=4), engine_config)
+  engine = Engine(init_model(config, mesh=mesh, seed=4), engine_config)
   served = engine.generate(engine_prompts(config.vocab_size), SamplingParams(max_new_tokens=5))
   return dict(generate=np.asarray(out.tokens).tolist(), engine=[repr(o) for o in served])
 
