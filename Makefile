@@ -11,6 +11,7 @@ LOCK := requirements/gpu-image.txt
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PYTEST_ARGS ?= -q -n 2 --durations=30
+MARKERS ?= not slow
 TESTS ?= tests
 # Reinstalls when the package's requirements change (the stamp is older than them).
 STAMP := $(VENV)/.installed
@@ -22,7 +23,7 @@ LIBTPU_STAMP := $(LIBTPU_DIR)/.installed
 TPU_ENV := JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
   PYTHONPATH=$(LIBTPU_DIR)
 
-.PHONY: demo model test test-tpu tpu-aot test-multiprocess test-newest venv wheel clean
+.PHONY: demo model test test-slow test-tpu tpu-aot test-multiprocess test-newest venv wheel clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -70,7 +71,12 @@ wheel: | $(PY)
 	@ls dist/hydrajax-*.whl
 
 test: $(STAMP) model
-	$(PY) -m pytest $(PYTEST_ARGS) $(TESTS)
+	$(PY) -m pytest $(PYTEST_ARGS) -m '$(MARKERS)' $(TESTS)
+
+# The long end-to-end tests that `make test` leaves out (the real model through every path,
+# whole servers, notebooks on the real model).
+test-slow: $(STAMP) model
+	$(PY) -m pytest $(PYTEST_ARGS) -m slow $(TESTS)
 
 $(LIBTPU_STAMP): $(LIBTPU_LOCK) | $(STAMP)
 	rm -rf $(LIBTPU_DIR)
