@@ -353,7 +353,7 @@ def _host_overhead(*flags, timeout=300):
 @pytest.mark.parametrize('flags, match', [
     (['--steps=500'], '--steps=500, --new_tokens=512'),  # 500 + 20 warm-up > 512
     (['--new_tokens=40', '--steps=30'], '--steps=30, --new_tokens=40'),
-    (['--batch=0'], '--batch must be >= 1'),
+    (['--batch=0'], '--batch=0: must be >= 1'),
 ], ids=['steps_plus_warmup_over_new_tokens', 'small', 'batch=0'])
 def test_host_overhead_checks_flags_before_any_work(flags, match):
   done = _host_overhead(*flags)
