@@ -56,7 +56,13 @@ def test_install_cell_says_what_to_set_before_installing_anything(path):
     exec(compile(missing, 'install', 'exec'), {})
 
 
-@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
+def _runs(path):
+  """Notebooks on the real model compile its 30 layers several times: `make test-slow` runs them."""
+  slow = 'load_smollm2' in path.read_text()
+  return pytest.param(path, id=path.stem, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize('path', [_runs(p) for p in NOTEBOOKS])
 def test_notebook_runs(path):
   namespace = {'__name__': '__main__'}
   exec(compile(_code(path), str(path), 'exec'), namespace)  # asserts inside the notebook must hold

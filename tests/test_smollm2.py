@@ -101,6 +101,7 @@ def test_logits_equal_transformers(model):
       assert abs(lse - want['logsumexp']) <= 1e-4 * scale
 
 
+@pytest.mark.slow  # a second compile of the 30-layer model for another prompt shape
 def test_greedy_token_lists_equal_transformers(model):
   out = generate(model, PROMPTS, max_new_tokens=NEW)
   assert out.tokens.tolist() == EXPECTED
@@ -151,6 +152,7 @@ def _unfused_params(model) -> dict:
   return params
 
 
+@pytest.mark.slow  # the 30-layer model compiled for each mesh
 @pytest.mark.parametrize('mesh_shape', [(1, 3), (2, 3)], ids=['tp3', 'dp2_tp3'])
 def test_tensor_parallel_greedy_equals_one_device(path, model, mesh_shape):
   """tp 3 (the model's 3 kv heads, 9 query heads, vocab 49152 split in 3) and dp 2 x tp 3.
