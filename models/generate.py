@@ -49,8 +49,9 @@ from models import data_parallel
 from models import sharding_rules as sr
 from models.kv_cache import CACHE_PROGRAM_OPTIONS, DenseKVCache, KVCache
 from models.llama import Llama, ModelMode, parse_impl
-from models.prompt_plan import (RowSpec, TreePrompts, check_max_new_tokens, plan_forest,
-                                prefill_calls, prompt_forest, sequence_ids, tree_rows)
+from models.prompt_plan import (RowSpec, TreePrompts, check_max_new_tokens, longest_prompt,
+                                plan_forest, prefill_calls, prompt_forest, sequence_ids,
+                                tree_rows)
 from models.sampling import SEED_LIMIT, SamplingParams, SamplingRows, row_keys, sample_batch
 
 
@@ -370,12 +371,12 @@ def generate(
     raise ValueError(f'sharing_policy must be a SharingPolicy (e.g. SharingPolicy.never()) or '
                      f'None, got {sharing_policy!r}')
   forest = prompt_forest(prompts, num_samples=num_samples, vocab_size=vocab)
+  model.config.check_prompt_length(longest_prompt(forest), 'prompts')
   dp = sr.axis_size(model.mesh, sr.DP)
   if dp > 1:  # each dp shard its own sharing groups (models.data_parallel)
     tp = data_parallel.plan_shards(forest, dp, max_new_tokens)
   else:
     tp = plan_forest(forest, max_new_tokens)
-  model.config.check_prompt_length(int(tp.prompt_lengths.max()), 'prompts')
   key = jax.random.key(seed)
   stops = jnp.asarray(np.array(list(stop_tokens), np.int32).reshape(-1))
   graphdef, params = nnx.split(model)

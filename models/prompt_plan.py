@@ -147,6 +147,11 @@ class TreePrompts:
     return self.plan.kv_tokens
 
 
+def longest_prompt(forest: Sequence[ForestNode]) -> int:
+  """Tokens of the longest root-to-leaf prompt of the forest."""
+  return max((len(n.tokens) + longest_prompt(n.children) for n in forest), default=0)
+
+
 def prompt_forest(prompts, *, num_samples: int = 1,
                   vocab_size: int = ID_LIMIT) -> list[ForestNode]:
   """The forest of a `PromptNode` forest with tokens, or of token lists (shared prefixes found).
