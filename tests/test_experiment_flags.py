@@ -24,6 +24,8 @@ BAD = {
                   (['--model=hf'], '--model=hf needs --checkpoint')],
     'break_even': [(['--lengths=64,-4'], 'flag --lengths'), (['--repeats=0'], 'flag --repeats')],
     'demo': [(['--questions=0'], 'flag --questions'), (['--new_tokens=0'], 'flag --new_tokens')],
+    'real_model_agreement': [(['--questions=65'], 'flag --questions'),
+                             (['--impls=flash'], 'flag --impls')],
     'host_overhead': [(['--batch=0'], 'flag --batch=0: must be >= 1')],
     'microbench': [(['--repeats=0'], 'flag --repeats=0')],
     'needle_qa': [(['--new_tokens=2'], 'flag --new_tokens=2'),
