@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import hydrajax
-from hydrajax import PromptNode
+from hydrajax import AttentionImpl, PromptNode
+from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
 from models import generate as gen
 from models import prompt_plan as pp
 from models.config import get_config
@@ -98,11 +99,6 @@ def test_the_models_attention_config_reaches_its_plans():
   """`Llama(attention_config=...)` is the backend config of the plans it prepares: a decode step
   with three K/V slots in the private kernel (Mosaic GPU, interpret mode) gives the default
   config's logits and cache bitwise."""
-  import dataclasses
-  from hydrajax import AttentionImpl, dispatch
-  if isinstance(error := dispatch.backend(AttentionImpl.MOSAIC_GPU), ImportError):
-    pytest.skip(f'cannot import the Mosaic GPU backend: {error}')
-  from pallas_kernels.mosaic_gpu.tree_attention import MosaicGpuConfig
   config = dataclasses.replace(get_config('tiny_gqa'), num_layers=2, head_dim=64)
   rng = fresh_rng()
   seed = int(rng.integers(2**31))
@@ -141,10 +137,6 @@ def test_prefill_plans_are_what_the_mosaic_gpu_kernels_take():
   """Nodes start on prefill pages and a prefill row attends its own node as pages of them, so
   prefill runs the Mosaic GPU kernels (not an XLA fallback): in interpret mode they give the
   logits and K/V of the XLA prefill."""
-  import dataclasses
-  from hydrajax import AttentionImpl, dispatch
-  if isinstance(error := dispatch.backend(AttentionImpl.MOSAIC_GPU), ImportError):
-    pytest.skip(f'cannot import the Mosaic GPU backend: {error}')
   config = dataclasses.replace(get_config('tiny_gqa'), num_layers=1, head_dim=64)
   model = Llama(config, rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)),
                 dtype=jnp.bfloat16)
