@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 import hydrajax as hj
-from hydrajax import parallel
+from hydrajax.attention import parallel
 from hydrajax.attention.training import plan_prefill, prefill_attention
 from models import sharding_rules as sr
 from models.llama import init_model

@@ -15,7 +15,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hydrajax import parallel  # noqa: E402
+from hydrajax.attention import parallel  # noqa: E402
 from models.llama import init_model  # noqa: E402
 from models.config import get_config  # noqa: E402
 from models.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
