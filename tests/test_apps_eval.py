@@ -103,7 +103,7 @@ def _run(args, tmp_path):
 
 def test_apps_eval_end_to_end(tmp_path):
   records = _run(['--num_problems=3', '--samples=2', '--new_tokens=96', '--k=1,2',
-                  '--memory_budget_gb=0.000477', '--test_timeout_s=2'], tmp_path)
+                  '--memory_budget_gb=0.000477', '--test_timeout_s=2', '--time_batches=0'], tmp_path)
   settings = {r['setting']: r for r in records if 'setting' in r}
   assert set(settings) >= set(aw.MODES)
   # 1000 KV tokens (512 bytes each) fit 2 problems with two levels of sharing, 1 with one level
@@ -120,7 +120,8 @@ def test_apps_eval_end_to_end(tmp_path):
     assert (tmp_path / name).exists()
   # --resume keeps every setting that ran (and the sampled programs, checked again the same).
   again = _run(['--num_problems=3', '--samples=2', '--new_tokens=96', '--k=1,2',
-                '--memory_budget_gb=0.000477', '--test_timeout_s=2', '--resume'], tmp_path)
+                '--memory_budget_gb=0.000477', '--test_timeout_s=2', '--time_batches=0', '--resume'],
+               tmp_path)
   kept = {r['setting']: r for r in again if 'setting' in r}
   assert {k: r['timestamp'] for k, r in kept.items()} == {
       k: r['timestamp'] for k, r in settings.items()}

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
@@ -256,7 +257,7 @@ def segment_attention(
 
   `kv_offset` (int32 scalar, a multiple of ALIGN) is added to every kv token
   index: the segments index one layer's buffer that starts there in k_cache.
-  `q_by_row`: qf is [M, K, H] or [M/G, K, G, H] (`q_tile`).
+  `q_by_row`: qf is a G = 1 query's [M, K, H] view, read in place (`q_tile`).
 
   On the GPU this is the warp-specialised kernel. With `interpret=True` it is
   the single-warpgroup kernel: the same items, masks, softmax and epilogue,
@@ -688,8 +689,9 @@ def segment_attention_reference(
           p = jnp.exp(sc - mx)
           l = p.sum(-1)
           o = jnp.einsum('kms,ksh->kmh', p, v, precision=jax.lax.Precision.HIGHEST)
-          outs.append(o / jnp.where(l > 0, l, 1.0)[..., None])
-          lses.append(jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf))
+          out, lse = normalized(o, l, mx[..., 0])
+          outs.append(out)
+          lses.append(lse)
   out = jnp.concatenate(outs, axis=1).astype(qf.dtype)
   lse = jnp.concatenate(lses, axis=1)
   pad = ((0, 0), (PARTIAL_PAD, PARTIAL_PAD))
