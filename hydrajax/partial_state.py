@@ -9,7 +9,9 @@ disjoint key sets is the merge of their states:
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 
 An empty key set is `(0, -inf)`: merging it is a no-op, and merging two empty
-states gives `(0, -inf)`, never NaN. Golden case (worked by hand): one key with
+states gives `(0, -inf)`, never NaN. A NaN score or value among the keys seen makes
+the state NaN (lse NaN), as plain softmax attention does, and a merge keeps it NaN: a
+corrupt cache shows in the output instead of being dropped as if empty. Golden case (worked by hand): one key with
 score 0 and value 1 gives (1, 0); a second with score log 3 and value 5 gives
 (5, log 3); the merge is lse = log 4, out = 1/4 * 1 + 3/4 * 5 = 4.
 """
@@ -32,24 +34,33 @@ def empty_state(out_shape, dtype=jnp.float32) -> PartialState:
   )
 
 
+def normalized(o: jax.Array, l: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The state (o / l, m + log l) of keys with softmax sums `o` [..., H] and `l` [...] taken
+  relative to `m`: (0, -inf) where no key was seen (l == 0), NaN where l is NaN."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  return o / l_safe[..., None], jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+
+
 def _weights(lses: jax.Array) -> tuple[jax.Array, jax.Array]:
   """exp(lse_i - max) per state (0 where empty) and the merged lse; axis 0 is the state axis."""
   m = jnp.max(lses, axis=0)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty states
+  w = jnp.exp(lses - m_safe)  # exp(-inf) = 0 for empty states, NaN for a NaN state
   total = jnp.sum(w, axis=0)
-  lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  lse = jnp.where(total == 0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0, 1.0, total)))
   return w, total, lse
 
 
 def merge_stacked(outs: jax.Array, lses: jax.Array) -> PartialState:
   """Merge of the states stacked on axis 0 (outs [S, ..., H] float32, lses [S, ...]).
 
-  An empty state adds nothing, whatever its `out` holds (NaN included).
+  An empty state adds nothing, whatever its `out` holds (NaN included); a NaN state makes
+  the result NaN.
   """
   w, total, lse = _weights(lses)
-  acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=0)
-  return PartialState(acc / jnp.where(total > 0, total, 1.0)[..., None], lse)
+  acc = jnp.sum(jnp.where(w[..., None] == 0, 0.0, w[..., None] * outs), axis=0)
+  return PartialState(acc / jnp.where(total == 0, 1.0, total)[..., None], lse)
 
 
 def _as_state(state, name: str) -> PartialState:
@@ -66,7 +77,7 @@ def _as_state(state, name: str) -> PartialState:
 
 def merge_many(states: Sequence[PartialState], out_dtype=None) -> PartialState:
   """N-way merge of partial states over disjoint key sets (same shapes; an `(out, lse)` pair
-  is a state too). An lse is finite or -inf (NaN or +inf are no attention's result)."""
+  is a state too). An lse is finite, -inf (empty) or NaN (a NaN among its keys)."""
   if not states:
     raise ValueError('merge_many needs at least one state')
   states = [_as_state(s, f'states[{i}]') for i, s in enumerate(states)]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from hydrajax.layout import SharingPlan
-from hydrajax.partial_state import PartialState
+from hydrajax.partial_state import PartialState, normalized
 
 
 def naive_attention(
@@ -55,8 +55,7 @@ def naive_attention(
   # Padding past a row's length may hold anything (NaN): zero it, so that p = 0 keeps it out.
   v = jnp.where((pos[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0.0)
   o = jnp.einsum('btkgs,bskh->btkgh', p, v, precision=jax.lax.Precision.HIGHEST)
-  o = o / jnp.where(l > 0, l, 1.0)[..., None]
-  lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  o, lse = normalized(o, l, m[..., 0])
   return PartialState(o.reshape(b, t, n, h).astype(out_dtype), lse.reshape(b, t, n))
 
 

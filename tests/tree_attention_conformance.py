@@ -204,6 +204,35 @@ class TreeAttentionConformance:
       got = self.attention(p.q, k, v, layout)
       assert_close(got, expected, self.dtype(case), self.tolerances)
 
+  def test_nan_in_an_attended_token_shows_where_plain_attention_shows_it(self):
+    """A NaN key makes the out and lse of exactly the queries that see it NaN, a NaN value their
+    out, as plain softmax attention does: a corrupt cache shows, never read as an empty state.
+    A NaN value may also reach rows that share a kernel tile with them (0 * NaN in the PV
+    product); every row left finite is exact."""
+    case = dataclasses.replace(self.cases[0], t=2, max_len=30)
+    p = self.problem(case)
+    indices, lengths = p.plan.row_token_indices()
+    row = int(np.flatnonzero(lengths > 0)[-1])
+    token = int(indices[row][lengths[row] - 1])  # the last row's last token: few rows see it
+    layout = p.plan.to_device()
+    for name in ('k', 'v'):
+      k, v = (x.at[token].set(jnp.nan) if x_name == name else x
+              for x_name, x in (('k', p.k), ('v', p.v)))
+      expected = naive_tree_attention(p.q, k, v, p.plan)
+      got = self.attention(p.q, k, v, layout)
+      want_out = np.isnan(np.asarray(expected.out, np.float32))
+      got_out = np.isnan(np.asarray(got.out, np.float32))
+      assert want_out[row].any(), name
+      np.testing.assert_array_equal(np.isnan(np.asarray(got.lse)),
+                                    np.isnan(np.asarray(expected.lse)), name)
+      if name == 'k':
+        np.testing.assert_array_equal(got_out, want_out, name)
+      else:
+        assert (got_out | ~want_out).all(), 'a NaN value read as if unseen'
+      finite = lambda s: hj.PartialState(jnp.where(got_out, 0, s.out).astype(s.out.dtype),
+                                         jnp.where(jnp.isnan(s.lse), 0, s.lse))
+      assert_close(finite(got), finite(expected), self.dtype(case), self.tolerances)
+
   def test_a_layer_at_a_kv_offset_of_a_stacked_buffer(self):
     """Layer 1 of three stacked layers (the others garbage) equals attention over layer 1 alone."""
     case = self.cases[-1]

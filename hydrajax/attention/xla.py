@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from hydrajax.layout import TreeLayout, as_int
-from hydrajax.partial_state import PartialState, merge_many, merge_stacked
+from hydrajax.partial_state import PartialState, merge_many, merge_stacked, normalized
 
 
 def _dot_precision(dtype):
@@ -55,9 +55,7 @@ def _attend(q, k, v, visible, scale):
       'zmkgs,zskh->zmkgh', p.astype(v.dtype), v,
       preferred_element_type=jnp.float32, precision=_dot_precision(v.dtype),
   )
-  out = o / jnp.where(l > 0, l, 1.0)[..., None]
-  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return out, lse
+  return normalized(o, l, m)
 
 
 def path_item_index(layout: TreeLayout) -> jax.Array | None:
@@ -132,7 +130,7 @@ def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
   """LSE-merges partial states into their rows (rows == num_rows, or past it, are dropped).
 
   rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. Rows that receive
-  nothing get (0, -inf). A state every row has once, in row order (its private
+  nothing get (0, -inf); a NaN state makes its row NaN. A state every row has once, in row order (its private
   part), needs no scatter: `merge` it with the result.
   """
   size = num_rows + 1
@@ -140,10 +138,9 @@ def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lses - m[rows])
   den = jnp.zeros_like(m).at[rows].add(w)
-  contrib = jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0)  # an empty state adds nothing
+  contrib = jnp.where(w[..., None] == 0, 0.0, w[..., None] * outs)  # an empty state adds nothing
   acc = jnp.zeros((size,) + outs.shape[1:], jnp.float32).at[rows].add(contrib)
-  out = acc / jnp.where(den > 0, den, 1.0)[..., None]
-  lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+  out, lse = normalized(acc, den, m)
   return PartialState(out[:num_rows], lse[:num_rows])
 
 

@@ -143,13 +143,13 @@ def merge(acc, m, l, out, lse2):
   alpha = jnp.exp2(m - m_use)
   beta = jnp.exp2(lse2 - m_use)
   beta_b = _rows(beta, acc.shape)
-  acc = acc * _rows(alpha, acc.shape) + jnp.where(beta_b > 0, out.astype(jnp.float32) * beta_b, 0.0)
+  acc = acc * _rows(alpha, acc.shape) + jnp.where(beta_b == 0, 0.0, out.astype(jnp.float32) * beta_b)
   return acc, m_new, l * alpha + beta
 
 
 def finish(acc, m, l, o_smem, lse_smem, dtype):
   """Normalised out [M, H] and natural-log lse [M] into shared memory; (0, -inf) if empty."""
-  seen = l > 0
+  seen = l != 0  # NaN (a NaN score or value) stays NaN
   l_safe = jnp.where(seen, l, 1.0)
   store_untiled(o_smem, (acc / _rows(l_safe, acc.shape)).astype(dtype))
   store_untiled(lse_smem, jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf))

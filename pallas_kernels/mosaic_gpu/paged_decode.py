@@ -37,6 +37,7 @@ from jax import lax
 
 import numpy as np
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
@@ -348,8 +349,7 @@ def private_states_reference(
   p = jnp.exp(s - m[..., None])
   l = p.sum(-1)
   o = jnp.einsum('kbis,bskh->kbih', p, v, precision=hi)
-  l_safe = jnp.where(l > 0, l, 1.0)
-  return o / l_safe[..., None], jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+  return normalized(o, l, m)
 
 
 def paged_attention_reference(

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
@@ -970,10 +971,8 @@ def private_attention_reference(
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m[..., None])
     den = w.sum(-1)
-    acc = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * out, 0.0), axis=3)
-    den_safe = jnp.where(den > 0, den, 1.0)
-    out = acc / den_safe[..., None]
-    lse = jnp.where(den > 0, m + jnp.log(den_safe), -jnp.inf)
+    acc = jnp.sum(jnp.where(w[..., None] == 0, 0.0, w[..., None] * out), axis=3)
+    out, lse = normalized(acc, den, m)
   frames = problem.num_frames
   t, g = problem.query_tokens, problem.group_size
   if problem.direct_out:  # [K, B, T*G, ...] -> [B*T, K, G, ...]

@@ -65,6 +65,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
@@ -552,9 +553,8 @@ def _forward_reference(q, k, v, lengths, scale, causal):
   p = jnp.exp(sc - mx)
   l = p.sum(-1)
   o = jnp.einsum('zmkgs,zskh->zmkgh', p, vf, precision=lax.Precision.HIGHEST)
-  out = (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(z, m, n, h).astype(q.dtype)
-  lse = jnp.where(l > 0, mx[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return out, lse.reshape(z, m, n)
+  out, lse = normalized(o, l, mx[..., 0])
+  return out.reshape(z, m, n, h).astype(q.dtype), lse.reshape(z, m, n)
 
 
 def segment_forward_reference(q, k, v, kv_length, *, scale: float, interpret: bool = False,

@@ -43,8 +43,9 @@ def reset(m_ref, l_ref, acc_ref) -> None:
 
 
 def load_state(m_ref, l_ref, acc_ref, out, lse) -> None:
-  """Starts from a partial state: out [M, H] float32, lse [M, 128] float32 (-inf if empty)."""
-  seen = lse > -jnp.inf
+  """Starts from a partial state: out [M, H] float32, lse [M, 128] float32 (-inf if empty,
+  NaN kept NaN)."""
+  seen = lse != -jnp.inf
   m_ref[...] = jnp.where(seen, lse, NEG)
   l_ref[...] = jnp.where(seen, 1.0, 0.0).astype(jnp.float32)
   acc_ref[...] = jnp.where(seen[:, :1], out, 0.0)
@@ -84,7 +85,7 @@ def update(q, k, v, visible, m_ref, l_ref, acc_ref, *, scale: float) -> None:
 def finish(m_ref, l_ref, acc_ref) -> tuple[jax.Array, jax.Array]:
   """The partial state (out [M, H] float32, lse [M, 128] float32) of the keys seen."""
   l = l_ref[...]
-  seen = l > 0.0
+  seen = l != 0.0  # NaN (a NaN score or value) stays NaN
   l_safe = jnp.where(seen, l, 1.0)
   out = acc_ref[...] / l_safe[:, :1]
   lse = jnp.where(seen, m_ref[...] + jnp.log(l_safe), -jnp.inf)

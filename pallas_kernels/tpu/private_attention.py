@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.tpu import online_softmax
 from pallas_kernels.tpu.online_softmax import LANES, out_struct
 
@@ -218,7 +219,5 @@ def private_attention_reference(
   v = jnp.where((jnp.arange(k.shape[1])[None, :] < lengths[:, None])[..., None, None], v, 0.0)
   o = jnp.einsum('bkis,bskh->bikh', p, v, precision=jax.lax.Precision.HIGHEST)
   l = jnp.moveaxis(l, 1, 2)  # [Bq, TG, K]
-  out = o / jnp.where(l > 0, l, 1.0)[..., None]
-  m = jnp.moveaxis(m[..., 0], 1, 2)  # [Bq, TG, K]
-  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  out, lse = normalized(o, l, jnp.moveaxis(m[..., 0], 1, 2))  # [Bq, TG, K(, H)]
   return out, jnp.broadcast_to(lse[..., None], lse.shape + (LANES,))

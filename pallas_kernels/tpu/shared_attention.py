@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hydrajax.partial_state import normalized
 from pallas_kernels.tpu import online_softmax
 from pallas_kernels.tpu.online_softmax import LANES, out_struct
 from pallas_kernels.tpu.work_list import FIRST, LAST, WorkList
@@ -240,6 +241,5 @@ def shared_attention_reference(
   v = jnp.where(jnp.any(visible, axis=0)[:, None, None], v_cache.astype(jnp.float32), 0.0)
   o = jnp.einsum('mkl,lkh->mkh', p, v, precision=jax.lax.Precision.HIGHEST)
   o = o + w0[..., None] * jnp.where(jnp.isfinite(init)[..., None], init_out, 0.0)
-  out = o / jnp.where(l > 0, l, 1.0)[..., None]
-  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  out, lse = normalized(o, l, m)
   return out.astype(q.dtype), jnp.broadcast_to(lse[..., None], lse.shape + (LANES,))

@@ -51,7 +51,7 @@ import numpy as np
 from hydrajax.shapes import AttentionShapes
 from hydrajax.attention.dispatch import AttentionImpl
 from hydrajax.layout import TreeLayout
-from hydrajax.partial_state import PartialState, empty_state, merge_many
+from hydrajax.partial_state import PartialState, empty_state, merge_many, normalized
 from hydrajax.attention.xla import merge_along_paths, merge_into_rows, sum_along_paths
 from pallas_kernels.mosaic_gpu import training_attention as gpu_training
 from pallas_kernels.tpu import training_attention as tpu_training
@@ -167,9 +167,7 @@ def _part_forward(q_pad, k_cache, v_cache, part: _Part, scale):
     o = jnp.einsum('zmkgs,zskh->zmkgh', p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32, precision=_precision(v_cache.dtype))
     o = o + jnp.exp(lse_a - m)[..., None] * out_a
-    out = o / jnp.where(l > 0, l, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return (out, lse), None
+    return normalized(o, l, m), None
 
   init = (jnp.zeros(qz.shape, jnp.float32), jnp.full(qz.shape[:-1], -jnp.inf, jnp.float32))
   if num_blocks == 1:
