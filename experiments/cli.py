@@ -5,7 +5,8 @@
 - Flags are checked while they are parsed, before any model is built or program compiled: a bad
   value stops the command with `FATAL Flags parsing error: flag --NAME=VALUE: why` and exit status
   1 (`at_least`, `int_list`, `choices`, `check_flags`).
-- `--help` (`-?`, `--helpshort`, `--helpfull`) prints the flags and exits 0 (absl exits 1).
+- `--help` (`-h`, `-?`, `--helpshort`, `--helpfull`) prints the flags and exits 0 (absl exits 1;
+  `hydrajax.command_line`).
 - orbax's INFO lines (a dozen per checkpoint restored) stay out of the terminal; its warnings
   and errors still show.
 
@@ -14,14 +15,12 @@ This module defines no flag when imported; an experiment calls `workdir_flag` at
 
 import logging
 import os
-import sys
 from typing import Callable, Iterable
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 
-_HELP_FLAGS = ('--help', '-?', '--helpshort', '--helpfull', '-h')
-
+from hydrajax import command_line
 
 def workdir_flag(experiment: str, about: str = 'output folder') -> flags.FlagHolder:
   """Defines `--workdir`, default `workdir/<experiment>` (relative to the current directory)."""
@@ -95,12 +94,4 @@ def run(main: Callable, *, workdir: flags.FlagHolder | None = None) -> None:
       print(f'\nresults in {os.path.abspath(workdir.value)}', flush=True)
     return result
 
-  wants_help = any(a in _HELP_FLAGS for a in sys.argv[1:])
-  if '-h' in sys.argv[1:]:
-    sys.argv[sys.argv.index('-h')] = '--help'
-  try:
-    app.run(main_then_say_where)
-  except SystemExit as done:
-    if wants_help and done.code == 1:
-      raise SystemExit(0) from None
-    raise
+  command_line.run(main_then_say_where)

@@ -21,8 +21,9 @@ import os
 from collections.abc import Sequence
 
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
+from hydrajax import command_line
 from models.generate import generate
 from models.checkpoint import is_gguf, load_checkpoint
 from models.sampling import SamplingParams
@@ -129,4 +130,4 @@ if __name__ == '__main__':
       message='each must be comma-separated token ids >= 0, e.g. 1,2,3')
   for name in ('max_new_tokens', 'num_samples'):
     flags.register_validator(name, lambda v: v >= 1, message='must be >= 1')
-  app.run(main)
+  command_line.run(main)

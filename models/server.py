@@ -83,6 +83,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
+from hydrajax import command_line
 from hydrajax.attention.parallel import initialize_distributed, parse_mesh
 from models.config import get_config
 from models.engine import Engine, EngineConfig
@@ -495,39 +496,31 @@ def make_app(loop: EngineLoop, *, tokenizer: Tokenizer | None = None, model_name
       shape = openai_error if openai else plain_error
       return _json_response(e.status, shape(e))
 
-  async def generate(request: Request) -> Response:
-    try:
-      work = await parse(request, parse_generate, openai=False)
-    except ClientDisconnect:
-      return Response(status_code=499)
-    if isinstance(work, Response):
-      return work
-    run = (_stream_generate if work.stream else
-           lambda pending, send: _answer_generate(pending, send, tokenizer))
-    return _Answer(loop, work, run, openai=False, client=_client(request))
+  def endpoint(parser, answer, *, openai: bool):
+    """A request handler: `parser` reads the body into a `Work`, `answer(pending, send)` writes
+    its response (the OpenAI endpoints name the served model in theirs)."""
 
-  async def completions(request: Request) -> Response:
-    try:
-      work = await parse(request, parse_completion, openai=True)
-    except ClientDisconnect:
-      return Response(status_code=499)
-    if isinstance(work, Response):
-      return work
-    work = dataclasses.replace(work, model=model_name)
-    return _Answer(loop, work, lambda pending, send: _completion(pending, send, tokenizer),
-                   openai=True, client=_client(request))
+    async def handle(request: Request) -> Response:
+      try:
+        work = await parse(request, parser, openai=openai)
+      except ClientDisconnect:
+        return Response(status_code=499)
+      if isinstance(work, Response):
+        return work
+      if openai:
+        work = dataclasses.replace(work, model=model_name)
+      run = answer(work)
+      return _Answer(loop, work, run, openai=openai, client=_client(request))
 
-  async def chat(request: Request) -> Response:
-    try:
-      work = await parse(request, parse_chat, openai=True)
-    except ClientDisconnect:
-      return Response(status_code=499)
-    if isinstance(work, Response):
-      return work
-    work = dataclasses.replace(work, model=model_name)
-    return _Answer(loop, work, lambda pending, send: _completion(pending, send, tokenizer,
-                                                                 chat=True),
-                   openai=True, client=_client(request))
+    return handle
+
+  generate = endpoint(parse_generate, lambda work: (
+      _stream_generate if work.stream else
+      lambda pending, send: _answer_generate(pending, send, tokenizer)), openai=False)
+  completions = endpoint(parse_completion, lambda work: (
+      lambda pending, send: _completion(pending, send, tokenizer)), openai=True)
+  chat = endpoint(parse_chat, lambda work: (
+      lambda pending, send: _completion(pending, send, tokenizer, chat=True)), openai=True)
 
   async def health(request: Request) -> Response:
     stats = dict(loop.stats)
@@ -879,4 +872,4 @@ if __name__ == '__main__':
                               'see hydrajax/PARALLELISM.md')
   _DISTRIBUTED = flags.DEFINE_string('distributed', '', "multi-host start-up: 'auto' or "
                                      "'HOST:PORT,NUM_PROCESSES,PROCESS_ID'")
-  app.run(main)
+  command_line.run(main)

@@ -91,3 +91,12 @@ def test_bad_paths_and_ids_give_one_line_not_a_traceback(flags, words):
                         capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode != 0 and words in proc.stderr, proc.stderr[-2000:]
   assert 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('command', ['models.generate_cli', 'models.server'])
+def test_help_prints_the_flags_and_exits_0(command):
+  proc = subprocess.run([sys.executable, '-m', command, '--help'], cwd=ROOT,
+                        env={**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'},
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert '--checkpoint' in proc.stdout + proc.stderr
