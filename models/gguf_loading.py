@@ -76,13 +76,32 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
   return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class _Reader(gguf.GGUFReader):
+  """`GGUFReader` over the file's mapping seen as a plain ndarray.
+
+  The reader parses every metadata value into its own slices of `data`, and a 49K-token
+  vocabulary is hundreds of thousands of them: `np.memmap` runs Python hooks on each slice,
+  which made opening SmolLM2's file take most of its load time. The mapping is the same
+  (read-only, still paged in on demand); `filename` keeps the file's path.
+  """
+
+  @property
+  def data(self) -> np.ndarray:
+    return self._data
+
+  @data.setter
+  def data(self, value: np.memmap) -> None:
+    self.filename = value.filename
+    self._data = value.view(np.ndarray)
+
+
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
   """`GGUFReader` on the file; a missing, truncated or non-GGUF file raises `CheckpointError`."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise CheckpointError(f'{path}: no such GGUF file')
   try:
-    return gguf.GGUFReader(path)
+    return _Reader(path)
   except Exception as e:  # the reader raises ValueError, struct errors, IndexError, ...
     raise CheckpointError(f'{path}: not a readable GGUF file (truncated or corrupt?): '
                           f'{type(e).__name__}: {e}') from None
@@ -96,19 +115,19 @@ def metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
   try:
     return field.contents()
   except Exception as e:
-    raise CheckpointError(f'{reader.data.filename}: metadata {key} is unreadable: {e}') from None
+    raise CheckpointError(f'{reader.filename}: metadata {key} is unreadable: {e}') from None
 
 
 def _required(reader: gguf.GGUFReader, key: str) -> Any:
   value = metadata(reader, key)
   if value is None:
-    raise CheckpointError(f'{reader.data.filename}: metadata {key} is missing')
+    raise CheckpointError(f'{reader.filename}: metadata {key} is missing')
   return value
 
 
 def config_from_reader(reader: gguf.GGUFReader, *, name: str = '') -> LlamaConfig:
   """The `LlamaConfig` of an open GGUF file (its `{arch}.*` metadata and tensors)."""
-  file = reader.data.filename
+  file = reader.filename
   arch = _required(reader, 'general.architecture')
   if arch not in SUPPORTED_ARCHITECTURES:
     raise CheckpointError(f'{file}: general.architecture is {arch!r}; only '
@@ -158,7 +177,7 @@ def gguf_config(path: str | os.PathLike) -> LlamaConfig:
 
 def hf_tensor_reader(reader: gguf.GGUFReader, config: LlamaConfig) -> Callable[[str], np.ndarray]:
   """get(HF name) -> float32 [out, in] array, checked, with the rope rows in HF order."""
-  file = reader.data.filename
+  file = reader.filename
   by_hf = {}
   for t in reader.tensors:
     name = hf_name(t.name)

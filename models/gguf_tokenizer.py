@@ -54,7 +54,7 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
   false, as SmolLM2's), so `encode` adds nothing then.
   """
   reader = open_gguf(path)
-  file = reader.data.filename
+  file = reader.filename
   kind = metadata(reader, 'tokenizer.ggml.model')
   if kind != 'gpt2':
     raise CheckpointError(f'{file}: tokenizer.ggml.model is {kind!r}; only byte-level BPE '
