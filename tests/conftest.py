@@ -79,13 +79,16 @@ def _bound_memory_mappings():
     _free_compiled_programs()
 
 
-# Some tests' cases are slow on a 2-core CI machine: interpret mode runs a kernel op by op in
-# host callbacks (30-170 s a case of the Mosaic GPU kernel tests), and a model sharded over 8
-# fake CPU devices compiles for each mesh (30-40 s a case). A test class, or a module, may name
+# `make test` (CI) must finish within 30 minutes on a 2-core machine, and some tests are slow
+# there: interpret mode runs a kernel op by op in host callbacks (30-170 s a case of the Mosaic
+# GPU kernel tests), a model sharded over 8 fake CPU devices compiles for each mesh (30-40 s a
+# case), experiments' end-to-end runs compile many programs. A test class, or a module, may name
 # in `representative_cases` ({test name: ids to keep}) the cases of its many-case tests that
 # `make test` runs: chosen to cover each kv-head fold (MHA, GQA, MQA), T > 1, padded rows, each
-# knob, each kind of mesh. The compiled kernel classes run every case on a GPU, and
-# `--all-cases` (or HYDRAJAX_ALL_CASES=1) runs every case anywhere.
+# knob, each kind of mesh; an empty tuple leaves a whole test (parametrized or not) to the full
+# run, where another test of the default run covers the same path more cheaply. The compiled
+# kernel classes run every case on a GPU, and `--all-cases` (HYDRAJAX_ALL_CASES=1, `make
+# test-all`) runs every case anywhere.
 def pytest_addoption(parser):
   parser.addoption('--all-cases', action='store_true',
                    help='run every case, not only the `representative_cases` of slow tests')
@@ -106,7 +109,8 @@ def pytest_collection_modifyitems(config, items):
   kept, dropped = [], []
   for item in items:
     cases = representative_cases(item)
-    (dropped if cases is not None and item.callspec.id not in cases else kept).append(item)
+    case = getattr(getattr(item, 'callspec', None), 'id', None)
+    (dropped if cases is not None and case not in cases else kept).append(item)
   if dropped:
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept

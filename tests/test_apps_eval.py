@@ -212,3 +212,9 @@ def test_run_batch_reuses_a_root_kv_across_calls(tiny_coder):
   second = forest(3)
   assert aw._root_segment(second, pp.plan_prompts(second, max_new_tokens=6)) == 0  # reused
   np.testing.assert_array_equal(run(second, root_kv).tokens, run(second, None).tokens)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_lean_prefill_equals_generates_prefill': ('16-24',),
+}

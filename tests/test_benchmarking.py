@@ -438,3 +438,9 @@ ENTRY %main (a: (s32[8], f32[4])) -> (s32[8], f32[4]) {
   summary = hlo_launches.summarize(launches)
   assert summary == dict(launches=6, by_category={'fusion': 3, 'mosaic': 2, 'gemm': 1},
                          remat_launches=2, repeated={'t': 3})
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_microbench_smoke_end_to_end': (),
+}

@@ -568,3 +568,9 @@ def test_copy_slots_copies_every_layer_and_drops_padding():
   want_k = k0.copy()
   want_k[:, [2, 3]] = k0[:, [1, 2]]
   np.testing.assert_array_equal(k2, want_k)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_decode_attention_over_pool_equals_oracle': ('shared_gqa_bf16', 'shared_mqa_f32', 'unshared_mqa_bf16_fixed_shapes'),
+}

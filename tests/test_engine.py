@@ -532,3 +532,9 @@ def test_interpret_runs_the_mosaic_tpu_kernels_on_a_cpu():
   assert engine.generate(prompts, SamplingParams(max_new_tokens=3)) == expected
   with pytest.raises(ValueError, match='interpret'):
     dataclasses.replace(CONFIG, interpret='yes')
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_interpret_runs_the_mosaic_tpu_kernels_on_a_cpu': (),
+}

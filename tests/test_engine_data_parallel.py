@@ -35,7 +35,11 @@ CONFIGS = {  # heads divide over tp = 4; MQA's single kv head is stored tp times
 MESHES = ('dp:2', 'dp:2,tp:2', 'dp:2,tp:4')
 CASES = [(k, m) for k in CONFIGS for m in MESHES]
 # MHA on dp alone and MQA on dp with tp in `make test` (conftest); --all-cases runs the 9.
-representative_cases = {'test_greedy_outputs_equal_one_device': ('mha_dp:2', 'mqa_dp:2,tp:4')}
+representative_cases = {
+    'test_greedy_outputs_equal_one_device': ('mqa_dp:2,tp:4',),
+    'test_warmup_compiles_every_step_shape': (),
+    'test_greedy_outputs_without_sharing_or_retention': ('no_sharing',),
+}
 NEW = 6
 # tests/test_engine.py's engine: one decode and one prefill shape in most runs; the pool and
 # max_batch (per shard) small enough that requests wait and shards fill up.

@@ -600,3 +600,15 @@ def test_train_parallel_step_smoke(tmp_path):
     assert variants[name]['loss_rel_diff'] < 1e-5 and variants[name]['speedup'] > 0
   for name in ('table.md', 'samples.png', 'README.md'):
     assert (tmp_path / name).stat().st_size > 0, name
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_data_parallel_train_step_is_the_one_device_step': (),
+    'test_data_parallel_tree_train_step_is_the_one_device_step': (),
+    'test_tensor_parallel_train_steps_are_the_one_device_steps': (),
+    'test_toy_tree_rollouts_are_the_group_step_of_the_same_samples': (),
+    'test_toy_trains_data_parallel_as_on_one_device': (),
+    'test_train_parallel_step_smoke': (),
+    'test_shared_forward_loss_and_grads_match_unshared': (),
+}

@@ -285,3 +285,9 @@ def test_node_logits_gathers_each_rows_node_across_calls():
   want = jnp.stack([first[2], second[1], second[1], first[0]])
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(gen.node_logits(ends[:1], np.array([0])), first[:1])
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_greedy_tree_equals_naive_and_hf': ('tiny_gqa',),
+}

@@ -290,3 +290,9 @@ def test_fused_qkv_is_the_same_model(name, tmp_path):
   assert not restored.qkv_fused
   np.testing.assert_array_equal(restored.layers[1].wq.get_value(), unfused.layers[1].wq.get_value())
   np.testing.assert_array_equal(restored.layers[1].wkv.get_value(), unfused.layers[1].wkv.get_value())
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_fused_qkv_is_the_same_model': ('tiny_gqa',),
+}

@@ -238,3 +238,9 @@ def test_experiment_writes_its_outputs_and_rebuilds(tmp_path):
   assert [(r['name'], r['batch']) for r in resumed] == [
       ('no_attention', 2), ('tree_xla', 2), ('no_attention', 3), ('tree_xla', 3)]
   assert [r['timestamp'] for r in resumed[:2]] == [r['timestamp'] for r in first]
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_experiment_writes_its_outputs_and_rebuilds': (),
+}

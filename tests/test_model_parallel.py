@@ -42,7 +42,13 @@ MESHES = {'tp1': (1, 1), 'tp2': (1, 2), 'tp4': (1, 4), 'tp8': (1, 8), 'dp2_tp2':
 CASES = [('mha', m) for m in MESHES] + [('gqa', 'tp4'), ('gqa', 'dp2_tp4'), ('mqa', 'tp8'),
                                         ('mqa', 'dp2_tp2')]
 # GQA on dp with tp and MQA on tp of 8 in `make test` (conftest); --all-cases runs the 10.
-representative_cases = {'test_decode_step_equals_one_device': ('gqa_dp2_tp4', 'mqa_tp8')}
+representative_cases = {
+    'test_decode_step_equals_one_device': ('gqa_dp2_tp4',),
+    'test_generate_in_blocks_gives_one_devices_tokens': ('mqa-tp8',),
+    'test_generate_greedy_tokens_equal_one_device': ('gqa-tp4-bfloat16',),
+    'test_fused_qkv_on_a_mesh_equals_one_device': ('gqa-dp2_tp2',),
+    'test_one_decode_step_has_two_reductions_per_layer': ('tp8',),
+}
 
 
 def _mesh(name: str, explicit: bool = False):

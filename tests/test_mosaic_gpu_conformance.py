@@ -45,6 +45,10 @@ class TestMosaicGpuTokenLanesInterpret(_MosaicGpu):
   over random forests in scattered 8-token pages; T*G = 64/h folded rows a query row (a
   frame), so every batch fits."""
 
+  representative_cases = {
+      'test_random_tree_matches_oracle': ('depth=2_gqa_N=32_K=8_T=2_dtype0_seed=972', 'depth=2_gqa_N=16_K=2_T=4_dtype1_seed=975'),
+  }
+
   interpret = True
   cases = (
       Case(972, 2, (32, 8), 2, dtype_index=0, max_len=30, max_rows=3),  # G = 4, T = 2

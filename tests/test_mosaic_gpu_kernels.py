@@ -556,22 +556,25 @@ class TestMosaicGpuKernelsInterpret(TestMosaicGpuKernels):
   interpret = True
   head_dim = 64
   representative_cases = {
-      'test_matches_xla_and_oracle': (
-          'batch1_T=1_heads=4/1', 'two_level_T=3_heads=2/2', 'deep_T=4_heads=4/1',
-          'forest_T=2_heads=8/2', 'private_only_T=2_heads=4/2'),
-      'test_long_rows': ('page=128_T=1_heads=8/1_sms=1', 'page=16_T=2_heads=8/2_sms=1',
-                         'page=64_T=2_heads=8/1_sms=None'),
-      'test_private_knobs_change_nothing': ('64-slots=4', '16-lane_walk'),
-      # 40-75 s a case on 2 cores: one padded GQA fold and one at T > 1 (the compiled class
-      # runs all 12 on a GPU).
-      'test_token_lanes': ('G=3_padded', 'K=2_G=4_T=3'),
-      'test_q_read_by_row_is_the_fold': ('2-G=1',),
-      'test_packed_frames': ('wide_T=1_heads=4/2', 'two_level_T=40_heads=4/2'),
+      'test_matches_xla_and_oracle': ('batch1_T=1_heads=4/1', 'two_level_T=3_heads=2/2'),
+      'test_long_rows': ('page=16_T=2_heads=8/2_sms=1',),
+      'test_private_knobs_change_nothing': ('64-slots=4',),
+      'test_token_lanes': (),
+      'test_q_read_by_row_is_the_fold': (),
+      'test_packed_frames': ('wide_T=1_heads=4/2',),
+      'test_step_plan_is_the_per_call_table': (),
+      'test_many_splits_merge_like_one': (),
+      'test_layer_offset_and_garbage_elsewhere': ('deep',),
   }
 
 
 class TestSupportAndSchedule:
   """What AUTO needs to fall back, and the static work decomposition (no kernels run)."""
+
+  representative_cases = {
+      'test_lane_table_is_the_kernels_chunk_walk': ('99-1-4-16-1', '37-2-4-8-8', '40-3-2-8-2'),
+      'test_one_lane_table_serves_every_layer': (),
+  }
 
   @pytest.mark.parametrize('t', [1, 3])
   def test_by_row_view_folds_like_the_fold(self, t):

@@ -202,3 +202,12 @@ def test_profiler_switch_and_trace_summary(monkeypatch, tmp_path):
   summary = profiling.summarize(str(trace))
   assert summary['qk'] == dict(count=3, total_us=6.0, mean_us=2.0, per_program_us=3.0)
   assert summary['pv'] == dict(count=1, total_us=6.0, mean_us=6.0, per_program_us=3.0)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_tree_attention_lowers_for_cuda': ('16-2048-3-64-8-1', '8-2048-3-32-1-1', '99-2048-3-32-8-2', '2-2048-200-32-32-128', '32-0-300-32-8-1'),
+    'test_training_kernels_lower_for_cuda': ('fused_dq-32-8', 'dq_kernel-32-1'),
+    'test_shared_knobs_lower_for_cuda': ('G=4-overlap_block64_steps3', 'MHA_T=2-overlap_block192'),
+    'test_token_lanes_lower_for_cuda': ('1024-16384-1-32-8-1', '8-2048-9-48-16-1', '256-2048-9-12-2-1'),
+}

@@ -88,3 +88,9 @@ def test_resume_keeps_the_points_that_ran(tmp_path):
   assert second[('no_sharing', 2)]['identical_to_tree'] is True
   third, log = run('--questions=2')  # without --resume: a fresh run
   assert set(third) == {('tree', 2), ('no_sharing', 2)} and 'resuming' not in log
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_resume_keeps_the_points_that_ran': (),
+}

@@ -89,3 +89,9 @@ def test_mosaic_gpu_kernels_trace_under_the_head_shard_map():
       out_specs=hj.PartialState(heads, P(None, None, 'tp')))
   lowered = jax.jit(fn).lower(q, kv, kv, layout)
   assert lowered.out_info.out.shape == q.shape
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_sharded_equals_oracle_on_four_fake_devices': ('explicit-8-2', 'auto-4-1', 'auto-8-8'),
+}

@@ -285,3 +285,9 @@ def test_a_mode_that_would_drop_a_draw_is_refused():
     assert dataclasses.replace(greedy, mode=mode).mode is mode
   with pytest.raises(ValueError, match='mode must be a SamplingMode'):
     dataclasses.replace(greedy, mode='greedy')
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_generate_stop_sequences_and_logprobs': (),
+}

@@ -665,3 +665,9 @@ def test_chat_completions_under_the_chat_template(long_engine, tmp_path):
     assert e.value.body['param'] == 'messages'
   finally:
     s.close()
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_command_line_server_on_a_mesh_answers_as_one_device': ('tp:2',),
+}

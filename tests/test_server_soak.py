@@ -196,3 +196,9 @@ if __name__ == '__main__':
     print('soak passed')
 
   app.run(main)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_soak_mixed_traffic_bounded_shapes_steady_memory': (),
+}

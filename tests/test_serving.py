@@ -205,3 +205,10 @@ def test_summarize_writes_one_table_per_bound_and_says_when_two_are_the_same(tmp
   assert all('| P | shared |' in s for s in sections[:4])
   assert 'Same table as at <= 100 ms/token' in sections[4] and '| P |' not in sections[4]
   assert serving_report.bound_table([by[100.0]]) == serving_report.bound_table([by[200.0]])
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_resume_runs_only_the_missing_points': (),
+    'test_warm_up_covers_every_decode_shape_of_a_point': ('1.0-small', '0.5-h200_2k'),
+}

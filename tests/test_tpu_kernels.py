@@ -531,3 +531,11 @@ def test_kv_offset_with_several_kv_blocks_per_layer(kv_tokens):
   assert prepared.prepared.kernel_plan.block_kv == 128
   got = hj.attend(q, k_all, v_all, prepared, kv_offset=jnp.int32(kv_tokens))
   assert_close(got, naive_tree_attention(q, k, v, plan), jnp.float32, 'naive')
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_random_tree_matches_both_oracles': ('depth=3_mqa_t=3_f32', 'wide_gqa_t=2_bf16_tiny_blocks', 'depth=2_gqa_t=2_bf16_h=64'),
+    'test_small_layouts': ('forest_empty_root_t=1',),
+    'test_kv_offset_with_several_kv_blocks_per_layer': ('sliced=264',),
+}

@@ -425,6 +425,11 @@ class TestXla(TreeAttentionConformance):
   ) + (ConformanceCase(906, 2, (8, 8), 2, dtype_index=1, shared=False),
        ConformanceCase(907, 2, (8, 1), 1, dtype_index=0, shared=False))
   config = hj.XlaConfig(kv_block=16)  # long segments run in several blocks
+  representative_cases = {
+      'test_random_tree_matches_oracle': (
+          'depth=1_mha_N=8_K=8_T=1_dtype0_seed=900', 'depth=2_gqa_N=8_K=2_T=3_dtype1_seed=901',
+          'depth=3_mqa_N=8_K=1_T=1_dtype0_seed=902', 'unshared_mha_N=8_K=8_T=2_dtype1_seed=906'),
+  }
 
 
 @pytest.mark.parametrize('seed_offset', range(3))
@@ -513,3 +518,11 @@ def test_layouts_without_paths_scatter_to_the_same_result():
   grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, lay) for lay in (layout, no_paths)]
   for got, want in zip(*grads):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_splitting_a_segment_is_exact': ('split=1_of_37', 'split=37_of_37'),
+    'test_random_tree_matches_oracle': ('depth=1_N=8_K=8_T=1_bfloat16_seed=100', 'depth=1_N=8_K=2_T=3_float32_seed=101', 'depth=2_N=8_K=1_T=1_float32_seed=105', 'depth=3_N=8_K=8_T=3_bfloat16_seed=106', 'depth=4_N=8_K=2_T=1_bfloat16_seed=110', 'batch=1_depth=4_N=8_K=2_T=4_float32_seed=204'),
+    'test_layouts_without_paths_scatter_to_the_same_result': (),
+}

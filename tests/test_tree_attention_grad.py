@@ -218,3 +218,10 @@ def test_grad_with_mosaic_tpu_kernels_matches_oracle(impl, case):
   with pytest.raises(ValueError, match='shared_backward'):
     tree_attention_differentiable(q, k, v, layout, shared_backward='cuda')
 
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_prefill_attention_matches_causal_oracle': ('bfloat16-mosaic_tpu',),
+    'test_grad_matches_oracle': ('nan_padding_N=4_K=2_T=3_float32_kv_block=8_seed=1',),
+    'test_grad_with_mosaic_tpu_kernels_matches_oracle': ('mosaic_tpu-nan_padding_N=4_K=2_T=3_float32_kv_block=1024_seed=1',),
+}

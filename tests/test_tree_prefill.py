@@ -288,3 +288,11 @@ def test_train_tree_step_smoke(tmp_path):
       'per_seq_xla']['flops']
   for name in ('table.md', 'time.png', 'README.md'):
     assert (tmp_path / name).stat().st_size > 0, name
+
+# `make test` keeps these cases (conftest: `representative_cases`; `()`: the whole test is left
+# to `make test-all`, another test of the default run covering its path).
+representative_cases = {
+    'test_states_and_gradients_match_the_dense_oracle': ('GQA_bf16',),
+    'test_train_tree_step_smoke': (),
+    'test_train_tree_bench_smoke': (),
+}
