@@ -24,13 +24,15 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from experiments.benchmarking import report
 from hydrajax.evaluation import apps, checker, sandbox
 
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'runs of each kind')
-_WORKDIR = flags.DEFINE_string('workdir', 'experiments/results/sandbox_overhead', 'output folder')
+_WORKDIR = cli.workdir_flag('sandbox_overhead')
+cli.at_least(1, 'repeats')
 
 PROBLEM = apps.Problem('add', 'Print a + b.', ('1 2\n',), ('3\n',))
 PROGRAM = 'a, b = map(int, input().split())\nprint(a + b)\n'
@@ -116,4 +118,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -22,13 +22,17 @@ import time
 import urllib.error
 import urllib.request
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 _SERVER_ARGS = flags.DEFINE_string('server_args', '', 'extra flags for models.server')
 _IDS = flags.DEFINE_boolean('ids', False, 'send token ids (a server without a tokenizer)')
 _TIMEOUT = flags.DEFINE_float('timeout_s', 600, 'give up after this long')
 _WATCH = flags.DEFINE_float('watch_s', 0, 'after the first answer, follow the warm-up this long')
 _OUT = flags.DEFINE_string('out', '', 'write the result as JSON here too')
+cli.at_least(1, 'timeout_s')
+cli.at_least(0, 'watch_s')
 
 
 def _free_port() -> int:
@@ -108,4 +112,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

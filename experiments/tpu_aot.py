@@ -32,6 +32,7 @@ import jax
 from absl import app, flags, logging
 
 import hydrajax as hj
+from experiments import cli
 from experiments.tpu_programs import (decode_plan, grpo_step, model_step, padded_tree_attention,
                                       training_kernels, tree_attention_kernels)
 from models import sharding_rules as sr
@@ -39,7 +40,7 @@ from models.config import PRESETS, get_config
 from pallas_kernels.tpu import aot
 
 PROGRAMS = ('kernels', 'decode', 'prefill', 'train')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'where results.jsonl, table.md, README.md go')
+_WORKDIR = cli.workdir_flag('tpu_aot', 'where results.jsonl, table.md, README.md go')
 _TOPOLOGIES = flags.DEFINE_list(
     'topologies', ['v5e:1x1', 'v5e:2x2', 'v5e:2x4', 'v5p:2x2x1', 'v5p:2x2x2', 'v6e:1x1',
                    'v6e:2x4'], 'named TPU slices (generation:chips); `v5e:2x4=decode+train` '
@@ -53,6 +54,9 @@ _PREFILL_TOKENS = flags.DEFINE_integer('prefill_tokens', 128, 'tokens a row in t
 _PREFILL_ROWS = flags.DEFINE_integer('prefill_rows', 8, 'rows in the prefill step')
 _RESUME = flags.DEFINE_bool('resume', False, 'keep the rows of results.jsonl in --workdir and '
                             'compile only the programs it lacks')
+cli.at_least(1, 'batch', 'prefix', 'prefill_tokens', 'prefill_rows')
+cli.choices('programs', PROGRAMS)
+cli.choices('presets', sorted(PRESETS))
 
 
 def _meshes(topology):
@@ -77,7 +81,7 @@ def _jobs(topology, asked):
       shape = dict(batch=_BATCH.value, prefix=_PREFIX.value, heads=32, kv_heads=8, head_dim=h)
       yield 'kernels', f'tree_attention B={_BATCH.value} P={_PREFIX.value} 32/8 H={h}', (
           lambda shape=shape: tree_attention_kernels(topology, **shape))
-    yield 'kernels', f'tree_attention same, H=64 padded to 128', (
+    yield 'kernels', 'tree_attention same, H=64 padded to 128', (
         lambda shape=shape: padded_tree_attention(topology, padded_dim=128, **shape))
     yield 'kernels', 'training fwd+bwd P=2048 G=2 T=512 32/8 H=128', (
         lambda: training_kernels(topology))
@@ -108,8 +112,6 @@ def _jobs(topology, asked):
 
 
 def _check_flags():
-  if not _WORKDIR.value:
-    raise app.UsageError('--workdir is required')
   for t, _ in _topologies():
     try:
       aot.generation(t)
@@ -123,7 +125,7 @@ def _check_flags():
     raise app.UsageError(f'--presets: unknown {bad}; known: {sorted(PRESETS)}')
   reason = aot.libtpu_reason()
   if reason:
-    raise app.UsageError(f'{reason}; `make libtpu` installs it (see the module doc)')
+    raise app.UsageError(f'{reason}; `make tpu-aot` installs it (see the module doc)')
 
 
 def _row_text(r):
@@ -197,4 +199,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

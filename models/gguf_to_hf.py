@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from hydrajax import command_line
 from models.gguf_loading import config_from_reader, hf_tensor_reader, open_gguf
 from models.gguf_tokenizer import tokenizer_from_gguf
 from models.hf_loading import expected_hf_shapes
@@ -67,10 +68,10 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  from absl import app, flags
+  from absl import flags
 
   FLAGS = flags.FLAGS
   flags.DEFINE_string('gguf', None, 'the .gguf file', required=True)
   flags.DEFINE_string('out', None, 'the HF folder to write', required=True)
   flags.DEFINE_enum('dtype', 'float32', sorted(DTYPES), 'dtype of the written weights')
-  app.run(main)
+  command_line.run(main)
