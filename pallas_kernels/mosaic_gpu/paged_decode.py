@@ -37,12 +37,12 @@ from jax import lax
 
 import numpy as np
 
-from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PRIVATE_BLOCK, WG_M, cdiv, frame_pad, round_up
 from pallas_kernels.mosaic_gpu.segment_attention import floor_div, offset_operand
+from pallas_kernels.softmax_state import normalized
 
 _BLK = PRIVATE_BLOCK
 _RUNGS = ((0, 8), (8, 16), (16, 32), (32, 64))  # row ranges of a private block's copies

@@ -78,7 +78,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
@@ -92,6 +91,7 @@ from pallas_kernels.mosaic_gpu.private_problem import (
 from pallas_kernels.mosaic_gpu.segment_attention import (
     as_folded, floor_div, offset_operand, q_tile, segment_fields, start_q,
 )
+from pallas_kernels.softmax_state import normalized
 
 _BLK = PRIVATE_BLOCK
 # A step's valid tokens per lane, 4 bits a lane (lane j at bits 4j..4j+3), as an int32:

@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import ALIGN, PARTIAL_PAD, TILE_M, WG_M, SharedSchedule
+from pallas_kernels.softmax_state import normalized
 
 if TYPE_CHECKING:  # annotations only: hydrajax imports these kernels (the registry)
   from hydrajax.layout import SegmentGroup

@@ -65,11 +65,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from hydrajax.partial_state import normalized
 from pallas_kernels.mosaic_gpu import profiling
 from pallas_kernels.mosaic_gpu import online_softmax as osm
 from pallas_kernels.mosaic_gpu.online_softmax import LOG2E
 from pallas_kernels.mosaic_gpu.schedule import device_num_sms, row_parts
+from pallas_kernels.softmax_state import normalized
 
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # 128-byte rows

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hydrajax.partial_state import normalized
 from pallas_kernels.tpu import online_softmax
 from pallas_kernels.tpu.online_softmax import LANES, out_struct
 from pallas_kernels.tpu.work_list import FIRST, LAST, WorkList
+from pallas_kernels.softmax_state import normalized
 
 
 def _kernel(
