@@ -168,6 +168,12 @@ class XlaConfig:
 DEFAULT_CONFIG = XlaConfig()
 
 
+def default_config(*, interpret: bool = False) -> XlaConfig:
+  """The same on every device (the backend protocol's per-device default)."""
+  del interpret
+  return DEFAULT_CONFIG
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class XlaGroup:
