@@ -188,8 +188,10 @@ ABOUT = (
     'are compiled so in turn until one passes. A grid step\'s fixed pipeline '
     'cost is what a roofline does not see ("step cost" is the count times 0.35 µs, an '
     'assumption). Mosaic kernels report no FLOPs to the cost analysis, so "roofline" is the '
-    'compiler-counted bytes over HBM bandwidth, and "MXU" is the attention\'s FLOPs '
-    '(4·B·T·N·H·(P+T)) over the chip\'s bf16 peak.\n\n'
+    'compiler-counted bytes (the kernels\' operands and the XLA ops around them) over HBM '
+    'bandwidth, and "MXU" is the attention\'s FLOPs (4·B·T·N·H·(P+T)) over the chip\'s bf16 '
+    'peak. Neither ranks candidates: the FLOPs are the same for all, and the counted bytes move '
+    'with how XLA fuses the ops around the kernels, not with what the kernels read.\n\n'
     'Candidates other than `fallback` (today\'s `BlockSizes()`) take one core split per '
     'TensorCore and ask for 96 MiB of scoped VMEM on v5e and v6e (128 MiB per TensorCore), '
     '56 MiB on v5p (64 MiB); that limit is also the budget of the kernel\'s VMEM check.')

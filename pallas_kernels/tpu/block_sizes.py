@@ -8,11 +8,14 @@ bandwidth (the ridge point: ~240 FLOP/byte on v5e, ~166 on v5p, ~560 on v6e; fig
 per generation; `block_sizes_for_device` maps a JAX device (its `device_kind`) to its entry,
 and any other device (an unknown TPU, the CPU of interpret mode) to `FALLBACK_BLOCK_SIZES`.
 
-The entries are compile-checked and roofline-chosen, not timed: no TPU was available.
+The entries are compile-checked and chosen on paper, not timed: no TPU was available.
 `experiments/tpu_block_sizes.py` compiled a few candidates per generation with libtpu's
-compiler (deviceless) at the decode and prefill shapes of `experiments/tpu_aot.py`, and each
-entry is the candidate that compiled at every shape with the fewest grid steps (the most work
-per step, so the least per-step pipeline overhead), keeping the shared kernel's row tile far
+compiler (deviceless) at the decode and prefill shapes of `experiments/tpu_aot.py` (bf16).
+Each entry is the candidate that compiled at every shape with the fewest grid steps, i.e. the
+most work per step and the least per-step pipeline overhead (the roofline does not tell the
+candidates apart: the attention's FLOPs and the kv bytes it must read do not depend on the
+blocks), and whose float32 compile of the head-dim-64 decode call, where `plan()`'s VMEM
+estimate falls shortest of the compiler's, succeeded too. The shared kernel's row tile stays
 above the chip's ridge point (a tile of `block_rows` query rows does ~block_rows FLOP per byte
 of kv it reads). Results: experiments/results/tpu_block_sizes/.
 """
@@ -106,26 +109,25 @@ GENERATION_OF_DEVICE_KIND = {
 
 # Compile-checked, chosen by grid steps, not timed (see the module docstring).
 BLOCK_SIZES_BY_GENERATION = {
-    # 128 MiB VMEM, one TensorCore. Twice the kv tokens and the lanes of the fallback per shared
-    # step: a quarter of its shared grid steps at the decode shapes, half at the prefill-like
-    # one (plan() ~62-74 MiB in bf16, ~86 MiB in f32, within the 96 MiB asked). 2048-token kv
-    # blocks are also what jax's measured ragged-paged-attention tables pick on 'TPU v5' and
-    # 'TPU v6' for long contexts (16 pages of 128). One core split: there is no second core.
-    # block_rows stays 1024 (4x the ~240 FLOP/byte ridge): 2048 only saves steps where a batch
-    # fills two tiles, at ~73 MiB.
-    'v5e': BlockSizes(block_kv=2048, lanes_per_block=512, core_splits=1,
+    # 128 MiB VMEM, one TensorCore, ridge ~240 FLOP/byte. Twice the fallback's kv tokens per
+    # shared step (half its shared steps at decode), and 2048-row tiles where a batch has that
+    # many query rows (half the tiles: the prefix is read half as often). 2048-token kv blocks
+    # are also what jax's measured ragged-paged-attention tables pick on 'TPU v5' and 'TPU v6'
+    # for long contexts (16 pages of 128). One core split: there is no second core to feed.
+    # Wider head blocks (512 lanes) with the same kv blocks took fewer steps still, but their
+    # float32 head-dim-64 compile overflowed the 96 MiB asked (CompileTimeScopedVmemOom).
+    'v5e': BlockSizes(block_rows=2048, block_kv=2048, core_splits=1,
                       vmem_limit_bytes=96 * MiB),
     # 64 MiB VMEM, two TensorCores as one megacore device: the fallback, which was sized for
     # it. Every larger candidate failed here: 2048-token kv blocks overflow the scoped VMEM at
-    # head dim 64 (the compiler's CompileTimeScopedVmemOom at a 56 MiB limit), and 512-lane
-    # steps leave no room for float32 by plan()'s estimate. Two core splits keep both cores
-    # busy when the kv heads are one block (MQA).
+    # head dim 64 (CompileTimeScopedVmemOom at a 56 MiB limit), and 512-lane steps leave no
+    # room for float32 by plan()'s estimate. Two core splits keep both cores busy when the kv
+    # heads are one block (MQA).
     'v5p': FALLBACK_BLOCK_SIZES,
-    # 128 MiB VMEM, one TensorCore, 256-wide MXUs: the same blocks as v5e (all multiples of
-    # 256); its ridge (~560 FLOP/byte) is the highest, which a 1024-row tile still clears
-    # (1.8x). jax's ragged-paged-attention tables likewise use larger query blocks on 'TPU v6'
-    # than on 'TPU v5' for some shapes.
-    'v6e': BlockSizes(block_kv=2048, lanes_per_block=512, core_splits=1,
+    # 128 MiB VMEM, one TensorCore, 256-wide MXUs: the same blocks as v5e (multiples of 256),
+    # for the same reasons and with the same float32 check. Its ridge (~560 FLOP/byte) is the
+    # highest, so the 2048-row tile matters most here (3.7x the ridge, against 1.8x at 1024).
+    'v6e': BlockSizes(block_rows=2048, block_kv=2048, core_splits=1,
                       vmem_limit_bytes=96 * MiB),
 }
 
