@@ -11,8 +11,8 @@ both kernels, the compiler's `memory_analysis` and `cost_analysis` figures and t
 those (`aot.stats`), with the MXU time of the attention's FLOPs on the chip's peak.
 
 The chosen entry per generation (`pallas_kernels/tpu/block_sizes.py`) is the candidate that
-compiled at every shape (and whose blocks pass the kernel's VMEM check in float32 too, by
-`plan()`'s estimate) with the fewest grid steps in all, fewer VMEM bytes breaking a tie, and
+compiled at every shape (and whose blocks pass the kernel's VMEM check in float32 and at full
+size too, by `plan()`'s estimate) with the fewest grid steps in all, fewer VMEM bytes breaking a tie, and
 whose float32 compile of the H=64 decode call succeeds (tried best first until one does):
 a step's fixed pipeline cost is what the roofline does not see, and the compiler accepting
 the VMEM the blocks need is what can be checked without a chip.
@@ -33,6 +33,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 from absl import app, flags, logging
 
+import hydrajax as hj
 from experiments import cli
 from experiments.tpu_programs import decode_plan, tree_attention_kernels
 from pallas_kernels.tpu import aot
@@ -147,15 +148,30 @@ def compile_row(generation: str, name: str, shape_name: str, shape: dict) -> dic
   return row
 
 
+def fits_at_full_size(block_sizes: BlockSizes) -> bool:
+  """Whether the blocks pass the kernel's VMEM/SMEM check at their full size (a decode batch
+  filling a row tile, a prefix of several kv blocks, 32/8 heads) at head dim 128 and 64, in
+  bf16 and float32: the benchmark shapes fill a 2048-row tile only in the prefill call."""
+  sharing = hj.plan_tree(hj.PromptNode(4 * block_sizes.block_kv,
+                                       num_samples=block_sizes.block_rows), private_capacity=16)
+  layout = sharing.to_device()
+  return all(
+      tpu.unsupported_reason(hj.AttentionShapes(sharing.num_rows, 1, 32, 8, h, sharing.kv_tokens,
+                                                jnp.dtype(dtype)), layout,
+                             config=block_sizes) is None
+      for dtype in (jnp.bfloat16, jnp.float32) for h in (128, 64))
+
+
 def ranking(rows: list[dict], generation: str) -> list[str]:
   """The candidates of a generation that compiled at every bf16 shape, and whose blocks would
-  pass the kernel's VMEM check in float32 too, fewest grid steps in all first (then the least
-  VMEM asked, then the smallest estimate)."""
+  pass the kernel's VMEM check in float32 and at full size too, fewest grid steps in all first
+  (then the least VMEM asked, then the smallest estimate)."""
   mine = [r for r in rows if r['generation'] == generation and not r['shape'].endswith('(check)')]
   keys = {}
   for name in dict.fromkeys(r['candidate'] for r in mine):
     runs = [r for r in mine if r['candidate'] == name]
-    if all(r['status'] == 'ok' and r['f32_fits'] for r in runs):
+    if (all(r['status'] == 'ok' and r['f32_fits'] for r in runs)
+        and fits_at_full_size(candidate(generation, name))):
       keys[name] = (sum(r['grid_steps'] for r in runs), max(r['vmem_limit_bytes'] for r in runs),
                     max(r['vmem_estimate_bytes'] for r in runs))
   return sorted(keys, key=keys.get)
@@ -182,8 +198,8 @@ ABOUT = (
     '**Nothing here was timed on a chip.** Each candidate was compiled by libtpu\'s compiler '
     'for one chip of the generation; "refused" is the kernel\'s own VMEM/SMEM check or the '
     'compiler\'s error. The chosen entry per generation is the candidate that compiled at every '
-    'shape, and whose blocks pass the kernel\'s VMEM check in float32 too (`plan()`\'s '
-    'estimate), with the fewest grid steps in all, and whose float32 compile of the H=64 decode '
+    'shape, and whose blocks pass the kernel\'s VMEM check in float32 and at full size too '
+    '(`plan()`\'s estimate for a batch filling a row tile, head dim 128 and 64), with the fewest grid steps in all, and whose float32 compile of the H=64 decode '
     'call (the shape whose VMEM the estimate undercounts most) succeeded: the best candidates '
     'are compiled so in turn until one passes. A grid step\'s fixed pipeline '
     'cost is what a roofline does not see ("step cost" is the count times 0.35 µs, an '

@@ -68,15 +68,15 @@ def test_training_kernels_compile(chip, dtype):
 @pytest.mark.parametrize('generation', sorted(BLOCK_SIZES_BY_GENERATION))
 def test_block_sizes_table_entry_compiles_for_its_chip(generation):
   """With no config, the kernels take the entry of the abstract mesh's chip; its blocks
-  compile at their full size: 64 rows of T = block_rows / 256 tokens, MQA 8/1 (so two row
-  tiles of block_rows query rows) over a prefix of two kv blocks, in bf16. One kv head keeps
-  the compile short (the Mosaic compile time grows with the head block)."""
+  compile at their full size: 32 rows of T = block_rows / 64 tokens, 8/4 heads (G = 2, so a
+  row tile of block_rows query rows; 4 kv heads fill 512 lanes) over a prefix of one kv
+  block, in bf16."""
   chip, entry = ONE_CHIP[generation], BLOCK_SIZES_BY_GENERATION[generation]
   with jax.sharding.use_abstract_mesh(aot.mesh(chip).abstract_mesh):
     assert tpu.default_config() is entry
   compiled = tpu_programs.tree_attention_kernels(
-      chip, batch=64, prefix=2 * entry.block_kv, heads=8, kv_heads=1, head_dim=128,
-      query_tokens=entry.block_rows // 256)
+      chip, batch=32, prefix=entry.block_kv, heads=8, kv_heads=4, head_dim=128,
+      query_tokens=entry.block_rows // 64)
   assert _mosaic_kernels(compiled) == 2
 
 

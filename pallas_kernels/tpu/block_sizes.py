@@ -109,26 +109,25 @@ GENERATION_OF_DEVICE_KIND = {
 
 # Compile-checked, chosen by grid steps, not timed (see the module docstring).
 BLOCK_SIZES_BY_GENERATION = {
-    # 128 MiB VMEM, one TensorCore, ridge ~240 FLOP/byte. Twice the fallback's kv tokens per
-    # shared step (half its shared steps at decode), and 2048-row tiles where a batch has that
-    # many query rows (half the tiles: the prefix is read half as often). 2048-token kv blocks
-    # are also what jax's measured ragged-paged-attention tables pick on 'TPU v5' and 'TPU v6'
-    # for long contexts (16 pages of 128). One core split: there is no second core to feed.
-    # Wider head blocks (512 lanes) with the same kv blocks took fewer steps still, but their
-    # float32 head-dim-64 compile overflowed the 96 MiB asked (CompileTimeScopedVmemOom).
-    'v5e': BlockSizes(block_rows=2048, block_kv=2048, core_splits=1,
-                      vmem_limit_bytes=96 * MiB),
+    # 128 MiB VMEM, one TensorCore, ridge ~240 FLOP/byte. Twice the fallback's lanes per shared
+    # step (4 kv heads of 128, 8 of 64): about half its shared grid steps at every benchmark
+    # shape, at most ~62 MiB by plan() in float32 within the 96 MiB asked. One core split:
+    # there is no second core to feed. Bigger steps failed a check: 2048-token kv blocks with
+    # these lanes overflowed the scoped VMEM in the float32 head-dim-64 compile
+    # (CompileTimeScopedVmemOom), and 2048-row tiles with 2048-token kv blocks exceed 96 MiB
+    # at full size with head dim 64. The kv block stays 1024 tokens, within the 1024-2048 of
+    # jax's measured ragged-paged-attention tables on 'TPU v5' and 'TPU v6' (8-16 pages of 128).
+    'v5e': BlockSizes(lanes_per_block=512, core_splits=1, vmem_limit_bytes=96 * MiB),
     # 64 MiB VMEM, two TensorCores as one megacore device: the fallback, which was sized for
     # it. Every larger candidate failed here: 2048-token kv blocks overflow the scoped VMEM at
     # head dim 64 (CompileTimeScopedVmemOom at a 56 MiB limit), and 512-lane steps leave no
     # room for float32 by plan()'s estimate. Two core splits keep both cores busy when the kv
     # heads are one block (MQA).
     'v5p': FALLBACK_BLOCK_SIZES,
-    # 128 MiB VMEM, one TensorCore, 256-wide MXUs: the same blocks as v5e (multiples of 256),
-    # for the same reasons and with the same float32 check. Its ridge (~560 FLOP/byte) is the
-    # highest, so the 2048-row tile matters most here (3.7x the ridge, against 1.8x at 1024).
-    'v6e': BlockSizes(block_rows=2048, block_kv=2048, core_splits=1,
-                      vmem_limit_bytes=96 * MiB),
+    # 128 MiB VMEM, one TensorCore, 256-wide MXUs: the same blocks as v5e, which passed the
+    # same checks here (512 lanes are two MXU widths). Its ridge (~560 FLOP/byte) is the
+    # highest; a 1024-row tile still clears it (1.8x).
+    'v6e': BlockSizes(lanes_per_block=512, core_splits=1, vmem_limit_bytes=96 * MiB),
 }
 
 
