@@ -92,8 +92,6 @@ class BlockSizes:
         raise ValueError(f'{name} must be >= 1 or None, got {value}')
 
 
-
-
 FALLBACK_BLOCK_SIZES = BlockSizes()
 
 # `device_kind` strings of JAX TPU devices (what libtpu reports, on a chip or for a named
