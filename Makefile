@@ -23,7 +23,7 @@ LIBTPU_STAMP := $(LIBTPU_DIR)/.installed
 TPU_ENV := JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
   PYTHONPATH=$(LIBTPU_DIR)
 
-.PHONY: demo model test test-slow test-all test-tpu tpu-aot test-multiprocess test-newest venv wheel clean
+.PHONY: demo model test test-slow test-all test-tpu tpu-aot tpu-block-sizes test-multiprocess test-newest venv wheel clean
 
 # $(call make_venv,folder): a venv in `folder` from the first Python >= 3.12 found.
 define make_venv
@@ -101,6 +101,11 @@ test-multiprocess: $(STAMP)
 TPU_AOT_DIR ?= workdir/tpu_aot
 tpu-aot: $(LIBTPU_STAMP)
 	$(TPU_ENV) $(PY) -m experiments.tpu_aot --workdir=$(TPU_AOT_DIR) $(TPU_AOT_ARGS)
+
+# Candidate block sizes of the Mosaic TPU kernels per TPU generation, compiled, not timed
+# (experiments.tpu_block_sizes: 45 compiles and a few float32 checks, ~35 minutes on 2 busy cores).
+tpu-block-sizes: $(LIBTPU_STAMP)
+	$(TPU_ENV) $(PY) -m experiments.tpu_block_sizes --workdir=workdir/tpu_block_sizes
 
 # Always upgrades: "newest" means newest today. CPU only, so the kernels run in interpret mode.
 test-newest: $(PY_NEWEST)

@@ -61,14 +61,17 @@ def decode_plan(batch: int, prefix: int, private: int = 128) -> hj.SharingPlan:
 
 
 def tree_attention_kernels(topology, *, batch, prefix, heads, kv_heads, head_dim,
-                           dtype=jnp.bfloat16):
-  """The compiled `hj.tree_attention(impl='mosaic_tpu')` on one chip of `topology`."""
+                           dtype=jnp.bfloat16, query_tokens=1, block_sizes=None):
+  """The compiled `hj.tree_attention(impl='mosaic_tpu')` on one chip of `topology`: `batch`
+  rows of `query_tokens` tokens under one `prefix`-token prompt; `block_sizes` None: the
+  chip's entry of `pallas_kernels.tpu.block_sizes`."""
   mesh = aot.mesh(topology)
   one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  plan = decode_plan(batch, prefix, private=16)
-  q = jax.ShapeDtypeStruct((plan.num_rows, 1, heads, head_dim), dtype, sharding=one)
+  plan = decode_plan(batch, prefix, private=max(16, query_tokens))
+  q = jax.ShapeDtypeStruct((plan.num_rows, query_tokens, heads, head_dim), dtype, sharding=one)
   kv = jax.ShapeDtypeStruct((plan.kv_tokens, kv_heads, head_dim), dtype, sharding=one)
-  attend = lambda q, k, v, layout: hj.tree_attention(q, k, v, layout, impl='mosaic_tpu')
+  attend = lambda q, k, v, layout: hj.tree_attention(q, k, v, layout, impl='mosaic_tpu',
+                                                     config=block_sizes)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     return jax.jit(attend).lower(q, kv, kv, aot.placed(plan.to_device(), one)).compile()
 

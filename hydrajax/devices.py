@@ -61,3 +61,16 @@ def with_interpret_hint(reason: str | None, *, interpret: bool) -> str | None:
   if interpret or reason is None:
     return None
   return f'{reason}; {INTERPRET_HINT}'
+
+
+def target_device(*arrays):
+  """The device a kernel call compiles for: the abstract mesh's device where
+  `jax.sharding.use_abstract_mesh` names one, else the device of the first concrete input
+  array (not a tracer), else the default backend's first device."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  if device is not None:
+    return device
+  for x in arrays:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      return next(iter(x.sharding.device_set))
+  return jax.devices()[0]

@@ -136,6 +136,7 @@ def _fake_kernel(reason):
   module = types.ModuleType('fake_tree_attention_kernel')
   module.calls = []
   module.DEFAULT_CONFIG = hj.XlaConfig(kv_block=7)
+  module.default_config = lambda *, interpret: module.DEFAULT_CONFIG
   module.unsupported_reason = lambda shapes, layout, *, interpret: reason
   module.prepare = XLA.prepare
 

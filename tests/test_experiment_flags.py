@@ -44,6 +44,7 @@ BAD = {
                    (['--impls=flash'], 'flag --impls')],
     'tp_greedy_check': [(['--samples=0'], 'flag --samples=0')],
     'tp_scaling': [([], 'flag --tp1')],
+    'tpu_block_sizes': [(['--generations=v4'], 'flag --generations')],
     'train_bench': [(['--repeats=0'], 'flag --repeats=0')],
     'train_grpo_toy': [(['--steps=0'], 'flag --steps=0')],
     'train_parallel_step': [(['--devices=1'], 'flag --devices=1: must be >= 2')],

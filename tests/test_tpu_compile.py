@@ -1,5 +1,6 @@
 """The TPU compiler (libtpu, no TPU attached) compiles every Mosaic TPU kernel and a sharded
-Llama step through the public entry points, for TPU v5e and v6e.
+Llama step through the public entry points, for TPU v5e and v6e (and each generation's default
+block sizes on its own chip, v5p included).
 
 `make test-tpu` puts the libtpu wheel on the path and runs this file with JAX_PLATFORMS=cpu
 (the CPU stays the default backend; `pallas_kernels.tpu.aot`). Without libtpu the module is
@@ -24,6 +25,8 @@ from experiments import tpu_programs
 from models import sharding_rules as sr
 from models.config import get_config
 from pallas_kernels.tpu import aot
+from pallas_kernels.tpu import tree_attention as tpu
+from pallas_kernels.tpu.block_sizes import BLOCK_SIZES_BY_GENERATION
 
 if importlib.util.find_spec('libtpu') is None:
   pytest.skip('libtpu cannot be imported (`make test-tpu` installs it and runs this file)',
@@ -33,6 +36,7 @@ if os.environ.get('JAX_PLATFORMS') != 'cpu':
               'backend of a host without a TPU', allow_module_level=True)
 
 CHIPS = ['v5e:1x1', 'v6e:1x1']
+ONE_CHIP = {'v5e': 'v5e:1x1', 'v5p': 'v5p:2x2x1', 'v6e': 'v6e:1x1'}  # v5p: the first of 4
 DTYPES = [jnp.bfloat16, jnp.float32]
 
 
@@ -59,6 +63,21 @@ def test_training_kernels_compile(chip, dtype):
   compiled = tpu_programs.training_kernels(chip, prompt=256, group=2, completion=128, heads=4,
                                       kv_heads=2, head_dim=128, dtype=dtype)
   assert _mosaic_kernels(compiled) == 9
+
+
+@pytest.mark.parametrize('generation', sorted(BLOCK_SIZES_BY_GENERATION))
+def test_block_sizes_table_entry_compiles_for_its_chip(generation):
+  """With no config, the kernels take the entry of the abstract mesh's chip; its blocks
+  compile at their full size: 32 rows of T = block_rows / 64 tokens, 8/4 heads (G = 2, so a
+  row tile of block_rows query rows; 4 kv heads fill 512 lanes) over a prefix of one kv
+  block, in bf16."""
+  chip, entry = ONE_CHIP[generation], BLOCK_SIZES_BY_GENERATION[generation]
+  with jax.sharding.use_abstract_mesh(aot.mesh(chip).abstract_mesh):
+    assert tpu.default_config() is entry
+  compiled = tpu_programs.tree_attention_kernels(
+      chip, batch=32, prefix=entry.block_kv, heads=8, kv_heads=4, head_dim=128,
+      query_tokens=entry.block_rows // 64)
+  assert _mosaic_kernels(compiled) == 2
 
 
 def test_head_dim_64_mqa_compiles():

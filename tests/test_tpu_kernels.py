@@ -11,6 +11,8 @@ the kernel cases run compiled instead of interpreted.
 
 import dataclasses
 import functools
+import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 import hydrajax as hj
 from hydrajax.attention import dispatch
 from hydrajax.layout import Segment, SharingPlan
+from pallas_kernels.tpu import block_sizes
 from pallas_kernels.tpu import tree_attention as tpu
 from pallas_kernels.tpu.online_softmax import LANES
 from pallas_kernels.tpu.private_attention import private_attention, private_attention_reference
@@ -490,11 +493,58 @@ def test_dispatch_picks_the_kernel_only_on_tpu():
     [
         ('block_rows', 0), ('block_kv', 100), ('heads_per_block', 0), ('private_block_kv', 0),
         ('core_splits', 0), ('private_rows_per_block', 0), ('private_heads_per_block', 0),
+        ('lanes_per_block', 64),
     ],
 )
 def test_block_sizes_reject_bad_values(field, value):
   with pytest.raises(ValueError, match=field):
     tpu.BlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize('device_kind,generation', [
+    ('TPU v5 lite', 'v5e'), ('TPU v5e', 'v5e'), ('TPU v5', 'v5p'), ('TPU v5p', 'v5p'),
+    ('TPU v6 lite', 'v6e'), ('TPU v6e', 'v6e'),
+])
+def test_block_sizes_follow_the_tpu_generation(device_kind, generation):
+  """libtpu's device kinds ('TPU v5' is a v5p, 'TPU v5 lite' a v5e) pick their row of the
+  table, for a device or an abstract mesh's device alike."""
+  assert block_sizes.tpu_generation(device_kind) == generation
+  device = types.SimpleNamespace(platform='tpu', device_kind=device_kind)
+  assert block_sizes.block_sizes_for_device(device) is (
+      block_sizes.BLOCK_SIZES_BY_GENERATION[generation])
+
+
+@pytest.mark.parametrize('platform,device_kind', [
+    ('tpu', 'TPU v4'), ('tpu', 'TPU7x'), ('tpu', 'TPU v5 lite pod'), ('cpu', 'cpu'),
+    ('gpu', 'NVIDIA H100 80GB HBM3'),
+], ids=['v4', 'v7x', 'unknown_v5', 'cpu', 'gpu'])
+def test_block_sizes_fall_back_off_the_table(platform, device_kind):
+  device = types.SimpleNamespace(platform=platform, device_kind=device_kind)
+  assert block_sizes.block_sizes_for_device(device) is block_sizes.FALLBACK_BLOCK_SIZES
+  assert block_sizes.block_sizes_for_device(None) is block_sizes.FALLBACK_BLOCK_SIZES
+
+
+def test_interpret_mode_keeps_the_fallback_block_sizes():
+  """Interpret mode runs anywhere: the table (speed on a chip) does not apply to it."""
+  assert tpu.default_config(interpret=True) is block_sizes.FALLBACK_BLOCK_SIZES
+  assert tpu.DEFAULT_CONFIG is block_sizes.FALLBACK_BLOCK_SIZES
+  if not ON_TPU:
+    assert tpu.default_config() is block_sizes.FALLBACK_BLOCK_SIZES  # the CPU is no TPU
+
+
+@pytest.mark.parametrize('generation', sorted(block_sizes.BLOCK_SIZES_BY_GENERATION))
+def test_table_entries_fit_the_vmem_check_in_both_dtypes(generation):
+  """Each entry's blocks at full size (a batch filling row tiles, a prefix of several kv
+  blocks, the decode heads of ROOFLINE.md at head dim 128 and 64) pass the kernel's own
+  VMEM/SMEM check in bf16 and f32, so AUTO never falls back to XLA for the chip's defaults."""
+  entry = block_sizes.BLOCK_SIZES_BY_GENERATION[generation]
+  plan = hj.plan_tree(hj.PromptNode(4 * entry.block_kv, num_samples=entry.block_rows),
+                      private_capacity=16)
+  layout = plan.to_device()
+  for dtype, head_dim in itertools.product((jnp.bfloat16, jnp.float32), (128, 64)):
+    shapes = hj.AttentionShapes(plan.num_rows, 1, 32, 8, head_dim, plan.kv_tokens,
+                                jnp.dtype(dtype))
+    assert tpu.unsupported_reason(shapes, layout, config=entry) is None, (dtype, head_dim)
 
 
 # The conformance suite every backend passes (tests/tree_attention_conformance.py), through the

@@ -12,8 +12,8 @@ reason), a log line, and the plan's `impl` says what runs. An explicit kernel th
 raises ValueError with the reason; with `interpret=True` the Mosaic kernels run on any
 machine (interpret mode).
 
-A backend's protocol: `DEFAULT_CONFIG`, `unsupported_reason(shapes, layout, *, interpret)`,
-`prepare(layout, shapes, config, *, interpret)`,
+A backend's protocol: `DEFAULT_CONFIG`, `default_config(*, interpret)`,
+`unsupported_reason(shapes, layout, *, interpret)`, `prepare(layout, shapes, config, *, interpret)`,
 `attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)`,
 `with_private_lengths(prepared, lengths)` and `for_step(prepared)`.
 """

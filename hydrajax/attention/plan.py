@@ -20,7 +20,8 @@ plan without it still attends correctly, deriving it in every call.
 
 Backend protocol (`hydrajax.tree_attention` for XLA, `pallas_kernels.*.tree_attention`):
 
-    DEFAULT_CONFIG
+    DEFAULT_CONFIG                                       # the type of its config
+    default_config(*, interpret) -> config               # for this machine (or abstract mesh)
     unsupported_reason(shapes, layout, *, interpret) -> str | None
     prepare(layout, shapes, config, *, interpret) -> pytree
     attend(q, k_cache, v_cache, prepared, *, shapes, config, kv_offset, scale, interpret)
@@ -170,8 +171,9 @@ def prepare_attention(
     impl: AUTO (this machine's kernel where it supports the inputs, else XLA with a warning),
       or an explicit implementation (ValueError if it cannot run).
     config: the backend's frozen config (`XlaConfig`, the TPU `BlockSizes`, ...); None: its
-      default. With AUTO, a config of another backend than the one chosen is ignored. A tuple
-      of configs: the chosen backend takes the one of its type, its default if none is.
+      default for this machine's device (the TPU's: its generation's block sizes). With AUTO,
+      a config of another backend than the one chosen is ignored. A tuple of configs: the
+      chosen backend takes the one of its type, its default if none is.
     interpret: run the Mosaic kernels in interpret mode (any machine, e.g. CPU tests).
   """
   if not isinstance(shapes, AttentionShapes):
@@ -194,7 +196,7 @@ def prepare_attention(
       )
     config = None  # AUTO chose another backend than the config's
   if config is None:
-    config = default
+    config = module.default_config(interpret=interpret)
   prepared = module.prepare(layout, shapes, config, interpret=interpret)
   return AttentionPlan(layout, prepared, impl, shapes, config, interpret)
 

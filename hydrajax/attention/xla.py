@@ -130,8 +130,8 @@ def merge_into_rows(num_rows, rows, outs, lses) -> PartialState:
   """LSE-merges partial states into their rows (rows == num_rows, or past it, are dropped).
 
   rows [M] int32; outs [M, T, N, H] float32; lses [M, T, N]. Rows that receive
-  nothing get (0, -inf); a NaN state makes its row NaN. A state every row has once, in row order (its private
-  part), needs no scatter: `merge` it with the result.
+  nothing get (0, -inf); a NaN state makes its row NaN. A state every row has once, in row
+  order (its private part), needs no scatter: `merge` it with the result.
   """
   size = num_rows + 1
   m = jnp.full((size,) + lses.shape[1:], -jnp.inf, jnp.float32).at[rows].max(lses)
@@ -166,6 +166,12 @@ class XlaConfig:
 
 
 DEFAULT_CONFIG = XlaConfig()
+
+
+def default_config(*, interpret: bool = False) -> XlaConfig:
+  """The same on every device (the backend protocol's per-device default)."""
+  del interpret
+  return DEFAULT_CONFIG
 
 
 @jax.tree_util.register_dataclass

@@ -152,6 +152,14 @@ def tuned_config(device_kind: str) -> MosaicGpuConfig:
   return TUNED_CONFIGS['H100']
 
 
+def default_config(*, interpret: bool = False) -> MosaicGpuConfig:
+  """The measured defaults of the device the kernels compile for (the abstract mesh's, else
+  this machine's); the H100's in interpret mode."""
+  if interpret:
+    return DEFAULT_CONFIG
+  return tuned_config(devices.target_device().device_kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
   """The static facts of one call that the kernels need (the fields of

@@ -44,75 +44,19 @@ from hydrajax.layout import TreeLayout
 from hydrajax.partial_state import PartialState
 from hydrajax.shapes import AttentionShapes
 from hydrajax.validation import check_tree_attention_inputs
+from pallas_kernels.tpu.block_sizes import (FALLBACK_BLOCK_SIZES, BlockSizes,
+                                           block_sizes_for_device)
 from pallas_kernels.tpu.online_softmax import LANES
 from pallas_kernels.tpu.private_attention import private_attention
 from pallas_kernels.tpu.shared_attention import shared_attention
 from pallas_kernels.tpu.work_list import WorkList, build_work_list, work_list_size
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
-VMEM_BUDGET_BYTES = 48 * 2**20  # fits v5p's 64 MiB per TensorCore (v5e has 128 MiB)
+VMEM_BUDGET_BYTES = 48 * 2**20  # without vmem_limit_bytes: fits v5p's 64 MiB per TensorCore
 SMEM_BUDGET_BYTES = 512 * 2**10  # half of the 1 MiB SMEM per TensorCore on v5e/v5p
 DEFAULT_VMEM_LIMIT_BYTES = 32 * 2**20
 MAX_VMEM_LIMIT_BYTES = 60 * 2**20  # below v5p's 64 MiB
 MAX_PRIVATE_UNROLL = 64  # (row, page, head) bodies per private grid step
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tuning knobs of the two kernels (defaults sized for the issue's shapes, see ROOFLINE.md).
-
-  Attributes:
-    block_rows: target query-matrix rows (rows x T x G) per row tile of the
-      shared kernel; rounded down to a multiple of lcm(T*G, sublane tile) and
-      capped at the whole batch. A tile's arithmetic intensity on the kv it
-      reads is ~block_rows FLOP/byte, so it must exceed the bf16 ridge point
-      (~240 on v5e, ~166 on v5p) for the shared phase to be MXU-bound.
-    block_kv: kv tokens per block of the shared kernel (multiple of 128).
-    heads_per_block: kv heads per grid step of the shared kernel (must divide
-      K, on whole 128-lane vregs or all K); None picks the largest such divisor
-      of K with heads * H <= 256 lanes (H = 64: two heads share 128 lanes).
-    core_splits: independent work lists of the shared kernel, on a parallel
-      grid axis (row tiles dealt round-robin; capped at the number of tiles).
-      2 lets megacore (v5p's two TensorCores) split the work by row tile even
-      when K / heads_per_block is 1, as with MQA; on one-core chips a split
-      only adds a few no-op grid steps.
-    private_block_kv: private kv tokens per row and grid step of the private
-      kernel, rounded down to whole pages (at least one page).
-    private_rows_per_block: rows per grid step of the private kernel (the
-      largest divisor of the padded batch up to this, and up to 64 unrolled
-      row x page x head bodies), so that decode rows with one short page do
-      not pay a grid step each.
-    private_heads_per_block: kv heads per grid step of the private kernel
-      (must divide K, on whole vregs or all K); None picks the largest such
-      divisor with heads * H <= 1024.
-    vmem_limit_bytes: the Mosaic scoped-VMEM limit; None derives it from the
-      block sizes (at least 32 MiB, at most 60 MiB).
-  """
-
-  block_rows: int = 1024
-  block_kv: int = 1024
-  heads_per_block: int | None = None
-  core_splits: int = 2
-  private_block_kv: int = 512
-  private_rows_per_block: int = 8
-  private_heads_per_block: int | None = None
-  vmem_limit_bytes: int | None = None
-
-  def __post_init__(self):
-    if self.block_rows < 1:
-      raise ValueError(f'block_rows must be >= 1, got {self.block_rows}')
-    if self.block_kv < 128 or self.block_kv % 128:
-      raise ValueError(f'block_kv must be a positive multiple of 128, got {self.block_kv}')
-    if self.core_splits < 1:
-      raise ValueError(f'core_splits must be >= 1, got {self.core_splits}')
-    if self.private_block_kv < 1:
-      raise ValueError(f'private_block_kv must be >= 1, got {self.private_block_kv}')
-    if self.private_rows_per_block < 1:
-      raise ValueError(f'private_rows_per_block must be >= 1, got {self.private_rows_per_block}')
-    for name in ('heads_per_block', 'private_heads_per_block'):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f'{name} must be >= 1 or None, got {value}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +104,16 @@ def _heads(kv_heads: int, head_dim: int, wanted: int | None, max_lanes: int) -> 
   return max(fits) if fits else min(legal)
 
 
-DEFAULT_CONFIG = BlockSizes()
+DEFAULT_CONFIG = FALLBACK_BLOCK_SIZES  # the config type of this backend, and interpret mode's
+
+
+def default_config(*arrays, interpret=False) -> BlockSizes:
+  """The block sizes of the TPU generation these inputs compile for (`block_sizes`'s table:
+  the abstract mesh's device, else the inputs', else the default backend's); the fallback in
+  interpret mode, whose speed the table says nothing about."""
+  if interpret:
+    return FALLBACK_BLOCK_SIZES
+  return block_sizes_for_device(devices.target_device(*arrays))
 
 
 def _block_kv(length: int, wanted: int) -> int:
@@ -185,19 +138,30 @@ def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) 
   num_tiles = -(-b * tg // bm)
   padded_rows = num_tiles * bm // tg
   bk = _block_kv(length, block_sizes.block_kv)
-  hb = _heads(kv_heads, h, block_sizes.heads_per_block, 256)
+  hb = _heads(kv_heads, h, block_sizes.heads_per_block, block_sizes.lanes_per_block)
   phb = _heads(kv_heads, h, block_sizes.private_heads_per_block, 1024)
   c, width = layout.page_size, layout.private_pages.shape[1]
   ppb = max(1, min(width, block_sizes.private_block_kv // c))
-  # The private kernel unrolls rows x pages x heads bodies per step: keep that bounded.
-  rows_cap = min(block_sizes.private_rows_per_block, max(1, MAX_PRIVATE_UNROLL // (ppb * phb)))
+  isz = jnp.dtype(dtype).itemsize
+  tgp, cp = _round_up(tg, sub), _round_up(c, sub)
+  lanes, lse_lanes = phb * h, phb * LANES
+  private_row_bytes = (  # VMEM of one row of a private step
+      2 * tgp * lanes * isz  # q
+      + 2 * 2 * ppb * cp * lanes * isz  # k, v pages
+      + 2 * tgp * (lanes + 2 * lse_lanes) * 4 + tgp * (lanes + 2 * lse_lanes) * 4  # out, m, l, acc
+  )
+  # The private kernel unrolls rows x pages x heads bodies per step: keep that bounded, and its
+  # rows within half the VMEM budget (many query tokens per row make a row megabytes).
+  budget = block_sizes.vmem_limit_bytes or VMEM_BUDGET_BYTES
+  rows_cap = min(block_sizes.private_rows_per_block, max(1, MAX_PRIVATE_UNROLL // (ppb * phb)),
+                 max(1, budget // 2 // private_row_bytes))
   rp = max(d for d in range(1, min(padded_rows, rows_cap) + 1) if padded_rows % d == 0)
+  private = rp * private_row_bytes + 4 * tgp * _round_up(c, LANES) * 4  # + score temporaries
   splits = min(block_sizes.core_splits, num_tiles)
   items = work_list_size(
       layout, rows_per_query=tg, block_rows=bm, block_kv=bk, num_tiles=num_tiles,
       kv_tokens=length, num_splits=splits,
   )
-  isz = jnp.dtype(dtype).itemsize
   lanes, lse_lanes = hb * h, hb * LANES
   shared = (
       2 * bm * lanes * isz  # q, double-buffered
@@ -207,13 +171,6 @@ def plan(q_shape, dtype, kv_shape, layout: TreeLayout, block_sizes: BlockSizes) 
       + 2 * bm * lse_lanes * 4 + bm * lanes * 4  # m, l, acc
       + 4 * bm * bk * 4  # score-sized temporaries
   )
-  tgp, cp = _round_up(tg, sub), _round_up(c, sub)
-  lanes, lse_lanes = phb * h, phb * LANES
-  private = rp * (
-      2 * tgp * lanes * isz  # q
-      + 2 * 2 * ppb * cp * lanes * isz  # k, v pages
-      + 2 * tgp * (lanes + 2 * lse_lanes) * 4 + tgp * (lanes + 2 * lse_lanes) * 4  # out, m, l, acc
-  ) + 4 * tgp * _round_up(c, LANES) * 4  # score-sized temporaries
   vmem = max(shared if layout.groups else 0, private)
   smem = max(7 * splits * items * 4, 4 * padded_rows * (width + 1))
   limit = block_sizes.vmem_limit_bytes or max(
@@ -252,10 +209,12 @@ def _shapes_reason(q, k_cache, layout: TreeLayout, block_sizes: BlockSizes) -> s
       return (f'{name}={heads} heads of H={h} are {heads * h} lanes: a multiple of {LANES} '
               f'(TPU lanes) or all K={kv_heads} heads')
   p = plan(q.shape, q.dtype, k_cache.shape, layout, block_sizes)
-  if p.vmem_bytes > VMEM_BUDGET_BYTES:
+  budget = block_sizes.vmem_limit_bytes or VMEM_BUDGET_BYTES
+  if p.vmem_bytes > budget:
     return (
-        f'blocks need ~{p.vmem_bytes / 2**20:.1f} MiB of VMEM (budget '
-        f'{VMEM_BUDGET_BYTES / 2**20:.0f} MiB): lower block_rows, block_kv or the heads per block '
+        f'blocks need ~{p.vmem_bytes / 2**20:.1f} MiB of VMEM (budget {budget / 2**20:.0f} MiB: '
+        'vmem_limit_bytes, or the default on every TPU): lower block_rows, block_kv or the heads '
+        'per block '
         f'(a row tile is {p.block_rows} rows for T*G={p.rows_per_query})'
     )
   if p.smem_bytes > SMEM_BUDGET_BYTES:
@@ -273,8 +232,8 @@ def unsupported_reason(shapes, layout: TreeLayout, *, interpret=False,
 
   Shapes, dtypes and block-size limits only: the device check is the dispatcher's.
   """
-  del interpret
-  return _shapes_reason(shapes.query_struct(), shapes.kv_struct(), layout, config or DEFAULT_CONFIG)
+  config = config or default_config(interpret=interpret)
+  return _shapes_reason(shapes.query_struct(), shapes.kv_struct(), layout, config)
 
 
 @jax.tree_util.register_dataclass
@@ -361,7 +320,8 @@ def tree_attention(
     scale: softmax scale, H**-0.5 if None.
     interpret: a `pltpu.InterpretParams` (or True) runs the kernels in TPU
       interpret mode, e.g. on CPU; None/False compiles them for the TPU.
-    block_sizes: tuning knobs, `BlockSizes()` if None.
+    block_sizes: tuning knobs; None: the table's entry for the TPU generation of the inputs'
+      device (`block_sizes.BLOCK_SIZES_BY_GENERATION`), the fallback in interpret mode.
 
   Returns:
     (out [B, T, N, H] in q.dtype, lse [B, T, N] float32, natural log).
@@ -371,8 +331,8 @@ def tree_attention(
       do not support (see `unsupported_reason`).
   """
   check_tree_attention_inputs(q, k_cache, v_cache, layout)
-  block_sizes = block_sizes or BlockSizes()
   interpret = _interpret_arg(interpret)
+  block_sizes = block_sizes or default_config(q, k_cache, interpret=bool(interpret))
   reason = devices.with_interpret_hint(devices.tpu_reason(), interpret=bool(interpret))
   reason = reason or _shapes_reason(q, k_cache, layout, block_sizes)
   if reason is not None:
