@@ -12,6 +12,7 @@ on a few hundred strings and the chat template; tensor parallel on fake CPU devi
 (tp 3, dp 2 x tp 3: the model's 3 kv heads) greedy equal to one device.
 """
 
+import http.client
 import json
 import pathlib
 import sys
@@ -33,6 +34,7 @@ from models.hf_loading import CheckpointError, model_from_params
 from models.kv_cache import KVCache
 from models.llama import split_qkv
 from models.pretrained import ModelUnavailableError, smollm2_gguf
+from models.server import make_server
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'smollm2'
 GREEDY = json.loads((FIXTURES / 'greedy.json').read_text())
@@ -134,13 +136,38 @@ def test_greedy_tree_equals_transformers(model):
   assert out.tokens.tolist() == [EXPECTED[i] for i in order]
 
 
-def test_engine_greedy_equals_transformers(model):
+def _engine(model) -> Engine:
   layout = LayoutPolicy(kv_piece=64, min_segments=4, fixed_shapes=True, min_private_pages=8)
-  engine = Engine(model, EngineConfig(  # one compiled shape for decode and one for prefill
+  return Engine(model, EngineConfig(  # one compiled shape for decode and one for prefill
       num_chunks=64, chunk_size=16, max_batch=4, max_sequence_length=128, decode_buckets=(4,),
       min_prefill_len=64, max_prefill_rows=1, impl='xla', prefill_impl='xla', layout=layout,
       prefill_layout=layout))
-  assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)) == EXPECTED
+
+
+def test_engine_greedy_equals_transformers(model):
+  assert _engine(model).generate(PROMPTS, SamplingParams(max_new_tokens=NEW)) == EXPECTED
+
+
+@pytest.mark.slow  # a server's engine compiles the 30-layer model for its shapes
+def test_server_text_completions_equal_transformers(model, tokenizer):
+  """Text in, text out through `/v1/completions`: transformers' greedy continuation of the
+  same text, token for token."""
+  server = make_server(_engine(model), port=0, tokenizer=tokenizer, model_name='smollm2').start()
+  try:
+    for prompt in GREEDY['prompts'][:3]:
+      conn = http.client.HTTPConnection('127.0.0.1', server.port, timeout=300)
+      conn.request('POST', '/v1/completions', body=json.dumps(
+          {'model': 'smollm2', 'prompt': prompt['text'], 'max_tokens': NEW, 'temperature': 0}),
+          headers={'Content-Type': 'application/json'})
+      reply = conn.getresponse()
+      body = json.loads(reply.read())
+      conn.close()
+      assert reply.status == 200, body
+      (choice,) = body['choices']
+      assert choice['token_ids'] == prompt['greedy']
+      assert choice['text'] == prompt['greedy_text']
+  finally:
+    server.shutdown()
 
 
 def _unfused_params(model) -> dict:
