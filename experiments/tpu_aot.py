@@ -33,6 +33,7 @@ from absl import app, flags, logging
 
 import hydrajax as hj
 from experiments import cli
+from experiments.benchmarking import report
 from experiments.tpu_programs import (decode_plan, grpo_step, model_step, padded_tree_attention,
                                       training_kernels, tree_attention_kernels)
 from models import sharding_rules as sr
@@ -170,13 +171,10 @@ def main(argv):
   _check_flags()
   os.makedirs(_WORKDIR.value, exist_ok=True)
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  rows = []
-  if _RESUME.value and os.path.exists(path):
-    with open(path) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
+  rows = report.resume_records(path, (lambda r: True) if _RESUME.value else None)
   done = {(r['topology'], r['program'], r['name']) for r in rows}
   command = ' '.join(['python -m experiments.tpu_aot'] + sys.argv[1:])
-  with open(path, 'a' if _RESUME.value else 'w') as out:
+  with open(path, 'a') as out:
     for topology, programs in _topologies():
       for program, name, thunk in _jobs(topology, programs):
         if (topology, program, name) in done:

@@ -35,6 +35,7 @@ from absl import app, flags, logging
 
 import hydrajax as hj
 from experiments import cli
+from experiments.benchmarking import report
 from experiments.tpu_programs import decode_plan, tree_attention_kernels
 from pallas_kernels.tpu import aot
 from pallas_kernels.tpu import tree_attention as tpu
@@ -304,20 +305,17 @@ def main(argv):
   del argv
   reason = aot.libtpu_reason()
   if reason:
-    raise app.UsageError(f'{reason}; `make libtpu` installs it')
+    raise app.UsageError(f'{reason}; `make tpu-block-sizes` installs it')
   os.makedirs(_WORKDIR.value, exist_ok=True)
   # The command that makes every row at once (--resume only completes an earlier run).
   command = ' '.join(['python -m experiments.tpu_block_sizes']
                      + [a for a in sys.argv[1:] if not a.startswith(('--resume', '--noresume'))])
   path = os.path.join(_WORKDIR.value, 'results.jsonl')
-  rows = []
-  if _RESUME.value and os.path.exists(path):
-    with open(path) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
+  rows = report.resume_records(path, (lambda r: True) if _RESUME.value else None)
   done = {(r['generation'], r['candidate'], r['shape']) for r in rows}
   jobs = [(g, c, s, shape) for g in _GENERATIONS.value for c in _CANDIDATES.value
           for s, shape in shapes().items() if (g, c, s) not in done]
-  with open(path, 'a' if _RESUME.value else 'w') as out:
+  with open(path, 'a') as out:
     def run(job, where):
       row = compile_row(*job)
       logging.info('[%s] %s %s %s: %s, %d grid steps, VMEM ~%.0f/%.0f MiB (%.0f s)', where,
