@@ -40,6 +40,7 @@ import hydrajax
 from hydrajax import AttentionImpl, PromptNode, SharingPlan
 from experiments.benchmarking import per_sequence_cost, shared_prefix_cost
 from hydrajax.attention.parallel import DP, TP, mesh_sizes
+from hydrajax.evaluation import needle
 from models import sharding_rules as sr
 from models.config import LlamaConfig
 from models.generate import decode, prefill, start_decode
@@ -208,13 +209,26 @@ def decode_matmul_flops(config: LlamaConfig, batch: int) -> float:
   return 2.0 * batch * (c.num_layers * per_layer + c.dim * c.vocab_size)
 
 
-def prefill_prefix(model: Llama, prefix: int, *, chunk: int, seed: int = 0, impl=AttentionImpl.XLA):
-  """Prefills one random P-token prompt; returns (k, v [layers, P, K, H], last logits [V], seconds).
+def random_prompt(vocab_size: int, length: int, seed: int = 0) -> np.ndarray:
+  """`length` token ids drawn uniformly from the vocabulary: a prompt for random weights."""
+  return np.random.default_rng(seed).integers(0, vocab_size, length)
+
+
+def text_prompt(tokenizer, length: int) -> list[int]:
+  """`length` tokens of real text whose greedy continuation means something: a document with
+  planted facts, then a question about one of them (`hydrajax.evaluation.needle`)."""
+  task = needle.make_task(num_chars=5 * length, num_questions=1, seed=0)
+  question = tokenizer.encode('\n' + task.questions[0], add_bos=False)
+  return needle.document_tokens(tokenizer, task, length - len(question)) + question
+
+
+def prefill_prefix(model: Llama, tokens, *, chunk: int, impl=AttentionImpl.XLA):
+  """Prefills one prompt (token ids); returns (k, v [layers, P, K, H], last logits [V], seconds).
 
   Runs twice (compile, then timed): the time is the second run's.
   """
-  tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, prefix)
-  tp = plan_prompts([prompt_node(tokens)], max_new_tokens=1)
+  prefix = len(tokens)
+  tp = plan_prompts([prompt_node(np.asarray(tokens))], max_new_tokens=1)
   seconds = None
   for _ in range(2):
     cache = KVCache.zeros(model.config, tp.plan.kv_tokens, model.dtype, mesh=model.mesh)
@@ -351,6 +365,9 @@ def run_case(model: Llama, case: Case, prefix_kv, first_logits, *, page_size: in
       tokens_per_s=case.batch / step_s,
       suffix_mid=first_step + (steps - 1) / 2,  # the timed steps' mean private tokens
       peak_bytes_in_use=stats.get('peak_bytes_in_use'),
+      # What row 0 generated (every row continues the same prompt greedily): modes that compute
+      # the same attention give the same tokens, up to the dtype's rounding.
+      row0_tokens=[int(t) for t in np.asarray(state.tokens[0, :int(state.step)])],
   )
   del state
   return record

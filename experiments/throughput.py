@@ -1,8 +1,11 @@
 r"""End-to-end decode throughput with a shared prefix (Hydragen figures 3/4).
 
-Random bf16 weights of a Llama shape (or a checkpoint's own: --checkpoint=FILE.gguf or a HF
-folder); B sequences share one P-token prompt and
-generate M tokens each. Modes: no_sharing, paged (vLLM-like), tree (Hydragen;
+Random bf16 weights of a Llama shape and a prompt of random token ids, or a checkpoint's own
+weights (--checkpoint=FILE.gguf or a HF folder) and a prompt of real text: a P-token document with
+planted facts and a question about one of them (hydrajax.evaluation.needle). B sequences share
+the P-token prompt and generate M tokens each, greedily (so every row continues it alike; row 0's
+tokens are recorded per point, with a checkpoint as text too, and the table says whether each
+mode's equal the tree's). Modes: no_sharing, paged (vLLM-like), tree (Hydragen;
 xla and mosaic_gpu), no_attention (ceiling); see `experiments.decode_benchmark`.
 Writes raw.jsonl (as it goes), throughput.jsonl (with floors, attention
 shares, speedups), table.md, max_batch.md and plots to --workdir.
@@ -68,14 +71,15 @@ from flax import nnx
 from experiments import cli
 from hydrajax import AttentionImpl
 from experiments.benchmarking import (
-    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_sweeps, progress, read_jsonl,
+    Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_bars, plot_sweeps, progress,
+    read_jsonl,
     resume_records, write_workdir_readme,
 )
 from hydrajax.attention.parallel import initialize_distributed, parse_mesh
 from experiments import decode_benchmark as db
 from models import sharding_rules as sr
 from models.checkpoint import checkpoint_config, load_checkpoint
-from models.config import get_config
+from models.config import PRESETS, get_config
 from models.llama import init_model
 
 FLAGS = flags.FLAGS
@@ -183,17 +187,24 @@ def _compiler_options() -> dict | None:
 
 def _recorded_config(records, flag_config):
   """The model shape a raw.jsonl was measured with: its records' preset and layer count (the
-  floors depend on them), whatever --preset says. Records without them keep flag_config."""
+  floors depend on them), whatever --preset says. Records without them keep flag_config. A
+  mismatch is the command line's mistake (absl prints it without a traceback)."""
   presets = {r['preset'] for r in records if 'preset' in r}
   layers = {r['num_layers'] for r in records if 'num_layers' in r}
   if len(presets) > 1 or len(layers) > 1:
-    raise ValueError(f'--rebuild={FLAGS.rebuild}: records of several models (presets '
-                     f'{sorted(presets)}, layer counts {sorted(layers)}); rebuild one at a time')
+    raise app.UsageError(f'--rebuild={FLAGS.rebuild}: records of several models (presets '
+                         f'{sorted(presets)}, layer counts {sorted(layers)}); rebuild one at a time')
   if not presets:
     return flag_config
+  if any(r.get('checkpoint') for r in records) or next(iter(presets)) not in PRESETS:
+    # A checkpoint's shape is in its file, not in a preset: the records name its model.
+    if not FLAGS.checkpoint or flag_config.name not in presets:
+      raise app.UsageError(f'--rebuild={FLAGS.rebuild} was measured with the checkpoint '
+                           f'model {presets.pop()!r}: pass that checkpoint as --checkpoint')
+    return flag_config
   if FLAGS['preset'].present and FLAGS.preset not in presets:
-    raise ValueError(f'--preset={FLAGS.preset}, but --rebuild={FLAGS.rebuild} was measured with '
-                     f'{presets.pop()}; leave --preset out when rebuilding')
+    raise app.UsageError(f'--preset={FLAGS.preset}, but --rebuild={FLAGS.rebuild} was measured '
+                         f'with {presets.pop()}; leave --preset out when rebuilding')
   overrides = {'num_layers': layers.pop()} if layers else {}
   return get_config(presets.pop(), **overrides)
 
@@ -230,11 +241,13 @@ def main(argv):
                ceilings.copy_bandwidth / 1e9, ceilings.matmul_rate / 1e12)
   start = time.perf_counter()
   if FLAGS.checkpoint:  # trained weights, each tensor read straight into its shards
-    model, _ = load_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16, mesh=mesh, fuse_qkv=False)
+    model, tokenizer = load_checkpoint(FLAGS.checkpoint, dtype=jnp.bfloat16, mesh=mesh,
+                                       fuse_qkv=False)
     model.tp_reduce_dtype = jnp.dtype(FLAGS.tp_reduce_dtype)
     model.tp_micro_batches = FLAGS.tp_micro_batches
     model.attention_config = _mosaic_gpu_config()
   else:
+    tokenizer = None
     model = init_model(config, mesh=mesh, seed=0, dtype=jnp.bfloat16,  # made in its shards
                        tp_reduce_dtype=FLAGS.tp_reduce_dtype,
                        tp_micro_batches=FLAGS.tp_micro_batches,
@@ -254,7 +267,8 @@ def main(argv):
   memory_limit = _memory_limit()
   prefixes, prefill = {}, {r['prefix']: r['prefill_s'] for r in records}
   for prefix in sorted({c.prefix for c in cases}, key=[int(p) for p in FLAGS.prefixes].index):
-    k, v, first, seconds = db.prefill_prefix(model, prefix, chunk=FLAGS.prefill_chunk)
+    k, v, first, seconds = db.prefill_prefix(model, _prompt(tokenizer, config, prefix),
+                                             chunk=FLAGS.prefill_chunk)
     prefixes[prefix], prefill[prefix] = (k, v, first), seconds
     logging.info('prefill P=%d: %.3f s (%.0f tokens/s)', prefix, seconds, prefix / seconds)
   ceil = dict(copy_bandwidth=ceilings.copy_bandwidth, matmul_rate=ceilings.matmul_rate)
@@ -273,19 +287,29 @@ def main(argv):
       except Exception as e:  # a failing point is recorded; the sweep goes on
         logging.exception('%s failed', case)
         r = dict(base, status='error', reason=f'{type(e).__name__}: {e}'[:2000])
+      if tokenizer is not None and 'row0_tokens' in r:
+        r['row0_text'] = tokenizer.decode(r['row0_tokens'])
     seconds = prefill[case.prefix]
     r.update(prefill_s=seconds, prefill_tokens_per_s=case.prefix / seconds,
              ceilings=ceil, preset=config.name, num_layers=config.num_layers,
              run_s=time.perf_counter() - started,
              mesh=FLAGS.mesh or 'none', tp_reduce_dtype=FLAGS.tp_reduce_dtype,
              tp_micro_batches=FLAGS.tp_micro_batches, mosaic_gpu_knobs=FLAGS.mosaic_gpu_knobs,
-             fuse_qkv=model.qkv_fused, page_size=FLAGS.page_size,
+             fuse_qkv=model.qkv_fused, page_size=FLAGS.page_size, checkpoint=FLAGS.checkpoint,
              compiler_options=FLAGS.compiler_options)
     records.append(r)
     writer.append(r)
     logging.info('%s B=%d P=%d: %s %s', case.name, case.batch, case.prefix, r.get('status'),
                  f"{r['tokens_per_s']:.0f} tok/s" if 'tokens_per_s' in r else r.get('reason', ''))
   _finish(records, config, ceilings, prefill, writer.meta, time.perf_counter() - started)
+
+
+def _prompt(tokenizer, config, length: int) -> list[int]:
+  """The shared prompt of `length` tokens: real text with a checkpoint's tokenizer, else random
+  ids (random weights read any ids alike)."""
+  if tokenizer is None:
+    return db.random_prompt(config.vocab_size, length).tolist()
+  return db.text_prompt(tokenizer, length)
 
 
 def _kept(config, fused: bool):
@@ -317,6 +341,14 @@ def _finish(records, config, ceilings, prefill, meta, total_s):
     plot_sweeps(ok, x=x, y='tokens_per_s', series='name', fixed=fixed,
                 path=os.path.join(FLAGS.workdir, name),
                 title=f'{config.name} decode throughput', ylabel='decode tokens/s')
+  points = sorted({(r['batch'], r['prefix']) for r in ok})
+  names = sorted({r['name'] for r in ok})
+  if points:  # every point's modes side by side (a grid of one B and one P has no sweep to draw)
+    tok = {(r['name'], r['batch'], r['prefix']): r['tokens_per_s'] for r in ok}
+    plot_bars([f'B={b} P={p}' for b, p in points],
+              {name: [tok.get((name, b, p)) for b, p in points] for name in names},
+              path=os.path.join(FLAGS.workdir, 'throughput_by_mode.png'), ylabel='decode tokens/s',
+              title=f'{config.name} decode throughput by mode')
   write_workdir_readme(FLAGS.workdir, f'Decode throughput: {config.name}', text, meta)
 
 
@@ -349,7 +381,9 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
   ]
   rows = sorted(records, key=lambda r: (r['prefix'], r['batch'], r['name']))
   head = [
-      f'# Decode throughput: {config.name}, random bf16 weights\n',
+      f'# Decode throughput: {config.name}, '
+      f'{"its own bf16 weights, a real-text prompt" if FLAGS.checkpoint else "random bf16 weights"}'
+      '\n',
       f'device: {meta.get("device")}, jax {meta.get("jax_version")}, '
       f'command: `{meta.get("command")}`\n',
       f'ceilings measured in this run: copy {ceilings.copy_bandwidth / 1e9:.0f} GB/s, '
@@ -374,6 +408,7 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
   text = '\n'.join(head) + '\n' + markdown_table(rows, columns)
   if reasons:
     text += '\nNot measured:\n\n' + '\n'.join(reasons) + '\n'
+  text += _generated_text(rows)
   with open(os.path.join(FLAGS.workdir, 'table.md'), 'w') as f:
     f.write(text)
   estimates = db.max_batch_estimates(records, config)
@@ -385,6 +420,33 @@ def _write_tables(records, config, ceilings, prefill, meta, total_s):
                                        ('max batch', 'max_batch')]))
   print(text)
   return text
+
+
+def _generated_text(rows) -> str:
+  """Per (B, P): whether each mode's row-0 tokens equal the tree's (same impl, else any tree), and
+  the text where a tokenizer gave one. Rows time different step counts: the common length
+  is compared."""
+  lines = []
+  for (b, p) in sorted({(r['batch'], r['prefix']) for r in rows if 'row0_tokens' in r}):
+    point = {r['name']: r for r in rows if (r['batch'], r['prefix']) == (b, p)
+             and 'row0_tokens' in r}
+    trees = [r for name, r in point.items() if name.startswith('tree')]
+    if not trees:
+      continue
+    lines.append(f'\n- B={b}, P={p}:')
+    for name, r in sorted(point.items()):
+      if r['mode'] == 'no_attention':  # no attention product: not the model's text
+        continue
+      ref = point.get(f'tree_{r["impl"]}', trees[0])
+      n = min(len(r['row0_tokens']), len(ref['row0_tokens']))
+      same = r['row0_tokens'][:n] == ref['row0_tokens'][:n]
+      shown = repr(r['row0_text']) if 'row0_text' in r else f'{n} tokens'
+      lines.append(f'  - {name}: {"equal to" if same else "differs from"} {ref["name"]} over '
+                   f'{n} tokens; {shown}')
+  if not lines:
+    return ''
+  return ('\nRow 0\'s greedy tokens (every row continues the same prompt):\n'
+          + '\n'.join(lines) + '\n')
 
 
 if __name__ == '__main__':

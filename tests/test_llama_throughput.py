@@ -8,6 +8,7 @@ from flax import nnx
 
 from experiments.benchmarking import Ceilings
 from experiments import decode_benchmark as db
+from hydrajax.evaluation import ByteTokenizer
 from models.config import get_config
 from models.generate import decode, start_decode
 from models.llama import Llama, ModelMode
@@ -18,7 +19,8 @@ PREFIX, NEW, PAGE, BATCH = 32, 6, 8, 3
 @pytest.fixture(scope='module')
 def setup():
   model = Llama(get_config('tiny_gqa'), rngs=nnx.Rngs(21), dtype=jnp.float32)
-  k, v, first, seconds = db.prefill_prefix(model, PREFIX, chunk=16, seed=22)
+  k, v, first, seconds = db.prefill_prefix(
+      model, db.random_prompt(model.config.vocab_size, PREFIX, seed=22), chunk=16)
   return model, (k, v), first, seconds
 
 
@@ -39,6 +41,15 @@ def test_modes_give_every_row_the_same_context(mode):
     own = (np.array(setup.plan.private_pages[b])[:, None] * size + np.arange(size)).reshape(-1)
     assert set(base[b] + np.arange(NEW)) <= set(own)
   assert setup.kv_tokens % PAGE == 0 and setup.plan.page_size % PAGE == 0
+
+
+@pytest.mark.parametrize('length', [700, 1001])
+def test_a_text_prompt_has_its_length_and_ends_with_a_question(length):
+  tokenizer = ByteTokenizer()
+  tokens = db.text_prompt(tokenizer, length)
+  assert len(tokens) == length
+  text = tokenizer.decode(tokens)
+  assert 'The dog named' in text and text.endswith('?\nAnswer:')
 
 
 def test_all_modes_decode_the_same_tokens(setup):
