@@ -10,7 +10,10 @@ top-2 log-probs of every position. Each implementation then decodes the same tre
 as an exactness check, in float32). Where a bf16 sequence first differs from the reference, the
 reference's margin there (top-1 minus top-2 log-prob) says how close the float32 model itself
 was to a tie: bf16 rounding may flip a near tie, never a clear choice. The target is no
-divergence where the margin exceeds `--margin` (0.1).
+divergence where the margin exceeds `--margin` (0.1). The margin error is how far an
+implementation moves that top-2 margin where its sequence still follows the reference (the same
+context, the same two leading tokens): the noise a greedy choice has to survive, comparable
+between implementations of one dtype.
 
 Writes agreement.jsonl (a record an implementation and dtype), divergences.jsonl (one a first
 divergence), table.md and margins.png to --workdir.
@@ -61,6 +64,20 @@ def first_divergences(tokens: np.ndarray, reference: np.ndarray) -> np.ndarray:
   """[R] the first position where a row differs from the reference, or -1."""
   differs = tokens != reference
   return np.where(differs.any(axis=1), differs.argmax(axis=1), -1)
+
+
+def margin_errors(out, ref, first: np.ndarray) -> np.ndarray:
+  """|top-1 minus top-2 log-prob, against the reference's| at every position where a row still
+  follows the reference (before its first divergence) and names the same two tokens there.
+
+  Those positions see the reference's own context, so this is the implementation's error in the
+  quantity a greedy choice rests on: a choice flips where it exceeds the reference's margin."""
+  m = ref.tokens.shape[1]
+  before = np.arange(m)[None, :] < np.where(first < 0, m, first)[:, None]
+  same = np.all(out.top_tokens[..., :2] == ref.top_tokens[..., :2], axis=-1)
+  got = out.top_logprobs[..., 0] - out.top_logprobs[..., 1]
+  want = ref.top_logprobs[..., 0] - ref.top_logprobs[..., 1]
+  return np.abs(got - want)[before & same]
 
 
 def _decode(model, forest, new, impl, *, top: int = 0):
@@ -117,7 +134,7 @@ def main(argv):
       name = f'{impl} {dtype}'
       print(f'{name} ...', flush=True)
       try:
-        out, compile_s, decode_s = _decode(models[dtype], forest, new, impl)
+        out, compile_s, decode_s = _decode(models[dtype], forest, new, impl, top=2)
       except ValueError as e:  # a kernel without this dtype (Mosaic GPU: bf16 and f16 only)
         if 'does not support these inputs' not in str(e):
           raise
@@ -129,10 +146,15 @@ def main(argv):
       margin_at = [float(margin[r, i]) for r, i in at]
       margins[name] = margin_at
       over = sum(m > _MARGIN.value for m in margin_at)
+      errors = margin_errors(out, ref, first)
       records.append(dict(impl=impl, dtype=dtype, sequences=len(first), tokens=new,
                           identical=int((first < 0).sum()), divergences=len(at),
                           over_margin=over, margin=_MARGIN.value,
                           max_margin_at_divergence=max(margin_at, default=None),
+                          margin_error_positions=int(errors.size),
+                          margin_error_median=float(np.median(errors)) if errors.size else None,
+                          margin_error_p99=float(np.quantile(errors, 0.99)) if errors.size else None,
+                          margin_error_max=float(errors.max()) if errors.size else None,
                           compile_s=compile_s, decode_s=decode_s,
                           backend=jax.default_backend(), device=str(jax.devices()[0])))
       for (r, i), m in zip(at, margin_at):
@@ -146,16 +168,20 @@ def main(argv):
     f.writelines(json.dumps(r) + '\n' for r in records)
   with open(os.path.join(_WORKDIR.value, 'divergences.jsonl'), 'w') as f:
     f.writelines(json.dumps(d) + '\n' for d in divergences)
-  lines = ['| impl | dtype | identical | diverge | margin > target | largest margin at a divergence |',
-           '| --- | --- | --- | --- | --- | --- |']
+  lines = ['| impl | dtype | identical | diverge | margin > target | largest margin at a divergence '
+           '| margin error: median / p99 / max (positions) |',
+           '| --- | --- | --- | --- | --- | --- | --- |']
   for r in records:
     if 'unsupported' in r:
-      lines.append(f"| {r['impl']} | {r['dtype']} | not supported | - | - | - |")
+      lines.append(f"| {r['impl']} | {r['dtype']} | not supported | - | - | - | - |")
       continue
     largest = r['max_margin_at_divergence']
+    error = ('-' if r['margin_error_max'] is None else
+             f"{r['margin_error_median']:.4f} / {r['margin_error_p99']:.4f} / "
+             f"{r['margin_error_max']:.4f} ({r['margin_error_positions']})")
     lines.append(f"| {r['impl']} | {r['dtype']} | {r['identical']}/{r['sequences']} | "
                  f"{r['divergences']} | {r['over_margin']} | "
-                 f"{'-' if largest is None else f'{largest:.3f}'} |")
+                 f"{'-' if largest is None else f'{largest:.3f}'} | {error} |")
   table = '\n'.join(lines) + '\n'
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
     f.write(table)
@@ -163,7 +189,8 @@ def main(argv):
         os.path.join(_WORKDIR.value, 'margins.png'))
   print('\n' + table)
   print('A greedy choice can flip only where the float32 model was near a tie: the margin at each '
-        'first divergence says how near.')
+        'first divergence says how near. The margin error (where a row still follows the '
+        'reference) is how far an implementation moves that margin.')
 
 
 if __name__ == '__main__':
