@@ -15,8 +15,11 @@ Two launches per call, whatever the tree's depth or number of segment groups:
    state per segment or per chunk reaches HBM.
 
 The queries are laid out once as a [B*T*G, K, H] matrix (row b owns rows
-[b*T*G, (b+1)*T*G), token-major, head-group-minor) and the KV buffer is read in
-place ([L, K*H] and [L/C, C, K*H] are free reshapes of [L, K, H]).
+[b*T*G, (b+1)*T*G), token-major, head-group-minor) and the kernels read the KV buffer as
+[L, K*H] and [L/C, C, K*H]. With one kv head those are the buffer's own HBM layout, read in
+place; with several, TPU tiles the (K, H) dims of [L, K, H], so the views are relayout copies
+(a copy of the layer's K and V, which `_attend` cuts out first, before every call). A KV cache
+stored lane-dense, [L, K*H], would be read in place at any head count.
 
 No TPU is needed to test: pass `interpret=pltpu.InterpretParams()` (or True) to
 run both kernels in TPU interpret mode on CPU.
@@ -364,7 +367,15 @@ def _attend(q, k_cache, v_cache, prepared: TpuPrepared, kv_offset, *, static_zer
   lengths = jnp.pad(prepared.private_lengths, (0, extra))  # padding rows: length 0, (0, -inf)
   pages = prepared.private_pages
   c = prepared.page_size
-  paged = lambda x: x.reshape(total // c, c, kv_heads, h)  # free
+  if kv_heads > 1 and total > kv_tokens:
+    # The kernels read [L, K*H] views. With one kv head that view is the buffer's own HBM layout;
+    # with several, TPU tiles (K, H) and the view is a relayout copy, which XLA makes of whatever
+    # the kernel is given: of the whole multi-layer buffer in every layer. Given the layer alone,
+    # each copy is one layer's.
+    k_cache = jax.lax.dynamic_slice_in_dim(k_cache, kv_offset, kv_tokens)
+    v_cache = jax.lax.dynamic_slice_in_dim(v_cache, kv_offset, kv_tokens)
+    total, kv_offset, static_zero_offset = kv_tokens, jnp.zeros((), jnp.int32), True
+  paged = lambda x: x.reshape(total // c, c, kv_heads, h)
   out, lse = private_attention(
       qg, paged(k_cache), paged(v_cache), lengths, pages, kv_offset // c,
       num_queries=t, scale=scale, pages_per_block=p.pages_per_block,
