@@ -236,6 +236,11 @@ PRESETS: dict[str, LlamaConfig] = {
         mlp_dim=14_336, norm_eps=1e-5, rope_theta=500_000.0, rope_scaling=_LLAMA3_SCALING,
         max_position_embeddings=131_072, name='llama3_1_8b',
     ),
+    'llama3_1_70b': LlamaConfig(
+        vocab_size=128_256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+        mlp_dim=28_672, norm_eps=1e-5, rope_theta=500_000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131_072, name='llama3_1_70b',
+    ),
     'llama3_2_1b': LlamaConfig(
         vocab_size=128_256, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
         mlp_dim=8192, norm_eps=1e-5, rope_theta=500_000.0,

@@ -21,7 +21,7 @@ from models.rope import apply_rope, inverse_frequencies
 
 @pytest.mark.parametrize('name, billions', [
     ('llama2_7b', 6.74), ('codellama_7b', 6.74), ('codellama_13b', 13.02),
-    ('codellama_34b', 33.74), ('llama3_8b', 8.03), ('llama3_2_1b', 1.24),
+    ('codellama_34b', 33.74), ('llama3_8b', 8.03), ('llama3_2_1b', 1.24), ('llama3_1_70b', 70.55),
 ])
 def test_preset_parameter_counts(name, billions):
   # Published sizes of these checkpoints, in billions of parameters.

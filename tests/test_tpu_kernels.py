@@ -394,7 +394,7 @@ def test_lowers_to_two_mosaic_launches_for_any_depth(kind):
 @pytest.mark.parametrize('kind', ['TPU v5 lite', 'TPU v5p'])
 def test_training_kernels_lower_to_mosaic(kind):
   """The gradient of the differentiable tree attention with impl=MOSAIC_TPU lowers to Mosaic for
-  the target chip at the issue's shapes (bf16, H = 128, GQA 4:1, 1K completions under an 8K
+  the target chip at the benchmark shapes (bf16, H = 128, GQA 4:1, 1K completions under an 8K
   prompt cut to 2 rows): every part's forward, dK/dV and dQ kernels."""
   from hydrajax.attention.training import prefill_layout as pl
 
