@@ -26,10 +26,9 @@ import time
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import hydrajax as hj
-from experiments import cli
+from experiments import agreement_metrics, cli
 from experiments.qa_prompts import FEWSHOT, QUESTIONS
 from models import generate as gen
 from models import prompt_plan as pp
@@ -58,26 +57,6 @@ def _load(dtype):
       raise SystemExit(f'--checkpoint={_CHECKPOINT.value} has no tokenizer')
     return model, tokenizer
   return pretrained.load_smollm2(dtype=dtype)
-
-
-def first_divergences(tokens: np.ndarray, reference: np.ndarray) -> np.ndarray:
-  """[R] the first position where a row differs from the reference, or -1."""
-  differs = tokens != reference
-  return np.where(differs.any(axis=1), differs.argmax(axis=1), -1)
-
-
-def margin_errors(out, ref, first: np.ndarray) -> np.ndarray:
-  """|top-1 minus top-2 log-prob, against the reference's| at every position where a row still
-  follows the reference (before its first divergence) and names the same two tokens there.
-
-  Those positions see the reference's own context, so this is the implementation's error in the
-  quantity a greedy choice rests on: a choice flips where it exceeds the reference's margin."""
-  m = ref.tokens.shape[1]
-  before = np.arange(m)[None, :] < np.where(first < 0, m, first)[:, None]
-  same = np.all(out.top_tokens[..., :2] == ref.top_tokens[..., :2], axis=-1)
-  got = out.top_logprobs[..., 0] - out.top_logprobs[..., 1]
-  want = ref.top_logprobs[..., 0] - ref.top_logprobs[..., 1]
-  return np.abs(got - want)[before & same]
 
 
 def _decode(model, forest, new, impl, *, top: int = 0):
@@ -123,7 +102,6 @@ def main(argv):
 
   print('reference: float32, dense per-sequence caches ...', flush=True)
   ref, _, _ = _decode(f32_model, forest, new, ModelMode.DENSE, top=2)
-  margin = ref.top_logprobs[..., 0] - ref.top_logprobs[..., 1]  # [R, M]
 
   records, divergences, margins = [], [], {}
   models = {'float32': f32_model}
@@ -141,48 +119,23 @@ def main(argv):
         records.append(dict(impl=impl, dtype=dtype, unsupported=str(e)))
         print(f'  not run: {e}', flush=True)
         continue
-      first = first_divergences(out.tokens, ref.tokens)
-      at = [(r, int(i)) for r, i in enumerate(first) if i >= 0]
-      margin_at = [float(margin[r, i]) for r, i in at]
-      margins[name] = margin_at
-      over = sum(m > _MARGIN.value for m in margin_at)
-      errors = margin_errors(out, ref, first)
-      records.append(dict(impl=impl, dtype=dtype, sequences=len(first), tokens=new,
-                          identical=int((first < 0).sum()), divergences=len(at),
-                          over_margin=over, margin=_MARGIN.value,
-                          max_margin_at_divergence=max(margin_at, default=None),
-                          margin_error_positions=int(errors.size),
-                          margin_error_median=float(np.median(errors)) if errors.size else None,
-                          margin_error_p99=float(np.quantile(errors, 0.99)) if errors.size else None,
-                          margin_error_max=float(errors.max()) if errors.size else None,
-                          compile_s=compile_s, decode_s=decode_s,
-                          backend=jax.default_backend(), device=str(jax.devices()[0])))
-      for (r, i), m in zip(at, margin_at):
+      fields, at = agreement_metrics.compare(out, ref, _MARGIN.value)
+      margins[name] = [m for _, _, m in at]
+      records.append(dict(impl=impl, dtype=dtype, **fields, compile_s=compile_s,
+                          decode_s=decode_s, backend=jax.default_backend(),
+                          device=str(jax.devices()[0])))
+      for r, i, m in at:
         divergences.append(dict(impl=impl, dtype=dtype, question=questions[r], position=i,
                                 margin=m, reference=tokenizer.decode(ref.tokens[r, :i + 1]),
                                 got=tokenizer.decode(out.tokens[r, :i + 1])))
-      print(f'  {records[-1]["identical"]}/{len(first)} identical; {len(at)} diverge, '
-            f'{over} where the float32 margin > {_MARGIN.value:g}', flush=True)
+      print(f'  {fields["identical"]}/{fields["sequences"]} identical; {len(at)} diverge, '
+            f'{fields["over_margin"]} where the float32 margin > {_MARGIN.value:g}', flush=True)
 
   with open(os.path.join(_WORKDIR.value, 'agreement.jsonl'), 'w') as f:
     f.writelines(json.dumps(r) + '\n' for r in records)
   with open(os.path.join(_WORKDIR.value, 'divergences.jsonl'), 'w') as f:
     f.writelines(json.dumps(d) + '\n' for d in divergences)
-  lines = ['| impl | dtype | identical | diverge | margin > target | largest margin at a divergence '
-           '| margin error: median / p99 / max (positions) |',
-           '| --- | --- | --- | --- | --- | --- | --- |']
-  for r in records:
-    if 'unsupported' in r:
-      lines.append(f"| {r['impl']} | {r['dtype']} | not supported | - | - | - | - |")
-      continue
-    largest = r['max_margin_at_divergence']
-    error = ('-' if r['margin_error_max'] is None else
-             f"{r['margin_error_median']:.4f} / {r['margin_error_p99']:.4f} / "
-             f"{r['margin_error_max']:.4f} ({r['margin_error_positions']})")
-    lines.append(f"| {r['impl']} | {r['dtype']} | {r['identical']}/{r['sequences']} | "
-                 f"{r['divergences']} | {r['over_margin']} | "
-                 f"{'-' if largest is None else f'{largest:.3f}'} | {error} |")
-  table = '\n'.join(lines) + '\n'
+  table = agreement_metrics.table(records)
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
     f.write(table)
   _plot({k: v for k, v in margins.items() if 'bfloat16' in k}, _MARGIN.value,
