@@ -155,8 +155,10 @@ def _write_reports(rows, command):
   with open(os.path.join(_WORKDIR.value, 'table.md'), 'w') as f:
     f.write(TABLE_HEAD + '\n' + '\n'.join(_row_text(r) for r in rows) + '\n')
   with open(os.path.join(_WORKDIR.value, 'README.md'), 'w') as f:
+    commands = list(dict.fromkeys(r.get('command', command) for r in rows))
     f.write('# TPU programs compiled from a CPU host (libtpu, no TPU)\n\n'
-            f'Command: `{command}`\n'
+            'Commands (each row records its own; a resumed run keeps the rows it finds):\n\n'
+            + ''.join(f'    {c}\n' for c in commands) + '\n'
             f'(JAX {jax.__version__}; `JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1`, libtpu on the '
             'path: `make tpu-aot`). Rows: `results.jsonl`; the table: `table.md`.\n\n'
             'Per chip figures are the compiler\'s (`memory_analysis`, `cost_analysis`); the '
@@ -181,7 +183,7 @@ def main(argv):
         if (topology, program, name) in done:
           continue
         start = time.perf_counter()
-        row = dict(topology=topology, program=program, name=name)
+        row = dict(topology=topology, program=program, name=name, command=command)
         try:
           row.update(status='ok', **aot.stats(thunk(), topology))
         except Exception as e:  # noqa: BLE001 (a program the compiler refuses is a result)
