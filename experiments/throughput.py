@@ -72,8 +72,7 @@ from experiments import cli
 from hydrajax import AttentionImpl
 from experiments.benchmarking import (
     Ceilings, JsonlWriter, markdown_table, measure_ceilings, plot_bars, plot_sweeps, progress,
-    read_jsonl,
-    resume_records, write_workdir_readme,
+    read_jsonl, resume_records, write_workdir_readme,
 )
 from hydrajax.attention.parallel import initialize_distributed, parse_mesh
 from experiments import decode_benchmark as db
