@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 
 import hydrajax as hj
 from hydrajax.attention import parallel
@@ -33,8 +34,11 @@ def abstract_model(config, mesh, dtype=jnp.bfloat16):
 
 
 def model_step(config, mesh, *, rows: int, query_tokens: int, plan: hj.SharingPlan,
-               impl='mosaic_tpu'):
-  """The compiled tree-attention model call (rows x query_tokens tokens over `plan`'s cache)."""
+               impl='mosaic_tpu', compiler_lays_out_cache: bool = False):
+  """The compiled tree-attention model call (rows x query_tokens tokens over `plan`'s cache).
+
+  `compiler_lays_out_cache`: the cache argument and result in the layout the compiler chooses
+  (`Layout.AUTO`) instead of the default one (`experiments.tpu_cache_layout`)."""
   graphdef, params = abstract_model(config, mesh)
   dp = sr.axis_size(mesh, sr.DP)
   heads = config.num_kv_heads * sr.kv_replication(config.num_heads, config.num_kv_heads, mesh)
@@ -52,8 +56,16 @@ def model_step(config, mesh, *, rows: int, query_tokens: int, plan: hj.SharingPl
   def step(params, cache, tokens, positions, slots, layout):
     return nnx.merge(graphdef, params)(tokens, positions, cache, slots, layout, impl=impl)
 
+  options = {}
+  if compiler_lays_out_cache:
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    auto = Format(Layout.AUTO, cache_struct.sharding)
+    options = dict(in_shardings=(shardings(params), KVCache(auto, auto), rows_sharding,
+                                 rows_sharding, rows_sharding, shardings(layout)),
+                   out_shardings=(rows_sharding, KVCache(auto, auto)))
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    return jax.jit(step, donate_argnums=1).lower(params, cache, ids, ids, ids, layout).compile()
+    return jax.jit(step, donate_argnums=1, **options).lower(
+        params, cache, ids, ids, ids, layout).compile()
 
 
 def decode_plan(batch: int, prefix: int, private: int = 128) -> hj.SharingPlan:

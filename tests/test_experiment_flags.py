@@ -24,6 +24,8 @@ BAD = {
                   (['--model=hf'], '--model=hf needs --checkpoint')],
     'break_even': [(['--lengths=64,-4'], 'flag --lengths'), (['--repeats=0'], 'flag --repeats')],
     'demo': [(['--questions=0'], 'flag --questions'), (['--new_tokens=0'], 'flag --new_tokens')],
+    'tpu_cache_layout': [(['--num_layers=2,-1'], 'flag --num_layers'),
+                         (['--preset=gpt2'], 'flag --preset')],
     'real_model_agreement': [(['--questions=65'], 'flag --questions'),
                              (['--impls=flash'], 'flag --impls'),
                              (['--dtypes=int8'], 'flag --dtypes')],
